@@ -1,0 +1,95 @@
+"""Tiny randomly initialised checkpoints saved with save_pretrained: what every parity test loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+# Each family: the transformers config class and the overrides that make it tiny.
+_BASE = dict(
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 32}),
+}
+
+
+def make_checkpoint(
+    out_dir: Path,
+    family: str = "llama",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    max_shard_size: str = "5GB",
+    with_tokenizer: bool = True,
+    **overrides,
+) -> Path:
+    """Save a tiny random `family` model (config + safetensors) to out_dir and return out_dir."""
+    config_cls, model_cls, family_overrides = FAMILIES[family]
+    kwargs = {**_BASE, **family_overrides, **overrides}
+    config = config_cls(**kwargs)
+    torch.manual_seed(seed)
+    model = model_cls(config).to(dtype).eval()
+    # Random init leaves norms at 1.0; perturb every parameter a little so that every weight matters.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, max_shard_size=max_shard_size)
+    if with_tokenizer:
+        make_tokenizer(out_dir, config.vocab_size)
+    return out_dir
+
+
+_CORPUS = [
+    "The capital of France is Paris. The capital of Italy is Rome.",
+    "Hello there! How are you today? I am fine, thank you.",
+    "Speech synthesis turns text into audio; vision models read images.",
+    "東京は日本の首都です。北京是中国的首都。 😀🎉👍 café naïve",
+    "def main():\n    return 42\n",
+]
+
+
+def make_tokenizer(out_dir: Path, vocab_size: int) -> None:
+    """A real byte-level BPE tokenizer trained on a few lines, with a ChatML chat template, saved to out_dir.
+
+    Byte-level tokens split multi-byte characters (emoji, CJK) across tokens, which the UTF-8 tests rely on.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    specials = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - 16, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    fast.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    fast.save_pretrained(out_dir)
+
+
+def load_reference(path: Path, dtype: torch.dtype = torch.float32):
+    """transformers' own implementation of the checkpoint at path."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.eval()
