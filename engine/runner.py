@@ -1,0 +1,100 @@
+"""Executes one SchedulePlan: builds the flattened batch and attention metadata, runs the decoder, returns logits.
+
+It owns the KV cache tensors (one flat K and V tensor per layer). Everything per step is built once and shared by
+all layers; the model itself runs as one batched forward pass for all decodes and prefill chunks together.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from omnivox.engine.scheduler import ScheduledChunk, SchedulePlan
+from omnivox.models.attention import AttentionMetadata, PrefillChunk
+from omnivox.models.decoder import DecoderModel
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, device, dtype) -> None:
+        cfg = model.config
+        self.model = model
+        self.device = torch.device(device)
+        self.block_size = block_size
+        shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
+            for _ in range(cfg.num_layers)
+        ]
+        self._offsets = torch.arange(block_size, device=self.device)
+
+    def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
+        bs = self.block_size
+        first, last = start // bs, (end - 1) // bs
+        blocks = torch.tensor(block_table[first : last + 1], device=self.device)
+        slots = (blocks.unsqueeze(1) * bs + self._offsets).flatten()
+        return slots[start - first * bs : end - first * bs]
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulePlan) -> tuple[torch.Tensor, list[ScheduledChunk]]:
+        """Run the plan; returns logits [N, vocab] (float32) for the N chunks that sample, in that order."""
+        dev, bs = self.device, self.block_size
+        chunks = plan.decodes + plan.prefills
+        ids: list[int] = []
+        pos: list[torch.Tensor] = []
+        slot_parts: list[torch.Tensor] = []
+        embed_rows: list[torch.Tensor] = []
+        embed_vals: list[torch.Tensor] = []
+        prefills: list[PrefillChunk] = []
+        row = 0
+        for k, c in enumerate(chunks):
+            req = c.request
+            ids.extend(req.token_slice(c.start, c.end))
+            pos.append(torch.arange(c.start, c.end))
+            for seg in req.segments:
+                lo, hi = max(c.start, seg.start), min(c.end, seg.end)
+                if lo < hi:
+                    embed_rows.append(torch.arange(row + lo - c.start, row + hi - c.start))
+                    embed_vals.append(seg.embeds[lo - seg.start : hi - seg.start])
+            if k >= len(plan.decodes):
+                ctx_slots = self._slots(req.block_table, 0, c.end)
+                slot_parts.append(ctx_slots[c.start :])
+                prefills.append(PrefillChunk(row, c.num_tokens, c.end, ctx_slots))
+            row += c.num_tokens
+
+        nd = len(plan.decodes)
+        decode_slots = decode_mask = None
+        if nd:
+            lens = [c.end for c in plan.decodes]
+            max_len = max(lens)
+            max_blocks = -(-max_len // bs)
+            table = torch.zeros(nd, max_blocks, dtype=torch.long)
+            for i, c in enumerate(plan.decodes):
+                bt = c.request.block_table[:max_blocks]
+                table[i, : len(bt)] = torch.tensor(bt)
+            table = table.to(dev)
+            decode_slots = (table.unsqueeze(2) * bs + self._offsets).flatten(1)[:, :max_len]  # [B, L]
+            lens_t = torch.tensor(lens, device=dev)
+            decode_mask = (torch.arange(max_len, device=dev)[None, :] < lens_t[:, None]).view(nd, 1, 1, max_len)
+            own = decode_slots.gather(1, (lens_t - 1).unsqueeze(1)).squeeze(1)  # each decode token's own slot
+            slot_parts.insert(0, own)
+
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slot_parts).to(dev),
+            num_decode=nd,
+            decode_slots=decode_slots,
+            decode_mask=decode_mask,
+            prefills=prefills,
+        )
+        input_ids = torch.tensor(ids, device=dev)
+        positions = torch.cat(pos).to(dev)
+        rows = torch.cat(embed_rows).to(dev) if embed_rows else None
+        vals = torch.cat([v.to(dev) for v in embed_vals]) if embed_vals else None
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, rows, vals)
+
+        sampling = [c for c in chunks if c.samples]
+        last_rows, row = [], 0
+        for c in chunks:
+            row += c.num_tokens
+            if c.samples:
+                last_rows.append(row - 1)
+        logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=dev)]) if sampling else None
+        return logits, sampling

@@ -1,0 +1,169 @@
+"""The sampler, vectorised over the batch: logits [B, V] in, one token per row out.
+
+Order: penalties (repetition over prompt+output, presence/frequency over output) -> logit bias -> token masks
+(per-request constraint, min_tokens) -> logprobs (of these processed logits) -> greedy rows take argmax; sampled rows
+are divided by temperature, filtered by top-k / top-p / min-p and drawn with the exponential-noise trick:
+argmax(p / E) with E ~ Exp(1) is a draw from p, needs no cumulative sum and no host sync, and lets each seeded row use
+its own generator, so a seeded request's draws do not depend on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from omnivox.engine.outputs import TokenLogprob
+from omnivox.engine.request import Request
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+def apply_top_k_top_p_min_p(
+    logits: torch.Tensor,  # [B, V], already divided by temperature
+    top_k: torch.Tensor | None,  # [B] int, 0 = off
+    top_p: torch.Tensor | None,  # [B] float, 1 = off
+    min_p: torch.Tensor | None,  # [B] float, 0 = off
+) -> torch.Tensor:
+    """Set every token outside the kept support to -inf. Top-k keeps the k largest logits (ties at the k-th value
+    are kept); top-p keeps the smallest set of most likely tokens whose probability reaches p; min-p keeps tokens
+    whose probability is at least min_p times the most likely one's."""
+    if top_k is not None or top_p is not None:
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+        remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        vocab = logits.shape[-1]
+        if top_k is not None:
+            k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+            kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))  # [B, 1]
+            remove |= sorted_logits < kth
+        if top_p is not None:
+            probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+            before = probs.cumsum(dim=-1) - probs  # probability mass of strictly more likely tokens
+            remove |= before >= top_p.unsqueeze(1)
+            remove[:, 0] = False
+        logits = logits.masked_fill(remove.scatter(1, sorted_idx, remove), float("-inf"))
+    if min_p is not None:
+        probs = logits.softmax(dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:  # logits [B, V] float32
+        logits = logits.clone()
+        self._apply_penalties(logits, reqs)
+        self._apply_bias_and_masks(logits, reqs)
+        lp_rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        logprobs_all = logits[lp_rows].log_softmax(dim=-1) if lp_rows else None
+
+        tokens = torch.empty(len(reqs), dtype=torch.long, device=logits.device)
+        greedy = [i for i, r in enumerate(reqs) if r.params.is_greedy]
+        sampled = [i for i, r in enumerate(reqs) if not r.params.is_greedy]
+        if greedy:
+            tokens[greedy] = logits[greedy].argmax(dim=-1)
+        if sampled:
+            tokens[sampled] = self._sample(logits[sampled], [reqs[i] for i in sampled])
+        token_list = tokens.tolist()
+
+        out_lp: list[TokenLogprob | None] = [None] * len(reqs)
+        if lp_rows:
+            top_n = max(reqs[i].params.logprobs for i in lp_rows)
+            chosen = logprobs_all.gather(1, tokens[lp_rows].unsqueeze(1)).squeeze(1).tolist()
+            if top_n:
+                top_vals, top_ids = logprobs_all.topk(top_n, dim=-1)
+                top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+            for j, i in enumerate(lp_rows):
+                n = reqs[i].params.logprobs
+                top = tuple(zip(top_ids[j][:n], top_vals[j][:n], strict=True)) if n else ()
+                out_lp[i] = TokenLogprob(token_list[i], chosen[j], top)
+        return SamplerOutput(token_list, out_lp)
+
+    def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request]) -> None:
+        rows = [
+            i
+            for i, r in enumerate(reqs)
+            if r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
+        ]
+        if not rows:
+            return
+        dev, vocab = logits.device, self.vocab_size
+        sub = logits[rows]
+        out_ids = [reqs[i].output_token_ids for i in rows]
+        counts = _counts(out_ids, len(rows), vocab, dev)  # [R, V] output token counts
+        rep = torch.tensor([reqs[i].params.repetition_penalty for i in rows], device=dev).unsqueeze(1)
+        if (rep != 1.0).any():
+            seen = _counts([reqs[i].prompt_token_ids for i in rows], len(rows), vocab, dev) > 0
+            seen |= counts > 0
+            penalised = torch.where(sub > 0, sub / rep, sub * rep)
+            sub = torch.where(seen, penalised, sub)
+        freq = torch.tensor([reqs[i].params.frequency_penalty for i in rows], device=dev).unsqueeze(1)
+        pres = torch.tensor([reqs[i].params.presence_penalty for i in rows], device=dev).unsqueeze(1)
+        sub = sub - freq * counts - pres * (counts > 0).float()
+        logits[rows] = sub
+
+    def _apply_bias_and_masks(self, logits: torch.Tensor, reqs: list[Request]) -> None:
+        neg_inf = float("-inf")
+        bias_rows, bias_cols, bias_vals = [], [], []
+        for i, r in enumerate(reqs):
+            p = r.params
+            if p.logit_bias:
+                for tok, b in p.logit_bias.items():
+                    bias_rows.append(i)
+                    bias_cols.append(tok)
+                    bias_vals.append(float(b))
+            if p.token_constraint is not None:
+                allowed = p.token_constraint.allowed(r.output_token_ids)
+                if allowed is not None:
+                    logits[i].masked_fill_(~allowed.to(logits.device), neg_inf)
+            if r.num_output_tokens < p.min_tokens:
+                banned = list(p.stop_token_ids or ()) + ([] if p.ignore_eos else list(r.eos_token_ids))
+                if banned:
+                    logits[i, banned] = neg_inf
+        if bias_rows:
+            idx = (torch.tensor(bias_rows, device=logits.device), torch.tensor(bias_cols, device=logits.device))
+            logits.index_put_(idx, torch.tensor(bias_vals, device=logits.device), accumulate=True)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        dev = logits.device
+        temp = torch.tensor([r.params.temperature for r in reqs], device=dev).unsqueeze(1)
+        logits = logits / temp
+        top_k = top_p = min_p = None
+        if any(r.params.top_k > 0 for r in reqs):
+            top_k = torch.tensor([r.params.top_k for r in reqs], device=dev)
+        if any(r.params.top_p < 1.0 for r in reqs):
+            top_p = torch.tensor([r.params.top_p for r in reqs], device=dev)
+        if any(r.params.min_p > 0.0 for r in reqs):
+            min_p = torch.tensor([r.params.min_p for r in reqs], device=dev)
+        logits = apply_top_k_top_p_min_p(logits, top_k, top_p, min_p)
+        probs = logits.softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        unseeded = [j for j, r in enumerate(reqs) if r.generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=dev).exponential_()
+        for j, r in enumerate(reqs):
+            if r.generator is not None:
+                noise[j].exponential_(generator=r.generator)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _counts(id_lists: list[list[int]], rows: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """[rows, vocab] float counts of each token id per row."""
+    counts = torch.zeros(rows, vocab + 1, device=device)
+    longest = max((len(x) for x in id_lists), default=0)
+    if longest:
+        padded = torch.full((rows, longest), vocab, dtype=torch.long)
+        for i, ids in enumerate(id_lists):
+            if ids:
+                padded[i, : len(ids)] = torch.tensor(ids)
+        padded = padded.to(device)
+        counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
+    return counts[:, :vocab]

@@ -1,0 +1,85 @@
+"""One normalised, frozen view of a decoder's configuration, whatever checkpoint format it came from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_MODEL_TYPE_TO_FAMILY = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str  # "llama" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    max_model_len: int  # what the engine serves: max_position_embeddings, optionally capped by the user
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2; Llama when configured)
+    mlp_bias: bool
+    qk_norm: bool  # RMSNorm over head_dim on q and k before rope (Qwen3)
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    hf_config: Any = field(repr=False, compare=False, default=None)  # the transformers config, for rope init
+
+    @classmethod
+    def from_hf(cls, hf_config: Any, max_model_len: int | None = None) -> ModelConfig:
+        """Normalise a transformers config (a multimodal config's `text_config` is unwrapped)."""
+        text = getattr(hf_config, "text_config", None) or hf_config
+        if hasattr(text, "get_text_config"):
+            text = text.get_text_config()
+        archs = list(getattr(hf_config, "architectures", None) or [])
+        family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        family = family or _MODEL_TYPE_TO_FAMILY.get(getattr(text, "model_type", ""))
+        if family is None:
+            raise ValueError(
+                f"unsupported architecture {archs or getattr(text, 'model_type', '?')}: "
+                f"omnivox serves {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+        eos = getattr(text, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(hf_config, "eos_token_id", None)
+        eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (int(eos),))
+        max_pos = int(getattr(text, "max_position_embeddings", 2048))
+        if max_model_len is not None and max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        tie = getattr(hf_config, "tie_word_embeddings", None)
+        if tie is None:
+            tie = getattr(text, "tie_word_embeddings", False)
+        return cls(
+            family=family,
+            vocab_size=int(text.vocab_size),
+            hidden_size=int(text.hidden_size),
+            intermediate_size=int(text.intermediate_size),
+            num_layers=int(text.num_hidden_layers),
+            num_heads=int(num_heads),
+            num_kv_heads=int(getattr(text, "num_key_value_heads", None) or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(text.rms_norm_eps),
+            max_position_embeddings=max_pos,
+            max_model_len=min(max_pos, max_model_len) if max_model_len else max_pos,
+            tie_word_embeddings=bool(tie),
+            attention_bias=family == "qwen2" or bool(getattr(text, "attention_bias", False)),
+            mlp_bias=bool(getattr(text, "mlp_bias", False)),
+            qk_norm=family == "qwen3",
+            eos_token_ids=eos_ids,
+            bos_token_id=getattr(text, "bos_token_id", None),
+            hf_config=text,
+        )
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes

@@ -1,0 +1,154 @@
+"""Our own decoder for the Llama family (Llama incl. SmolLM2 and Llama 3.x rope scaling, Qwen2, Qwen3).
+
+It reads and writes the paged KV cache directly (models/attention.py). transformers supplies only the config;
+the parity tests compare this module against transformers' own implementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omnivox.models.attention import AttentionMetadata, paged_attention, write_kv
+from omnivox.models.config import ModelConfig
+from omnivox.models.layers import PackedLinear, RMSNorm, RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = PackedLinear(
+            cfg.hidden_size, {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows}, cfg.attention_bias
+        )
+        self.o_proj = nn.Linear(q_rows, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, x, positions, rotary: RotaryEmbedding, kv: tuple[torch.Tensor, torch.Tensor], meta):
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q = qkv[:, :q_rows].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, q_rows : q_rows + kv_rows].view(t, self.num_kv_heads, self.head_dim)
+        v = qkv[:, q_rows + kv_rows :].view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        write_kv(kv[0], kv[1], k, v, meta.slot_mapping)
+        o = paged_attention(q, kv[0], kv[1], meta, self.scale)
+        return self.o_proj(o.reshape(t, q_rows))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = PackedLinear(
+            cfg.hidden_size, {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size}, cfg.mlp_bias
+        )
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :])
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, positions, rotary, kv, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# Checkpoint names that land inside a packed layer: checkpoint suffix -> (our module, part name).
+_PACKED = {
+    "q_proj": ("qkv_proj", "q_proj"),
+    "k_proj": ("qkv_proj", "k_proj"),
+    "v_proj": ("qkv_proj", "v_proj"),
+    "gate_proj": ("gate_up_proj", "gate_proj"),
+    "up_proj": ("gate_up_proj", "up_proj"),
+}
+
+
+class DecoderModel(nn.Module):
+    """Token (or embedding) rows in, logits out; attention state lives in the caller's paged KV cache."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, cfg.max_model_len)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        embed_rows: torch.Tensor | None = None,  # [S] rows whose embedding is replaced (vision / audio segments)
+        embed_values: torch.Tensor | None = None,  # [S, hidden]
+    ) -> torch.Tensor:  # hidden states [T, hidden]
+        x = self.embed_tokens(input_ids)
+        if embed_rows is not None and embed_rows.numel():
+            x = x.index_copy(0, embed_rows, embed_values.to(x.dtype))
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, positions, self.rotary, kv, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (transformers names) into place, one at a time.
+
+        Fails when a parameter is missing, including one part of a packed projection.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in tensors:
+            ours = name.removeprefix("model.")
+            if "rotary_emb" in ours:
+                continue
+            if ours == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding serves as the output projection
+            parts = ours.split(".")
+            if len(parts) >= 2 and parts[-2] in _PACKED:
+                module_name, part = _PACKED[parts[-2]]
+                target = ".".join(parts[:-2] + [module_name])
+                self.get_submodule(target).load_part(part, parts[-1], tensor)
+                loaded.add(f"{target}.{part}.{parts[-1]}")
+                continue
+            if ours not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the {self.config.family} model")
+            p = params[ours]
+            if p.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(p.shape)}")
+            with torch.no_grad():
+                p.copy_(tensor)
+            loaded.add(ours)
+        missing = []
+        for pname, _ in self.named_parameters():
+            mod_name, _, kind = pname.rpartition(".")
+            mod = self.get_submodule(mod_name)
+            if isinstance(mod, PackedLinear):
+                missing += [f"{mod_name}.{p}.{kind}" for p in mod.parts if f"{mod_name}.{p}.{kind}" not in loaded]
+            elif pname not in loaded:
+                missing.append(pname)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:4]}")

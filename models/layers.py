@@ -1,0 +1,88 @@
+"""Building blocks of the decoder: RMSNorm, rotary embedding, and linear layers that pack checkpoint tensors."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same arithmetic as transformers: normalise in float32, cast back, then scale.
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to max_positions, from transformers' rope parameter functions
+    (default, linear, llama3, yarn, longrope: all are a fixed inv_freq plus an attention scale)."""
+
+    def __init__(self, hf_config, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        params = getattr(hf_config, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            scaling = 1.0
+        elif rope_type == "dynamic":
+            raise ValueError("rope_type 'dynamic' (NTK scaling that changes with length) is not supported")
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+        t = torch.arange(max_positions, dtype=torch.float)
+        freqs = torch.outer(t, inv_freq.float())  # [P, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        # q: [T, H, D], k: [T, KVH, D]; rotate_half convention (first half / second half).
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class PackedLinear(nn.Module):
+    """Several checkpoint projections of the same input stored as one matrix, computed in one matmul.
+
+    `parts` maps each checkpoint name suffix (e.g. "q_proj") to its number of output rows, in packing order.
+    """
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool) -> None:
+        super().__init__()
+        self.parts = dict(parts)
+        self.offsets: dict[str, tuple[int, int]] = {}
+        start = 0
+        for name, rows in parts.items():
+            self.offsets[name] = (start, rows)
+            start += rows
+        self.weight = nn.Parameter(torch.empty(start, in_features))
+        self.bias = nn.Parameter(torch.zeros(start)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load_part(self, part: str, kind: str, tensor: torch.Tensor) -> None:
+        start, rows = self.offsets[part]
+        target = self.weight if kind == "weight" else self.bias
+        if target is None:
+            raise ValueError(f"checkpoint has a {part}.bias but the model expects none")
+        if tensor.shape[0] != rows or tensor.shape[1:] != target.shape[1:]:
+            raise ValueError(f"{part}.{kind}: shape {tuple(tensor.shape)} does not fit ({rows}, {target.shape[1:]})")
+        with torch.no_grad():
+            target[start : start + rows].copy_(tensor)
