@@ -88,8 +88,9 @@ class SamplingParams:
             if any(s == "" for s in self.stop):
                 raise InvalidRequest("stop", "stop strings must not be empty")
             self.stop = list(self.stop)
-        if self.stop_token_ids is not None:
-            if not all(isinstance(t, int) and 0 <= t < vocab_size for t in self.stop_token_ids):
-                raise InvalidRequest("stop_token_ids", f"every id must be in [0, {vocab_size})")
+        if self.stop_token_ids is not None and not all(
+            isinstance(t, int) and 0 <= t < vocab_size for t in self.stop_token_ids
+        ):
+            raise InvalidRequest("stop_token_ids", f"every id must be in [0, {vocab_size})")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not (0 <= self.logprobs <= 20)):
             raise InvalidRequest("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")

@@ -8,6 +8,7 @@ back to the front of the queue and is recomputed later, its prefix likely still 
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -116,10 +117,8 @@ class Scheduler:
         if req.status == Status.RUNNING:
             self.running.remove(req)
         elif req.status == Status.WAITING:
-            try:
+            with contextlib.suppress(ValueError):
                 self.waiting.remove(req)
-            except ValueError:
-                pass
         if req.block_table:
             self.kv.free(req)
         req.status = Status.FINISHED
