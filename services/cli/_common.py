@@ -1,0 +1,64 @@
+"""What client commands share: the error type, server connection flags, and turning RPC errors into one line."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import grpc
+
+DEFAULT_SERVER = "localhost:50051"
+
+
+class CliError(Exception):
+    """A failure the user can act on; printed as one line, no traceback."""
+
+
+def add_connection_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--server",
+        default=os.environ.get("OMNIVOX_SERVER", DEFAULT_SERVER),
+        help="host:port of the omnivox server (default: $OMNIVOX_SERVER or %(default)s)",
+    )
+    parser.add_argument("--tls", action="store_true", help="connect with TLS")
+    parser.add_argument("--ca-cert", type=Path, help="PEM root certificate to trust (implies --tls)")
+    parser.add_argument("--timeout", type=float, default=None, help="deadline for the call, in seconds")
+    parser.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to wait for the server")
+
+
+def connect(args: argparse.Namespace) -> grpc.Channel:
+    """A channel to args.server that is connected, or CliError saying the server cannot be reached."""
+    options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+    if args.tls or args.ca_cert:
+        root = args.ca_cert.read_bytes() if args.ca_cert else None
+        channel = grpc.secure_channel(args.server, grpc.ssl_channel_credentials(root), options=options)
+    else:
+        channel = grpc.insecure_channel(args.server, options=options)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=args.connect_timeout)
+    except grpc.FutureTimeoutError:
+        channel.close()
+        raise CliError(
+            f"cannot reach an omnivox server at {args.server} (is `omnivox serve` running? see --server)"
+        ) from None
+    return channel
+
+
+def rpc_error_line(err: grpc.RpcError, server: str) -> str:
+    """One line for a failed call, with every field violation the server named."""
+    from omnivox.services.errors import status_details
+
+    code = err.code()
+    text = err.details() or ""
+    if code == grpc.StatusCode.UNAVAILABLE and not text.startswith(("model", "the server")):
+        return f"cannot reach an omnivox server at {server} ({text})"
+    line = f"{code.name}: {text}" if text else code.name
+    try:
+        details = status_details(err)
+    except ValueError:
+        details = []
+    for detail in details:
+        if detail.DESCRIPTOR.name == "RetryInfo":
+            line += f" (retry in {detail.retry_delay.ToTimedelta().total_seconds():g} s)"
+    return line

@@ -1,0 +1,152 @@
+"""`omnivox serve`: run the gRPC service (the embedded default model unless --model is given)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+from omnivox.services.cli._common import CliError
+
+DEMO_PROMPT = "In one sentence, what is a gRPC server?"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="serve models over gRPC",
+        description="Serve models over gRPC. Without --model, serves the embedded default (fetched on first use).",
+    )
+    p.add_argument(
+        "--model",
+        dest="models",
+        metavar="PATH",
+        type=Path,
+        action="append",
+        default=[],
+        help="a Hugging Face checkpoint folder or a .gguf file; repeat to serve several (the first is the default)",
+    )
+    p.add_argument(
+        "--name",
+        dest="names",
+        metavar="NAME",
+        action="append",
+        default=[],
+        help="the name requests use for the matching --model (in order); default: the folder or file name",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=50051, help="port to listen on (0 = any free port)")
+    p.add_argument("--tls-cert", type=Path, help="PEM certificate chain; with --tls-key, serve TLS")
+    p.add_argument("--tls-key", type=Path, help="PEM private key")
+    p.add_argument("--max-queue", type=int, default=256, help="requests admitted at once per model, waiting + running")
+    p.add_argument("--max-message-mib", type=int, default=64, help="largest request accepted (images, audio)")
+    p.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight streams get after SIGTERM")
+    p.add_argument("--kv-cache-gib", type=float, help="KV cache size per model (default: the engine decides)")
+    p.add_argument("--max-model-len", type=int, help="cap the context length")
+    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when present)")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="weights and activations dtype")
+    p.add_argument("--demo", action="store_true", help="once loaded, send one chat request to itself and print it")
+    p.set_defaults(run=run)
+
+
+def model_specs(models: list[Path], names: list[str]) -> list:
+    from omnivox.services.loading import ModelSpec
+
+    if len(names) > max(len(models), 1):
+        raise CliError(f"{len(names)} --name given for {len(models)} --model")
+    if not models:
+        return [ModelSpec(path=None, name=names[0] if names else None)]
+    return [ModelSpec(path=path, name=names[i] if i < len(names) else None) for i, path in enumerate(models)]
+
+
+def run(args: argparse.Namespace) -> int:
+    from omnivox.services import server
+    from omnivox.services.loading import EngineOptions, ModelLoadError
+
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise CliError("--tls-cert and --tls-key go together")
+    for path in (args.tls_cert, args.tls_key):
+        if path is not None and not path.is_file():
+            raise CliError(f"no such file: {path}")
+    if args.max_queue < 1:
+        raise CliError("--max-queue must be at least 1")
+    options = server.ServerOptions(
+        host=args.host,
+        port=args.port,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        max_receive_message_bytes=args.max_message_mib << 20,
+        max_queue=args.max_queue,
+        grace_period_s=args.grace_period,
+    )
+    engine_options = EngineOptions(
+        device=args.device,
+        dtype=args.dtype,
+        kv_cache_gib=args.kv_cache_gib,
+        max_model_len=args.max_model_len,
+        progress=True,
+    )
+    try:
+        specs = model_specs(args.models, args.names)
+        return asyncio.run(server.run(specs, options, engine_options, on_ready=demo if args.demo else None))
+    except (ModelLoadError, OSError) as err:
+        raise CliError(str(err)) from None
+
+
+async def demo(srv) -> None:
+    """Send one chat request through the real gRPC API to this server and print the answer as it streams."""
+    import grpc
+
+    from omnivox.services.errors import describe_rpc_error
+    from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2
+
+    out = sys.stdout
+    if srv.options.tls_cert is not None:
+        creds = grpc.ssl_channel_credentials(srv.options.tls_cert.read_bytes())
+        channel = grpc.aio.secure_channel(srv.address, creds)
+    else:
+        channel = grpc.aio.insecure_channel(srv.address)
+    request = generation_pb2.GenerateRequest(
+        contents=[content_pb2.Content(role="user", parts=[content_pb2.Part(text=DEMO_PROMPT)])],
+        sampling=sampling_pb2.SamplingConfig(temperature=0.0),
+        max_output_tokens=64,
+    )
+    print(f"\n--- demo: GenerationService/Generate on {srv.address} ---", file=out)
+    print(f"user> {DEMO_PROMPT}", file=out)
+    print("assistant> ", end="", file=out, flush=True)
+    async with channel:
+        try:
+            async for response in generation_pb2_grpc.GenerationServiceStub(channel).Generate(request, timeout=300):
+                if response.HasField("delta"):
+                    print(response.delta.text, end="", file=out, flush=True)
+                else:
+                    s = response.summary
+                    print(f"\n[{summary_line(s)}]", file=out)
+        except grpc.aio.AioRpcError as err:
+            print(f"\ndemo request failed: {describe_rpc_error(err)}", file=out)
+            return
+    print(
+        f"--- still serving on {srv.address}: try `omnivox chat --server {srv.address}`, or\n"
+        f'    grpcurl -plaintext -d \'{{"contents":[{{"parts":[{{"text":"Hi!"}}]}}]}}\' '
+        f"{srv.address} omnivox.v1.GenerationService/Generate\n"
+        "    Ctrl-C stops. ---",
+        file=out,
+        flush=True,
+    )
+
+
+def summary_line(summary) -> str:
+    """finish reason, token counts, time to first token and decode speed, for people."""
+    from omnivox.v1 import generation_pb2
+
+    reason = generation_pb2.FinishReason.Name(summary.finish_reason).removeprefix("FINISH_REASON_").lower()
+    usage, timing = summary.usage, summary.timing
+    ttft = timing.time_to_first_token.ToNanoseconds() / 1e9
+    total = timing.total.ToNanoseconds() / 1e9
+    decode_s = total - ttft
+    speed = (usage.output_tokens - 1) / decode_s if usage.output_tokens > 1 and decode_s > 0 else 0.0
+    return (
+        f"{reason} · {usage.prompt_tokens} prompt + {usage.output_tokens} output tokens"
+        f" ({usage.cached_prompt_tokens} cached) · first token {ttft * 1000:.0f} ms · {speed:.1f} tokens/s"
+    )

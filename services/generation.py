@@ -1,0 +1,105 @@
+"""GenerationService: validate, build the prompt, stream the engine's output as deltas, end with one summary."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+
+import grpc
+from google.protobuf import duration_pb2
+
+from omnivox.engine import RequestOutput
+from omnivox.engine.errors import InvalidRequest
+from omnivox.services import validation
+from omnivox.services.errors import rpc_method
+from omnivox.services.registry import ModelRegistry, ServedModel
+from omnivox.v1 import generation_pb2, generation_pb2_grpc
+
+FINISH_REASONS = {
+    "stop": generation_pb2.FINISH_REASON_STOP,
+    "length": generation_pb2.FINISH_REASON_LENGTH,
+    "abort": generation_pb2.FINISH_REASON_ABORT,
+}
+
+
+def seconds_to_duration(seconds: float) -> duration_pb2.Duration:
+    d = duration_pb2.Duration()
+    d.FromNanoseconds(int(max(seconds, 0.0) * 1e9))
+    return d
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
+    def __init__(self, registry: ModelRegistry) -> None:
+        self.registry = registry
+
+    @rpc_method
+    async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        received = time.monotonic()
+        model = self.registry.get_ready(request.model)
+        checked = validation.validate_generate(request, model)
+        assert model.engine is not None and model.prompt_builder is not None
+        prompt = model.prompt_builder.build(request.contents)
+        validation.check_prompt_fits(len(prompt.token_ids), checked.params, model)
+
+        with model.admit():
+            engine_request_id = uuid.uuid4().hex  # ours, so that clients reusing an id cannot collide in the engine
+            stream = model.engine.stream(
+                prompt.token_ids, checked.params, request_id=engine_request_id, segments=prompt.segments or None
+            )
+            last: RequestOutput | None = None
+            # Leaving this block in any way (finished, client cancelled, deadline passed, server stopping) closes the
+            # engine stream, which aborts the request and frees its KV blocks at once.
+            async with contextlib.aclosing(stream):
+                try:
+                    async for out in stream:
+                        last = out
+                        if out.new_token_ids or out.new_text:
+                            await context.write(self._delta(out, model))
+                except InvalidRequest as err:
+                    raise validation.from_invalid_request(err) from err
+            assert last is not None and last.finished, "the engine stream ended without a finished output"
+            await context.write(self._summary(last, model, request.request_id or engine_request_id, received))
+
+    @staticmethod
+    def _delta(out: RequestOutput, model: ServedModel) -> generation_pb2.GenerateResponse:
+        delta = generation_pb2.GenerateDelta(text=out.new_text, token_ids=out.new_token_ids)
+        if out.new_logprobs:
+            tokenizer = model.engine.tokenizer if model.engine is not None else None
+
+            def token_text(token_id: int) -> str:
+                return tokenizer.decode([token_id]) if tokenizer is not None else ""
+
+            for lp in out.new_logprobs:
+                delta.logprobs.append(
+                    generation_pb2.TokenLogprob(
+                        token_id=lp.token_id,
+                        token=token_text(lp.token_id),
+                        logprob=lp.logprob,
+                        top_logprobs=[
+                            generation_pb2.TopLogprob(token_id=t, token=token_text(t), logprob=p) for t, p in lp.top
+                        ],
+                    )
+                )
+        return generation_pb2.GenerateResponse(delta=delta)
+
+    @staticmethod
+    def _summary(
+        out: RequestOutput, model: ServedModel, request_id: str, received: float
+    ) -> generation_pb2.GenerateResponse:
+        now = time.monotonic()
+        timing = generation_pb2.Timing(total=seconds_to_duration(now - received))
+        if out.first_token_time is not None:
+            timing.time_to_first_token.CopyFrom(seconds_to_duration(out.first_token_time - received))
+        summary = generation_pb2.GenerateSummary(
+            finish_reason=FINISH_REASONS.get(out.finish_reason or "", generation_pb2.FINISH_REASON_UNSPECIFIED),
+            usage=generation_pb2.Usage(
+                prompt_tokens=out.num_prompt_tokens,
+                output_tokens=len(out.token_ids),
+                cached_prompt_tokens=out.num_cached_tokens,
+            ),
+            timing=timing,
+            request_id=request_id,
+            model=model.name,
+        )
+        return generation_pb2.GenerateResponse(summary=summary)

@@ -1,0 +1,55 @@
+"""From a request's validated `contents` to what the engine takes: prompt token ids (+ embedding segments).
+
+A model bundle with a vision or audio encoder supplies its own PromptBuilder that turns image and audio parts into
+placeholder tokens plus EmbeddingSegments; text-only models use ChatPromptBuilder.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from omnivox.v1 import content_pb2
+
+if TYPE_CHECKING:
+    from omnivox.engine import EmbeddingSegment
+
+
+@dataclass
+class Prompt:
+    token_ids: list[int]
+    segments: list[EmbeddingSegment] = field(default_factory=list)
+
+
+class PromptBuilder(Protocol):
+    def build(self, contents: Sequence[content_pb2.Content]) -> Prompt:
+        """`contents` already passed validation: roles are known, every part is of a kind the model accepts."""
+        ...
+
+
+def role_of(content: content_pb2.Content) -> str:
+    return content.role or "user"
+
+
+class ChatPromptBuilder:
+    """Text turns through the tokenizer's chat template; without a template, the turns' text joined by newlines."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def build(self, contents: Sequence[content_pb2.Content]) -> Prompt:
+        messages = [
+            {"role": role_of(c), "content": "\n".join(p.text for p in c.parts if p.WhichOneof("kind") == "text")}
+            for c in contents
+        ]
+        if self.has_chat_template:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = self.tokenizer.encode("\n".join(m["content"] for m in messages), add_special_tokens=True)
+        return Prompt(token_ids=list(ids))

@@ -1,0 +1,222 @@
+"""The grpc.aio server: omnivox services + health + reflection, model loading, graceful shutdown.
+
+Life of a server:
+  start()        listen; health NOT_SERVING; models listed but UNAVAILABLE
+  load_models()  fetch and build every engine in worker threads; health SERVING when all are ready
+  stop(grace)    health NOT_SERVING, new calls UNAVAILABLE, in-flight streams get `grace` seconds to finish,
+                 then the engines stop
+`run()` strings these together around SIGTERM/SIGINT for the `omnivox serve` command.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from omnivox.services import loading
+from omnivox.services.generation import GenerationServicer
+from omnivox.services.loading import EngineOptions, ModelLoadError, ModelSpec
+from omnivox.services.model_service import ModelServicer
+from omnivox.services.registry import ModelRegistry
+from omnivox.v1 import generation_pb2, generation_pb2_grpc, model_pb2, model_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0 = any free port (see OmnivoxServer.port after start)
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    max_receive_message_bytes: int = 64 * MiB  # images and audio arrive inline
+    max_queue: int = 256  # requests admitted at once per model (waiting + running)
+    grace_period_s: float = 30.0  # how long in-flight streams may run on after SIGTERM
+
+
+@dataclass(frozen=True)
+class ServiceBinding:
+    """A servicer and how to add it: one per omnivox service."""
+
+    full_name: str
+    add_to_server: Callable[[Any, grpc.aio.Server], None]
+    servicer: Any
+
+
+def omnivox_services(registry: ModelRegistry) -> list[ServiceBinding]:
+    """Every omnivox.v1 service this server offers. A new service is one more entry here."""
+    bindings = [
+        ServiceBinding(
+            generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name,
+            generation_pb2_grpc.add_GenerationServiceServicer_to_server,
+            GenerationServicer(registry),
+        ),
+        ServiceBinding(
+            model_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name,
+            model_pb2_grpc.add_ModelServiceServicer_to_server,
+            ModelServicer(registry),
+        ),
+    ]
+    return bindings
+
+
+def listen_address(host: str, port: int) -> str:
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # IPv6 literal
+    return f"{host}:{port}"
+
+
+class OmnivoxServer:
+    def __init__(self, registry: ModelRegistry, options: ServerOptions = ServerOptions()) -> None:
+        self.registry = registry
+        self.options = options
+        self.health = HealthServicer()
+        self.services = omnivox_services(registry)
+        self.port: int | None = None
+        self._server: grpc.aio.Server | None = None
+
+    @property
+    def address(self) -> str:
+        """Where a client on this machine connects."""
+        assert self.port is not None, "start() first"
+        host = self.options.host
+        if host in ("0.0.0.0", "::", "[::]", ""):
+            host = "127.0.0.1"
+        return listen_address(host, self.port)
+
+    @property
+    def service_names(self) -> list[str]:
+        return [s.full_name for s in self.services]
+
+    async def start(self) -> int:
+        """Listen and serve health, reflection and ListModels; return the port. Models are not loaded yet."""
+        opts = self.options
+        self._server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", opts.max_receive_message_bytes),
+                ("grpc.max_send_message_length", opts.max_receive_message_bytes),
+                ("grpc.so_reuseport", 0),  # a second server on the same port is an error, not a silent share
+            ],
+        )
+        for binding in self.services:
+            binding.add_to_server(binding.servicer, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        reflection.enable_server_reflection(
+            [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            self._server,
+        )
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+        address = listen_address(opts.host, opts.port)
+        try:
+            if opts.tls_cert or opts.tls_key:
+                if not (opts.tls_cert and opts.tls_key):
+                    raise ValueError("TLS needs both a certificate and a key")
+                credentials = grpc.ssl_server_credentials([(opts.tls_key.read_bytes(), opts.tls_cert.read_bytes())])
+                self.port = self._server.add_secure_port(address, credentials)
+            else:
+                self.port = self._server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise OSError(f"cannot listen on {address}: {exc}") from exc
+        if not self.port:
+            raise OSError(f"cannot listen on {address}")
+        await self._server.start()
+        log.info("listening on %s%s", listen_address(opts.host, self.port), " (TLS)" if opts.tls_cert else "")
+        return self.port
+
+    async def _set_health(self, status: int) -> None:
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+    async def load_models(self, options: EngineOptions) -> None:
+        """Load every LOADING model in a worker thread, one after another; SERVING once all are ready."""
+        for model in self.registry:
+            if model.engine is None:
+                log.info("loading %s from %s", model.name, model.source or "the embedded default")
+                await asyncio.to_thread(loading.load, model, options)
+                log.info("%s ready (context %d tokens)", model.name, model.context_length)
+        if not self.registry.draining:
+            await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Drain: NOT_SERVING, refuse new calls, let in-flight calls finish within the grace period; stop engines."""
+        grace = self.options.grace_period_s if grace_s is None else grace_s
+        self.registry.draining = True
+        await self.health.enter_graceful_shutdown()
+        if self._server is not None:
+            await self._server.stop(grace)
+        await asyncio.to_thread(self.registry.shutdown)
+
+    async def wait_for_termination(self) -> None:
+        assert self._server is not None
+        await self._server.wait_for_termination()
+
+
+def build_registry(specs: Sequence[ModelSpec], max_queue: int) -> ModelRegistry:
+    """Check every spec's path (ModelLoadError names the bad one) and register them; the first is the default."""
+    registry = ModelRegistry()
+    for i, spec in enumerate(specs):
+        try:
+            registry.add(loading.resolve(spec, is_default=i == 0, max_queue=max_queue))
+        except ValueError as exc:
+            raise ModelLoadError(str(exc)) from exc
+    return registry
+
+
+async def run(
+    specs: Sequence[ModelSpec],
+    options: ServerOptions,
+    engine_options: EngineOptions,
+    on_ready: Callable[[OmnivoxServer], Awaitable[None]] | None = None,
+) -> int:
+    """Serve until SIGTERM or SIGINT, then drain and return 0. Raises ModelLoadError / OSError for the CLI to print."""
+    registry = build_registry(specs, options.max_queue)
+    server = OmnivoxServer(registry, options)
+    await server.start()
+
+    stop_requested = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, _on_signal, sig, stop_requested)
+    try:
+        load = asyncio.create_task(server.load_models(engine_options))
+        stop_wait = asyncio.create_task(stop_requested.wait())
+        await asyncio.wait([load, stop_wait], return_when=asyncio.FIRST_COMPLETED)
+        if load.done() and load.exception() is not None:
+            await server.stop(0)
+            raise load.exception()  # type: ignore[misc]
+        if not stop_requested.is_set():
+            log.info("serving %s on %s", ", ".join(m.name for m in registry), server.address)
+            demo = asyncio.create_task(on_ready(server)) if on_ready is not None else None
+            await stop_wait
+            if demo is not None and not demo.done():
+                demo.cancel()
+        log.info("shutting down: in-flight requests have %.0f s to finish", options.grace_period_s)
+        await server.stop()
+        if not load.done():
+            load.cancel()
+        log.info("stopped")
+        return 0
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+def _on_signal(sig: signal.Signals, stop_requested: asyncio.Event) -> None:
+    if stop_requested.is_set():
+        log.warning("%s again: stopping now", sig.name)
+        raise SystemExit(1)
+    log.info("%s received", sig.name)
+    stop_requested.set()

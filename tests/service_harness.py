@@ -1,0 +1,97 @@
+"""A real omnivox gRPC server on a free localhost port, for tests: its own event loop in a background thread.
+
+    with ServerThread([ModelSpec(path=ckpt, name="tiny")], EngineOptions(kv_cache_gib=0.01)) as server:
+        stub = generation_pb2_grpc.GenerationServiceStub(server.channel())
+        ...
+        server.engine("tiny").kv_usage()
+
+Clients are ordinary synchronous grpc channels, exactly what a user would run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+import grpc
+
+from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.server import OmnivoxServer, ServerOptions, build_registry
+from omnivox.v1 import content_pb2, generation_pb2
+
+
+class ServerThread:
+    def __init__(
+        self,
+        specs: Sequence[ModelSpec],
+        engine_options: EngineOptions = EngineOptions(),
+        load: bool = True,
+        **server_options: Any,
+    ) -> None:
+        server_options.setdefault("port", 0)
+        server_options.setdefault("grace_period_s", 5.0)
+        self.options = ServerOptions(**server_options)
+        self.registry = build_registry(specs, self.options.max_queue)
+        self.engine_options = engine_options
+        self.load = load
+        self.server = OmnivoxServer(self.registry, self.options)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="test-grpc-server", daemon=True)
+        self._channels: list[grpc.Channel] = []
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 120.0) -> Any:
+        """Run a coroutine on the server's loop and return its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def __enter__(self) -> ServerThread:
+        self._thread.start()
+        self.run(self.server.start())
+        if self.load:
+            self.run(self.server.load_models(self.engine_options), timeout=600)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self, grace_s: float = 0.0) -> None:
+        for channel in self._channels:
+            channel.close()
+        self._channels.clear()
+        if self._thread.is_alive():
+            self.run(self.server.stop(grace_s))
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=30)
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def channel(self) -> grpc.Channel:
+        channel = grpc.insecure_channel(self.address)
+        self._channels.append(channel)
+        return channel
+
+    def engine(self, name: str = ""):
+        model = self.registry.lookup(name)
+        assert model.engine is not None
+        return model.engine
+
+    def wait_kv_free(self, name: str = "", timeout: float = 5.0) -> tuple[int, int]:
+        """Wait until the model's KV pool has every block free again; return (free, total) as last seen."""
+        engine = self.engine(name)
+        deadline = time.monotonic() + timeout
+        while True:
+            usage = engine.kv_usage()
+            if usage.free_blocks == usage.total_blocks or time.monotonic() > deadline:
+                return usage.free_blocks, usage.total_blocks
+            time.sleep(0.01)
+
+
+def user_request(text: str, **fields: Any) -> generation_pb2.GenerateRequest:
+    """A GenerateRequest with one user turn; keyword arguments set further request fields."""
+    return generation_pb2.GenerateRequest(
+        contents=[content_pb2.Content(role="user", parts=[content_pb2.Part(text=text)])], **fields
+    )
