@@ -1,0 +1,5 @@
+import sys
+
+from omnivox.benchmarks.main import main
+
+sys.exit(main())

@@ -1,0 +1,276 @@
+"""`omnivox bench`: omnivox's gRPC server against its peers, on one model, one machine, in one run.
+
+    python -m omnivox.benchmarks --model PATH [--concurrency 1,4,16,64] [--systems omnivox,hf,hf-cb,llamacpp-server,llamacpp]
+
+Writes results.json, results.md and results.png to --out (default bench-results/) and prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from omnivox.benchmarks import report
+from omnivox.benchmarks.bandwidth import measure_bandwidth, weight_bytes_per_step
+from omnivox.benchmarks.metrics import summarize
+from omnivox.benchmarks.systems.base import System, SystemUnavailable
+from omnivox.benchmarks.workload import WorkloadSpec, describe, make_workload
+
+ALL_SYSTEMS = ("omnivox", "hf", "hf-cb", "llamacpp-server", "llamacpp")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def _range(text: str) -> tuple[int, int]:
+    values = _int_list(text)
+    if len(values) != 2 or values[0] > values[1]:
+        raise argparse.ArgumentTypeError(f"expected LOW,HIGH with LOW <= HIGH, got {text!r}")
+    return values[0], values[1]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="omnivox bench", description=__doc__.splitlines()[0])
+    add_arguments(ap)
+    return ap
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The benchmark's flags (shared by `python -m omnivox.benchmarks` and `omnivox bench`)."""
+    ap.add_argument("--model", help="checkpoint folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--address", help="benchmark an omnivox server already running here instead of starting one")
+    ap.add_argument("--concurrency", type=_int_list, default=[1, 4, 16, 64], help="levels, e.g. 1,4,16,64")
+    ap.add_argument("--requests-per-slot", type=int, default=2, help="requests per level = this x concurrency ...")
+    ap.add_argument("--min-requests", type=int, default=4, help="... but at least this many")
+    ap.add_argument("--prompt-words", type=_range, default=(16, 96), help="LOW,HIGH words per prompt (seeded)")
+    ap.add_argument("--output-tokens", type=_range, default=(16, 64), help="LOW,HIGH output tokens (seeded)")
+    ap.add_argument("--shared-prefix-words", type=int, default=24, help="words every prompt starts with")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype of omnivox and the peers")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (peers and bandwidth; the server picks its own)")
+    ap.add_argument("--systems", default=",".join(ALL_SYSTEMS), help=f"comma-separated subset of {ALL_SYSTEMS}")
+    ap.add_argument("--gguf", help="GGUF file for the llama.cpp peers (default: --model when it is a .gguf)")
+    ap.add_argument("--server-arg", action="append", default=[], help="extra argument for `omnivox serve` (repeat)")
+    ap.add_argument("--bandwidth-mib", type=int, default=512, help="matrix size for the bandwidth measurement")
+    ap.add_argument("--out", type=Path, default=Path("bench-results"))
+    ap.add_argument("--no-progress", action="store_true")
+
+
+def machine_description(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)}, {os.cpu_count()} CPU cores"
+    cpu = platform.processor() or "CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{os.cpu_count()} cores ({cpu}), torch {torch.__version__} with {torch.get_num_threads()} threads"
+
+
+def default_model() -> str:
+    try:
+        from omnivox.models.default import ensure_default_model
+    except ImportError as e:
+        raise SystemExit(f"--model: not given and the embedded default is unavailable ({e})") from None
+    return str(ensure_default_model())
+
+
+def make_systems(args: argparse.Namespace, model: str, names: list[str]) -> list[System | tuple[str, str]]:
+    """The systems to run, in order; a peer that cannot be built here is (name, reason)."""
+    dtype = DTYPES[args.dtype]
+    out: list = []
+    for name in names:
+        if name == "omnivox":
+            from omnivox.benchmarks.systems.omnivox_grpc import OmnivoxGrpc
+
+            out.append(
+                OmnivoxGrpc(
+                    model=model,
+                    address=args.address,
+                    server_args=["--dtype", args.dtype, "--device", args.device, *args.server_arg],
+                    log_path=args.out / "omnivox-server.log",
+                )
+            )
+        elif name == "hf":
+            from omnivox.benchmarks.systems.hf_generate import HFGenerate
+
+            out.append(HFGenerate(model, dtype, args.device))
+        elif name == "hf-cb":
+            from omnivox.benchmarks.systems.hf_continuous import HFContinuousBatching
+
+            out.append(HFContinuousBatching(model, dtype, args.device))
+        elif name in ("llamacpp-server", "llamacpp"):
+            from omnivox.benchmarks.systems import llamacpp
+
+            gguf = args.gguf or (model if model.endswith(".gguf") else None)
+            if gguf is None:
+                out.append((llamacpp.display_name(name), "no GGUF file for this model (give --gguf)"))
+            elif name == "llamacpp-server":
+                out.append(llamacpp.LlamaCppServer(gguf, log_path=args.out / "llamacpp-server.log"))
+            else:
+                out.append(llamacpp.LlamaCppInProcess(gguf))
+        else:
+            raise SystemExit(f"--systems: unknown system {name!r}; choose from {ALL_SYSTEMS}")
+    return out
+
+
+def evaluate_targets(levels: list[dict], floor: dict | None) -> list[dict]:
+    """The issue's targets, each with the measured ratio and a verdict (met / missed by how much / not measurable)."""
+    by = {(r["system"], r["concurrency"]): r for r in levels}
+    omni = {c: r for (s, c), r in by.items() if s == "omnivox"}
+    targets = []
+
+    def add(target: str, value: float | None, limit: float, below: bool, unit: str = "x") -> None:
+        if value is None:
+            verdict = "not measured"
+        elif (value <= limit) if below else (value >= limit):
+            verdict = f"met: {value:.2f}{unit} ({'<=' if below else '>='} {limit}{unit})"
+        else:
+            factor = value / limit if below else limit / value
+            verdict = f"missed: {value:.2f}{unit} vs {limit}{unit} ({factor:.1f}x off)"
+        targets.append({"target": target, "value": value, "limit": limit, "verdict": verdict})
+
+    if floor and 1 in omni:
+        add("batch-1 ITL p50 / bandwidth floor <= 1.3", omni[1]["itl_p50_ms"] / floor["itl_floor_ms"], 1.3, True)
+    top = max(omni) if omni else None
+    if top is not None:
+        peer_rows = {s: r for (s, c), r in by.items() if c == top and s != "omnivox"}
+        server = next((r for s, r in peer_rows.items() if s.startswith("llama.cpp server")), None)
+        static = next((r for s, r in peer_rows.items() if s.startswith("transformers generate (")), None)
+        t = omni[top]["total_tps"]
+        add(f"total TPS at {top} / llama.cpp server >= 10", t / server["total_tps"] if server else None, 10, False)
+        add(
+            f"total TPS at {top} / transformers static batch >= 3",
+            t / static["total_tps"] if static else None,
+            3,
+            False,
+        )
+        add(f"p99 ITL at {top} < 250 ms", omni[top]["itl_p99_ms"], 250, True, " ms")
+    if 1 in omni and 16 in omni:
+        add("TTFT p50 at 16 / TTFT p50 at 1 < 3", omni[16]["ttft_p50_ms"] / omni[1]["ttft_p50_ms"], 3, True)
+    return targets
+
+
+def run(args: argparse.Namespace) -> dict:
+    from omnivox.benchmarks.systems.hf_loading import load_config, load_tokenizer
+
+    model = args.model or default_model()
+    names = [n.strip() for n in args.systems.split(",") if n.strip()]
+    levels_wanted = sorted(set(args.concurrency))
+    per_level = {c: max(args.min_requests, args.requests_per_slot * c) for c in levels_wanted}
+    spec = WorkloadSpec(
+        num_requests=max(per_level.values()),
+        prompt_words=args.prompt_words,
+        output_tokens=args.output_tokens,
+        shared_prefix_words=args.shared_prefix_words,
+        seed=args.seed,
+    )
+    tokenizer = load_tokenizer(model)
+    requests = make_workload(spec, tokenizer)
+    config = load_config(model)
+    dtype = DTYPES[args.dtype]
+
+    result: dict = {
+        "started": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "model": model,
+        "dtype": args.dtype,
+        "machine": machine_description(args.device),
+        "command": " ".join(sys.argv),
+        "spec": spec.__dict__ | {"prompt_words": list(spec.prompt_words), "output_tokens": list(spec.output_tokens)},
+        "workload": describe(requests),
+        "requests_per_level": per_level,
+        "levels": [],
+        "skipped": {},
+    }
+
+    if args.bandwidth_mib > 0:
+        bw = measure_bandwidth(dtype, args.bandwidth_mib, device=args.device)
+        wbytes = weight_bytes_per_step(config, torch.empty((), dtype=dtype).element_size())
+        result["bandwidth"] = bw.to_dict()
+        result["floor"] = {
+            "weight_bytes": wbytes,
+            "bandwidth_gb_s": bw.gb_per_s,
+            "itl_floor_ms": 1e3 * wbytes / (bw.gb_per_s * 1e9),
+            "itl_over_floor": {},
+        }
+        print(
+            f"bandwidth {bw.gb_per_s:.1f} GB/s ({args.dtype} mv); floor {result['floor']['itl_floor_ms']:.1f} ms/step"
+        )
+
+    for system in make_systems(args, model, names):
+        if isinstance(system, tuple):
+            result["skipped"][system[0]] = system[1]
+            print(f"skipped {system[0]}: {system[1]}")
+            continue
+        t0 = time.perf_counter()
+        try:
+            system.start()
+        except SystemUnavailable as e:
+            result["skipped"][system.name] = str(e)
+            print(f"skipped {system.name}: {e}")
+            system.close()
+            continue
+        try:
+            for c in levels_wanted:
+                if system.levels is not None and c not in system.levels:
+                    continue
+                reqs = requests[: per_level[c]]
+                with tqdm(total=len(reqs), desc=f"{system.name} @ {c}", disable=args.no_progress, leave=False) as bar:
+                    traces = system.run(reqs, c, bar.update)
+                row = summarize(system.name, c, traces).to_dict()
+                errors = sorted({t.error for t in traces if t.error})
+                if errors:
+                    row["errors"] = errors[:5]
+                result["levels"].append(row)
+                print(
+                    f"{system.name} @ {c}: {row['total_tps']:.1f} tok/s total, TTFT p50 {row['ttft_p50_ms']:.0f} ms,"
+                    f" ITL p50 {row['itl_p50_ms']:.1f} ms p99 {row['itl_p99_ms']:.1f} ms, errors {row['num_errors']}"
+                )
+        finally:
+            system.close()
+        print(f"{system.name}: {time.perf_counter() - t0:.0f} s")
+
+    if "floor" in result:
+        for row in result["levels"]:
+            if row["concurrency"] == 1 and row["itl_p50_ms"] == row["itl_p50_ms"]:
+                result["floor"]["itl_over_floor"][row["system"]] = row["itl_p50_ms"] / result["floor"]["itl_floor_ms"]
+    result["targets"] = evaluate_targets(result["levels"], result.get("floor"))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_and_report(build_parser().parse_args(argv))
+
+
+def run_and_report(args: argparse.Namespace) -> int:
+    """Run the benchmark, write its files, print the report; exit code 1 when any request failed."""
+    result = run(args)
+    paths = report.write_all(result, args.out)
+    print()
+    print(report.markdown_report(result))
+    print(f"wrote {paths['json']}, {paths['markdown']}, {paths['png']}")
+    failed = [r for r in result["levels"] if r["num_errors"]]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

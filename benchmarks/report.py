@@ -1,0 +1,108 @@
+"""A benchmark run's results as JSON, a Markdown table and a PNG plot."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+COLUMNS = [  # (header, key, format)
+    ("system", "system", "{}"),
+    ("conc.", "concurrency", "{}"),
+    ("reqs", "num_requests", "{}"),
+    ("err", "num_errors", "{}"),
+    ("total TPS", "total_tps", "{:.1f}"),
+    ("per-user TPS (mean)", "per_user_tps_mean", "{:.1f}"),
+    ("TTFT p50 ms", "ttft_p50_ms", "{:.0f}"),
+    ("TTFT p90 ms", "ttft_p90_ms", "{:.0f}"),
+    ("TTFT p99 ms", "ttft_p99_ms", "{:.0f}"),
+    ("ITL p50 ms", "itl_p50_ms", "{:.1f}"),
+    ("ITL p99 ms", "itl_p99_ms", "{:.1f}"),
+    ("latency p50 s", "latency_p50_s", "{:.2f}"),
+    ("latency p99 s", "latency_p99_s", "{:.2f}"),
+    ("prefix hit", "prefix_cache_hit_rate", "{:.0%}"),
+]
+
+
+def _cell(fmt: str, value) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return fmt.format(value)
+
+
+def markdown_table(levels: list[dict]) -> str:
+    lines = [
+        "| " + " | ".join(h for h, _, _ in COLUMNS) + " |",
+        "|" + "|".join("---" if i == 0 else "---:" for i in range(len(COLUMNS))) + "|",
+    ]
+    for row in levels:
+        lines.append("| " + " | ".join(_cell(fmt, row.get(key)) for _, key, fmt in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def markdown_report(result: dict) -> str:
+    out = [f"# Benchmark {result['started']}", ""]
+    out.append(f"Model: `{result['model']}` ({result['dtype']}); machine: {result['machine']}.")
+    w = result["workload"]
+    out.append(
+        f"Workload: seed {result['spec']['seed']}, prompts {w['prompt_tokens']['min']}–{w['prompt_tokens']['max']} tokens"
+        f" (mean {w['prompt_tokens']['mean']:.0f}), outputs {w['output_tokens']['min']}–{w['output_tokens']['max']}"
+        f" tokens (ignore_eos), requests per level: {result['requests_per_level']}."
+    )
+    out += ["", markdown_table(result["levels"]), ""]
+    if result.get("floor"):
+        f = result["floor"]
+        out.append(
+            f"Floor: {f['weight_bytes'] / 1e6:.0f} MB of weights per decode step / {f['bandwidth_gb_s']:.1f} GB/s "
+            f"measured = {f['itl_floor_ms']:.1f} ms batch-1 ITL."
+        )
+        for name, ratio in f.get("itl_over_floor", {}).items():
+            out.append(f"- {name}: batch-1 ITL p50 = {ratio:.2f}x the floor")
+        out.append("")
+    if result.get("skipped"):
+        out.append("Skipped:")
+        out += [f"- {name}: {why}" for name, why in result["skipped"].items()]
+        out.append("")
+    if result.get("targets"):
+        out.append("Targets:")
+        out += [f"- {t['target']}: {t['verdict']}" for t in result["targets"]]
+        out.append("")
+    return "\n".join(out)
+
+
+def plot(levels: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems: dict[str, list[dict]] = {}
+    for row in levels:
+        systems.setdefault(row["system"], []).append(row)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4), dpi=80)
+    for name, rows in systems.items():
+        rows = sorted(rows, key=lambda r: r["concurrency"])
+        x = [r["concurrency"] for r in rows]
+        ax1.plot(x, [r["total_tps"] for r in rows], marker="o", label=name)
+        ax2.plot(x, [r["itl_p99_ms"] for r in rows], marker="o", label=name)
+    for ax, ylabel in ((ax1, "total TPS (tokens/s, all users)"), (ax2, "p99 ITL (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    ax2.set_yscale("log")
+    ax1.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_all(result: dict, out_dir: Path) -> dict[str, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / "results.json", "markdown": out_dir / "results.md", "png": out_dir / "results.png"}
+    paths["json"].write_text(json.dumps(result, indent=2, default=str) + "\n")
+    paths["markdown"].write_text(markdown_report(result) + "\n")
+    plot(result["levels"], paths["png"], f"{Path(result['model']).name} ({result['dtype']}), {result['machine']}")
+    return paths

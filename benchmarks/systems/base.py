@@ -1,0 +1,64 @@
+"""What every benchmarked system provides, and the closed-loop client that most of them share."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
+
+from omnivox.benchmarks.metrics import RequestTrace
+from omnivox.benchmarks.workload import BenchRequest
+
+Progress = Callable[[int], None]  # called with the number of requests just completed
+
+
+class SystemUnavailable(Exception):
+    """A peer that cannot run here (not installed, no GGUF, ...): reported as skipped with this reason."""
+
+
+class System(Protocol):
+    name: str  # as shown in tables and plots
+    levels: Sequence[int] | None  # the concurrency levels it can serve; None = any
+
+    def start(self) -> None:
+        """Load, warm up. Raises SystemUnavailable when the system cannot run here."""
+
+    def run(self, requests: list[BenchRequest], concurrency: int, progress: Progress) -> list[RequestTrace]:
+        """Serve `requests` with at most `concurrency` in flight (closed loop: a client sends its next request when
+        its previous one is done) and return one trace per request, in request order."""
+
+    def close(self) -> None: ...
+
+
+def run_closed_loop(
+    requests: list[BenchRequest],
+    concurrency: int,
+    one_request: Callable[[BenchRequest], RequestTrace],
+    progress: Progress,
+) -> list[RequestTrace]:
+    """`concurrency` client threads, each taking the next unsent request when its previous one has finished."""
+    traces: list[RequestTrace | None] = [None] * len(requests)
+    lock = threading.Lock()
+    next_index = 0
+
+    def client() -> None:
+        nonlocal next_index
+        while True:
+            with lock:
+                if next_index >= len(requests):
+                    return
+                i = next_index
+                next_index += 1
+            try:
+                trace = one_request(requests[i])
+            except Exception as e:  # a failed request is a data point, not the end of the run
+                trace = RequestTrace(index=i, send_time=time.perf_counter(), error=f"{type(e).__name__}: {e}")
+            traces[i] = trace
+            progress(1)
+
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        for f in [pool.submit(client) for _ in range(concurrency)]:
+            f.result()
+    return [t for t in traces if t is not None]
