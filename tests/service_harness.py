@@ -79,8 +79,11 @@ class ServerThread:
         assert model.engine is not None
         return model.engine
 
-    def wait_kv_free(self, name: str = "", timeout: float = 5.0) -> tuple[int, int]:
-        """Wait until the model's KV pool has every block free again; return (free, total) as last seen."""
+    def wait_kv_free(self, name: str = "", timeout: float = 1.0) -> tuple[int, int]:
+        """Wait until the model's KV pool has every block free again; return (free, total) as last seen.
+
+        The default timeout is short on purpose: an aborted request frees its blocks within one engine step.
+        """
         engine = self.engine(name)
         deadline = time.monotonic() + timeout
         while True:
