@@ -1,0 +1,255 @@
+"""Streaming codec decoding: frames in as they are generated, audio chunks out, no clicks at the joins.
+
+Each chunk comes from decoding a window of frames that reaches `left_context_frames` before the audio it emits and
+`lookahead_frames` after it. Consecutive windows overlap by `crossfade_samples`, which the first window holds back and
+the next one fades in (linear overlap-add; the fades sum to one). The SNAC 24 kHz decoder's receptive field is about
+two frames either side, so with two frames of context every window reproduces the whole-sequence decode up to float
+rounding and the crossfade joins two nearly identical signals; with less context it hides the small mismatch.
+
+Timeline (frames of F samples, O = crossfade_samples); chunk k ends at frame boundary b_k
+(b_0 = first_hop_frames, b_k = b_{k-1} + hop_frames):
+
+    window k decodes frames [ floor((b_{k-1}F - O) / F) - left_context , b_k + lookahead )
+    emits samples          [ b_{k-1}F - O , b_k F - O )   (its first O samples crossfaded with window k-1's tail)
+    holds back the tail    [ b_k F - O , b_k F )
+
+After `finish()`, one last window emits everything that is left. Windows of all streams that are ready at the same
+time are decoded in one codec forward pass (`BatchedStreamDecoder.decode_ready`); in steady state they all have the
+same length, `left_context + hop + lookahead + ceil(O / F)` frames.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from omnivox.codecs.snac import SnacDecoder
+
+
+@dataclass(frozen=True)
+class StreamingOptions:
+    """Window and hop of the streaming decoder: smaller = earlier first audio, larger = fewer codec passes."""
+
+    first_hop_frames: int = 1  # frames of audio in the first chunk (first audio after first_hop + lookahead frames)
+    hop_frames: int = 4  # frames of audio per later chunk
+    left_context_frames: int = 2  # frames decoded before the emitted audio (re-decoded, not emitted again)
+    lookahead_frames: int = 2  # frames decoded after the emitted audio (waited for before emitting)
+    crossfade_samples: int = 256  # overlap-add length at each join
+
+    def validate(self, frame_samples: int) -> None:
+        for name in ("first_hop_frames", "hop_frames"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        for name in ("left_context_frames", "lookahead_frames", "crossfade_samples"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
+        if self.crossfade_samples > min(self.first_hop_frames, self.hop_frames) * frame_samples:
+            raise ValueError(
+                f"crossfade_samples {self.crossfade_samples} exceeds the shortest hop "
+                f"({min(self.first_hop_frames, self.hop_frames)} frames of {frame_samples} samples)"
+            )
+
+    def window_frames(self, frame_samples: int) -> int:
+        """Frames in a steady-state window."""
+        return (
+            self.left_context_frames
+            + self.hop_frames
+            + self.lookahead_frames
+            + math.ceil(self.crossfade_samples / frame_samples)
+        )
+
+
+@dataclass(frozen=True)
+class DecodeWindow:
+    """One codec pass for one stream: decode frames [start_frame, end_frame), emit [emit_start, emit_end) samples and
+    hold back [emit_end, tail_end) for the next window's crossfade. Sample indices are absolute (stream timeline)."""
+
+    stream: StreamDecoderState
+    index: int  # 0, 1, 2 ... per stream; windows are applied in this order
+    frames: torch.Tensor  # (end_frame - start_frame x codes_per_frame)
+    start_frame: int
+    end_frame: int
+    emit_start: int
+    emit_end: int
+    tail_end: int
+    final: bool
+
+
+class StreamDecoderState:
+    """Codec state of one audio stream: received frames, planned windows, emitted samples and the held-back tail.
+
+    Not thread-safe: push, plan and apply from one thread (the codec forward itself may run elsewhere).
+    """
+
+    def __init__(self, options: StreamingOptions, frame_samples: int, codes_per_frame: int) -> None:
+        options.validate(frame_samples)
+        self.options = options
+        self.frame_samples = frame_samples
+        self.codes_per_frame = codes_per_frame
+        self.closed = False
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything: ready for a new utterance."""
+        self._frames: list[Sequence[int]] = []  # frames [self._frame_offset, self.num_frames)
+        self._frame_offset = 0
+        self.num_frames = 0
+        self.finished = False
+        self._planned_boundary = 0  # frame boundary b of the last planned window
+        self._planned_until = 0  # sample where the next planned window starts emitting
+        self._planned_windows = 0
+        self._final_planned = False
+        self._applied_windows = 0
+        self.emitted_samples = 0
+        self._tail: torch.Tensor | None = None
+
+    def close(self) -> None:
+        """Drop all state; the stream takes no more frames and plans no more windows."""
+        self.reset()
+        self.closed = True
+        self._final_planned = True
+
+    @property
+    def done(self) -> bool:
+        """True once every planned window was applied and nothing is left to plan."""
+        return self._final_planned and self._applied_windows == self._planned_windows
+
+    def push_frame(self, frame: Sequence[int]) -> None:
+        if self.closed or self.finished:
+            raise RuntimeError("push_frame on a finished or closed stream")
+        if len(frame) != self.codes_per_frame:
+            raise ValueError(f"a frame has {self.codes_per_frame} codes, got {len(frame)}")
+        self._frames.append(tuple(int(c) for c in frame))
+        self.num_frames += 1
+
+    def finish(self) -> None:
+        """No more frames: the next plan includes the last window."""
+        self.finished = True
+
+    def _window_frames(self, start: int, end: int) -> torch.Tensor:
+        rows = self._frames[start - self._frame_offset : end - self._frame_offset]
+        return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), self.codes_per_frame)
+
+    def _make_window(self, emit_end: int, tail_end: int, end_frame: int, final: bool) -> DecodeWindow:
+        f, opt = self.frame_samples, self.options
+        start_frame = max(0, self._planned_until // f - opt.left_context_frames)
+        window = DecodeWindow(
+            stream=self,
+            index=self._planned_windows,
+            frames=self._window_frames(start_frame, end_frame),
+            start_frame=start_frame,
+            end_frame=end_frame,
+            emit_start=self._planned_until,
+            emit_end=emit_end,
+            tail_end=tail_end,
+            final=final,
+        )
+        self._planned_windows += 1
+        self._planned_until = emit_end
+        # The next window starts at emit_end - no frame before this is read again.
+        keep_from = max(0, emit_end // f - opt.left_context_frames)
+        if keep_from > self._frame_offset:
+            del self._frames[: keep_from - self._frame_offset]
+            self._frame_offset = keep_from
+        return window
+
+    def plan(self) -> list[DecodeWindow]:
+        """The windows that the frames received so far allow, in order (each is returned once)."""
+        if self._final_planned:
+            return []
+        f, opt = self.frame_samples, self.options
+        windows = []
+        while True:
+            hop = opt.first_hop_frames if self._planned_boundary == 0 else opt.hop_frames
+            boundary = self._planned_boundary + hop
+            if self.num_frames < boundary + opt.lookahead_frames:
+                break
+            windows.append(
+                self._make_window(
+                    boundary * f - opt.crossfade_samples, boundary * f, boundary + opt.lookahead_frames, final=False
+                )
+            )
+            self._planned_boundary = boundary
+        if self.finished:
+            end = self.num_frames * f
+            if end > self._planned_until:
+                windows.append(self._make_window(end, end, self.num_frames, final=True))
+            self._final_planned = True
+        return windows
+
+    def apply(self, window: DecodeWindow, audio: torch.Tensor) -> np.ndarray:
+        """Audio of `window` (decoded frames, (end_frame - start_frame) * frame_samples) -> the chunk to emit."""
+        if window.stream is not self:
+            raise ValueError("window of another stream")
+        if self.closed:
+            return np.zeros(0, dtype=np.float32)
+        if window.index != self._applied_windows:
+            raise RuntimeError(f"windows applied out of order: got {window.index}, expected {self._applied_windows}")
+        base = window.start_frame * self.frame_samples
+        if audio.shape[-1] != (window.end_frame - window.start_frame) * self.frame_samples:
+            raise ValueError("decoded audio does not match the window length")
+        seg = audio[window.emit_start - base : window.tail_end - base].float().cpu().clone()
+        if self._tail is not None and self._tail.numel():
+            n = self._tail.numel()
+            fade_in = (torch.arange(n, dtype=torch.float32) + 0.5) / n
+            seg[:n] = self._tail * (1.0 - fade_in) + seg[:n] * fade_in
+        emit = window.emit_end - window.emit_start
+        chunk, self._tail = seg[:emit], seg[emit:]
+        self.emitted_samples = window.emit_end
+        self._applied_windows += 1
+        return chunk.numpy()
+
+
+class BatchedStreamDecoder:
+    """Decodes the ready windows of many streams together: one codec forward pass per distinct window length."""
+
+    def __init__(
+        self,
+        codec: SnacDecoder,
+        frame_levels: Sequence[Sequence[int]],
+        options: StreamingOptions | None = None,
+    ) -> None:
+        self.codec = codec
+        self.frame_levels = tuple(tuple(int(p) for p in level) for level in frame_levels)
+        self.codes_per_frame = sum(len(level) for level in self.frame_levels)
+        if self.codes_per_frame != codec.shape.codes_per_frame:
+            raise ValueError(
+                f"frame layout has {self.codes_per_frame} codes, the codec's frames have {codec.shape.codes_per_frame}"
+            )
+        self.options = options or StreamingOptions()
+        self.options.validate(codec.frame_samples)
+
+    @property
+    def sample_rate(self) -> int:
+        return self.codec.sample_rate
+
+    def open_stream(self, options: StreamingOptions | None = None) -> StreamDecoderState:
+        return StreamDecoderState(options or self.options, self.codec.frame_samples, self.codes_per_frame)
+
+    def decode_windows(self, windows: Sequence[DecodeWindow]) -> list[torch.Tensor]:
+        """The codec pass alone (safe to run in a worker thread): audio per window, in order."""
+        return self.codec.decode_windows([(w.frames, w.start_frame) for w in windows], self.frame_levels)
+
+    def decode_ready(self, streams: Iterable[StreamDecoderState]) -> dict[StreamDecoderState, list[np.ndarray]]:
+        """Plan, decode (batched across streams) and apply every ready window; chunks per stream, in order."""
+        windows = [w for s in streams if not s.closed for w in s.plan()]
+        out: dict[StreamDecoderState, list[np.ndarray]] = {}
+        if not windows:
+            return out
+        for w, audio in zip(windows, self.decode_windows(windows), strict=True):
+            out.setdefault(w.stream, []).append(w.stream.apply(w, audio))
+        return out
+
+    def decode_all(self, frames: torch.Tensor) -> np.ndarray:
+        """Stream a whole frame sequence (T x codes_per_frame) through one stream and join the chunks: a helper for
+        offline use and for tests."""
+        stream = self.open_stream()
+        for row in frames.tolist():
+            stream.push_frame(row)
+        stream.finish()
+        chunks = self.decode_ready([stream]).get(stream, [])
+        return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)

@@ -1,0 +1,166 @@
+"""Streaming codec decode: chunks == one-shot decode, seamless joins, batched streams == each alone, state freed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from omnivox.codecs.snac import SNAC_24KHZ_CONFIG, SnacDecoder, save_random_snac
+from omnivox.codecs.streaming import BatchedStreamDecoder, StreamingOptions
+
+LEVELS = ((0,), (1, 4), (2, 3, 5, 6))
+SMALL_CONFIG = dict(SNAC_24KHZ_CONFIG, encoder_dim=8, decoder_dim=128)
+F = 2048  # samples per frame at 24 kHz
+
+
+@pytest.fixture(scope="module")
+def codec(tmp_path_factory):
+    return SnacDecoder.from_folder(save_random_snac(tmp_path_factory.mktemp("snac"), SMALL_CONFIG, seed=2))
+
+
+def random_frames(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 4096, (n, 7), generator=torch.Generator().manual_seed(seed))
+
+
+def stream_frame_by_frame(dec: BatchedStreamDecoder, frames: torch.Tensor) -> list[np.ndarray]:
+    """Push one frame at a time (as the engine produces them), decoding whatever is ready after each."""
+    stream = dec.open_stream()
+    chunks: list[np.ndarray] = []
+    for row in frames.tolist():
+        stream.push_frame(row)
+        chunks += dec.decode_ready([stream]).get(stream, [])
+    stream.finish()
+    chunks += dec.decode_ready([stream]).get(stream, [])
+    assert stream.done
+    return chunks
+
+
+def join_jumps(chunks: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """|y[j] - y[j-1]| at every join j, and the largest sample-to-sample step in the 64 samples before each join."""
+    y = np.concatenate(chunks)
+    joins = np.cumsum([len(c) for c in chunks])[:-1]
+    jumps = np.abs(y[joins] - y[joins - 1])
+    local = np.array([np.abs(np.diff(y[j - 64 : j])).max() for j in joins])
+    return jumps, local
+
+
+def test_default_streaming_equals_one_shot_and_joins_are_seamless(codec):
+    frames = random_frames(19, seed=1)
+    one_shot = codec.decode_frames(frames[None], LEVELS)[0].numpy()
+    dec = BatchedStreamDecoder(codec, LEVELS)  # 2 frames of context each side: the decoder's receptive field
+    chunks = stream_frame_by_frame(dec, frames)
+    y = np.concatenate(chunks)
+    assert len(y) == len(one_shot) == 19 * F
+    np.testing.assert_allclose(y, one_shot, atol=1e-5, rtol=0)  # everywhere, edges included
+    # first chunk: first_hop (1 frame) minus the held-back crossfade; then hop (4 frames) each
+    assert len(chunks[0]) == F - 256 and all(len(c) == 4 * F for c in chunks[1:-1])
+    jumps, local = join_jumps(chunks)
+    assert len(jumps) >= 4 and np.all(jumps <= local)
+
+
+def test_short_context_streaming_stays_close_and_seamless(codec):
+    """One frame of context: the windows differ slightly from the whole decode, the crossfade hides the joins."""
+    frames = random_frames(15, seed=2)
+    one_shot = codec.decode_frames(frames[None], LEVELS)[0].numpy()
+    opts = StreamingOptions(first_hop_frames=2, hop_frames=3, left_context_frames=1, lookahead_frames=1)
+    chunks = stream_frame_by_frame(BatchedStreamDecoder(codec, LEVELS, opts), frames)
+    y = np.concatenate(chunks)
+    scale = np.abs(one_shot).max()
+    assert np.abs(y - one_shot).max() < 1e-3 * scale
+    jumps, local = join_jumps(chunks)
+    assert np.all(jumps <= local)
+
+
+def test_join_check_catches_naive_chunking(codec):
+    """The control for the join check: decoding chunks without context or crossfade does click."""
+    frames = random_frames(15, seed=2)
+    naive = StreamingOptions(first_hop_frames=2, hop_frames=3, left_context_frames=0, lookahead_frames=0,
+                             crossfade_samples=0)  # fmt: skip
+    chunks = stream_frame_by_frame(BatchedStreamDecoder(codec, LEVELS, naive), frames)
+    jumps, local = join_jumps(chunks)
+    assert np.any(jumps > local)
+
+
+def test_concurrent_streams_batch_and_equal_each_alone(codec):
+    dec = BatchedStreamDecoder(codec, LEVELS, StreamingOptions(hop_frames=3))
+    lengths = [9, 13, 4]
+    all_frames = [random_frames(n, seed=10 + i) for i, n in enumerate(lengths)]
+    streams = [dec.open_stream() for _ in lengths]
+    got: list[list[np.ndarray]] = [[] for _ in lengths]
+    passes: list[int] = []
+    real_decode = codec.decode
+    calls = 0
+
+    def counting_decode(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        return real_decode(*args, **kwargs)
+
+    codec.decode = counting_decode  # count forward passes of the real decoder
+    try:
+        for t in range(max(lengths) + 1):
+            for s, frames, n in zip(streams, all_frames, lengths, strict=True):
+                if t < n:
+                    s.push_frame(frames[t].tolist())
+                elif t == n:
+                    s.finish()
+            calls = 0
+            ready = dec.decode_ready(streams)
+            windows = sum(len(v) for v in ready.values())
+            if windows:
+                passes.append((windows, calls))
+            for i, s in enumerate(streams):
+                got[i] += ready.get(s, [])
+    finally:
+        del codec.decode
+    assert all(s.done for s in streams)
+    # Several streams' windows of equal length went through one forward pass together.
+    assert any(w > 1 and c == 1 for w, c in passes)
+    for frames, chunks in zip(all_frames, got, strict=True):
+        alone = dec.decode_all(frames)
+        np.testing.assert_allclose(np.concatenate(chunks), alone, atol=1e-6, rtol=0)
+        one_shot = codec.decode_frames(frames[None], LEVELS)[0].numpy()
+        np.testing.assert_allclose(alone, one_shot, atol=1e-5, rtol=0)
+
+
+def test_close_and_reset_free_state(codec):
+    dec = BatchedStreamDecoder(codec, LEVELS)
+    s = dec.open_stream()
+    for row in random_frames(8, seed=4).tolist():
+        s.push_frame(row)
+    assert dec.decode_ready([s])[s]
+    assert s._tail is not None and s._frames
+    s.reset()
+    assert s.num_frames == 0 and s._tail is None and not s._frames and s.emitted_samples == 0
+    for row in random_frames(3, seed=4).tolist():
+        s.push_frame(row)
+    s.close()
+    assert s.closed and s._tail is None and not s._frames and s.plan() == []
+    assert dec.decode_ready([s]) == {}
+    with pytest.raises(RuntimeError):
+        s.push_frame([0] * 7)
+
+
+def test_options_and_input_are_validated(codec):
+    with pytest.raises(ValueError, match="crossfade_samples"):
+        BatchedStreamDecoder(codec, LEVELS, StreamingOptions(first_hop_frames=1, crossfade_samples=F + 1))
+    with pytest.raises(ValueError, match="hop_frames"):
+        BatchedStreamDecoder(codec, LEVELS, StreamingOptions(hop_frames=0))
+    with pytest.raises(ValueError, match="frame layout"):
+        BatchedStreamDecoder(codec, ((0,), (1, 2)))
+    s = BatchedStreamDecoder(codec, LEVELS).open_stream()
+    with pytest.raises(ValueError, match="7 codes"):
+        s.push_frame([1, 2, 3])
+    s.finish()
+    assert s.plan() == [] and s.done  # no frames, no audio
+
+
+def test_window_length_is_constant_in_steady_state(codec):
+    opts = StreamingOptions(first_hop_frames=1, hop_frames=2, left_context_frames=2, lookahead_frames=1)
+    s = BatchedStreamDecoder(codec, LEVELS, opts).open_stream()
+    for row in random_frames(20, seed=6).tolist():
+        s.push_frame(row)
+    windows = s.plan()
+    assert [w.end_frame - w.start_frame for w in windows[2:]] == [opts.window_frames(F)] * (len(windows) - 2)
+    assert [w.emit_start for w in windows[1:]] == [w.emit_end for w in windows[:-1]]  # contiguous, no gaps
