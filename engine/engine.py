@@ -312,7 +312,9 @@ class Engine:
         new_text = req.detok.take(final=req.is_finished)
         if not new_tokens and not new_text and not req.is_finished:
             return
-        new_lp, req.logprobs = (req.logprobs or None), []
+        want_lp = req.params.logprobs is not None
+        new_lp = req.logprobs[req.num_emitted_logprobs :] if want_lp else None
+        req.num_emitted_logprobs = len(req.logprobs)
         out = RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
@@ -320,7 +322,8 @@ class Engine:
             text=req.detok.released_text,
             new_token_ids=new_tokens,
             new_text=new_text,
-            new_logprobs=new_lp if req.params.logprobs is not None else None,
+            new_logprobs=new_lp,
+            logprobs=list(req.logprobs) if want_lp else None,
             finish_reason=req.finish_reason,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             first_token_time=req.first_token_time,

@@ -21,6 +21,7 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)  # since the previous output of this request
     new_text: str = ""  # since the previous output of this request
     new_logprobs: list[TokenLogprob] | None = None  # one per new token when logprobs were asked for
+    logprobs: list[TokenLogprob] | None = None  # one per output token so far when logprobs were asked for
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     first_token_time: float | None = None  # time.monotonic() when the first output token was sampled

@@ -62,7 +62,8 @@ class Request:
     first_token_time: float | None = None
     generator: torch.Generator | None = None  # per-request sampling stream when seeded
     detok: object = None  # engine.detokenizer.IncrementalDetokenizer
-    logprobs: list = field(default_factory=list)  # pending TokenLogprob for the next output
+    logprobs: list = field(default_factory=list)  # TokenLogprob of every output token (when asked for)
+    num_emitted_logprobs: int = 0
 
     def __post_init__(self) -> None:
         assert self.prompt_token_ids, "empty prompt"
