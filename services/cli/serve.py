@@ -61,8 +61,14 @@ def model_specs(models: list[Path], names: list[str]) -> list:
 
 
 def run(args: argparse.Namespace) -> int:
+    from omnivox.services.loading import EngineOptions, ModelLoadError, check_model_path
+
+    try:  # before importing the server (and torch): a wrong path fails in a blink
+        for path in args.models:
+            check_model_path(path)
+    except ModelLoadError as err:
+        raise CliError(str(err)) from None
     from omnivox.services import server
-    from omnivox.services.loading import EngineOptions, ModelLoadError
 
     if bool(args.tls_cert) != bool(args.tls_key):
         raise CliError("--tls-cert and --tls-key go together")

@@ -1,0 +1,164 @@
+"""The `omnivox` command, run as a user runs it: separate processes talking over localhost."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from checkpoints import make_checkpoint
+from service_harness import user_request
+
+from omnivox.v1 import generation_pb2_grpc, sampling_pb2
+
+OMNIVOX = [sys.executable, "-m", "omnivox.services.cli"]
+
+
+def omnivox(*args: str, stdin: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*OMNIVOX, *args], input=stdin, capture_output=True, text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert result.returncode == 1, result
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("omnivox: error:")]
+    assert len(lines) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+class ServeProcess:
+    """`omnivox serve` in a child process; its log is read on a thread so that it never blocks."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [*OMNIVOX, "serve", "--port", "0", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self.log: list[str] = []
+        self.stdout: list[str] = []
+        self.address: str | None = None
+        self.ready = threading.Event()
+        threading.Thread(target=self._read, args=(self.proc.stderr, self.log), daemon=True).start()
+        threading.Thread(target=self._read, args=(self.proc.stdout, self.stdout), daemon=True).start()
+
+    def _read(self, stream, sink: list[str]) -> None:
+        for line in stream:
+            sink.append(line)
+            match = re.search(r"serving .* on (\S+)$", line.strip())
+            if match:
+                self.address = match.group(1)
+                self.ready.set()
+
+    def wait_ready(self, timeout: float = 180) -> str:
+        deadline = time.monotonic() + timeout
+        while not self.ready.wait(0.1):
+            assert self.proc.poll() is None, "".join(self.log)
+            assert time.monotonic() < deadline, "".join(self.log)
+        return self.address  # type: ignore[return-value]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", family="llama")
+
+
+@pytest.fixture(scope="module")
+def serve(checkpoint: Path):
+    process = ServeProcess("--model", str(checkpoint), "--kv-cache-gib", "0.01", "--device", "cpu")
+    try:
+        process.wait_ready()
+        yield process
+    finally:
+        process.stop()
+
+
+def test_help_lists_commands() -> None:
+    result = omnivox("--help")
+    assert result.returncode == 0
+    for command in ("serve", "chat", "generate", "models"):
+        assert command in result.stdout
+
+
+def test_wrong_model_path_is_one_line(tmp_path: Path) -> None:
+    assert_one_line_error(omnivox("serve", "--model", str(tmp_path / "nope")), "no such file or folder")
+    (tmp_path / "empty").mkdir()
+    assert_one_line_error(omnivox("serve", "--model", str(tmp_path / "empty")), "no config.json")
+    (tmp_path / "weights.bin").write_bytes(b"\0")
+    assert_one_line_error(omnivox("serve", "--model", str(tmp_path / "weights.bin")), "neither")
+
+
+def test_unreachable_server_is_one_line() -> None:
+    server = f"127.0.0.1:{free_port()}"
+    for command in (["models"], ["generate", "Hello"], ["chat", "Hello", "--once"]):
+        result = omnivox(*command, "--server", server, "--connect-timeout", "1")
+        assert_one_line_error(result, "cannot reach", server)
+
+
+def test_models_command(serve: ServeProcess) -> None:
+    result = omnivox("models", "--server", serve.address)
+    assert result.returncode == 0, result.stderr
+    header, row = result.stdout.splitlines()
+    assert header.split()[:5] == ["NAME", "IN", "OUT", "CONTEXT", "STATE"]
+    assert row.split()[:6] == ["tiny", "(default)", "text", "text", "512", "ready"]
+
+
+def test_generate_streams_the_same_text_as_the_api(serve: ServeProcess) -> None:
+    result = omnivox("generate", "Hello there", "--server", serve.address, "--max-tokens", "12", "--temperature", "0")
+    assert result.returncode == 0, result.stderr
+    with grpc.insecure_channel(serve.address) as channel:
+        request = user_request("Hello there", max_output_tokens=12, sampling=sampling_pb2.SamplingConfig(temperature=0))
+        responses = list(generation_pb2_grpc.GenerationServiceStub(channel).Generate(request))
+    expected = "".join(r.delta.text for r in responses if r.HasField("delta"))
+    assert result.stdout == expected + "\n"
+    assert re.search(r"\[\w+ · \d+ prompt \+ \d+ output tokens", result.stderr), result.stderr
+
+
+def test_generate_reports_invalid_argument(serve: ServeProcess) -> None:
+    result = omnivox("generate", "Hello", "--server", serve.address, "--temperature", "-1")
+    assert_one_line_error(result, "INVALID_ARGUMENT", "sampling.temperature")
+    result = omnivox("generate", "Hello", "--server", serve.address, "--model", "nope")
+    assert_one_line_error(result, "NOT_FOUND", "nope")
+
+
+def test_chat_keeps_the_conversation(serve: ServeProcess) -> None:
+    result = omnivox("chat", "--server", serve.address, "--max-tokens", "4", "-q", stdin="Hello\n\nHow are you?\n")
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout.splitlines()) == 2  # two turns answered (the blank line is skipped)
+
+
+def test_sigterm_lets_the_stream_finish_then_exits_0(serve: ServeProcess) -> None:
+    """Runs last in this module: it stops the shared server."""
+    with grpc.insecure_channel(serve.address) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        stream = stub.Generate(user_request("Talk for a long time.", max_output_tokens=400, ignore_eos=True))
+        assert next(stream).HasField("delta")
+        os.kill(serve.proc.pid, signal.SIGTERM)
+        after = list(stream)  # completes normally: no RpcError
+        assert after[-1].HasField("summary") and after[-1].summary.usage.output_tokens == 400
+        assert len(after) > 1, "the stream had finished before SIGTERM arrived: nothing was tested"
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(user_request("Late", max_output_tokens=2), timeout=10))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert serve.proc.wait(timeout=60) == 0, "".join(serve.log)
+    log = "".join(serve.log)
+    assert "SIGTERM received" in log and "stopped" in log
