@@ -1,0 +1,221 @@
+"""Orpheus-style speech output: the audio-token layout of a TTS decoder, its prompt and its token constraint.
+
+An Orpheus checkpoint (canopylabs/orpheus-3b-0.1-ft: Llama 3.2 3B) extends the Llama 3 vocabulary of 128256 ids with
+special tokens and 7 x 4096 audio tokens `<custom_token_N>` = id 128256 + N. The prompt is
+
+    start-of-human 128259, tokenizer("{voice}: {text}") (with its BOS), end-of-text 128009, end-of-human 128260,
+    start-of-AI 128261, start-of-speech 128257
+
+and the model answers with audio tokens until end-of-speech 128258. The k-th audio token of the answer sits at frame
+position k mod 7 and carries SNAC code N - 10 - 4096 (k mod 7); a frame of 7 codes feeds SNAC's three levels as
+level 0 = [c0], level 1 = [c1, c4], level 2 = [c2, c3, c5, c6].
+
+All of these numbers are data of a `SpeechLayout` (Orpheus' values are the defaults), read from `speech_layout.json`
+in the checkpoint folder when present, so that a model with another tokenizer declares its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LAYOUT_FILE = "speech_layout.json"
+
+
+@dataclass(frozen=True)
+class SpeechLayout:
+    """Where the audio lives in a speech decoder's vocabulary and how its prompt is framed."""
+
+    name: str = "orpheus"
+    prompt_prefix: tuple[int, ...] = (128259,)  # start of human
+    prompt_suffix: tuple[int, ...] = (128009, 128260, 128261, 128257)  # end of text/human, start of AI/speech
+    prompt_template: str = "{voice}: {text}"  # `{voice}` and `{text}`; without a voice only the text is used
+    add_special_tokens: bool = True  # tokenize the text with the tokenizer's own BOS (Orpheus: <|begin_of_text|>)
+    start_of_speech: int = 128257  # the prompt's last token
+    end_of_speech: int = 128258
+    audio_token_base: int = 128266  # id of code 0 at frame position 0 (<custom_token_10>)
+    codebook_size: int = 4096  # codes per frame position; position k's ids follow position k-1's
+    frame_levels: tuple[tuple[int, ...], ...] = ((0,), (1, 4), (2, 3, 5, 6))  # frame positions of each codec level
+    voices: tuple[str, ...] = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
+    default_voice: str = "tara"
+    language_code: str = "en"  # BCP-47 language of the voices
+    sample_rate: int = 24000  # of the codec
+    temperature: float = 0.6  # default sampling for speech
+    top_p: float = 0.8
+    repetition_penalty: float = 1.3
+
+    def __post_init__(self) -> None:
+        positions = sorted(p for level in self.frame_levels for p in level)
+        if positions != list(range(len(positions))) or not positions:
+            raise ValueError(f"frame_levels {self.frame_levels} must use each frame position 0..n-1 exactly once")
+        if self.codebook_size < 1 or self.audio_token_base < 0:
+            raise ValueError("codebook_size must be >= 1 and audio_token_base >= 0")
+        audio = range(self.audio_token_base, self.audio_token_base + self.frame_size * self.codebook_size)
+        for name in ("start_of_speech", "end_of_speech"):
+            if getattr(self, name) in audio:
+                raise ValueError(f"{name} {getattr(self, name)} lies inside the audio token range")
+        if self.default_voice and self.voices and self.default_voice not in self.voices:
+            raise ValueError(f"default_voice {self.default_voice!r} is not one of the voices {self.voices}")
+        if "{text}" not in self.prompt_template:
+            raise ValueError("prompt_template must contain {text}")
+
+    # --- sizes ---------------------------------------------------------------------------------------------------
+    @property
+    def frame_size(self) -> int:
+        """Audio tokens per frame (7 for SNAC 24 kHz)."""
+        return sum(len(level) for level in self.frame_levels)
+
+    @property
+    def audio_token_end(self) -> int:
+        """One past the last audio token id."""
+        return self.audio_token_base + self.frame_size * self.codebook_size
+
+    @property
+    def min_vocab_size(self) -> int:
+        """The smallest vocabulary that holds every id of the layout."""
+        ids = (*self.prompt_prefix, *self.prompt_suffix, self.start_of_speech, self.end_of_speech)
+        return max(self.audio_token_end, max(ids) + 1)
+
+    # --- tokens <-> codes ----------------------------------------------------------------------------------------
+    def audio_token(self, position: int, code: int) -> int:
+        """The token id of `code` at frame position `position`."""
+        if not (0 <= position < self.frame_size and 0 <= code < self.codebook_size):
+            raise ValueError(
+                f"position {position} / code {code} outside [0, {self.frame_size}) / [0, {self.codebook_size})"
+            )
+        return self.audio_token_base + position * self.codebook_size + code
+
+    def code_of(self, token_id: int, index: int) -> int:
+        """The codec code carried by `token_id` as the `index`-th audio token of an answer (raises if misplaced)."""
+        position = index % self.frame_size
+        code = token_id - self.audio_token_base - position * self.codebook_size
+        if not (0 <= code < self.codebook_size):
+            raise ValueError(
+                f"token {token_id} at audio index {index} is not an audio token of frame position {position}"
+            )
+        return code
+
+    def frames_to_tokens(self, frames: Sequence[Sequence[int]]) -> list[int]:
+        """Frames of codes (in frame-position order) -> the answer's token ids."""
+        return [self.audio_token(k, int(c)) for frame in frames for k, c in enumerate(frame)]
+
+    def tokens_to_frames(self, token_ids: Sequence[int], strict: bool = True) -> list[list[int]]:
+        """The answer's token ids -> complete frames of codes. A trailing end-of-speech ends the audio; a trailing
+        partial frame is dropped. `strict=False` also stops at the first token that is not an audio token of its
+        position (instead of raising)."""
+        frames: list[list[int]] = []
+        frame: list[int] = []
+        for i, tok in enumerate(token_ids):
+            if tok == self.end_of_speech:
+                break
+            try:
+                frame.append(self.code_of(int(tok), i))
+            except ValueError:
+                if strict:
+                    raise
+                break
+            if len(frame) == self.frame_size:
+                frames.append(frame)
+                frame = []
+        return frames
+
+    # --- prompt --------------------------------------------------------------------------------------------------
+    def prompt_text(self, text: str, voice: str | None) -> str:
+        if voice:
+            return self.prompt_template.format(voice=voice, text=text)
+        return text
+
+    def build_prompt(self, tokenizer: Any, text: str, voice: str | None = None) -> list[int]:
+        """Token ids of the speech prompt for `text` in `voice` (the default voice when None; "" for none).
+
+        `tokenizer` is a transformers tokenizer (anything callable as `tokenizer(str, add_special_tokens=...)` that
+        returns `input_ids`).
+        """
+        if voice is None:
+            voice = self.default_voice
+        ids = tokenizer(self.prompt_text(text, voice), add_special_tokens=self.add_special_tokens)["input_ids"]
+        return [*self.prompt_prefix, *ids, *self.prompt_suffix]
+
+    # --- persistence ---------------------------------------------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SpeechLayout:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown speech layout keys: {sorted(unknown)}")
+        data = dict(data)
+        for key in ("prompt_prefix", "prompt_suffix", "voices"):
+            if key in data:
+                data[key] = tuple(data[key])
+        if "frame_levels" in data:
+            data["frame_levels"] = tuple(tuple(level) for level in data["frame_levels"])
+        return cls(**data)
+
+    def save(self, folder: str | Path) -> Path:
+        path = Path(folder) / LAYOUT_FILE
+        path.write_text(self.to_json())
+        return path
+
+    @classmethod
+    def load(cls, folder: str | Path) -> SpeechLayout | None:
+        """The layout declared in `folder/speech_layout.json`, or None when the folder declares none."""
+        path = Path(folder) / LAYOUT_FILE
+        if not path.is_file():
+            return None
+        try:
+            return cls.from_dict(json.loads(path.read_text()))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{path}: {e}") from e
+
+
+ORPHEUS_LAYOUT = SpeechLayout()
+
+
+class SpeechTokenConstraint:
+    """The engine's per-request token mask for speech answers (engine TokenConstraint protocol).
+
+    The prompt ends with start-of-speech, so the k-th output token is at frame position k mod frame_size: only the
+    `codebook_size` audio tokens of that position are allowed, plus end-of-speech at a frame boundary once
+    `min_frames` frames exist. The frame_size + 1 masks are built once and shared by every step (and every request
+    that shares this object: it holds no per-request state).
+    """
+
+    def __init__(
+        self,
+        layout: SpeechLayout,
+        vocab_size: int,
+        device: torch.device | str | None = None,
+        min_frames: int = 1,
+    ) -> None:
+        if vocab_size < layout.min_vocab_size:
+            raise ValueError(f"vocab_size {vocab_size} cannot hold the speech layout (needs {layout.min_vocab_size})")
+        if min_frames < 0:
+            raise ValueError("min_frames must be >= 0")
+        self.layout = layout
+        self.vocab_size = vocab_size
+        self.min_frames = min_frames
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        masks = torch.zeros(layout.frame_size + 1, vocab_size, dtype=torch.bool, device=device)
+        for k in range(layout.frame_size):
+            start = layout.audio_token_base + k * layout.codebook_size
+            masks[k, start : start + layout.codebook_size] = True
+        masks[layout.frame_size] = masks[0]
+        masks[layout.frame_size, layout.end_of_speech] = True
+        self._position_masks = list(masks[: layout.frame_size])
+        self._boundary_mask = masks[layout.frame_size]
+
+    def allowed(self, output_token_ids: Sequence[int]) -> torch.Tensor:
+        n = len(output_token_ids)
+        position = n % self.layout.frame_size
+        if position == 0 and n // self.layout.frame_size >= self.min_frames:
+            return self._boundary_mask
+        return self._position_masks[position]
