@@ -1,0 +1,373 @@
+"""Reading decoder checkpoints one tensor at a time: safetensors folders, PyTorch `.bin` folders and GGUF files.
+
+Every reader yields `(hf_name, tensor)` pairs with transformers' parameter names (`model.layers.0.self_attn.q_proj.weight`),
+so the decoder's `load_weights` sees one naming scheme whatever the file format. Only one tensor is materialised at a
+time, so loading needs the model's own memory plus the largest single tensor, not twice the model.
+
+GGUF files are dequantized tensor by tensor to float32 (the caller casts to its dtype). The facts about GGUF (name map,
+llama.cpp's Q/K row permutation for Llama) come from transformers' GGUF utilities; the tensors themselves are never
+materialised all at once (which `load_gguf_checkpoint(return_tensors=True)` would do).
+
+Config and tokenizer of a GGUF file are parsed from its metadata once (~10 s for a 49k-token vocabulary) and cached as
+ordinary `save_pretrained` folders under the omnivox cache, keyed by file name, size, mtime and transformers version.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import struct
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+
+logger = logging.getLogger(__name__)
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+TORCH_BIN_INDEX = "pytorch_model.bin.index.json"
+TORCH_BIN_SINGLE = "pytorch_model.bin"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+GGUF_ARCHS = ("llama", "qwen2", "qwen3")
+
+# safetensors dtype strings -> torch dtypes (https://github.com/huggingface/safetensors, format spec).
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def omnivox_cache_dir() -> Path:
+    """`$OMNIVOX_CACHE`, else `~/.cache/omnivox` (not created here)."""
+    env = os.environ.get("OMNIVOX_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "omnivox"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Public API
+
+
+def iter_checkpoint_tensors(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(hf_name, tensor)` for every weight of the checkpoint at `path`, one tensor in memory at a time.
+
+    `path` is a folder (`model.safetensors`, sharded safetensors with `model.safetensors.index.json`, or
+    `pytorch_model.bin[.index.json]`) or a `.gguf` file (llama, qwen2, qwen3). Safetensors tensors keep their stored
+    dtype; GGUF tensors come out as float32. A tied GGUF (no `output.weight`) yields no `lm_head.weight`.
+    Errors about the path are raised here, before the first tensor: FileNotFoundError if it does not exist,
+    ValueError if it holds no weights in a format we read.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint path does not exist: {path}")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"checkpoint file {path} is not a .gguf file; pass a checkpoint folder or a .gguf file")
+        return _iter_gguf(path)
+    files, kind = _find_weight_files(path)
+    if kind == "safetensors":
+        return _iter_safetensors_files(files, _index_names(path / SAFETENSORS_INDEX))
+    return _iter_torch_bin_files(files)
+
+
+def load_hf_config(path: str | os.PathLike) -> transformers.PretrainedConfig:
+    """The transformers config of the checkpoint folder or `.gguf` file at `path`."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint path does not exist: {path}")
+    if path.is_file():
+        _check_gguf_file(path)
+        cached = _gguf_cache_dir(path) / "config"
+        if (cached / "config.json").is_file():
+            config = transformers.AutoConfig.from_pretrained(cached)
+        else:
+            config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+            _patch_gguf_config(config, _read_gguf_metadata(path))
+            _save_atomically(cached, config.save_pretrained)
+        config.name_or_path = str(path)
+        return config
+    if not (path / "config.json").is_file():
+        raise ValueError(f"checkpoint folder {path} has no config.json")
+    return transformers.AutoConfig.from_pretrained(path)
+
+
+def load_tokenizer(path: str | os.PathLike) -> transformers.PreTrainedTokenizerBase | None:
+    """The tokenizer of the checkpoint folder or `.gguf` file at `path`, or None when it ships none."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint path does not exist: {path}")
+    if path.is_file():
+        _check_gguf_file(path)
+        cached = _gguf_cache_dir(path) / "tokenizer"
+        if (cached / "tokenizer_config.json").is_file():
+            tokenizer = transformers.AutoTokenizer.from_pretrained(cached)
+        elif "tokenizer.ggml.model" not in _read_gguf_metadata(path):
+            return None
+        else:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            _save_atomically(cached, tokenizer.save_pretrained)
+        tokenizer.name_or_path = str(path)
+        return tokenizer
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return None
+    return transformers.AutoTokenizer.from_pretrained(path)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Folders: safetensors and PyTorch .bin
+
+
+def _find_weight_files(folder: Path) -> tuple[list[Path], str]:
+    """The weight files of a checkpoint folder, in load order, and their kind ("safetensors" or "bin")."""
+    for index_name, single_name, kind in (
+        (SAFETENSORS_INDEX, SAFETENSORS_SINGLE, "safetensors"),
+        (TORCH_BIN_INDEX, TORCH_BIN_SINGLE, "bin"),
+    ):
+        index = folder / index_name
+        if index.is_file():
+            shards = list(dict.fromkeys(_read_index(index).values()))  # first-appearance order, no repeats
+            missing = [name for name in shards if not (folder / name).is_file()]
+            if missing:
+                raise ValueError(f"{index} lists shard files that are missing: {', '.join(missing)}")
+            return [folder / name for name in shards], kind
+        if (folder / single_name).is_file():
+            return [folder / single_name], kind
+    looked_for = ", ".join((SAFETENSORS_SINGLE, SAFETENSORS_INDEX, TORCH_BIN_SINGLE, TORCH_BIN_INDEX))
+    raise ValueError(f"checkpoint folder {folder} holds no weights: looked for {looked_for}")
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{index} is not a valid checkpoint index (needs a 'weight_map' object): {e}") from e
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index}: 'weight_map' must map tensor names to shard files")
+    return weight_map
+
+
+def _index_names(index: Path) -> set[str] | None:
+    return set(_read_index(index)) if index.is_file() else None
+
+
+def _iter_safetensors_files(files: list[Path], expected: set[str] | None) -> Iterator[tuple[str, torch.Tensor]]:
+    seen: set[str] = set()
+    for file in files:
+        for name, tensor in _iter_safetensors_file(file):
+            seen.add(name)
+            yield name, tensor
+    if expected is not None and expected - seen:
+        missing = sorted(expected - seen)
+        raise ValueError(f"tensors listed in the index but found in no shard: {', '.join(missing[:5])}")
+
+
+def _iter_safetensors_file(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Read a .safetensors file tensor by tensor with plain reads into fresh tensors.
+
+    Not memory-mapped on purpose: pages of a mapped file count in the process's resident memory until it is closed,
+    so mapping a single-file checkpoint while copying it into the model holds twice the weights at the peak.
+    Format: 8-byte little-endian header length, a JSON header {name: {dtype, shape, data_offsets}}, then the data.
+    """
+    size = file.stat().st_size
+    with open(file, "rb", buffering=0) as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError(f"{file} is not a safetensors file (shorter than its 8-byte header length)")
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > size - 8:
+            raise ValueError(f"{file} is not a safetensors file (header length {header_len} exceeds the file)")
+        try:
+            header = json.loads(f.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{file} is not a safetensors file (bad JSON header): {e}") from e
+        header.pop("__metadata__", None)
+        data_start = 8 + header_len
+        # File order: sequential reads.
+        for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+            dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+            if dtype is None:
+                raise ValueError(f"{file}: tensor {name} has unsupported dtype {info['dtype']}")
+            begin, end = info["data_offsets"]
+            shape = tuple(info["shape"])
+            nbytes = end - begin
+            if nbytes != dtype.itemsize * int(np.prod(shape, dtype=np.int64)) or data_start + end > size:
+                raise ValueError(f"{file}: tensor {name} has inconsistent offsets {begin}..{end} for {shape}")
+            # No local keeps the tensor: once the caller drops it, it is freed before the next one is read.
+            yield name, _read_tensor(f, data_start + begin, nbytes, dtype, shape, file)
+
+
+def _read_tensor(f, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...], file: Path) -> torch.Tensor:
+    raw = torch.empty(nbytes, dtype=torch.uint8)
+    buffer = memoryview(raw.numpy())
+    f.seek(offset)
+    done = 0
+    while done < nbytes:
+        n = f.readinto(buffer[done:])
+        if not n:
+            raise ValueError(f"{file} is truncated")
+        done += n
+    return raw.view(dtype).reshape(shape)
+
+
+def _iter_torch_bin_files(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        state_dict = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+        for name in list(state_dict):
+            yield name, state_dict.pop(name)
+        del state_dict
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GGUF
+
+
+def _check_gguf_file(path: Path) -> None:
+    if path.suffix.lower() != ".gguf":
+        raise ValueError(f"checkpoint file {path} is not a .gguf file; pass a checkpoint folder or a .gguf file")
+
+
+def _read_gguf_metadata(path: Path) -> dict:
+    """The GGUF key/value metadata (string arrays such as the vocabulary are given as their lengths)."""
+    try:  # transformers' own header reader: ~30 ms, against seconds for gguf.GGUFReader on a 49k vocabulary
+        from transformers.integrations.gguf.reader import read_gguf_metadata
+    except ImportError:
+        import gguf
+
+        reader = gguf.GGUFReader(path)
+        return {key: field.contents() for key, field in reader.fields.items()}
+    metadata, _ = read_gguf_metadata(str(path))
+    return metadata
+
+
+def _gguf_tensor_table(path: Path) -> tuple[str, list[tuple[str, int, tuple[int, ...], np.ndarray]]]:
+    """(architecture, [(gguf_name, ggml_type, torch shape, raw bytes memory-mapped)]) of a GGUF file.
+
+    The raw bytes have shape (*shape[:-1], bytes per row), which is what `gguf.quants.dequantize` takes.
+    """
+    import gguf
+
+    try:
+        from transformers.integrations.gguf.reader import GgufHeader
+    except ImportError:
+        reader = gguf.GGUFReader(path)
+        arch = reader.fields["general.architecture"].contents()
+        table = [(t.name, int(t.tensor_type), tuple(int(d) for d in reversed(t.shape)), t.data) for t in reader.tensors]
+        return arch, table
+    header = GgufHeader.from_file(str(path))
+    blob = np.memmap(path, mode="r", dtype=np.uint8)
+    table = []
+    for info in header.tensors:
+        block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(info.ggml_type)]
+        row_bytes = info.shape[-1] // block_size * type_size
+        start = header.data_start + info.offset
+        raw = blob[start : start + info.nbytes].reshape(*info.shape[:-1], row_bytes)
+        table.append((info.name, info.ggml_type, info.shape, raw))
+    return header.architecture, table
+
+
+def _iter_gguf(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+    )
+
+    arch, table = _gguf_tensor_table(path)
+    if arch not in GGUF_ARCHS:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHS)})")
+    config = load_hf_config(path)
+    processor_config = {
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+    }
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=processor_config)
+    name_map = get_gguf_hf_weights_map(_ParameterNames(config), processor)
+    return _dequantize_gguf_tensors(path, table, name_map, processor, gguf.quants.dequantize)
+
+
+class _ParameterNames:
+    """What `get_gguf_hf_weights_map` reads of a model: its config and parameter names, without submodules.
+
+    Passing the real model makes transformers rebuild gguf's name table once per submodule (seconds for 30 layers);
+    for decoder-only llama/qwen2/qwen3 the top level already maps every parameter.
+    """
+
+    def __init__(self, config: transformers.PretrainedConfig):
+        self.config = config
+        with torch.device("meta"):  # parameter names without allocating the weights
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        self._names = dict.fromkeys(model.state_dict())
+
+    def state_dict(self) -> dict[str, None]:
+        return self._names
+
+    def named_children(self) -> Iterator[tuple[str, object]]:
+        return iter(())
+
+
+def _dequantize_gguf_tensors(path, table, name_map, processor, dequantize) -> Iterator[tuple[str, torch.Tensor]]:
+    import gguf
+
+    for gguf_name, ggml_type, shape, raw in table:
+        if gguf_name not in name_map:
+            # e.g. llama.cpp's precomputed `rope_freqs.weight`: derived from the config, not a parameter.
+            logger.debug("%s: skipping GGUF tensor %s (no transformers parameter)", path, gguf_name)
+            continue
+        weights = dequantize(raw, gguf.GGMLQuantizationType(ggml_type))  # (*shape) float32
+        weights = processor.process(weights=weights, name=gguf_name).weights  # undoes llama.cpp's Q/K permutation
+        if not weights.flags.writeable or not weights.flags.c_contiguous:  # still a view of the mapped file
+            weights = np.array(weights, copy=True, order="C")
+        tensor = torch.from_numpy(weights.astype(np.float32, copy=False))
+        if tuple(tensor.shape) != tuple(shape):
+            raise ValueError(f"{path}: tensor {gguf_name} dequantized to {tuple(tensor.shape)}, expected {shape}")
+        yield name_map[gguf_name], tensor
+
+
+def _patch_gguf_config(config: transformers.PretrainedConfig, metadata: dict) -> None:
+    """Fill what transformers' GGUF config mapping leaves out for our architectures."""
+    arch = metadata.get("general.architecture")
+    key_length = metadata.get(f"{arch}.attention.key_length")
+    # transformers maps no head size for qwen2/qwen3 GGUFs; Qwen3's default (128) is wrong for other head sizes.
+    if arch == "qwen3" and key_length is not None:
+        config.head_dim = int(key_length)
+
+
+def _gguf_cache_dir(path: Path) -> Path:
+    """Where the config and tokenizer parsed from a GGUF file are cached."""
+    stat = path.stat()
+    key = f"{path.name}-{stat.st_size}-{stat.st_mtime_ns}-tf{transformers.__version__}"
+    return omnivox_cache_dir() / "gguf-meta" / key
+
+
+def _save_atomically(target: Path, save) -> None:
+    """Call `save(folder)` on a temporary folder, then rename it to `target` (kept as is if another process won)."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    except OSError as e:  # read-only cache: work without it
+        logger.warning("cannot cache GGUF metadata in %s: %s", target.parent, e)
+        return
+    try:
+        save(tmp)
+        os.rename(tmp, target)
+    except OSError:
+        if not target.is_dir():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
