@@ -11,8 +11,8 @@ from google.protobuf import duration_pb2
 
 from omnivox.engine import RequestOutput
 from omnivox.engine.errors import InvalidRequest
-from omnivox.services import validation
-from omnivox.services.errors import rpc_method
+from omnivox.services import errors, validation
+from omnivox.services.errors import FieldViolation, ServiceError, rpc_method
 from omnivox.services.registry import ModelRegistry, ServedModel
 from omnivox.v1 import generation_pb2, generation_pb2_grpc
 
@@ -39,7 +39,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         model = self.registry.get_ready(request.model)
         checked = validation.validate_generate(request, model)
         assert model.engine is not None and model.prompt_builder is not None
-        prompt = model.prompt_builder.build(request.contents)
+        try:
+            prompt = model.prompt_builder.build(request.contents)
+        except ServiceError:
+            raise
+        except Exception as exc:  # e.g. a chat template that refuses a role order: the request's fault
+            raise errors.invalid_argument(
+                [FieldViolation("contents", f"the model's chat template rejected the conversation: {exc}")]
+            ) from exc
         validation.check_prompt_fits(len(prompt.token_ids), checked.params, model)
 
         with model.admit():

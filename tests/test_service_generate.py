@@ -288,3 +288,22 @@ def test_drain_lets_streams_finish(checkpoint: Path) -> None:
         deltas, summary = collect(running)
         assert summary.usage.output_tokens == 200
         stopping.join(timeout=30)
+
+
+def test_chat_template_refusal_is_invalid_argument(tmp_path: Path) -> None:
+    """A template that raises (as some do for a system turn) is the request's fault, named on `contents`."""
+    ckpt = make_checkpoint(tmp_path / "no-system", family="llama")
+    template = (ckpt / "chat_template.jinja").read_text()
+    refuse = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system turns') }}{% endif %}"
+    (ckpt / "chat_template.jinja").write_text(refuse + template)
+    with ServerThread([ModelSpec(path=ckpt)], EngineOptions(kv_cache_gib=KV_GIB)) as srv:
+        stub = generation_pb2_grpc.GenerationServiceStub(srv.channel())
+        request = user_request("Hi", max_output_tokens=2)
+        request.contents.insert(0, content_pb2.Content(role="system", parts=[content_pb2.Part(text="Be brief.")]))
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(request))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert [v.field for v in violations(info.value)] == ["contents"]
+        assert "no system turns" in info.value.details()
+        *_, last = stub.Generate(user_request("Hi", max_output_tokens=2))  # without the system turn: served
+        assert last.HasField("summary")
