@@ -14,18 +14,19 @@ import platform
 import sys
 import time
 from pathlib import Path
-
-import torch
-from tqdm import tqdm
+from typing import TYPE_CHECKING
 
 from omnivox.benchmarks import report
-from omnivox.benchmarks.bandwidth import measure_bandwidth, weight_bytes_per_step
 from omnivox.benchmarks.metrics import summarize
-from omnivox.benchmarks.systems.base import System, SystemUnavailable
+from omnivox.benchmarks.systems.base import SystemUnavailable
 from omnivox.benchmarks.workload import WorkloadSpec, describe, make_workload
 
+if TYPE_CHECKING:
+    from omnivox.benchmarks.systems.base import System
+
+# torch and the peers are imported where used, so that `omnivox --help` stays fast.
 ALL_SYSTEMS = ("omnivox", "hf", "hf-cb", "llamacpp-server", "llamacpp")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _int_list(text: str) -> list[int]:
@@ -62,7 +63,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--output-tokens", type=_range, default=(16, 64), help="LOW,HIGH output tokens (seeded)")
     ap.add_argument("--shared-prefix-words", type=int, default=24, help="words every prompt starts with")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype of omnivox and the peers")
+    ap.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of omnivox and the peers")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (peers and bandwidth; the server picks its own)")
     ap.add_argument("--systems", default=",".join(ALL_SYSTEMS), help=f"comma-separated subset of {ALL_SYSTEMS}")
     ap.add_argument("--gguf", help="GGUF file for the llama.cpp peers (default: --model when it is a .gguf)")
@@ -73,6 +74,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def machine_description(device: str) -> str:
+    import torch
+
     if device.startswith("cuda") and torch.cuda.is_available():
         return f"{torch.cuda.get_device_name(0)}, {os.cpu_count()} CPU cores"
     cpu = platform.processor() or "CPU"
@@ -96,7 +99,9 @@ def default_model() -> str:
 
 def make_systems(args: argparse.Namespace, model: str, names: list[str]) -> list[System | tuple[str, str]]:
     """The systems to run, in order; a peer that cannot be built here is (name, reason)."""
-    dtype = DTYPES[args.dtype]
+    import torch
+
+    dtype = getattr(torch, args.dtype)
     out: list = []
     for name in names:
         if name == "omnivox":
@@ -171,6 +176,10 @@ def evaluate_targets(levels: list[dict], floor: dict | None) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> dict:
+    import torch
+    from tqdm import tqdm
+
+    from omnivox.benchmarks.bandwidth import measure_bandwidth, weight_bytes_per_step
     from omnivox.benchmarks.systems.hf_loading import load_config, load_tokenizer
 
     model = args.model or default_model()
@@ -187,7 +196,7 @@ def run(args: argparse.Namespace) -> dict:
     tokenizer = load_tokenizer(model)
     requests = make_workload(spec, tokenizer)
     config = load_config(model)
-    dtype = DTYPES[args.dtype]
+    dtype = getattr(torch, args.dtype)
 
     result: dict = {
         "started": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
