@@ -134,6 +134,10 @@ class ModelRegistry:
             raise errors.failed_precondition(f"model {model.name!r} failed to load: {model.error}")
         return model
 
+    def in_flight(self) -> int:
+        """Requests admitted across all models (what a drain waits for)."""
+        return sum(m.in_flight for m in self._models.values())
+
     def shutdown(self) -> None:
         for model in self:
             if model.engine is not None:

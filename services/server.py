@@ -153,10 +153,16 @@ class OmnivoxServer:
     async def stop(self, grace_s: float | None = None) -> None:
         """Drain: NOT_SERVING, refuse new calls, let in-flight calls finish within the grace period; stop engines."""
         grace = self.options.grace_period_s if grace_s is None else grace_s
+        deadline = asyncio.get_running_loop().time() + grace
         self.registry.draining = True
         await self.health.enter_graceful_shutdown()
+        # While requests run, the server still answers: health checks say NOT_SERVING, new calls get UNAVAILABLE.
+        while self.registry.in_flight() and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
         if self._server is not None:
-            await self._server.stop(grace)
+            # Then close. Long-lived calls that never end on their own (health Watch streams) get a short grace.
+            remaining = max(deadline - asyncio.get_running_loop().time(), 0.0)
+            await self._server.stop(min(remaining, 1.0))
         await asyncio.to_thread(self.registry.shutdown)
 
     async def wait_for_termination(self) -> None:

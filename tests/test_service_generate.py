@@ -11,6 +11,7 @@ import grpc
 import pytest
 from checkpoints import make_checkpoint
 from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from service_harness import ServerThread, user_request
 
 from omnivox.engine import SamplingParams
@@ -285,6 +286,9 @@ def test_drain_lets_streams_finish(checkpoint: Path) -> None:
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Generate(user_request("Late", max_output_tokens=2)))
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        health = health_pb2_grpc.HealthStub(srv.channel()).Check(health_pb2.HealthCheckRequest())
+        assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert stopping.is_alive()  # still draining: the stream below is in flight
         deltas, summary = collect(running)
         assert summary.usage.output_tokens == 200
         stopping.join(timeout=30)

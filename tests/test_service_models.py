@@ -144,3 +144,16 @@ def test_tls(checkpoints, tmp_path: Path) -> None:
             assert last.summary.usage.output_tokens >= 1
         with grpc.insecure_channel(f"localhost:{srv.server.port}") as plain, pytest.raises(grpc.RpcError):
             model_pb2_grpc.ModelServiceStub(plain).ListModels(model_pb2.ListModelsRequest(), timeout=2)
+
+
+def test_health_watch_does_not_hold_shutdown(checkpoints) -> None:
+    """A Watch stream never ends on its own; the drain must not wait the whole grace period for it."""
+    import time
+
+    with ServerThread([ModelSpec(path=checkpoints[0])], KV) as srv:
+        watch = health_pb2_grpc.HealthStub(srv.channel()).Watch(health_pb2.HealthCheckRequest())
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        start = time.monotonic()
+        srv.run(srv.server.stop(30.0))
+        assert time.monotonic() - start < 5.0
+        assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING  # watchers saw the drain
