@@ -46,6 +46,7 @@ class SpeechLayout:
     default_voice: str = "tara"
     language_code: str = "en"  # BCP-47 language of the voices
     sample_rate: int = 24000  # of the codec
+    codec_folder: str = "snac"  # the codec checkpoint (config.json + pytorch_model.bin), relative to the model folder
     temperature: float = 0.6  # default sampling for speech
     top_p: float = 0.8
     repetition_penalty: float = 1.3
@@ -219,3 +220,76 @@ class SpeechTokenConstraint:
         if position == 0 and n // self.layout.frame_size >= self.min_frames:
             return self._boundary_mask
         return self._position_masks[position]
+
+
+def save_random_speech_decoder(
+    out_dir: str | Path,
+    layout: SpeechLayout = ORPHEUS_LAYOUT,
+    seed: int = 0,
+    hidden_size: int = 32,
+    num_layers: int = 2,
+    max_position_embeddings: int = 4096,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Save a small randomly initialised Llama with the layout's vocabulary, a byte-level tokenizer (with a BOS it
+    adds, as Llama 3's does) and `speech_layout.json`: a speech decoder that runs end to end and speaks noise.
+
+    The vocabulary must hold every layout id (Orpheus: 156939), so the embedding dominates the size: keep the hidden
+    size small (32 -> about 5M parameters, embeddings tied).
+    """
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    vocab_size = layout.min_vocab_size
+    config = transformers.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=256,
+        eos_token_id=layout.end_of_speech,
+        pad_token_id=257,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.LlamaForCausalLM(config).to(dtype).eval()
+    model.save_pretrained(out_dir)
+
+    # Byte-level BPE without merges: one token per UTF-8 byte, <|begin_of_text|> = 256 prepended to every text.
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    byte_to_char = {b: c for b, c in zip(range(256), _byte_level_chars(), strict=True)}
+    assert set(byte_to_char.values()) == set(byte_chars)
+    vocab = {byte_to_char[b]: b for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|begin_of_text|>", "<|pad|>"])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", 256)]
+    )
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|begin_of_text|>", pad_token="<|pad|>"
+    )
+    fast.save_pretrained(out_dir)
+    layout.save(out_dir)
+    return out_dir
+
+
+def _byte_level_chars() -> list[str]:
+    """GPT-2's byte -> printable character table (byte order), as the ByteLevel pre-tokenizer uses it."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = [], 0
+    for b in range(256):
+        if b in printable:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars

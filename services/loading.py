@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from omnivox.services.prompt import ChatPromptBuilder
-from omnivox.services.registry import ServedModel
+from omnivox.services.registry import AUDIO, TEXT, ServedModel
 
 log = logging.getLogger(__name__)
 
@@ -80,13 +80,28 @@ def resolve(spec: ModelSpec, is_default: bool, max_queue: int) -> ServedModel:
             name=spec.name or DEFAULT_MODEL_NAME, source=None, is_default=is_default, max_queue=max_queue
         )
     path = check_model_path(spec.path)
+    speech = path.is_dir() and (path / "speech_layout.json").is_file()  # a speech model: services/speech.py
     return ServedModel(
         name=spec.name or model_name_for(path),
         source=path,
         is_default=is_default,
         max_queue=max_queue,
+        output_modalities=frozenset({AUDIO}) if speech else frozenset({TEXT}),
+        untrained_components=untrained_components(path),
         sampling_defaults=sampling_defaults(path),
     )
+
+
+def untrained_components(path: Path) -> tuple[str, ...]:
+    """Components a checkpoint folder declares randomly initialised (`untrained_components.json`: a list of names)."""
+    file = path / "untrained_components.json" if path.is_dir() else None
+    if file is None or not file.is_file():
+        return ()
+    try:
+        names = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError):
+        return ()
+    return tuple(str(n) for n in names) if isinstance(names, list) else ()
 
 
 def load(model: ServedModel, options: EngineOptions) -> None:

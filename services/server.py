@@ -28,7 +28,8 @@ from omnivox.services.generation import GenerationServicer
 from omnivox.services.loading import EngineOptions, ModelLoadError, ModelSpec
 from omnivox.services.model_service import ModelServicer
 from omnivox.services.registry import ModelRegistry
-from omnivox.v1 import generation_pb2, generation_pb2_grpc, model_pb2, model_pb2_grpc
+from omnivox.services.speech import SpeechServicer
+from omnivox.v1 import generation_pb2, generation_pb2_grpc, model_pb2, model_pb2_grpc, speech_pb2, speech_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,11 @@ def omnivox_services(registry: ModelRegistry) -> list[ServiceBinding]:
             model_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name,
             model_pb2_grpc.add_ModelServiceServicer_to_server,
             ModelServicer(registry),
+        ),
+        ServiceBinding(
+            speech_pb2.DESCRIPTOR.services_by_name["SpeechService"].full_name,
+            speech_pb2_grpc.add_SpeechServiceServicer_to_server,
+            SpeechServicer(registry),
         ),
     ]
     return bindings

@@ -1,0 +1,128 @@
+"""One asyncio task per codec that decodes the ready windows of every open stream together.
+
+Producers (one per audio stream, on the event loop) push frames as the engine yields them; the worker wakes up,
+plans the windows every stream can decode now, runs them through the codec in one batched call in a worker thread,
+and hands each stream its chunks through an asyncio queue. While a codec pass runs, more frames arrive, and the next
+pass takes them all: windows that become ready in the same engine step end up in the same forward pass.
+Stream state is planned and applied on the event loop only; the codec forward alone runs in the thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from omnivox.codecs.streaming import BatchedStreamDecoder, StreamDecoderState, StreamingOptions
+
+log = logging.getLogger(__name__)
+
+END = None  # put on a stream's queue after its last chunk
+
+
+@dataclass
+class AudioStream:
+    """A stream's codec state and the queue its chunks (np.float32 arrays), then END or an exception, arrive on."""
+
+    state: StreamDecoderState
+    chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
+    ended: bool = False
+
+
+@dataclass
+class DecodeStats:
+    passes: int = 0  # decode_windows calls
+    windows: int = 0  # windows decoded
+    max_batch: int = 0  # most windows in one call
+
+
+class DecodeWorker:
+    def __init__(self, decoder: BatchedStreamDecoder) -> None:
+        self.decoder = decoder
+        self.stats = DecodeStats()
+        self._streams: dict[StreamDecoderState, AudioStream] = {}
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def sample_rate(self) -> int:
+        return self.decoder.sample_rate
+
+    @property
+    def open_streams(self) -> int:
+        return len(self._streams)
+
+    def _ensure_running(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._task is None or self._task.done() or self._loop is not loop:
+            self._loop = loop
+            self._wake = asyncio.Event()
+            self._task = loop.create_task(self._run(), name="codec-decode-worker")
+
+    def open(self, options: StreamingOptions | None = None) -> AudioStream:
+        """A new stream (call from the event loop)."""
+        self._ensure_running()
+        stream = AudioStream(self.decoder.open_stream(options))
+        self._streams[stream.state] = stream
+        return stream
+
+    def push(self, stream: AudioStream, frames: list[list[int]]) -> None:
+        for frame in frames:
+            stream.state.push_frame(frame)
+        if frames and self._wake is not None:
+            self._wake.set()
+
+    def finish(self, stream: AudioStream) -> None:
+        """No more frames: the rest of the audio, then END, will arrive on the queue."""
+        stream.state.finish()
+        if self._wake is not None:
+            self._wake.set()
+
+    def close(self, stream: AudioStream) -> None:
+        """Forget the stream (finished or cancelled): its frames, tail and queue are dropped."""
+        stream.state.close()
+        self._streams.pop(stream.state, None)
+
+    async def shutdown(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        for stream in list(self._streams.values()):
+            self.close(stream)
+
+    def _deliver_ends(self) -> None:
+        for stream in list(self._streams.values()):
+            if not stream.ended and stream.state.done:
+                stream.ended = True
+                stream.chunks.put_nowait(END)
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            windows = [w for s in list(self._streams) for w in s.plan()]
+            if windows:
+                try:
+                    audio = await asyncio.to_thread(self.decoder.decode_windows, windows)
+                except Exception as exc:  # a broken codec fails the streams it was decoding, not the server
+                    log.exception("codec decode failed")
+                    for stream in {self._streams.get(w.stream) for w in windows} - {None}:
+                        stream.ended = True
+                        stream.chunks.put_nowait(exc)
+                    continue
+                self.stats.passes += 1
+                self.stats.windows += len(windows)
+                self.stats.max_batch = max(self.stats.max_batch, len(windows))
+                for w, a in zip(windows, audio, strict=True):
+                    stream = self._streams.get(w.stream)
+                    if stream is None or stream.ended:  # closed while its window was decoding
+                        continue
+                    chunk: np.ndarray = w.stream.apply(w, a)
+                    if len(chunk):
+                        stream.chunks.put_nowait(chunk)
+            self._deliver_ends()

@@ -1,0 +1,106 @@
+"""`omnivox speak "Hello there" --voice tara -o hello.wav`: synthesize speech, streaming it to a file or stdout."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from omnivox.services.cli._common import CliError, add_connection_args, connect, rpc_error_line
+
+ENCODINGS = ("wav", "linear16", "flac", "ogg_opus", "mulaw")
+_BY_SUFFIX = {".wav": "wav", ".flac": "flac", ".ogg": "ogg_opus", ".opus": "ogg_opus", ".raw": "linear16",
+              ".pcm": "linear16", ".ulaw": "mulaw", ".mulaw": "mulaw"}  # fmt: skip
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("speak", help="synthesize speech from text (SpeechService)")
+    p.add_argument("text", nargs="?", help="what to say; - or nothing reads it from stdin")
+    p.add_argument("-o", "--output", default="-", help="output file, or - for stdout (default: -)")
+    p.add_argument("--voice", default="", help="voice name (default: the model's default voice)")
+    p.add_argument("--language", default="", help="BCP-47 language code of the voice")
+    p.add_argument("--model", default="", help="speech model (default: the server's speech model)")
+    p.add_argument(
+        "--encoding", choices=ENCODINGS, help="audio encoding (default: from the output file's suffix, else wav)"
+    )
+    p.add_argument("--sample-rate", type=int, default=0, help="sample rate in Hz (default: the model's own)")
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--repetition-penalty", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--list-voices", action="store_true", help="print the voices the server offers and exit")
+    p.add_argument("--quiet", "-q", action="store_true", help="no summary line on stderr")
+    add_connection_args(p)
+    p.set_defaults(run=run)
+
+
+def _encoding(args: argparse.Namespace) -> str:
+    if args.encoding:
+        return args.encoding
+    if args.output != "-":
+        return _BY_SUFFIX.get(Path(args.output).suffix.lower(), "wav")
+    return "wav"
+
+
+def build_request(args: argparse.Namespace, text: str):
+    from omnivox.v1 import content_pb2, sampling_pb2, speech_pb2
+
+    sampling = sampling_pb2.SamplingConfig()
+    for name in ("temperature", "top_p", "repetition_penalty", "seed"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(sampling, name, value)
+    return speech_pb2.SynthesizeSpeechRequest(
+        model=args.model,
+        text=text,
+        voice=speech_pb2.VoiceSelection(name=args.voice, language_code=args.language),
+        audio_config=speech_pb2.AudioConfig(
+            encoding=content_pb2.AudioEncoding.Value(f"AUDIO_ENCODING_{_encoding(args).upper()}"),
+            sample_rate_hertz=args.sample_rate,
+        ),
+        sampling=sampling,
+    )
+
+
+def summary_line(summary) -> str:
+    ttfa = summary.time_to_first_audio.ToNanoseconds() / 1e9
+    return (
+        f"{summary.audio_seconds:.2f} s of audio · {summary.audio_tokens} audio tokens · "
+        f"first audio {ttfa * 1000:.0f} ms · real-time factor {summary.real_time_factor:.2f}"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import grpc
+
+    from omnivox.v1 import speech_pb2, speech_pb2_grpc
+
+    with connect(args) as channel:
+        stub = speech_pb2_grpc.SpeechServiceStub(channel)
+        if args.list_voices:
+            try:
+                response = stub.ListVoices(
+                    speech_pb2.ListVoicesRequest(model=args.model, language_code=args.language), timeout=args.timeout
+                )
+            except grpc.RpcError as err:
+                raise CliError(rpc_error_line(err, args.server)) from None
+            for voice in response.voices:
+                print(f"{voice.name}\t{','.join(voice.language_codes)}\t{voice.model}")
+            return 0
+        text = sys.stdin.read() if args.text in (None, "-") else args.text
+        request = build_request(args, text)
+        out = sys.stdout.buffer if args.output == "-" else open(args.output, "wb")  # noqa: SIM115
+        try:
+            for response in stub.SynthesizeSpeech(request, timeout=args.timeout):
+                kind = response.WhichOneof("response")
+                if kind == "audio":
+                    out.write(response.audio.data)
+                    out.flush()
+                elif kind == "summary" and not args.quiet:
+                    print(f"[{summary_line(response.summary)}]", file=sys.stderr)
+        except grpc.RpcError as err:
+            raise CliError(rpc_error_line(err, args.server)) from None
+        finally:
+            if out is not sys.stdout.buffer:
+                out.close()
+    return 0

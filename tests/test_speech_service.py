@@ -1,0 +1,198 @@
+"""SpeechService end to end over real gRPC: a random Orpheus-layout decoder + a random SNAC of the 24 kHz framing."""
+
+from __future__ import annotations
+
+import io
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+import soundfile as sf
+from service_harness import ServerThread
+
+from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
+from omnivox.services.errors import status_details
+from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.speech import SpeechServicer, save_random_speech_model, split_text
+from omnivox.v1 import content_pb2, model_pb2, model_pb2_grpc, speech_pb2, speech_pb2_grpc
+
+SMALL_SNAC = dict(SNAC_24KHZ_CONFIG, encoder_dim=8, decoder_dim=64)  # same framing, less compute
+ENC = content_pb2.AudioEncoding
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = save_random_speech_model(tmp_path_factory.mktemp("speech") / "orpheus-random", snac_config=SMALL_SNAC)
+    with ServerThread([ModelSpec(path=path, name="speech")], EngineOptions(kv_cache_gib=0.02)) as srv:
+        servicer = next(b.servicer for b in srv.server.services if isinstance(b.servicer, SpeechServicer))
+        # Short audio budgets: the random decoder never says end-of-speech, so it speaks for the whole budget.
+        servicer.limits.audio_seconds_base = 0.5
+        servicer.limits.audio_seconds_per_char = 0.02
+        srv.speech = servicer
+        yield srv
+
+
+def synthesize(server, text="Hello there.", encoding=ENC.AUDIO_ENCODING_WAV, rate=0, timeout=120, **fields):
+    stub = speech_pb2_grpc.SpeechServiceStub(server.channel())
+    request = speech_pb2.SynthesizeSpeechRequest(
+        text=text, audio_config=speech_pb2.AudioConfig(encoding=encoding, sample_rate_hertz=rate), **fields
+    )
+    return list(stub.SynthesizeSpeech(request, timeout=timeout))
+
+
+def split_responses(responses):
+    kinds = [r.WhichOneof("response") for r in responses]
+    assert kinds[0] == "format" and kinds[-1] == "summary" and set(kinds[1:-1]) <= {"audio"}
+    return responses[0].format, b"".join(r.audio.data for r in responses[1:-1]), responses[-1].summary
+
+
+def decode(data: bytes, encoding: int, rate: int) -> tuple[np.ndarray, int]:
+    if encoding == ENC.AUDIO_ENCODING_LINEAR16:
+        return sf.read(io.BytesIO(data), format="RAW", subtype="PCM_16", samplerate=rate, channels=1, endian="LITTLE")
+    if encoding == ENC.AUDIO_ENCODING_MULAW:
+        return sf.read(io.BytesIO(data), format="RAW", subtype="ULAW", samplerate=rate, channels=1)
+    return sf.read(io.BytesIO(data))
+
+
+ENCODINGS = [
+    ENC.AUDIO_ENCODING_LINEAR16,
+    ENC.AUDIO_ENCODING_WAV,
+    ENC.AUDIO_ENCODING_FLAC,
+    ENC.AUDIO_ENCODING_OGG_OPUS,
+    ENC.AUDIO_ENCODING_MULAW,
+]
+
+
+def test_every_encoding_at_24_and_16_khz(server):
+    cases = [(e, r) for e in ENCODINGS for r in (24000, 16000)]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        results = list(pool.map(lambda c: synthesize(server, encoding=c[0], rate=c[1]), cases))
+    for (encoding, rate), responses in zip(cases, results, strict=True):
+        fmt, data, summary = split_responses(responses)
+        assert (fmt.encoding, fmt.sample_rate_hertz, fmt.channels) == (encoding, rate, 1)
+        audio, got_rate = decode(data, encoding, rate)
+        assert got_rate == rate
+        frames = summary.audio_tokens // 7
+        assert summary.audio_tokens == 7 * frames and frames > 0
+        assert summary.audio_seconds == pytest.approx(frames * 2048 / 24000, abs=1 / rate)
+        assert len(audio) / rate == pytest.approx(summary.audio_seconds, abs=1 / rate)
+        assert np.abs(audio).max() > 0  # noise, but not silence
+        assert summary.time_to_first_audio.ToNanoseconds() > 0 and summary.real_time_factor > 0
+        assert summary.model == "speech" and summary.request_id
+    assert server.speech.bundle(server.registry.lookup("speech")).worker.open_streams == 0
+
+
+def test_eight_concurrent_streams_complete_and_share_codec_passes(server):
+    worker = server.speech.bundle(server.registry.lookup("speech")).worker
+    worker.stats.max_batch = 0
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda i: synthesize(server, text=f"Stream number {i}.",
+                                                     encoding=ENC.AUDIO_ENCODING_LINEAR16), range(8)))  # fmt: skip
+    for responses in results:
+        _, data, summary = split_responses(responses)
+        assert len(data) == 2 * round(summary.audio_seconds * 24000) > 0
+    assert worker.stats.max_batch > 1  # windows of several streams went through one codec pass
+    assert worker.open_streams == 0
+    free, total = server.wait_kv_free("speech")
+    assert free == total
+
+
+def test_long_text_is_split_and_streamed_in_order(server):
+    """Each segment is its own seeded engine request, so the long request's audio == its sentences said alone."""
+    sentences = ["First sentence here.", "And a second one!", "Third?"]
+    long_text = " ".join(sentences)
+    assert split_text(long_text, max_chars=20) == sentences
+    server.speech.limits.max_segment_chars = 20
+    try:
+        pcm = ENC.AUDIO_ENCODING_LINEAR16
+        _, whole, summary = split_responses(synthesize(server, long_text, pcm, sampling={"seed": 11}))
+        parts = [split_responses(synthesize(server, s, pcm, sampling={"seed": 11 + i}))
+                 for i, s in enumerate(sentences)]  # fmt: skip
+    finally:
+        server.speech.limits.max_segment_chars = 300
+    assert summary.audio_tokens == sum(p[2].audio_tokens for p in parts)
+    got = np.frombuffer(whole, dtype="<i2").astype(np.int32)
+    expected = np.frombuffer(b"".join(p[1] for p in parts), dtype="<i2").astype(np.int32)
+    assert got.shape == expected.shape
+    assert np.abs(got - expected).max() <= 2  # int16 rounding of float noise between batched and single decodes
+
+
+def expect_error(server, code, field=None, **kwargs):
+    with pytest.raises(grpc.RpcError) as info:
+        synthesize(server, **kwargs)
+    assert info.value.code() == code, info.value.details()
+    if field is not None:
+        violations = [v.field for d in status_details(info.value) if d.DESCRIPTOR.name == "BadRequest"
+                      for v in d.field_violations]  # fmt: skip
+        assert field in violations
+    return info.value
+
+
+def test_bad_requests_leave_the_server_serving(server):
+    INVALID = grpc.StatusCode.INVALID_ARGUMENT
+    expect_error(server, INVALID, "text", text="   ")
+    expect_error(server, INVALID, "text", text="a" * (server.speech.limits.max_text_chars + 1))
+    expect_error(server, INVALID, "audio_config.encoding", encoding=99)
+    expect_error(server, INVALID, "audio_config.sample_rate_hertz", rate=12345)
+    expect_error(server, INVALID, "audio_config.sample_rate_hertz", encoding=ENC.AUDIO_ENCODING_OGG_OPUS, rate=44100)
+    expect_error(server, INVALID, "sampling.temperature", sampling={"temperature": -1})
+    err = expect_error(server, grpc.StatusCode.NOT_FOUND, voice={"name": "nobody"})
+    assert "nobody" in err.details()
+    expect_error(server, grpc.StatusCode.NOT_FOUND, voice={"name": "tara", "language_code": "fr-FR"})
+    expect_error(server, grpc.StatusCode.NOT_FOUND, model="no-such-model")
+    _, data, summary = split_responses(synthesize(server, voice={"name": "leo", "language_code": "en-US"}))
+    assert data and summary.audio_seconds > 0
+
+
+def test_cancelled_stream_frees_kv_blocks_and_codec_state(server):
+    server.speech.limits.audio_seconds_base = 30.0  # long enough to still be running when cancelled
+    try:
+        stub = speech_pb2_grpc.SpeechServiceStub(server.channel())
+        call = stub.SynthesizeSpeech(speech_pb2.SynthesizeSpeechRequest(text="Keep talking."), timeout=120)
+        seen = [next(call).WhichOneof("response"), next(call).WhichOneof("response")]
+        assert seen == ["format", "audio"]
+        engine = server.engine("speech")
+        assert engine.num_unfinished() == 1
+        call.cancel()
+    finally:
+        server.speech.limits.audio_seconds_base = 0.5
+    free, total = server.wait_kv_free("speech", timeout=5.0)
+    assert free == total and server.engine("speech").num_unfinished() == 0
+    worker = server.speech.bundle(server.registry.lookup("speech")).worker
+    assert worker.open_streams == 0
+    _, data, _ = split_responses(synthesize(server))  # still serving
+    assert data
+
+
+def test_list_voices_and_models(server):
+    stub = speech_pb2_grpc.SpeechServiceStub(server.channel())
+    voices = stub.ListVoices(speech_pb2.ListVoicesRequest()).voices
+    assert [v.name for v in voices] == ["tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe"]
+    assert all(v.model == "speech" and list(v.language_codes) == ["en"] for v in voices)
+    assert stub.ListVoices(speech_pb2.ListVoicesRequest(language_code="en-GB")).voices
+    assert not stub.ListVoices(speech_pb2.ListVoicesRequest(language_code="de")).voices
+    with pytest.raises(grpc.RpcError) as info:
+        stub.ListVoices(speech_pb2.ListVoicesRequest(model="nope"))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    models = model_pb2_grpc.ModelServiceStub(server.channel()).ListModels(model_pb2.ListModelsRequest()).models
+    speech = next(m for m in models if m.name == "speech")
+    assert list(speech.output_modalities) == [model_pb2.MODALITY_AUDIO]
+    assert speech.has_untrained_components and "SNAC codec" in speech.untrained_components
+
+
+def test_cli_speak_writes_a_wav_file(server, tmp_path, capsys):
+    from omnivox.services.cli import main
+
+    out = tmp_path / "hello.wav"
+    assert main(["speak", "Hello there", "--voice", "tara", "-o", str(out), "--server", server.address]) == 0
+    audio, rate = sf.read(out)
+    assert rate == 24000 and len(audio) > 0
+    assert "real-time factor" in capsys.readouterr().err
+    ogg = tmp_path / "hello.ogg"
+    assert main(["speak", "Hi", "-o", str(ogg), "--sample-rate", "16000", "-q", "--server", server.address]) == 0
+    assert sf.info(str(ogg)).samplerate == 16000 and sf.info(str(ogg)).format == "OGG"
+    assert main(["speak", "Hi", "--voice", "nobody", "-o", str(tmp_path / "x.wav"), "--server", server.address]) == 1
+    assert "NOT_FOUND" in capsys.readouterr().err
+    assert main(["speak", "--list-voices", "--server", server.address]) == 0
+    assert "tara\ten\tspeech" in capsys.readouterr().out
