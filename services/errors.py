@@ -148,13 +148,3 @@ def status_details(err: grpc.RpcError) -> list[Message]:
                 any_msg.Unpack(msg)
                 out.append(msg)
     return out
-
-
-def describe_rpc_error(err: grpc.RpcError) -> str:
-    """One line for a person: the code, the message, and each field violation."""
-    code = err.code() if hasattr(err, "code") else None
-    text = err.details() if hasattr(err, "details") else str(err)
-    name = code.name if code is not None else "ERROR"
-    if code == grpc.StatusCode.UNAVAILABLE and text and ("connect" in text.lower() or "failed to" in text.lower()):
-        return f"server unreachable ({text})"
-    return f"{name}: {text}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import uuid
 
@@ -15,6 +16,8 @@ from omnivox.services import errors, validation
 from omnivox.services.errors import FieldViolation, ServiceError, rpc_method
 from omnivox.services.registry import ModelRegistry, ServedModel
 from omnivox.v1 import generation_pb2, generation_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 FINISH_REASONS = {
     "stop": generation_pb2.FINISH_REASON_STOP,
@@ -66,7 +69,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 except InvalidRequest as err:
                     raise validation.from_invalid_request(err) from err
             assert last is not None and last.finished, "the engine stream ended without a finished output"
-            await context.write(self._summary(last, model, request.request_id or engine_request_id, received))
+            summary = self._summary(last, model, request.request_id or engine_request_id, received)
+            await context.write(summary)
+        log.debug(
+            "Generate %s model=%s prompt=%d output=%d cached=%d finish=%s total=%.3fs",
+            summary.summary.request_id,
+            model.name,
+            last.num_prompt_tokens,
+            len(last.token_ids),
+            last.num_cached_tokens,
+            last.finish_reason,
+            time.monotonic() - received,
+        )
 
     @staticmethod
     def _delta(out: RequestOutput, model: ServedModel) -> generation_pb2.GenerateResponse:

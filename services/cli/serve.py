@@ -104,7 +104,7 @@ async def demo(srv) -> None:
     """Send one chat request through the real gRPC API to this server and print the answer as it streams."""
     import grpc
 
-    from omnivox.services.errors import describe_rpc_error
+    from omnivox.services.cli._common import rpc_error_line
     from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2
 
     out = sys.stdout
@@ -130,7 +130,7 @@ async def demo(srv) -> None:
                     s = response.summary
                     print(f"\n[{summary_line(s)}]", file=out)
         except grpc.aio.AioRpcError as err:
-            print(f"\ndemo request failed: {describe_rpc_error(err)}", file=out)
+            print(f"\ndemo request failed: {rpc_error_line(err, srv.address)}", file=out)
             return
     print(
         f"--- still serving on {srv.address}: try `omnivox chat --server {srv.address}`, or\n"
