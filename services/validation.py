@@ -202,6 +202,9 @@ class ValidatedGenerate:
 def validate_generate(request: generation_pb2.GenerateRequest, model: ServedModel) -> ValidatedGenerate:
     """Every check that needs no tokenization; raises INVALID_ARGUMENT listing every bad field."""
     v = Violations()
+    if TEXT not in model.output_modalities:
+        outputs = ", ".join(sorted(model.output_modalities))
+        v.add("model", f"model {model.name!r} does not generate text (it generates: {outputs})")
     check_contents(request, model, v)
     kwargs = sampling_params(request.sampling, model, v)
     kwargs.update(check_stopping(request, model, v))

@@ -157,3 +157,20 @@ def test_health_watch_does_not_hold_shutdown(checkpoints) -> None:
         srv.run(srv.server.stop(30.0))
         assert time.monotonic() - start < 5.0
         assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING  # watchers saw the drain
+
+
+def test_generate_refuses_a_speech_only_model(checkpoints, tmp_path: Path) -> None:
+    """A model whose only output is audio is named on `model` by Generate; ListModels shows it untrained."""
+    from omnivox.services.speech import save_random_speech_model
+
+    speech = save_random_speech_model(tmp_path / "speech")
+    with ServerThread([ModelSpec(path=checkpoints[0], name="text"), ModelSpec(path=speech, name="voice")], KV) as srv:
+        stub = generation_pb2_grpc.GenerationServiceStub(srv.channel())
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(user_request("Hi", model="voice", max_output_tokens=2)))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "model:" in info.value.details() and "does not generate text" in info.value.details()
+        models = model_pb2_grpc.ModelServiceStub(srv.channel()).ListModels(model_pb2.ListModelsRequest()).models
+        voice = next(m for m in models if m.name == "voice")
+        assert list(voice.output_modalities) == [model_pb2.MODALITY_AUDIO]
+        assert voice.has_untrained_components and voice.untrained_components
