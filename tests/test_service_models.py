@@ -174,3 +174,26 @@ def test_generate_refuses_a_speech_only_model(checkpoints, tmp_path: Path) -> No
         voice = next(m for m in models if m.name == "voice")
         assert list(voice.output_modalities) == [model_pb2.MODALITY_AUDIO]
         assert voice.has_untrained_components and voice.untrained_components
+
+
+def test_a_client_without_protos_can_call_generate(server: ServerThread) -> None:
+    """What grpcurl does: learn the API from reflection alone, build messages from JSON, call Generate."""
+    from google.protobuf import descriptor_pool, json_format, message_factory
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    channel = server.channel()
+    pool = descriptor_pool.DescriptorPool(ProtoReflectionDescriptorDatabase(channel))
+    method = pool.FindServiceByName("omnivox.v1.GenerationService").FindMethodByName("Generate")
+    request_cls = message_factory.GetMessageClass(method.input_type)
+    response_cls = message_factory.GetMessageClass(method.output_type)
+    request = json_format.Parse(
+        '{"contents": [{"role": "user", "parts": [{"text": "Hi"}]}], "max_output_tokens": 3}', request_cls()
+    )
+    call = channel.unary_stream(
+        "/omnivox.v1.GenerationService/Generate",
+        request_serializer=request_cls.SerializeToString,
+        response_deserializer=response_cls.FromString,
+    )
+    responses = [json_format.MessageToDict(r) for r in call(request)]
+    assert "delta" in responses[0] and "summary" in responses[-1]
+    assert responses[-1]["summary"]["usage"]["outputTokens"] <= 3
