@@ -84,7 +84,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def serve(checkpoint: Path):
-    process = ServeProcess("--model", str(checkpoint), "--kv-cache-gib", "0.01", "--device", "cpu")
+    process = ServeProcess("--model", str(checkpoint), "--kv-cache-gib", "0.01", "--device", "cpu", "--demo")
     try:
         process.wait_ready()
         yield process
@@ -112,6 +112,19 @@ def test_unreachable_server_is_one_line() -> None:
     for command in (["models"], ["generate", "Hello"], ["chat", "Hello", "--once"]):
         result = omnivox(*command, "--server", server, "--connect-timeout", "1")
         assert_one_line_error(result, "cannot reach", server)
+
+
+def test_demo_answers_through_the_api_then_keeps_serving(serve: ServeProcess) -> None:
+    """`make serve` runs `omnivox serve --demo`: one chat request through real gRPC, printed as it streams."""
+    deadline = time.monotonic() + 60
+    while "still serving" not in "".join(serve.stdout):
+        assert time.monotonic() < deadline and serve.proc.poll() is None, "".join(serve.stdout + serve.log)
+        time.sleep(0.1)
+    out = "".join(serve.stdout)
+    assert "--- demo: GenerationService/Generate on" in out
+    assert "assistant> " in out
+    assert re.search(r"\[\w+ · \d+ prompt \+ \d+ output tokens", out), out
+    assert serve.proc.poll() is None  # still serving
 
 
 def test_models_command(serve: ServeProcess) -> None:

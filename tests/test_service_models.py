@@ -197,3 +197,16 @@ def test_a_client_without_protos_can_call_generate(server: ServerThread) -> None
     responses = [json_format.MessageToDict(r) for r in call(request)]
     assert "delta" in responses[0] and "summary" in responses[-1]
     assert responses[-1]["summary"]["usage"]["outputTokens"] <= 3
+
+
+def test_message_size_limit(checkpoints) -> None:
+    """Above --max-message-mib a request is refused with RESOURCE_EXHAUSTED, and the server goes on serving."""
+    with ServerThread([ModelSpec(path=checkpoints[0])], KV, max_receive_message_bytes=1 << 20) as srv:
+        stub = generation_pb2_grpc.GenerationServiceStub(srv.channel())
+        request = user_request("Hi", max_output_tokens=2)
+        request.contents[0].parts.add().image.data = b"\0" * (2 << 20)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(request))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        *_, last = stub.Generate(user_request("Hi", max_output_tokens=2))
+        assert last.HasField("summary")
