@@ -256,10 +256,17 @@ def save_random_speech_decoder(
         eos_token_id=layout.end_of_speech,
         pad_token_id=257,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = transformers.LlamaForCausalLM(config).to(dtype).eval()
-    model.save_pretrained(out_dir)
+    with torch.device("meta"):  # skip transformers' slow init; every weight is drawn below
+        model = transformers.LlamaForCausalLM(config)
+    model = model.to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    model.to(dtype).save_pretrained(out_dir)
 
     # Byte-level BPE without merges: one token per UTF-8 byte, <|begin_of_text|> = 256 prepended to every text.
     byte_chars = pre_tokenizers.ByteLevel.alphabet()

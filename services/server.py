@@ -152,6 +152,10 @@ class OmnivoxServer:
             if model.engine is None:
                 log.info("loading %s from %s", model.name, model.source or "the embedded default")
                 await asyncio.to_thread(loading.load, model, options)
+                for binding in self.services:  # per-model parts a servicer adds (the speech codec), before SERVING
+                    prepare = getattr(binding.servicer, "prepare", None)
+                    if prepare is not None:
+                        await asyncio.to_thread(prepare, model)
                 log.info("%s ready (context %d tokens)", model.name, model.context_length)
         if not self.registry.draining:
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -169,6 +173,10 @@ class OmnivoxServer:
             # Then close. Long-lived calls that never end on their own (health Watch streams) get a short grace.
             remaining = max(deadline - asyncio.get_running_loop().time(), 0.0)
             await self._server.stop(min(remaining, 1.0))
+        for binding in self.services:  # servicers with background tasks (the speech codec workers) stop them
+            close = getattr(binding.servicer, "aclose", None)
+            if close is not None:
+                await close()
         await asyncio.to_thread(self.registry.shutdown)
 
     async def wait_for_termination(self) -> None:

@@ -36,6 +36,7 @@ from omnivox.engine import InvalidRequest, SamplingParams
 from omnivox.models.orpheus import LAYOUT_FILE, SpeechLayout, SpeechTokenConstraint
 from omnivox.services import errors, validation
 from omnivox.services.errors import FieldViolation, rpc_method
+from omnivox.services.loading import ModelLoadError
 from omnivox.services.registry import AUDIO, ModelRegistry, ServedModel
 from omnivox.v1 import content_pb2, generation_pb2, speech_pb2, speech_pb2_grpc
 
@@ -228,6 +229,11 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
         self._bundles: dict[str, SpeechBundle] = {}
         self._bundle_lock = threading.Lock()
 
+    async def aclose(self) -> None:
+        """Stop the codec workers (server shutdown)."""
+        for bundle in list(self._bundles.values()):
+            await bundle.worker.shutdown()
+
     # --- models ---
     def _is_speech(self, model: ServedModel) -> bool:
         return AUDIO in model.output_modalities or is_speech_checkpoint(model.source)
@@ -259,6 +265,15 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
                 )
                 self._bundles[model.name] = bundle
             return bundle
+
+    def prepare(self, model: ServedModel) -> None:
+        """Load a freshly loaded speech model's codec now rather than on its first request (blocking)."""
+        if model.engine is not None and is_speech_checkpoint(model.source):
+            try:
+                self.bundle(model)
+            except Exception as exc:
+                model.set_failed(f"{type(exc).__name__}: {exc}")
+                raise ModelLoadError(f"cannot load the speech codec of {model.name!r}: {exc}") from exc
 
     def _layout_of(self, model: ServedModel) -> SpeechLayout | None:
         bundle = self._bundles.get(model.name)
