@@ -97,7 +97,7 @@ def load_hf_config(path: str | os.PathLike) -> transformers.PretrainedConfig:
             config = transformers.AutoConfig.from_pretrained(cached)
         else:
             config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-            _patch_gguf_config(config, _read_gguf_metadata(path))
+            _patch_gguf_config(config, _read_gguf_metadata(path), path)
             _save_atomically(cached, config.save_pretrained)
         config.name_or_path = str(path)
         return config
@@ -339,13 +339,65 @@ def _dequantize_gguf_tensors(path, table, name_map, processor, dequantize) -> It
         yield name_map[gguf_name], tensor
 
 
-def _patch_gguf_config(config: transformers.PretrainedConfig, metadata: dict) -> None:
+def _patch_gguf_config(config: transformers.PretrainedConfig, metadata: dict, path: Path) -> None:
     """Fill what transformers' GGUF config mapping leaves out for our architectures."""
     arch = metadata.get("general.architecture")
     key_length = metadata.get(f"{arch}.attention.key_length")
-    # transformers maps no head size for qwen2/qwen3 GGUFs; Qwen3's default (128) is wrong for other head sizes.
+    # transformers maps no head size for qwen3 GGUFs; Qwen3's default (128) is wrong for other head sizes.
     if arch == "qwen3" and key_length is not None:
         config.head_dim = int(key_length)
+    if arch == "llama":
+        rope_freqs = next((raw for name, _, _, raw in _gguf_tensor_table(path)[1] if name == "rope_freqs.weight"), None)
+        if rope_freqs is not None:
+            config.rope_parameters = _llama3_rope_from_freq_factors(
+                np.asarray(rope_freqs).view(np.float32).reshape(-1), config, path
+            )
+
+
+def _llama3_freq_factors(theta: float, head_dim: int, rope: dict) -> np.ndarray:
+    """The per-frequency divisors llama.cpp's convert_hf_to_gguf.py stores as `rope_freqs.weight` for Llama 3.x."""
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / freqs
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_context = rope["original_max_position_embeddings"]
+    smooth = (old_context / wavelen - low) / (high - low)
+    factors = 1 / ((1 - smooth) / factor + smooth)
+    factors = np.where(wavelen < old_context / high, 1.0, factors)
+    return np.where(wavelen > old_context / low, factor, factors)
+
+
+def _llama3_rope_from_freq_factors(factors: np.ndarray, config: transformers.PretrainedConfig, path: Path) -> dict:
+    """Llama 3.x rope scaling recovered from the `rope_freqs.weight` llama.cpp stores instead of the parameters.
+
+    transformers' GGUF config ignores that tensor, which leaves Llama 3.1+ with plain rope: wrong at every position.
+    Only the ratios of (original context, low, high) matter to the frequencies, so the context is fixed and the two
+    factors are Llama 3's own or, failing that, fitted to the smooth band (the values strictly between 1 and `factor`).
+    """
+    theta = config.rope_parameters["rope_theta"]
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    factor = float(factors.max())
+    if factor <= 1.0 + 1e-6:
+        return dict(config.rope_parameters)
+    # Llama 3's own context (8192) unless the model's is shorter (transformers wants the original below it);
+    # scaling (context, low, high) together leaves the frequencies unchanged.
+    context = min(8192, config.max_position_embeddings // 2)
+    scale = context / 8192
+    candidates = [(1.0 * scale, 4.0 * scale)]  # every Llama 3.1 / 3.2 / 3.3 release: low 1, high 4, context 8192
+    wavelen = 2 * np.pi * theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    band = (factors > 1.0 + 1e-4) & (factors < factor - 1e-4)
+    if band.sum() >= 2:  # smooth = (context / wavelen - low) / (high - low) is linear in 1 / wavelen
+        smooth = (1 / factors[band] - 1 / factor) / (1 - 1 / factor)
+        slope, intercept = np.polyfit(1 / wavelen[band], smooth, 1)
+        span = context / slope
+        candidates.append((float(-intercept * span), float((1 - intercept) * span)))
+    for low, high in candidates:
+        rope = {"rope_type": "llama3", "rope_theta": theta, "factor": factor}
+        rope |= {"low_freq_factor": low, "high_freq_factor": high, "original_max_position_embeddings": context}
+        if np.allclose(_llama3_freq_factors(theta, head_dim, rope), factors, rtol=1e-4, atol=1e-5):
+            return rope
+    raise ValueError(
+        f"{path}: rope_freqs.weight does not match Llama 3 rope scaling; cannot derive the rope parameters"
+    )
 
 
 def _gguf_cache_dir(path: Path) -> Path:

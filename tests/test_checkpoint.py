@@ -281,11 +281,35 @@ def write_gguf(hf_dir: Path, out: Path, quantize: dict[str, gguf.GGMLQuantizatio
             writer.add_tensor(name, np.ascontiguousarray(weights))
         else:
             writer.add_tensor(name, gguf.quants.quantize(weights, qtype), raw_dtype=qtype)
+    rope = config.rope_parameters
+    if rope.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", _llama_cpp_rope_factors(rope, head_dim))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def _llama_cpp_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors: Llama 3 rope scaling as per-frequency divisors."""
+    import math
+
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_context_len = rope["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_context_len / low, old_context_len / high
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            factors.append(1)
+        elif wavelen > low_freq_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 _Q8 = gguf.GGMLQuantizationType.Q8_0
@@ -389,3 +413,35 @@ def test_gguf_unsupported_architecture(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match="phi2"):
         list(iter_checkpoint_tensors(path))
+
+
+@pytest.mark.parametrize(("low", "high", "context"), [(1.0, 4.0, 8192), (2.0, 8.0, 4096)])
+def test_gguf_llama3_rope_scaling_is_recovered(tmp_path, low, high, context):
+    # llama.cpp keeps Llama 3.x rope scaling only as the rope_freqs.weight tensor; transformers' GGUF config drops it.
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": low}
+    rope |= {"high_freq_factor": high, "original_max_position_embeddings": context}
+    # head_dim 32: 16 frequencies, a few of them in the smooth band.
+    hf_dir = make_checkpoint(
+        tmp_path / "hf", family="llama", num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16384
+    )
+    hf_config = json.loads((hf_dir / "config.json").read_text())
+    hf_config["rope_parameters"] = rope
+    (hf_dir / "config.json").write_text(json.dumps(hf_config))
+    gguf_path = write_gguf(hf_dir, tmp_path / "g" / "llama3.gguf", {})
+
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    ours = load_hf_config(gguf_path)
+    original = transformers.AutoConfig.from_pretrained(hf_dir)
+    assert ours.rope_parameters["rope_type"] == "llama3"
+    inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](ours, torch.device("cpu"))
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](original, torch.device("cpu"))
+    assert torch.allclose(inv_freq, expected, rtol=1e-5)
+    plain = 1.0 / rope["rope_theta"] ** (torch.arange(0, 32, 2, dtype=torch.float32) / 32)
+    assert not torch.allclose(inv_freq, plain, rtol=1e-3)  # the scaling matters
+    # Also after a round trip through the metadata cache.
+    assert load_hf_config(gguf_path).rope_parameters == ours.rope_parameters
+    # rope_freqs is not a parameter: not yielded.
+    assert sorted(name for name, _ in iter_checkpoint_tensors(gguf_path)) == sorted(
+        name for name, _ in iter_checkpoint_tensors(hf_dir)
+    )
