@@ -23,6 +23,7 @@ class ModelSpec:
 
     path: Path | None = None
     name: str | None = None
+    speech: bool = False  # with path None: the embedded random speech model (services/speech.py) instead
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,17 @@ def sampling_defaults(path: Path) -> dict[str, float | int]:
 
 def resolve(spec: ModelSpec, is_default: bool, max_queue: int) -> ServedModel:
     """A LOADING ServedModel for spec, after checking its path (cheap: nothing is fetched or read here)."""
+    if spec.path is None and spec.speech:
+        from omnivox.services.speech import DEFAULT_SPEECH_MODEL_NAME, DEFAULT_SPEECH_UNTRAINED
+
+        return ServedModel(
+            name=spec.name or DEFAULT_SPEECH_MODEL_NAME,
+            source=None,
+            is_default=is_default,
+            max_queue=max_queue,
+            output_modalities=frozenset({AUDIO}),
+            untrained_components=DEFAULT_SPEECH_UNTRAINED,
+        )
     if spec.path is None:
         from omnivox.models.default import DEFAULT_MODEL_NAME
 
@@ -113,9 +125,10 @@ def load(model: ServedModel, options: EngineOptions) -> None:
 
     if model.source is None:  # the embedded default: fetched into the cache on first use
         from omnivox.models.default import ensure_default_model
+        from omnivox.services.speech import ensure_default_speech_model
 
         try:
-            model.source = ensure_default_model()
+            model.source = ensure_default_speech_model() if AUDIO in model.output_modalities else ensure_default_model()
         except Exception as exc:
             model.set_failed(f"{type(exc).__name__}: {exc}")
             raise ModelLoadError(f"cannot fetch the default model: {exc}") from exc

@@ -126,8 +126,45 @@ def save_random_speech_model(out_dir: str | Path, seed: int = 0, snac_config: di
 
     out_dir = save_random_speech_decoder(out_dir, seed=seed)
     save_random_snac(out_dir / ORPHEUS_LAYOUT.codec_folder, snac_config, seed=seed)
-    (out_dir / "untrained_components.json").write_text(json.dumps(["speech decoder", "SNAC codec"]))
+    (out_dir / "untrained_components.json").write_text(json.dumps(list(DEFAULT_SPEECH_UNTRAINED)))
     return out_dir
+
+
+DEFAULT_SPEECH_MODEL_NAME = "orpheus-random"
+DEFAULT_SPEECH_UNTRAINED = ("speech decoder", "SNAC codec")
+_DEFAULT_SPEECH_FOLDER = "omnivox-speech-random-v1"  # bump when the random bundle's recipe changes
+
+
+def ensure_default_speech_model(cache_dir: str | Path | None = None) -> Path:
+    """The embedded speech model (random Orpheus-layout decoder + random 24 kHz SNAC), built into the cache once.
+
+    `<cache>/models/omnivox-speech-random-v1`; built in a temporary folder and renamed into place under a lock, so
+    that concurrent servers neither see nor build a half-written bundle.
+    """
+    import fcntl
+    import os
+    import shutil
+    import tempfile
+
+    from omnivox.models.checkpoint import omnivox_cache_dir
+
+    root = Path(cache_dir).expanduser() if cache_dir is not None else omnivox_cache_dir()
+    target = root / "models" / _DEFAULT_SPEECH_FOLDER
+    if (target / LAYOUT_FILE).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{_DEFAULT_SPEECH_FOLDER}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / LAYOUT_FILE).is_file():
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{_DEFAULT_SPEECH_FOLDER}-", dir=target.parent))
+        try:
+            save_random_speech_model(tmp, seed=0)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    log.warning("built the random speech model %s: its speech is noise (see README)", target)
+    return target
 
 
 # --- validation --------------------------------------------------------------------------------------------------------

@@ -55,8 +55,8 @@ def model_specs(models: list[Path], names: list[str]) -> list:
 
     if len(names) > max(len(models), 1):
         raise CliError(f"{len(names)} --name given for {len(models)} --model")
-    if not models:
-        return [ModelSpec(path=None, name=names[0] if names else None)]
+    if not models:  # the embedded defaults: the text model, and the random speech model for SpeechService
+        return [ModelSpec(path=None, name=names[0] if names else None), ModelSpec(path=None, speech=True)]
     return [ModelSpec(path=path, name=names[i] if i < len(names) else None) for i, path in enumerate(models)]
 
 
