@@ -175,3 +175,18 @@ def test_sigterm_lets_the_stream_finish_then_exits_0(serve: ServeProcess) -> Non
     assert serve.proc.wait(timeout=60) == 0, "".join(serve.log)
     log = "".join(serve.log)
     assert "SIGTERM received" in log and "stopped" in log
+
+
+def test_every_subpackage_is_packaged() -> None:
+    """A wheel install (docker/Dockerfile runs `pip install .`) ships every subpackage, e.g. the CLI's commands."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(config["packages"])
+    for package, folder in config["package-dir"].items():
+        for init in (root / folder).rglob("__init__.py"):
+            relative = init.parent.relative_to(root / folder)
+            name = ".".join([package, *relative.parts])
+            if name.startswith("omnivox.") or name == "omnivox":
+                assert name in listed, f"{name} ({init.parent}) is missing from [tool.setuptools] packages"
