@@ -102,7 +102,7 @@ def load_hf_config(path: str | os.PathLike) -> transformers.PretrainedConfig:
         config.name_or_path = str(path)
         return config
     if not (path / "config.json").is_file():
-        raise ValueError(f"checkpoint folder {path} has no config.json")
+        raise ValueError(f"checkpoint folder {path} has no config.json{_gguf_hint(path)}")
     return transformers.AutoConfig.from_pretrained(path)
 
 
@@ -148,7 +148,12 @@ def _find_weight_files(folder: Path) -> tuple[list[Path], str]:
         if (folder / single_name).is_file():
             return [folder / single_name], kind
     looked_for = ", ".join((SAFETENSORS_SINGLE, SAFETENSORS_INDEX, TORCH_BIN_SINGLE, TORCH_BIN_INDEX))
-    raise ValueError(f"checkpoint folder {folder} holds no weights: looked for {looked_for}")
+    raise ValueError(f"checkpoint folder {folder} holds no weights: looked for {looked_for}{_gguf_hint(folder)}")
+
+
+def _gguf_hint(folder: Path) -> str:
+    ggufs = sorted(p.name for p in folder.glob("*.gguf"))
+    return f" (it has {', '.join(ggufs)}: pass the .gguf file itself)" if ggufs else ""
 
 
 def _read_index(index: Path) -> dict[str, str]:
@@ -400,10 +405,13 @@ def _llama3_rope_from_freq_factors(factors: np.ndarray, config: transformers.Pre
     )
 
 
+_GGUF_META_VERSION = 1  # bump when what we derive from GGUF metadata changes, so old cache entries are not reused
+
+
 def _gguf_cache_dir(path: Path) -> Path:
     """Where the config and tokenizer parsed from a GGUF file are cached."""
     stat = path.stat()
-    key = f"{path.name}-{stat.st_size}-{stat.st_mtime_ns}-tf{transformers.__version__}"
+    key = f"{path.name}-{stat.st_size}-{stat.st_mtime_ns}-tf{transformers.__version__}-v{_GGUF_META_VERSION}"
     return omnivox_cache_dir() / "gguf-meta" / key
 
 

@@ -103,6 +103,9 @@ def test_missing_path_and_empty_folder_errors(tmp_path):
         iter_checkpoint_tensors(empty)  # raised at the call, before iterating
     with pytest.raises(ValueError, match="config.json"):
         load_hf_config(empty)
+    (empty / "model.Q4_0.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match="model.Q4_0.gguf"):
+        iter_checkpoint_tensors(empty)
     not_gguf = tmp_path / "weights.txt"
     not_gguf.write_text("x")
     with pytest.raises(ValueError, match=".gguf"):
