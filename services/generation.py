@@ -47,9 +47,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         except ServiceError:
             raise
         except Exception as exc:  # e.g. a chat template that refuses a role order: the request's fault
-            raise errors.invalid_argument(
-                [FieldViolation("contents", f"the model's chat template rejected the conversation: {exc}")]
-            ) from exc
+            raise errors.invalid_argument([FieldViolation("contents", f"cannot build the prompt: {exc}")]) from exc
         validation.check_prompt_fits(len(prompt.token_ids), checked.params, model)
 
         with model.admit():
@@ -69,11 +67,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 except InvalidRequest as err:
                     raise validation.from_invalid_request(err) from err
             assert last is not None and last.finished, "the engine stream ended without a finished output"
-            summary = self._summary(last, model, request.request_id or engine_request_id, received)
-            await context.write(summary)
+            final = self._summary(last, model, request.request_id or engine_request_id, received)
+            await context.write(final)
         log.debug(
             "Generate %s model=%s prompt=%d output=%d cached=%d finish=%s total=%.3fs",
-            summary.summary.request_id,
+            final.summary.request_id,
             model.name,
             last.num_prompt_tokens,
             len(last.token_ids),
