@@ -96,5 +96,7 @@ class ModelRunner:
             row += c.num_tokens
             if c.samples:
                 last_rows.append(row - 1)
-        logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=dev)]) if sampling else None
+        logits = None
+        if sampling:
+            logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(last_rows, device=dev)))
         return logits, sampling

@@ -47,8 +47,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # q: [T, H, D], k: [T, KVH, D]; rotate_half convention (first half / second half).
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        cos = self.cos.index_select(0, positions).to(q.dtype).unsqueeze(1)  # [T, 1, D]
+        sin = self.sin.index_select(0, positions).to(q.dtype).unsqueeze(1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
