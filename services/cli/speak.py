@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -71,6 +72,14 @@ def summary_line(summary) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except BrokenPipeError:  # the player or `head` reading stdout went away: not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes stdout
+        return 0
+
+
+def _run(args: argparse.Namespace) -> int:
     import grpc
 
     from omnivox.v1 import speech_pb2, speech_pb2_grpc
