@@ -448,3 +448,14 @@ def test_gguf_llama3_rope_scaling_is_recovered(tmp_path, low, high, context):
     assert sorted(name for name, _ in iter_checkpoint_tensors(gguf_path)) == sorted(
         name for name, _ in iter_checkpoint_tensors(hf_dir)
     )
+
+
+def test_gguf_reader_fallback_agrees(tiny_gguf, monkeypatch):
+    # Without transformers' fast GGUF header reader (older transformers), gguf.GGUFReader gives the same tensors.
+    _, gguf_path = tiny_gguf
+    fast = dict(iter_checkpoint_tensors(gguf_path))
+    load_hf_config(gguf_path)  # cached before the reader goes away
+    monkeypatch.setitem(sys.modules, "transformers.integrations.gguf.reader", None)
+    with pytest.raises(ImportError):
+        from transformers.integrations.gguf.reader import GgufHeader  # noqa: F401
+    _assert_same_tensors(dict(iter_checkpoint_tensors(gguf_path)), fast)
