@@ -105,6 +105,9 @@ def test_wrong_model_path_is_one_line(tmp_path: Path) -> None:
     assert_one_line_error(omnivox("serve", "--model", str(tmp_path / "empty")), "no config.json")
     (tmp_path / "weights.bin").write_bytes(b"\0")
     assert_one_line_error(omnivox("serve", "--model", str(tmp_path / "weights.bin")), "neither")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{}")  # passes the path check, fails to load
+    assert_one_line_error(omnivox("serve", "--model", str(tmp_path / "broken"), "--port", "0"), "cannot load 'broken'")
 
 
 def test_unreachable_server_is_one_line() -> None:
