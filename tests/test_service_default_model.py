@@ -105,7 +105,7 @@ def test_sixteen_concurrent_clients(server: ServerThread) -> None:
 
 def test_cancel_and_deadline_leave_the_kv_pool_whole(server: ServerThread, stub) -> None:
     engine = server.engine()
-    long = user_request("Write a long story about a dragon.", max_output_tokens=200, ignore_eos=True)
+    long = user_request("Write a long story about a dragon.", max_output_tokens=2000, ignore_eos=True)
     call = stub.Generate(long)
     assert next(call).HasField("delta")
     call.cancel()

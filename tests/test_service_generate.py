@@ -20,12 +20,15 @@ from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2
 
 KV_GIB = 0.01  # 1310 blocks of 16 tokens for the tiny llama: plenty, and small
+CONTEXT = 4096  # room for streams long enough to interrupt on any machine
 GREEDY = sampling_pb2.SamplingConfig(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-llama", family="llama")
+    return make_checkpoint(
+        tmp_path_factory.mktemp("ckpt") / "tiny-llama", family="llama", max_position_embeddings=CONTEXT
+    )
 
 
 @pytest.fixture(scope="module")
@@ -181,14 +184,14 @@ INVALID = [
     (_bad(sampling=sampling_pb2.SamplingConfig(frequency_penalty=-3.0)), "sampling.frequency_penalty"),
     (_bad(sampling=sampling_pb2.SamplingConfig(logit_bias={100000: 1.0})), "sampling.logit_bias"),
     (_bad(max_output_tokens=0), "max_output_tokens"),
-    (_bad(max_output_tokens=100_000), "max_output_tokens"),  # above the context (512)
-    (_bad(max_output_tokens=500), "max_output_tokens"),  # fits the context alone, not with the prompt
+    (_bad(max_output_tokens=100_000), "max_output_tokens"),  # above the context
+    (_bad(max_output_tokens=CONTEXT - 4), "max_output_tokens"),  # fits the context alone, not with the prompt
     (_bad(min_output_tokens=9, max_output_tokens=4), "min_output_tokens"),
     (_bad(stop_sequences=[""]), "stop_sequences"),
     (_bad(stop_token_ids=[-1]), "stop_token_ids"),
     (_bad(top_logprobs=3), "top_logprobs"),  # without logprobs
     (_bad(logprobs=True, top_logprobs=21), "top_logprobs"),
-    (user_request("Hello " * 600), "contents"),  # prompt longer than the context
+    (user_request("Hello " * CONTEXT), "contents"),  # prompt longer than the context
 ]
 
 
@@ -223,7 +226,7 @@ def test_unknown_model_is_not_found(stub) -> None:
     assert resource.resource_type == "model" and resource.resource_name == "no-such-model"
 
 
-LONG = dict(max_output_tokens=450, ignore_eos=True)  # ~1-3 s on the tiny model: long enough to interrupt
+LONG = dict(max_output_tokens=4000, ignore_eos=True)  # many seconds even for the tiny model: always interrupted
 
 
 def test_cancelled_stream_frees_kv(server: ServerThread, stub) -> None:
@@ -243,7 +246,7 @@ def test_deadline_frees_kv(server: ServerThread, stub) -> None:
     engine = server.engine()
     received = 0
     with pytest.raises(grpc.RpcError) as info:
-        for _ in stub.Generate(user_request("Talk for a long time.", **LONG), timeout=0.4):
+        for _ in stub.Generate(user_request("Talk for a long time.", **LONG), timeout=1.0):
             received += 1
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert received > 0  # it was streaming when the deadline passed
