@@ -92,6 +92,8 @@ class OmnivoxServer:
         self.services = omnivox_services(registry)
         self.port: int | None = None
         self._server: grpc.aio.Server | None = None
+        self._force_stop = asyncio.Event()
+        self.forced = False  # a drain cut short by force_stop()
 
     @property
     def address(self) -> str:
@@ -168,16 +170,24 @@ class OmnivoxServer:
         await self.health.enter_graceful_shutdown()
         # While requests run, the server still answers: health checks say NOT_SERVING, new calls get UNAVAILABLE.
         while self.registry.in_flight() and asyncio.get_running_loop().time() < deadline:
+            if self._force_stop.is_set():
+                break
             await asyncio.sleep(0.02)
         if self._server is not None:
-            # Then close. Long-lived calls that never end on their own (health Watch streams) get a short grace.
+            # Then close. Long-lived calls that never end on their own (health Watch streams) get a short grace;
+            # calls still running are cancelled, which aborts their engine requests.
             remaining = max(deadline - asyncio.get_running_loop().time(), 0.0)
-            await self._server.stop(min(remaining, 1.0))
+            await self._server.stop(0 if self._force_stop.is_set() else min(remaining, 1.0))
         for binding in self.services:  # servicers with background tasks (the speech codec workers) stop them
             close = getattr(binding.servicer, "aclose", None)
             if close is not None:
                 await close()
         await asyncio.to_thread(self.registry.shutdown)
+
+    def force_stop(self) -> None:
+        """Cut a drain short: in-flight calls are cancelled now instead of finishing."""
+        self.forced = True
+        self._force_stop.set()
 
     async def wait_for_termination(self) -> None:
         assert self._server is not None
@@ -201,7 +211,10 @@ async def run(
     engine_options: EngineOptions,
     on_ready: Callable[[OmnivoxServer], Awaitable[None]] | None = None,
 ) -> int:
-    """Serve until SIGTERM or SIGINT, then drain and return 0. Raises ModelLoadError / OSError for the CLI to print."""
+    """Serve until SIGTERM or SIGINT, then drain and return 0 (1 when a second signal cut the drain short).
+
+    Raises ModelLoadError / OSError for the CLI to print.
+    """
     registry = build_registry(specs, options.max_queue)
     server = OmnivoxServer(registry, options)
     await server.start()
@@ -209,7 +222,7 @@ async def run(
     stop_requested = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, _on_signal, sig, stop_requested)
+        loop.add_signal_handler(sig, _on_signal, sig, stop_requested, server)
     try:
         load = asyncio.create_task(server.load_models(engine_options))
         stop_wait = asyncio.create_task(stop_requested.wait())
@@ -228,15 +241,16 @@ async def run(
         if not load.done():
             load.cancel()
         log.info("stopped")
-        return 0
+        return 1 if server.forced else 0
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
 
 
-def _on_signal(sig: signal.Signals, stop_requested: asyncio.Event) -> None:
+def _on_signal(sig: signal.Signals, stop_requested: asyncio.Event, server: OmnivoxServer) -> None:
     if stop_requested.is_set():
-        log.warning("%s again: stopping now", sig.name)
-        raise SystemExit(1)
+        log.warning("%s again: cancelling the requests still running", sig.name)
+        server.force_stop()
+        return
     log.info("%s received", sig.name)
     stop_requested.set()

@@ -193,3 +193,25 @@ def test_every_subpackage_is_packaged() -> None:
             name = ".".join([package, *relative.parts])
             if name.startswith("omnivox.") or name == "omnivox":
                 assert name in listed, f"{name} ({init.parent}) is missing from [tool.setuptools] packages"
+
+
+def test_second_signal_cuts_the_drain_short(checkpoint: Path) -> None:
+    process = ServeProcess("--model", str(checkpoint), "--kv-cache-gib", "0.01", "--device", "cpu")
+    try:
+        address = process.wait_ready()
+        with grpc.insecure_channel(address) as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            stream = stub.Generate(user_request("Talk for a long time.", max_output_tokens=450, ignore_eos=True))
+            assert next(stream).HasField("delta")
+            process.proc.send_signal(signal.SIGINT)
+            deadline = time.monotonic() + 10
+            while not any("shutting down" in line for line in process.log):
+                assert time.monotonic() < deadline, "".join(process.log)
+                time.sleep(0.01)
+            process.proc.send_signal(signal.SIGINT)
+            with pytest.raises(grpc.RpcError):  # the stream is cut, not completed
+                list(stream)
+        assert process.proc.wait(timeout=60) == 1
+        assert any("cancelling the requests still running" in line for line in process.log)
+    finally:
+        process.stop()
