@@ -59,6 +59,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--concurrency", type=_int_list, default=[1, 4, 16, 64], help="levels, e.g. 1,4,16,64")
     ap.add_argument("--requests-per-slot", type=int, default=2, help="requests per level = this x concurrency ...")
     ap.add_argument("--min-requests", type=int, default=4, help="... but at least this many")
+    ap.add_argument(
+        "--level-seconds",
+        type=float,
+        default=120.0,
+        help="after this long a level sends no new request (the first wave always goes): bounds a slow peer",
+    )
     ap.add_argument("--prompt-words", type=_range, default=(16, 96), help="LOW,HIGH words per prompt (seeded)")
     ap.add_argument("--output-tokens", type=_range, default=(16, 64), help="LOW,HIGH output tokens (seeded)")
     ap.add_argument("--shared-prefix-words", type=int, default=24, help="words every prompt starts with")
@@ -97,8 +103,11 @@ def default_model() -> str:
     return str(ensure_default_model())
 
 
-def make_systems(args: argparse.Namespace, model: str, names: list[str]) -> list[System | tuple[str, str]]:
-    """The systems to run, in order; a peer that cannot be built here is (name, reason)."""
+def make_systems(
+    args: argparse.Namespace, model: str, names: list[str], kv_tokens: int
+) -> list[System | tuple[str, str]]:
+    """The systems to run, in order; a peer that cannot be built here is (name, reason). `kv_tokens`: the KV cache
+    the workload needs at its highest concurrency (for peers that must be told)."""
     import torch
 
     dtype = getattr(torch, args.dtype)
@@ -122,7 +131,7 @@ def make_systems(args: argparse.Namespace, model: str, names: list[str]) -> list
         elif name == "hf-cb":
             from omnivox.benchmarks.systems.hf_continuous import HFContinuousBatching
 
-            out.append(HFContinuousBatching(model, dtype, args.device))
+            out.append(HFContinuousBatching(model, dtype, args.device, kv_tokens=kv_tokens))
         elif name in ("llamacpp-server", "llamacpp"):
             from omnivox.benchmarks.systems import llamacpp
 
@@ -225,7 +234,9 @@ def run(args: argparse.Namespace) -> dict:
             f"bandwidth {bw.gb_per_s:.1f} GB/s ({args.dtype} mv); floor {result['floor']['itl_floor_ms']:.1f} ms/step"
         )
 
-    for system in make_systems(args, model, names):
+    longest = max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
+    kv_tokens = max(levels_wanted) * (longest + 16) * 5 // 4
+    for system in make_systems(args, model, names, kv_tokens):
         if isinstance(system, tuple):
             result["skipped"][system[0]] = system[1]
             print(f"skipped {system[0]}: {system[1]}")
@@ -244,7 +255,7 @@ def run(args: argparse.Namespace) -> dict:
                     continue
                 reqs = requests[: per_level[c]]
                 with tqdm(total=len(reqs), desc=f"{system.name} @ {c}", disable=args.no_progress, leave=False) as bar:
-                    traces = system.run(reqs, c, bar.update)
+                    traces = system.run(reqs, c, bar.update, time.perf_counter() + args.level_seconds)
                 row = summarize(system.name, c, traces).to_dict()
                 errors = sorted({t.error for t in traces if t.error})
                 if errors:

@@ -149,3 +149,31 @@ def test_targets_report_ratios_and_misses():
     assert by["TTFT p50 at 16 / TTFT p50 at 1 < 3"]["value"] == pytest.approx(2.5)
     table = markdown_table(levels)
     assert table.count("\n") == len(levels) + 1 and "| omnivox | 64 |" in table
+
+
+def test_closed_loop_keeps_concurrency_and_stops_at_the_deadline():
+    import threading
+    import time
+
+    from omnivox.benchmarks.systems.base import run_closed_loop
+    from omnivox.benchmarks.workload import BenchRequest
+
+    requests = [BenchRequest(index=i, prompt_text="", prompt_token_ids=[1], max_tokens=1) for i in range(40)]
+    lock, active, peak = threading.Lock(), [0], [0]
+
+    def one(req):
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        t = time.perf_counter()
+        time.sleep(0.02)
+        with lock:
+            active[0] -= 1
+        return RequestTrace(index=req.index, send_time=t, token_times=[time.perf_counter()])
+
+    done = []
+    traces = run_closed_loop(requests, 3, one, done.append)
+    assert [t.index for t in traces] == list(range(40)) and sum(done) == 40 and peak[0] == 3
+    traces = run_closed_loop(requests, 3, one, done.append, deadline=time.perf_counter() + 0.05)
+    assert 3 <= len(traces) < 40  # the first wave always goes; nothing starts after the deadline
+    assert [t.index for t in traces] == list(range(len(traces)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -25,11 +26,19 @@ class System(Protocol):
     def start(self) -> None:
         """Load, warm up. Raises SystemUnavailable when the system cannot run here."""
 
-    def run(self, requests: list[BenchRequest], concurrency: int, progress: Progress) -> list[RequestTrace]:
+    def run(
+        self, requests: list[BenchRequest], concurrency: int, progress: Progress, deadline: float = math.inf
+    ) -> list[RequestTrace]:
         """Serve `requests` with at most `concurrency` in flight (closed loop: a client sends its next request when
-        its previous one is done) and return one trace per request, in request order."""
+        its previous one is done) and return one trace per request sent, in request order. After `deadline`
+        (a time.perf_counter() value) no new request starts, except the first wave of `concurrency`."""
 
     def close(self) -> None: ...
+
+
+def may_start(index: int, total: int, concurrency: int, deadline: float) -> bool:
+    """Whether request `index` (0-based, in sending order) may still be sent: the first wave always goes."""
+    return index < total and (index < concurrency or time.perf_counter() < deadline)
 
 
 def run_closed_loop(
@@ -37,6 +46,7 @@ def run_closed_loop(
     concurrency: int,
     one_request: Callable[[BenchRequest], RequestTrace],
     progress: Progress,
+    deadline: float = math.inf,
 ) -> list[RequestTrace]:
     """`concurrency` client threads, each taking the next unsent request when its previous one has finished."""
     traces: list[RequestTrace | None] = [None] * len(requests)
@@ -47,7 +57,7 @@ def run_closed_loop(
         nonlocal next_index
         while True:
             with lock:
-                if next_index >= len(requests):
+                if not may_start(next_index, len(requests), concurrency, deadline):
                     return
                 i = next_index
                 next_index += 1

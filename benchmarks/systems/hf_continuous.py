@@ -7,12 +7,13 @@ flight, each with its own max_new_tokens, EOS disabled, token timestamps recorde
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
 
 from omnivox.benchmarks.metrics import RequestTrace
-from omnivox.benchmarks.systems.base import Progress, SystemUnavailable
+from omnivox.benchmarks.systems.base import Progress, SystemUnavailable, may_start
 from omnivox.benchmarks.systems.hf_loading import load_model
 from omnivox.benchmarks.workload import BenchRequest
 
@@ -20,11 +21,24 @@ from omnivox.benchmarks.workload import BenchRequest
 class HFContinuousBatching:
     levels = None
 
-    def __init__(self, model_path: str, dtype: torch.dtype, device: str = "cpu") -> None:
+    PAGE_SIZE = 16  # tokens per KV block, as omnivox's default
+
+    def __init__(
+        self,
+        model_path: str,
+        dtype: torch.dtype,
+        device: str = "cpu",
+        kv_tokens: int = 16384,
+        max_batch_tokens: int = 512,
+    ) -> None:
+        """`kv_tokens`: KV cache capacity. Left unset, transformers sizes the cache from the device's free memory,
+        which on CPU means 90 % of the machine's RAM."""
         self.name = f"transformers generate_batch ({str(dtype).removeprefix('torch.')})"
         self.model_path = model_path
         self.dtype = dtype
         self.device = device
+        self.kv_tokens = kv_tokens
+        self.max_batch_tokens = max_batch_tokens
         self.model = None
         self.manager = None
 
@@ -35,7 +49,11 @@ class HFContinuousBatching:
             raise SystemUnavailable(f"transformers {transformers.__version__} has no generate_batch")
         self.model = load_model(self.model_path, self.dtype, self.device)
         gen = transformers.GenerationConfig(do_sample=False, max_new_tokens=64, eos_token_id=-1, pad_token_id=0)
-        cb = transformers.ContinuousBatchingConfig()
+        cb = transformers.ContinuousBatchingConfig(
+            page_size=self.PAGE_SIZE,
+            num_blocks=-(-self.kv_tokens // self.PAGE_SIZE),
+            max_batch_tokens=self.max_batch_tokens,
+        )
         self.manager = self.model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
         self.manager.start()
         warm = BenchRequest(index=-1, prompt_text="", prompt_token_ids=[1, 2, 3, 4], max_tokens=4)
@@ -43,7 +61,9 @@ class HFContinuousBatching:
         if trace.error:
             raise SystemUnavailable(f"warm-up failed: {trace.error}")
 
-    def run(self, requests: list[BenchRequest], concurrency: int, progress: Progress) -> list[RequestTrace]:
+    def run(
+        self, requests: list[BenchRequest], concurrency: int, progress: Progress, deadline: float = math.inf
+    ) -> list[RequestTrace]:
         traces: dict[str, RequestTrace] = {}
         pending = list(requests)[::-1]
         in_flight: dict[str, BenchRequest] = {}
@@ -66,7 +86,7 @@ class HFContinuousBatching:
                 eos_token_id=-1,
             )
 
-        while pending and len(in_flight) < concurrency:
+        while may_start(serial, len(requests), concurrency, deadline) and len(in_flight) < concurrency:
             submit()
         while in_flight:
             result = self.manager.get_result(timeout=1.0)
@@ -87,7 +107,7 @@ class HFContinuousBatching:
                 if trace.num_tokens != req.max_tokens:
                     trace.error = f"asked for {req.max_tokens} tokens, got {trace.num_tokens}"
             progress(1)
-            if pending:
+            if may_start(serial, len(requests), concurrency, deadline):
                 submit()
         return sorted(traces.values(), key=lambda t: t.index)
 

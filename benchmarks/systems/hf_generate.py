@@ -7,6 +7,7 @@ sees nothing until the batch returns, so these TTFTs are generous). Only the tok
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -82,9 +83,13 @@ class HFGenerate:
             for r in batch
         ]
 
-    def run(self, requests: list[BenchRequest], concurrency: int, progress: Progress) -> list[RequestTrace]:
+    def run(
+        self, requests: list[BenchRequest], concurrency: int, progress: Progress, deadline: float = math.inf
+    ) -> list[RequestTrace]:
         traces = []
         for start in range(0, len(requests), concurrency):
+            if start > 0 and time.perf_counter() >= deadline:
+                break
             batch = requests[start : start + concurrency]
             traces.extend(self._batch(batch))
             progress(len(batch))

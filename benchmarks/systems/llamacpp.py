@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import os
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import time
 from pathlib import Path
 
 from omnivox.benchmarks.metrics import RequestTrace
-from omnivox.benchmarks.systems.base import Progress, SystemUnavailable, run_closed_loop
+from omnivox.benchmarks.systems.base import Progress, SystemUnavailable, may_start, run_closed_loop
 from omnivox.benchmarks.workload import BenchRequest
 
 CONTEXT = 2048
@@ -75,9 +76,13 @@ class LlamaCppInProcess:
                 break
         return trace
 
-    def run(self, requests: list[BenchRequest], concurrency: int, progress: Progress) -> list[RequestTrace]:
+    def run(
+        self, requests: list[BenchRequest], concurrency: int, progress: Progress, deadline: float = math.inf
+    ) -> list[RequestTrace]:
         traces = []
-        for req in requests:
+        for i, req in enumerate(requests):
+            if not may_start(i, len(requests), 1, deadline):
+                break
             traces.append(self._one(req))
             progress(1)
         return traces
@@ -172,8 +177,10 @@ class LlamaCppServer:
             conn.close()
         return trace
 
-    def run(self, requests: list[BenchRequest], concurrency: int, progress: Progress) -> list[RequestTrace]:
-        return run_closed_loop(requests, concurrency, self._one, progress)
+    def run(
+        self, requests: list[BenchRequest], concurrency: int, progress: Progress, deadline: float = math.inf
+    ) -> list[RequestTrace]:
+        return run_closed_loop(requests, concurrency, self._one, progress, deadline)
 
     def close(self) -> None:
         if self.proc is not None:

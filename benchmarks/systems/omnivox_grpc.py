@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import shutil
 import socket
@@ -15,7 +16,7 @@ from pathlib import Path
 import grpc
 
 from omnivox.benchmarks.metrics import RequestTrace
-from omnivox.benchmarks.systems.base import Progress, SystemUnavailable
+from omnivox.benchmarks.systems.base import Progress, SystemUnavailable, may_start
 from omnivox.benchmarks.workload import BenchRequest
 
 
@@ -121,14 +122,18 @@ class OmnivoxGrpc:
         if trace.error:
             raise SystemUnavailable(f"warm-up request failed: {trace.error}")
 
-    def run(self, requests: list[BenchRequest], concurrency: int, progress: Progress) -> list[RequestTrace]:
-        return asyncio.run(self._run(requests, concurrency, progress))
+    def run(
+        self, requests: list[BenchRequest], concurrency: int, progress: Progress, deadline: float = math.inf
+    ) -> list[RequestTrace]:
+        return asyncio.run(self._run(requests, concurrency, progress, deadline))
 
-    async def _run(self, requests: list[BenchRequest], concurrency: int, progress: Progress) -> list[RequestTrace]:
+    async def _run(
+        self, requests: list[BenchRequest], concurrency: int, progress: Progress, deadline: float = math.inf
+    ) -> list[RequestTrace]:
         from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2
 
         traces: list[RequestTrace | None] = [None] * len(requests)
-        queue = list(range(len(requests)))[::-1]
+        sent = 0
         options = [("grpc.max_concurrent_streams", max(100, concurrency * 2))]
         async with grpc.aio.insecure_channel(self.address, options=options) as channel:
             stub = generation_pb2_grpc.GenerationServiceStub(channel)
@@ -159,8 +164,9 @@ class OmnivoxGrpc:
                 return trace
 
             async def client() -> None:
-                while queue:
-                    i = queue.pop()
+                nonlocal sent
+                while may_start(sent, len(requests), concurrency, deadline):
+                    i, sent = sent, sent + 1
                     traces[i] = await one(requests[i])
                     progress(1)
 
