@@ -157,9 +157,23 @@ def test_generate_reports_invalid_argument(serve: ServeProcess) -> None:
 
 
 def test_chat_keeps_the_conversation(serve: ServeProcess) -> None:
-    result = omnivox("chat", "--server", serve.address, "--max-tokens", "4", "-q", stdin="Hello\n\nHow are you?\n")
+    """Each line is a user turn; the second request carries the first exchange (checked against the API)."""
+    args = ("--server", serve.address, "--max-tokens", "4", "--temperature", "0", "-q")
+    result = omnivox("chat", *args, stdin="Hello\n\nHow are you?\n")
     assert result.returncode == 0, result.stderr
-    assert len(result.stdout.splitlines()) == 2  # two turns answered (the blank line is skipped)
+
+    def answer(turns: list[tuple[str, str]]) -> str:
+        request = user_request("", max_output_tokens=4, sampling=sampling_pb2.SamplingConfig(temperature=0))
+        del request.contents[:]
+        for role, text in turns:
+            request.contents.add(role=role).parts.add(text=text)
+        with grpc.insecure_channel(serve.address) as channel:
+            responses = generation_pb2_grpc.GenerationServiceStub(channel).Generate(request)
+            return "".join(r.delta.text for r in responses if r.HasField("delta"))
+
+    first = answer([("user", "Hello")])
+    second = answer([("user", "Hello"), ("assistant", first), ("user", "How are you?")])
+    assert result.stdout == f"{first}\n{second}\n"  # the blank input line is skipped
 
 
 def test_sigterm_lets_the_stream_finish_then_exits_0(serve: ServeProcess) -> None:
