@@ -280,7 +280,7 @@ def test_drain_lets_streams_finish(checkpoint: Path) -> None:
     srv = ServerThread([ModelSpec(path=checkpoint, name="tiny")], EngineOptions(kv_cache_gib=KV_GIB))
     with srv:
         stub = generation_pb2_grpc.GenerationServiceStub(srv.channel())
-        running = stub.Generate(user_request("Talk for a long time.", max_output_tokens=200, ignore_eos=True))
+        running = stub.Generate(user_request("Talk for a long time.", max_output_tokens=600, ignore_eos=True))
         assert next(running).HasField("delta")
         stopping = threading.Thread(target=srv.run, args=(srv.server.stop(10.0),))
         stopping.start()
@@ -293,7 +293,7 @@ def test_drain_lets_streams_finish(checkpoint: Path) -> None:
         assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
         assert stopping.is_alive()  # still draining: the stream below is in flight
         deltas, summary = collect(running)
-        assert summary.usage.output_tokens == 200
+        assert summary.usage.output_tokens == 600
         stopping.join(timeout=30)
 
 
