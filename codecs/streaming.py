@@ -6,21 +6,21 @@ the next one fades in (linear overlap-add; the fades sum to one). The SNAC 24 kH
 two frames either side, so with two frames of context every window reproduces the whole-sequence decode up to float
 rounding and the crossfade joins two nearly identical signals; with less context it hides the small mismatch.
 
-Timeline (frames of F samples, O = crossfade_samples); chunk k ends at frame boundary b_k
-(b_0 = first_hop_frames, b_k = b_{k-1} + hop_frames):
+Timeline (frames of F samples, O = crossfade_samples <= left_context F); chunk k ends at frame boundary b_k.
+Chunks grow: b_0 = first_hop, then hops double up to hop_frames (1, 2, 4, 8, 8, ... frames), so that the first audio
+leaves early and each later chunk has time to be generated while the previous ones play.
 
-    window k decodes frames [ floor((b_{k-1}F - O) / F) - left_context , b_k + lookahead )
+    window k decodes frames [ b_{k-1} - left_context , b_k + lookahead )
     emits samples          [ b_{k-1}F - O , b_k F - O )   (its first O samples crossfaded with window k-1's tail)
     holds back the tail    [ b_k F - O , b_k F )
 
 After `finish()`, one last window emits everything that is left. Windows of all streams that are ready at the same
 time are decoded in one codec forward pass (`BatchedStreamDecoder.decode_ready`); in steady state they all have the
-same length, `left_context + hop + lookahead + ceil(O / F)` frames.
+same length, `left_context + hop_frames + lookahead` frames.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -35,7 +35,7 @@ class StreamingOptions:
     """Window and hop of the streaming decoder: smaller = earlier first audio, larger = fewer codec passes."""
 
     first_hop_frames: int = 1  # frames of audio in the first chunk (first audio after first_hop + lookahead frames)
-    hop_frames: int = 4  # frames of audio per later chunk
+    hop_frames: int = 8  # frames of audio per chunk once the hops, doubling from first_hop_frames, reach it
     left_context_frames: int = 2  # frames decoded before the emitted audio (re-decoded, not emitted again)
     lookahead_frames: int = 2  # frames decoded after the emitted audio (waited for before emitting)
     crossfade_samples: int = 256  # overlap-add length at each join
@@ -47,20 +47,20 @@ class StreamingOptions:
         for name in ("left_context_frames", "lookahead_frames", "crossfade_samples"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
-        if self.crossfade_samples > min(self.first_hop_frames, self.hop_frames) * frame_samples:
+        limit = min(self.first_hop_frames, self.hop_frames, self.left_context_frames) * frame_samples
+        if self.crossfade_samples > limit:
             raise ValueError(
-                f"crossfade_samples {self.crossfade_samples} exceeds the shortest hop "
-                f"({min(self.first_hop_frames, self.hop_frames)} frames of {frame_samples} samples)"
+                f"crossfade_samples {self.crossfade_samples} exceeds {limit}: the crossfade must fit in the shortest "
+                f"hop and in the left context ({frame_samples} samples per frame)"
             )
 
-    def window_frames(self, frame_samples: int) -> int:
+    def hop(self, index: int) -> int:
+        """Frames of audio in chunk `index` (before the final one): first_hop, doubling up to hop_frames."""
+        return max(1, min(self.hop_frames, self.first_hop_frames << min(index, 30)))
+
+    def window_frames(self) -> int:
         """Frames in a steady-state window."""
-        return (
-            self.left_context_frames
-            + self.hop_frames
-            + self.lookahead_frames
-            + math.ceil(self.crossfade_samples / frame_samples)
-        )
+        return self.left_context_frames + self.hop_frames + self.lookahead_frames
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,7 @@ class StreamDecoderState:
 
     def _make_window(self, emit_end: int, tail_end: int, end_frame: int, final: bool) -> DecodeWindow:
         f, opt = self.frame_samples, self.options
-        start_frame = max(0, self._planned_until // f - opt.left_context_frames)
+        start_frame = max(0, -(-self._planned_until // f) - opt.left_context_frames)
         window = DecodeWindow(
             stream=self,
             index=self._planned_windows,
@@ -151,7 +151,7 @@ class StreamDecoderState:
         self._planned_windows += 1
         self._planned_until = emit_end
         # The next window starts at emit_end - no frame before this is read again.
-        keep_from = max(0, emit_end // f - opt.left_context_frames)
+        keep_from = max(0, -(-emit_end // f) - opt.left_context_frames)
         if keep_from > self._frame_offset:
             del self._frames[: keep_from - self._frame_offset]
             self._frame_offset = keep_from
@@ -164,8 +164,7 @@ class StreamDecoderState:
         f, opt = self.frame_samples, self.options
         windows = []
         while True:
-            hop = opt.first_hop_frames if self._planned_boundary == 0 else opt.hop_frames
-            boundary = self._planned_boundary + hop
+            boundary = self._planned_boundary + opt.hop(self._planned_windows)
             if self.num_frames < boundary + opt.lookahead_frames:
                 break
             windows.append(

@@ -18,7 +18,7 @@ from omnivox.codecs.snac import (
 
 ORPHEUS_LEVELS = ((0,), (1, 4), (2, 3, 5, 6))
 # The 24 kHz shape with narrow channels: same rates, framing and receptive field, a fraction of the compute.
-SMALL_CONFIG = dict(SNAC_24KHZ_CONFIG, encoder_dim=8, decoder_dim=128)
+SMALL_CONFIG = dict(SNAC_24KHZ_CONFIG, encoder_dim=8, decoder_dim=64)
 
 
 @pytest.fixture(scope="module")

@@ -53,10 +53,14 @@ def test_default_streaming_equals_one_shot_and_joins_are_seamless(codec):
     y = np.concatenate(chunks)
     assert len(y) == len(one_shot) == 19 * F
     np.testing.assert_allclose(y, one_shot, atol=1e-5, rtol=0)  # everywhere, edges included
-    # first chunk: first_hop (1 frame) minus the held-back crossfade; then hop (4 frames) each
-    assert len(chunks[0]) == F - 256 and all(len(c) == 4 * F for c in chunks[1:-1])
+    # first chunk: first_hop (1 frame) minus the held-back crossfade; then hops of 2, 4, 8 frames; the rest at the end
+    assert [len(c) for c in chunks] == [F - 256, 2 * F, 4 * F, 8 * F, 4 * F + 256]
     jumps, local = join_jumps(chunks)
     assert len(jumps) >= 4 and np.all(jumps <= local)
+    # and each join's step is the one-shot signal's own step, to far below the signal's typical step
+    joins = np.cumsum([len(c) for c in chunks])[:-1]
+    step_error = np.abs((y[joins] - y[joins - 1]) - (one_shot[joins] - one_shot[joins - 1]))
+    assert step_error.max() < 1e-3 * np.sqrt(np.mean(np.diff(one_shot) ** 2))
 
 
 def test_short_context_streaming_stays_close_and_seamless(codec):
@@ -145,6 +149,8 @@ def test_close_and_reset_free_state(codec):
 def test_options_and_input_are_validated(codec):
     with pytest.raises(ValueError, match="crossfade_samples"):
         BatchedStreamDecoder(codec, LEVELS, StreamingOptions(first_hop_frames=1, crossfade_samples=F + 1))
+    with pytest.raises(ValueError, match="left context"):
+        BatchedStreamDecoder(codec, LEVELS, StreamingOptions(left_context_frames=0, crossfade_samples=64))
     with pytest.raises(ValueError, match="hop_frames"):
         BatchedStreamDecoder(codec, LEVELS, StreamingOptions(hop_frames=0))
     with pytest.raises(ValueError, match="frame layout"):
@@ -162,5 +168,5 @@ def test_window_length_is_constant_in_steady_state(codec):
     for row in random_frames(20, seed=6).tolist():
         s.push_frame(row)
     windows = s.plan()
-    assert [w.end_frame - w.start_frame for w in windows[2:]] == [opts.window_frames(F)] * (len(windows) - 2)
+    assert [w.end_frame - w.start_frame for w in windows[2:]] == [opts.window_frames()] * (len(windows) - 2)
     assert [w.emit_start for w in windows[1:]] == [w.emit_end for w in windows[:-1]]  # contiguous, no gaps
