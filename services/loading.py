@@ -21,7 +21,7 @@ class ModelLoadError(Exception):
 class ModelSpec:
     """One `--model`: a Hugging Face checkpoint folder or a .gguf file; path None means the embedded default."""
 
-    path: Path | None = None
+    path: str | Path | None = None
     name: str | None = None
     speech: bool = False  # with path None: the embedded random speech model (services/speech.py) instead
 
@@ -45,9 +45,9 @@ def model_name_for(path: Path) -> str:
     return (path.stem if path.suffix == ".gguf" else path.name).lower()
 
 
-def check_model_path(path: Path) -> Path:
+def check_model_path(path: str | Path) -> Path:
     """Raise ModelLoadError unless path is a checkpoint folder (config.json) or a .gguf file."""
-    path = path.expanduser()
+    path = Path(path).expanduser()
     if not path.exists():
         raise ModelLoadError(f"no such file or folder: {path}")
     if path.is_dir():
