@@ -74,6 +74,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--systems", default=",".join(ALL_SYSTEMS), help=f"comma-separated subset of {ALL_SYSTEMS}")
     ap.add_argument("--gguf", help="GGUF file for the llama.cpp peers (default: --model when it is a .gguf)")
     ap.add_argument("--server-arg", action="append", default=[], help="extra argument for `omnivox serve` (repeat)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        help="CPU threads for every system (torch intra-op and llama.cpp); default: torch's default (all cores)",
+    )
     ap.add_argument("--bandwidth-mib", type=int, default=512, help="matrix size for the bandwidth measurement")
     ap.add_argument("--out", type=Path, default=Path("bench-results"))
     ap.add_argument("--no-progress", action="store_true")
@@ -191,6 +196,11 @@ def run(args: argparse.Namespace) -> dict:
     from omnivox.benchmarks.bandwidth import measure_bandwidth, weight_bytes_per_step
     from omnivox.benchmarks.systems.hf_loading import load_config, load_tokenizer
 
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit(f"--threads: must be >= 1, got {args.threads}")
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the server and llama.cpp processes inherit it
+        torch.set_num_threads(args.threads)
     model = args.model or default_model()
     names = [n.strip() for n in args.systems.split(",") if n.strip()]
     levels_wanted = sorted(set(args.concurrency))
@@ -212,16 +222,19 @@ def run(args: argparse.Namespace) -> dict:
         "model": model,
         "dtype": args.dtype,
         "machine": machine_description(args.device),
+        "load_average_at_start": list(os.getloadavg()),
         "command": " ".join(sys.argv),
         "spec": spec.__dict__ | {"prompt_words": list(spec.prompt_words), "output_tokens": list(spec.output_tokens)},
         "workload": describe(requests),
         "requests_per_level": per_level,
+        "level_seconds": args.level_seconds,
         "levels": [],
         "skipped": {},
     }
 
     if args.bandwidth_mib > 0:
         bw = measure_bandwidth(dtype, args.bandwidth_mib, device=args.device)
+        result["load_average_after_bandwidth"] = list(os.getloadavg())
         wbytes = weight_bytes_per_step(config, torch.empty((), dtype=dtype).element_size())
         result["bandwidth"] = bw.to_dict()
         result["floor"] = {

@@ -43,11 +43,15 @@ def markdown_table(levels: list[dict]) -> str:
 def markdown_report(result: dict) -> str:
     out = [f"# Benchmark {result['started']}", ""]
     out.append(f"Model: `{result['model']}` ({result['dtype']}); machine: {result['machine']}.")
+    if result.get("load_average_at_start"):
+        load = result["load_average_at_start"]
+        out.append(f"Load average at start (1/5/15 min): {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}.")
     w = result["workload"]
     out.append(
         f"Workload: seed {result['spec']['seed']}, prompts {w['prompt_tokens']['min']}–{w['prompt_tokens']['max']} tokens"
         f" (mean {w['prompt_tokens']['mean']:.0f}), outputs {w['output_tokens']['min']}–{w['output_tokens']['max']}"
-        f" tokens (ignore_eos), requests per level: {result['requests_per_level']}."
+        f" tokens (ignore_eos), greedy; requests per level: up to {result['requests_per_level']}"
+        f" (no new request after {result.get('level_seconds', float('inf')):.0f} s in a level; `reqs` = sent)."
     )
     out += ["", markdown_table(result["levels"]), ""]
     if result.get("floor"):

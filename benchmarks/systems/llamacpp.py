@@ -38,7 +38,8 @@ def _require_llama_cpp():
 
 
 def _threads() -> int:
-    return os.cpu_count() or 1
+    """The same thread count as the torch systems: OMP_NUM_THREADS when set (omnivox bench --threads sets it)."""
+    return int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
 
 
 def _quant(path: str) -> str:
