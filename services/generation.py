@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -14,6 +15,7 @@ from omnivox.engine import RequestOutput
 from omnivox.engine.errors import InvalidRequest
 from omnivox.services import errors, validation
 from omnivox.services.errors import FieldViolation, ServiceError, rpc_method
+from omnivox.services.prompt import Prompt
 from omnivox.services.registry import ModelRegistry, ServedModel
 from omnivox.v1 import generation_pb2, generation_pb2_grpc
 
@@ -41,16 +43,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         received = time.monotonic()
         model = self.registry.get_ready(request.model)
         checked = validation.validate_generate(request, model)
-        assert model.engine is not None and model.prompt_builder is not None
-        try:
-            prompt = model.prompt_builder.build(request.contents)
-        except ServiceError:
-            raise
-        except Exception as exc:  # e.g. a chat template that refuses a role order: the request's fault
-            raise errors.invalid_argument([FieldViolation("contents", f"cannot build the prompt: {exc}")]) from exc
-        validation.check_prompt_fits(len(prompt.token_ids), checked.params, model)
-
+        # Admitted from here on: counted against the queue bound, and waited for by a drain.
         with model.admit():
+            prompt = await self._build_prompt(model, request)
+            validation.check_prompt_fits(len(prompt.token_ids), checked.params, model)
+            assert model.engine is not None
             engine_request_id = uuid.uuid4().hex  # ours, so that clients reusing an id cannot collide in the engine
             stream = model.engine.stream(
                 prompt.token_ids, checked.params, request_id=engine_request_id, segments=prompt.segments or None
@@ -79,6 +76,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             last.finish_reason,
             time.monotonic() - received,
         )
+
+    @staticmethod
+    async def _build_prompt(model: ServedModel, request: generation_pb2.GenerateRequest) -> Prompt:
+        assert model.prompt_builder is not None
+        try:  # in a worker thread: a long prompt (or an image encoder) must not stall the other streams
+            return await asyncio.to_thread(model.prompt_builder.build, request.contents)
+        except ServiceError:
+            raise
+        except Exception as exc:  # e.g. a chat template that refuses a role order: the request's fault
+            raise errors.invalid_argument([FieldViolation("contents", f"cannot build the prompt: {exc}")]) from exc
 
     @staticmethod
     def _delta(out: RequestOutput, model: ServedModel) -> generation_pb2.GenerateResponse:

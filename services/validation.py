@@ -19,6 +19,7 @@ from omnivox.v1 import generation_pb2, sampling_pb2
 ROLES = ("system", "user", "assistant")
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 16
+MAX_REQUEST_ID_CHARS = 256
 
 # Engine field names (SamplingParams / prompt) -> the request field that carries them.
 ENGINE_TO_REQUEST_FIELD = {
@@ -206,6 +207,8 @@ def validate_generate(request: generation_pb2.GenerateRequest, model: ServedMode
         outputs = ", ".join(sorted(model.output_modalities))
         v.add("model", f"model {model.name!r} does not generate text (it generates: {outputs})")
     check_contents(request, model, v)
+    if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+        v.add("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, got {len(request.request_id)}")
     kwargs = sampling_params(request.sampling, model, v)
     kwargs.update(check_stopping(request, model, v))
     v.raise_if_any()

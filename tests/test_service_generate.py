@@ -192,6 +192,7 @@ INVALID = [
     (_bad(top_logprobs=3), "top_logprobs"),  # without logprobs
     (_bad(logprobs=True, top_logprobs=21), "top_logprobs"),
     (user_request("Hello " * CONTEXT), "contents"),  # prompt longer than the context
+    (_bad(request_id="x" * 257), "request_id"),
 ]
 
 
