@@ -69,6 +69,7 @@ class Engine:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
         enable_prefix_caching: bool = True,
+        static_decode: bool | None = None,
     ) -> None:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -91,7 +92,9 @@ class Engine:
         self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
         self.kv = KVCacheManager(self.pool)
         self.scheduler = Scheduler(self.kv, max_num_seqs, self.max_num_batched_tokens)
-        self.runner = ModelRunner(model, num_blocks, block_size, self.device, self.dtype)
+        self.runner = ModelRunner(
+            model, num_blocks, block_size, self.device, self.dtype, max_num_seqs, static_decode=static_decode
+        )
         self.sampler = Sampler(cfg.vocab_size, self.device)
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -115,6 +118,7 @@ class Engine:
         max_num_batched_tokens: int = 512,
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
+        static_decode: bool | None = None,
         progress: bool = False,
     ) -> Engine:
         """Load a Hugging Face checkpoint folder (safetensors) or a .gguf file."""
@@ -138,6 +142,7 @@ class Engine:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching,
+            static_decode=static_decode,
         )
 
     def _default_kv_gib(self) -> float:

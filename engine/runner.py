@@ -9,22 +9,47 @@ from __future__ import annotations
 import torch
 
 from omnivox.engine.scheduler import ScheduledChunk, SchedulePlan
+from omnivox.engine.static_decode import StaticDecoder
 from omnivox.models.attention import AttentionMetadata, PrefillChunk
 from omnivox.models.decoder import DecoderModel
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, device, dtype) -> None:
+    def __init__(
+        self,
+        model: DecoderModel,
+        num_blocks: int,
+        block_size: int,
+        device,
+        dtype,
+        max_num_seqs: int = 64,
+        static_decode: bool | None = None,
+    ) -> None:
+        """static_decode: pad decode-only steps to fixed shapes (CUDA graphs on a GPU); None = on CUDA only."""
         cfg = model.config
         self.model = model
         self.device = torch.device(device)
         self.block_size = block_size
-        shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        # One block past the pool's: the scratch block that padded rows of static decode steps write to.
+        shape = ((num_blocks + 1) * block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
             for _ in range(cfg.num_layers)
         ]
         self._offsets = torch.arange(block_size, device=self.device)
+        if static_decode is None:
+            static_decode = self.device.type == "cuda"
+        self.static: StaticDecoder | None = None
+        if static_decode:
+            self.static = StaticDecoder(
+                model,
+                self.kv_caches,
+                block_size,
+                scratch_block=num_blocks,
+                max_batch=max_num_seqs,
+                max_blocks=-(-cfg.max_model_len // block_size),
+                use_graphs=self.device.type == "cuda",
+            )
 
     def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         bs = self.block_size
@@ -36,6 +61,15 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: SchedulePlan) -> tuple[torch.Tensor, list[ScheduledChunk]]:
         """Run the plan; returns logits [N, vocab] (float32) for the N chunks that sample, in that order."""
+        if self.static is not None and not plan.prefills:
+            decodes = plan.decodes
+            if self.static.fits(len(decodes), max(c.end for c in decodes)):
+                logits = self.static.run(
+                    [c.request.token_id(c.start) for c in decodes],
+                    [c.start for c in decodes],
+                    [c.request.block_table for c in decodes],
+                )
+                return logits, list(decodes)
         dev, bs = self.device, self.block_size
         chunks = plan.decodes + plan.prefills
         ids: list[int] = []

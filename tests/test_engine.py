@@ -242,3 +242,20 @@ def test_bad_prompts_raise_and_the_engine_keeps_serving(engine):
         assert info.value.field == "prompt"
     assert engine.generate([PROMPTS[0]], GREEDY)[0].token_ids == solo(engine, [PROMPTS[0]])[0]
     engine.check_integrity()
+
+
+def test_static_decode_twin_equals_dynamic_path(ckpt, engine):
+    """The padded, fixed-shape decode step (replayed as CUDA graphs on a GPU) run eagerly on CPU."""
+    static = tiny_engine(ckpt, static_decode=True, max_num_seqs=8)
+    assert static.runner.static is not None and not static.runner.static.use_graphs
+    prompts = PROMPTS + [list(range(30, 30 + 150))]  # 7 requests pad to a batch bucket of 8; contexts span buckets
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+    a = static.generate(prompts, params)
+    b = engine.generate(prompts, params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert static.runner.static.num_runs >= 30
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(
+            torch.tensor([lp.logprob for lp in x.logprobs]), torch.tensor([lp.logprob for lp in y.logprobs])
+        )
+    static.check_integrity()
