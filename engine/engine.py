@@ -280,7 +280,13 @@ class Engine:
             self.kv.commit_computed(c.request)
         if sampling:
             reqs = [c.request for c in sampling]
-            result = self.sampler(logits, reqs)
+            try:
+                result = self.sampler(logits, reqs)
+            except Exception:  # e.g. a token constraint that raised: fail these requests, keep the engine
+                log.exception("sampling failed; aborting the %d requests it served", len(reqs))
+                for req in reqs:
+                    self._finish(req, "error", outputs)
+                return outputs
             now = time.monotonic()
             for req, token, lp in zip(reqs, result.token_ids, result.logprobs, strict=True):
                 self._append_token(req, token, lp, now, outputs)
