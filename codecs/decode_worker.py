@@ -100,29 +100,38 @@ class DecodeWorker:
                 stream.ended = True
                 stream.chunks.put_nowait(END)
 
+    def _fail(self, streams: list[AudioStream], exc: BaseException) -> None:
+        for stream in streams:
+            if not stream.ended:
+                stream.ended = True
+                stream.chunks.put_nowait(exc)
+
     async def _run(self) -> None:
         assert self._wake is not None
         while True:
             await self._wake.wait()
             self._wake.clear()
-            windows = [w for s in list(self._streams) for w in s.plan()]
+            try:
+                windows = [w for s in list(self._streams) for w in s.plan()]
+            except Exception as exc:  # a bug in planning fails the open streams, never leaves them waiting
+                log.exception("codec window planning failed")
+                self._fail(list(self._streams.values()), exc)
+                continue
             if windows:
+                involved = list({id(s): s for w in windows if (s := self._streams.get(w.stream))}.values())
                 try:
                     audio = await asyncio.to_thread(self.decoder.decode_windows, windows)
+                    self.stats.passes += 1
+                    self.stats.windows += len(windows)
+                    self.stats.max_batch = max(self.stats.max_batch, len(windows))
+                    for w, a in zip(windows, audio, strict=True):
+                        stream = self._streams.get(w.stream)
+                        if stream is None or stream.ended:  # closed while its window was decoding
+                            continue
+                        chunk: np.ndarray = w.stream.apply(w, a)
+                        if len(chunk):
+                            stream.chunks.put_nowait(chunk)
                 except Exception as exc:  # a broken codec fails the streams it was decoding, not the server
                     log.exception("codec decode failed")
-                    for stream in {self._streams.get(w.stream) for w in windows} - {None}:
-                        stream.ended = True
-                        stream.chunks.put_nowait(exc)
-                    continue
-                self.stats.passes += 1
-                self.stats.windows += len(windows)
-                self.stats.max_batch = max(self.stats.max_batch, len(windows))
-                for w, a in zip(windows, audio, strict=True):
-                    stream = self._streams.get(w.stream)
-                    if stream is None or stream.ended:  # closed while its window was decoding
-                        continue
-                    chunk: np.ndarray = w.stream.apply(w, a)
-                    if len(chunk):
-                        stream.chunks.put_nowait(chunk)
+                    self._fail(involved, exc)
             self._deliver_ends()

@@ -85,11 +85,14 @@ class StreamDecoderState:
     Not thread-safe: push, plan and apply from one thread (the codec forward itself may run elsewhere).
     """
 
-    def __init__(self, options: StreamingOptions, frame_samples: int, codes_per_frame: int) -> None:
+    def __init__(
+        self, options: StreamingOptions, frame_samples: int, codes_per_frame: int, codebook_size: int | None = None
+    ) -> None:
         options.validate(frame_samples)
         self.options = options
         self.frame_samples = frame_samples
         self.codes_per_frame = codes_per_frame
+        self.codebook_size = codebook_size  # when set, push_frame rejects codes outside [0, codebook_size)
         self.closed = False
         self.reset()
 
@@ -123,7 +126,10 @@ class StreamDecoderState:
             raise RuntimeError("push_frame on a finished or closed stream")
         if len(frame) != self.codes_per_frame:
             raise ValueError(f"a frame has {self.codes_per_frame} codes, got {len(frame)}")
-        self._frames.append(tuple(int(c) for c in frame))
+        codes = tuple(int(c) for c in frame)
+        if self.codebook_size is not None and not all(0 <= c < self.codebook_size for c in codes):
+            raise ValueError(f"codes must be in [0, {self.codebook_size}), got {list(codes)}")
+        self._frames.append(codes)
         self.num_frames += 1
 
     def finish(self) -> None:
@@ -227,7 +233,9 @@ class BatchedStreamDecoder:
         return self.codec.sample_rate
 
     def open_stream(self, options: StreamingOptions | None = None) -> StreamDecoderState:
-        return StreamDecoderState(options or self.options, self.codec.frame_samples, self.codes_per_frame)
+        return StreamDecoderState(
+            options or self.options, self.codec.frame_samples, self.codes_per_frame, self.codec.shape.codebook_size
+        )
 
     def decode_windows(self, windows: Sequence[DecodeWindow]) -> list[torch.Tensor]:
         """The codec pass alone (safe to run in a worker thread): audio per window, in order."""

@@ -1,0 +1,85 @@
+"""DecodeWorker: concurrent producers on one event loop, batched codec passes, ends, closes and failures."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from omnivox.codecs.decode_worker import END, DecodeWorker
+from omnivox.codecs.snac import SNAC_24KHZ_CONFIG, SnacDecoder, save_random_snac
+from omnivox.codecs.streaming import BatchedStreamDecoder, StreamingOptions
+
+LEVELS = ((0,), (1, 4), (2, 3, 5, 6))
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory):
+    path = save_random_snac(tmp_path_factory.mktemp("snac"), dict(SNAC_24KHZ_CONFIG, encoder_dim=8, decoder_dim=64))
+    return BatchedStreamDecoder(SnacDecoder.from_folder(path), LEVELS, StreamingOptions(hop_frames=2))
+
+
+async def drain(stream) -> list:
+    items = []
+    while (item := await stream.chunks.get()) is not END:
+        items.append(item)
+        if isinstance(item, BaseException):
+            break
+    return items
+
+
+def test_concurrent_streams_are_decoded_in_shared_passes(decoder):
+    g = torch.Generator().manual_seed(0)
+    all_frames = [torch.randint(0, 4096, (n, 7), generator=g) for n in (7, 9, 0, 5)]
+
+    async def main():
+        worker = DecodeWorker(decoder)
+        streams = [worker.open() for _ in all_frames]
+
+        async def produce(stream, frames):
+            for row in frames.tolist():  # one frame per "engine step", all producers interleaved
+                worker.push(stream, [row])
+                await asyncio.sleep(0)
+            worker.finish(stream)
+
+        producers = [asyncio.create_task(produce(s, f)) for s, f in zip(streams, all_frames, strict=True)]
+        results = await asyncio.gather(*(drain(s) for s in streams))
+        await asyncio.gather(*producers)
+        for s in streams:
+            worker.close(s)
+        assert worker.open_streams == 0
+        await worker.shutdown()
+        return results, worker.stats
+
+    results, stats = asyncio.run(main())
+    for frames, chunks in zip(all_frames, results, strict=True):
+        got = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
+        assert got.shape == (len(frames) * 2048,)
+        if len(frames):
+            np.testing.assert_allclose(got, decoder.decode_all(frames), atol=1e-6, rtol=0)
+    assert stats.max_batch > 1 and stats.passes < stats.windows
+
+
+def test_a_bad_frame_fails_only_its_producer_and_close_drops_state(decoder):
+    async def main():
+        worker = DecodeWorker(decoder)
+        good, bad = worker.open(), worker.open()
+        with pytest.raises(ValueError, match="codes must be in"):
+            worker.push(bad, [[0, 1, 2, 3, 4, 5, 4096]])
+        worker.close(bad)
+        worker.push(good, [[1] * 7, [2] * 7])
+        worker.finish(good)
+        chunks = await drain(good)
+        assert sum(len(c) for c in chunks) == 2 * 2048
+        abandoned = worker.open()
+        worker.push(abandoned, [[3] * 7] * 4)
+        await asyncio.sleep(0.5)
+        worker.close(abandoned)  # a cancelled request: its frames and tail are dropped
+        assert abandoned.state._tail is None and not abandoned.state._frames
+        worker.close(good)
+        assert worker.open_streams == 0
+        await worker.shutdown()
+
+    asyncio.run(main())
