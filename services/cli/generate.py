@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from omnivox.services.cli._common import CliError, add_connection_args, connect, rpc_error_line
+
+if TYPE_CHECKING:
+    from omnivox.v1 import generation_pb2, generation_pb2_grpc
 
 
 def _add_request_args(p: argparse.ArgumentParser) -> None:
@@ -36,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     c.set_defaults(run=run_chat)
 
 
-def build_request(args: argparse.Namespace, turns: list[tuple[str, str]]):
+def build_request(args: argparse.Namespace, turns: list[tuple[str, str]]) -> generation_pb2.GenerateRequest:
     from omnivox.v1 import content_pb2, generation_pb2, sampling_pb2
 
     contents = []
@@ -56,7 +60,9 @@ def build_request(args: argparse.Namespace, turns: list[tuple[str, str]]):
     return request
 
 
-def stream_answer(stub, request, args: argparse.Namespace) -> str:
+def stream_answer(
+    stub: generation_pb2_grpc.GenerationServiceStub, request: generation_pb2.GenerateRequest, args: argparse.Namespace
+) -> str:
     """Print deltas to stdout as they arrive, the summary to stderr; return the answer's text."""
     import grpc
 

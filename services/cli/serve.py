@@ -6,8 +6,14 @@ import argparse
 import asyncio
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from omnivox.services.cli._common import CliError
+
+if TYPE_CHECKING:
+    from omnivox.services.loading import ModelSpec
+    from omnivox.services.server import OmnivoxServer
+    from omnivox.v1 import generation_pb2
 
 DEMO_PROMPT = "In one sentence, what is a gRPC server?"
 
@@ -50,7 +56,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def model_specs(models: list[Path], names: list[str]) -> list:
+def model_specs(models: list[Path], names: list[str]) -> list[ModelSpec]:
     from omnivox.services.loading import ModelSpec
 
     if len(names) > max(len(models), 1):
@@ -100,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(str(err)) from None
 
 
-async def demo(srv) -> None:
+async def demo(srv: OmnivoxServer) -> None:
     """Send one chat request through the real gRPC API to this server and print the answer as it streams."""
     import grpc
 
@@ -142,7 +148,7 @@ async def demo(srv) -> None:
     )
 
 
-def summary_line(summary) -> str:
+def summary_line(summary: generation_pb2.GenerateSummary) -> str:
     """finish reason, token counts, time to first token and decode speed, for people."""
     from omnivox.v1 import generation_pb2
 
