@@ -132,3 +132,17 @@ def test_invalid_values_and_still_serving(stub) -> None:
         assert field in info.value.details()
     *_, last = stub.Generate(user_request("Hi", max_output_tokens=2))
     assert last.HasField("summary")
+
+
+def test_stop_sequences(stub) -> None:
+    question = user_request("What is the capital of France?", max_output_tokens=16, sampling=GREEDY)
+    full = "".join(r.delta.text for r in stub.Generate(question) if r.HasField("delta"))
+    assert "Paris" in full
+    question.stop_sequences.append("Paris")
+    responses = list(stub.Generate(question))
+    text = "".join(r.delta.text for r in responses if r.HasField("delta"))
+    assert text == full[: full.index("Paris")]
+    assert responses[-1].summary.finish_reason == generation_pb2.FINISH_REASON_STOP
+    question.include_stop_sequence = True
+    text = "".join(r.delta.text for r in stub.Generate(question) if r.HasField("delta"))
+    assert text == full[: full.index("Paris") + len("Paris")]

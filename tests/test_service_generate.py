@@ -315,3 +315,15 @@ def test_chat_template_refusal_is_invalid_argument(tmp_path: Path) -> None:
         assert "no system turns" in info.value.details()
         *_, last = stub.Generate(user_request("Hi", max_output_tokens=2))  # without the system turn: served
         assert last.HasField("summary")
+
+
+def test_logit_bias_and_penalties_reach_the_sampler(stub) -> None:
+    forced = 200
+    sampling = sampling_pb2.SamplingConfig(temperature=0.0, logit_bias={forced: 100.0})
+    deltas, _ = collect(stub.Generate(user_request("Hello", max_output_tokens=6, sampling=sampling, ignore_eos=True)))
+    assert [t for d in deltas for t in d.token_ids] == [forced] * 6
+    # A repetition penalty strong enough beats the bias once the token has been generated.
+    sampling = sampling_pb2.SamplingConfig(temperature=0.0, logit_bias={forced: 5.0}, frequency_penalty=2.0)
+    deltas, _ = collect(stub.Generate(user_request("Hello", max_output_tokens=6, sampling=sampling, ignore_eos=True)))
+    tokens = [t for d in deltas for t in d.token_ids]
+    assert tokens.count(forced) < 6
