@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -196,3 +197,23 @@ def test_cli_speak_writes_a_wav_file(server, tmp_path, capsys):
     assert "NOT_FOUND" in capsys.readouterr().err
     assert main(["speak", "--list-voices", "--server", server.address]) == 0
     assert "tara\ten\tspeech" in capsys.readouterr().out
+
+
+def test_speech_benchmark_reports_first_audio_rtf_and_realtime_streams(server, tmp_path, capsys):
+    from omnivox.benchmarks import speech as bench
+
+    result = bench.run_levels(server.address, [1, 3], text="Hi there.")
+    assert [level["concurrency"] for level in result["levels"]] == [1, 3]
+    for level in result["levels"]:
+        assert len(level["streams"]) == level["concurrency"]
+        for s in level["streams"]:
+            assert 0 < s["ttfa_s"] <= s["wall_s"] and s["audio_s"] > 0
+            assert s["rtf"] == pytest.approx(s["wall_s"] / s["audio_s"])
+            assert s["realtime"] == (s["lateness_s"] <= 0)
+        assert level["all_realtime"] == all(s["realtime"] for s in level["streams"])
+    realtime = [level["concurrency"] for level in result["levels"] if level["all_realtime"]]
+    assert result["max_realtime_streams"] == max(realtime, default=0)
+    out = tmp_path / "speech.json"
+    assert bench.main(["--address", server.address, "--concurrency", "2", "--text", "Hi.", "--out", str(out)]) == 0
+    assert "faster than real time" in capsys.readouterr().out
+    assert json.loads(out.read_text())["levels"][0]["concurrency"] == 2
