@@ -89,8 +89,10 @@ def plot(levels: list[dict], path: Path, title: str) -> None:
         x = [r["concurrency"] for r in rows]
         ax1.plot(x, [r["total_tps"] for r in rows], marker="o", label=name)
         ax2.plot(x, [r["itl_p99_ms"] for r in rows], marker="o", label=name)
+    ticks = sorted({r["concurrency"] for r in levels})
     for ax, ylabel in ((ax1, "total TPS (tokens/s, all users)"), (ax2, "p99 ITL (ms)")):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.set_xlabel("concurrency")
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
