@@ -36,7 +36,6 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
             for _ in range(cfg.num_layers)
         ]
-        self._offsets = torch.arange(block_size, device=self.device)
         if static_decode is None:
             static_decode = self.device.type == "cuda"
         self.static: StaticDecoder | None = None
@@ -52,10 +51,11 @@ class ModelRunner:
             )
 
     def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
+        """Cache slots of token positions [start, end)."""
         bs = self.block_size
         first, last = start // bs, (end - 1) // bs
-        blocks = torch.tensor(block_table[first : last + 1], device=self.device)
-        slots = (blocks.unsqueeze(1) * bs + self._offsets).flatten()
+        blocks = torch.tensor(block_table[first : last + 1])
+        slots = (blocks.unsqueeze(1) * bs + torch.arange(bs)).flatten()
         return slots[start - first * bs : end - first * bs]
 
     @torch.inference_mode()
@@ -89,32 +89,33 @@ class ModelRunner:
                     embed_rows.append(torch.arange(row + lo - c.start, row + hi - c.start))
                     embed_vals.append(seg.embeds[lo - seg.start : hi - seg.start])
             if k >= len(plan.decodes):
-                ctx_slots = self._slots(req.block_table, 0, c.end)
-                slot_parts.append(ctx_slots[c.start :])
-                prefills.append(PrefillChunk(row, c.num_tokens, c.end, ctx_slots))
+                slot_parts.append(self._slots(req.block_table, c.start, c.end))
+                table = torch.tensor(req.block_table[: -(-c.end // bs)], device=dev)
+                prefills.append(PrefillChunk(row, c.num_tokens, c.end, table))
             row += c.num_tokens
 
         nd = len(plan.decodes)
-        decode_slots = decode_mask = None
+        decode_tables = decode_mask = None
         if nd:
             lens = [c.end for c in plan.decodes]
-            max_len = max(lens)
-            max_blocks = -(-max_len // bs)
+            max_blocks = -(-max(lens) // bs)
             table = torch.zeros(nd, max_blocks, dtype=torch.long)
             for i, c in enumerate(plan.decodes):
                 bt = c.request.block_table[:max_blocks]
                 table[i, : len(bt)] = torch.tensor(bt)
-            table = table.to(dev)
-            decode_slots = (table.unsqueeze(2) * bs + self._offsets).flatten(1)[:, :max_len]  # [B, L]
-            lens_t = torch.tensor(lens, device=dev)
-            decode_mask = (torch.arange(max_len, device=dev)[None, :] < lens_t[:, None]).view(nd, 1, 1, max_len)
-            own = decode_slots.gather(1, (lens_t - 1).unsqueeze(1)).squeeze(1)  # each decode token's own slot
+            decode_tables = table.to(dev)
+            lens_t = torch.tensor(lens)
+            span = torch.arange(max_blocks * bs)
+            decode_mask = (span[None, :] < lens_t[:, None]).view(nd, 1, 1, -1).to(dev)
+            last = lens_t - 1  # each decode token's own slot
+            own = table.gather(1, (last // bs).unsqueeze(1)).squeeze(1) * bs + last % bs
             slot_parts.insert(0, own)
 
         meta = AttentionMetadata(
+            block_size=bs,
             slot_mapping=torch.cat(slot_parts).to(dev),
             num_decode=nd,
-            decode_slots=decode_slots,
+            decode_block_tables=decode_tables,
             decode_mask=decode_mask,
             prefills=prefills,
         )

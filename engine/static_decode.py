@@ -55,7 +55,6 @@ class StaticDecoder:
         self.slot_mapping = torch.zeros(max_batch, dtype=torch.long, device=dev)
         self.context_lens = torch.ones(max_batch, dtype=torch.long, device=dev)
         self.block_tables = torch.full((max_batch, max_blocks), scratch_block, dtype=torch.long, device=dev)
-        self.offsets = torch.arange(block_size, device=dev)
         self.use_graphs = use_graphs and dev.type == "cuda"
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_pool = None
@@ -68,12 +67,15 @@ class StaticDecoder:
     def _forward(self, batch: int, blocks: int) -> torch.Tensor:
         """The padded decode step over the static buffers: logits [batch, vocab]."""
         span = blocks * self.block_size
-        table = self.block_tables[:batch, :blocks]
-        slots = (table.unsqueeze(2) * self.block_size + self.offsets).flatten(1)  # [B, span]
         lens = self.context_lens[:batch]
         mask = (torch.arange(span, device=self.device)[None, :] < lens[:, None]).view(batch, 1, 1, span)
         meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:batch], num_decode=batch, decode_slots=slots, decode_mask=mask, prefills=[]
+            block_size=self.block_size,
+            slot_mapping=self.slot_mapping[:batch],
+            num_decode=batch,
+            decode_block_tables=self.block_tables[:batch, :blocks],
+            decode_mask=mask,
+            prefills=[],
         )
         hidden = self.model(self.input_ids[:batch], self.positions[:batch], self.kv_caches, meta)
         return self.model.compute_logits(hidden)

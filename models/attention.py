@@ -19,16 +19,27 @@ class PrefillChunk:
     query_start: int  # first row of this chunk in the flattened batch
     num_tokens: int  # rows in this chunk
     context_len: int  # tokens in the cache after this step (cached before + this chunk)
-    slots: torch.Tensor  # [context_len] cache slots of the whole context, in order
+    block_table: torch.Tensor  # [ceil(context_len / block_size)] blocks holding the context, in order
 
 
 @dataclass
 class AttentionMetadata:
+    block_size: int
     slot_mapping: torch.Tensor  # [T] where each row's k/v is written
     num_decode: int  # rows [0, num_decode) are decode tokens
-    decode_slots: torch.Tensor | None  # [num_decode, max_context] cache slots to read (padding repeats slot 0)
-    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_context] True where a key is real
+    decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks] blocks to read (padding: any block)
+    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size] True where a key is real
     prefills: list[PrefillChunk]
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Copy whole blocks ([n] ids) out of a flat cache: [n * block_size, kv_heads, head_dim].
+
+    Block-sized rows copy at memcpy speed; a gather per token slot is several times slower, and advanced indexing
+    (cache[ids]) is slower still on CPU.
+    """
+    rows = cache.view(-1, block_size * cache.shape[1] * cache.shape[2])
+    return rows.index_select(0, block_ids).view(-1, cache.shape[1], cache.shape[2])
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
@@ -48,11 +59,10 @@ def paged_attention(
     gqa = q.shape[1] != k_cache.shape[1]
     nd = meta.num_decode
     if nd:
-        b, length = meta.decode_slots.shape
-        flat = meta.decode_slots.flatten()
-        # index_select, not k_cache[slots]: advanced indexing on CPU is orders of magnitude slower here.
-        kd = k_cache.index_select(0, flat).view(b, length, *k_cache.shape[1:])  # [B, L, KVH, D]
-        vd = v_cache.index_select(0, flat).view(b, length, *v_cache.shape[1:])
+        b = meta.decode_block_tables.shape[0]
+        flat = meta.decode_block_tables.flatten()
+        kd = gather_blocks(k_cache, flat, meta.block_size).view(b, -1, *k_cache.shape[1:])  # [B, L, KVH, D]
+        vd = gather_blocks(v_cache, flat, meta.block_size).view(b, -1, *v_cache.shape[1:])
         if q.is_cuda:
             od = F.scaled_dot_product_attention(
                 q[:nd].unsqueeze(2),
@@ -68,8 +78,8 @@ def paged_attention(
     for chunk in meta.prefills:
         s, n, ctx = chunk.query_start, chunk.num_tokens, chunk.context_len
         qp = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        kp = k_cache.index_select(0, chunk.slots).transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
-        vp = v_cache.index_select(0, chunk.slots).transpose(0, 1).unsqueeze(0)
+        kp = gather_blocks(k_cache, chunk.block_table, meta.block_size)[:ctx].transpose(0, 1).unsqueeze(0)
+        vp = gather_blocks(v_cache, chunk.block_table, meta.block_size)[:ctx].transpose(0, 1).unsqueeze(0)
         if ctx == n:
             op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
