@@ -213,13 +213,21 @@ class SpeechTokenConstraint:
         masks[layout.frame_size, layout.end_of_speech] = True
         self._position_masks = list(masks[: layout.frame_size])
         self._boundary_mask = masks[layout.frame_size]
+        # The same sets as id lists (4096 or 4097 of ~157k): a sampler may work on these logits alone.
+        self._position_ids = [m.nonzero().flatten() for m in self._position_masks]
+        self._boundary_ids = self._boundary_mask.nonzero().flatten()
+
+    def _at_boundary(self, n: int) -> bool:
+        return n % self.layout.frame_size == 0 and n // self.layout.frame_size >= self.min_frames
 
     def allowed(self, output_token_ids: Sequence[int]) -> torch.Tensor:
         n = len(output_token_ids)
-        position = n % self.layout.frame_size
-        if position == 0 and n // self.layout.frame_size >= self.min_frames:
-            return self._boundary_mask
-        return self._position_masks[position]
+        return self._boundary_mask if self._at_boundary(n) else self._position_masks[n % self.layout.frame_size]
+
+    def allowed_ids(self, output_token_ids: Sequence[int]) -> torch.Tensor:
+        """The ids `allowed` admits, ascending (int64, on the masks' device): an optional fast path for samplers."""
+        n = len(output_token_ids)
+        return self._boundary_ids if self._at_boundary(n) else self._position_ids[n % self.layout.frame_size]
 
 
 def save_random_speech_decoder(

@@ -63,6 +63,7 @@ def test_constraint_admits_exactly_the_codes_of_each_frame_position():
         if k == 0 and n > 0:
             expected.add(L.end_of_speech)  # end of speech only at a frame boundary, after a frame
         assert set(mask.nonzero().flatten().tolist()) == expected
+        assert c.allowed_ids(out).tolist() == sorted(expected)
         out.append(128266 + 4096 * k + n)
     # masks are built once and reused
     assert c.allowed([0] * 3) is c.allowed([0] * 10)
