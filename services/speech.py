@@ -237,6 +237,12 @@ def validate_speech(
     return SpeechPlan(text=text, voice=voice, encoding=encoding, sample_rate=rate, sampling=sampling)
 
 
+def _invalid(err: InvalidRequest) -> errors.ServiceError:
+    """An engine InvalidRequest as INVALID_ARGUMENT on the speech request's field (prompt/length problems: `text`)."""
+    field = "text" if err.field in ("prompt", "max_tokens", "segments") else validation.request_field(err.field)
+    return errors.invalid_argument([FieldViolation(field, err.description)])
+
+
 def seconds_to_duration(seconds: float):
     from google.protobuf import duration_pb2
 
@@ -395,7 +401,7 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
                     first_audio = first_audio or time.monotonic()
                     await context.write(speech_pb2.SynthesizeSpeechResponse(audio=speech_pb2.AudioChunk(data=tail)))
             except InvalidRequest as err:
-                raise validation.from_invalid_request(err) from err
+                raise _invalid(err) from err
             finally:
                 for task in tasks:
                     task.cancel()
@@ -453,7 +459,7 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
         try:
             params.validate(model.vocab_size)
         except InvalidRequest as err:
-            raise validation.from_invalid_request(err) from err
+            raise _invalid(err) from err
         return params
 
     @staticmethod

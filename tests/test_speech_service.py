@@ -138,6 +138,12 @@ def test_bad_requests_leave_the_server_serving(server):
     expect_error(server, INVALID, "audio_config.sample_rate_hertz", rate=12345)
     expect_error(server, INVALID, "audio_config.sample_rate_hertz", encoding=ENC.AUDIO_ENCODING_OGG_OPUS, rate=44100)
     expect_error(server, INVALID, "sampling.temperature", sampling={"temperature": -1})
+    server.speech.limits.max_segment_chars = 5000  # one segment whose prompt cannot fit the 4096-token context
+    try:
+        err = expect_error(server, INVALID, "text", text="ab " * 1500)
+        assert "context" in err.details()
+    finally:
+        server.speech.limits.max_segment_chars = 300
     err = expect_error(server, grpc.StatusCode.NOT_FOUND, voice={"name": "nobody"})
     assert "nobody" in err.details()
     expect_error(server, grpc.StatusCode.NOT_FOUND, voice={"name": "tara", "language_code": "fr-FR"})
