@@ -55,9 +55,10 @@ class WorkloadSpec:
 @dataclass(frozen=True)
 class BenchRequest:
     index: int
-    prompt_text: str  # the user's message, as sent to text front ends
+    prompt_text: str  # the user's message, as sent to chat front ends (omnivox's Generate)
     prompt_token_ids: list[int] = field(hash=False)  # what the model sees: the chat template applied to prompt_text
     max_tokens: int
+    templated_text: str = ""  # the chat template applied, as text: for completion front ends that take only text
 
 
 def _words(rng: random.Random, n: int) -> str:
@@ -72,19 +73,24 @@ def make_workload(spec: WorkloadSpec, tokenizer: Tokenizer) -> list[BenchRequest
     for i in range(spec.num_requests):
         text = prefix + _words(rng, rng.randint(*spec.prompt_words))
         max_tokens = rng.randint(*spec.output_tokens)
-        ids = prompt_token_ids(tokenizer, text)
-        requests.append(BenchRequest(index=i, prompt_text=text, prompt_token_ids=ids, max_tokens=max_tokens))
+        templated = chat_text(tokenizer, text)
+        ids = [int(t) for t in tokenizer.encode(templated, add_special_tokens=False)]
+        requests.append(
+            BenchRequest(
+                index=i, prompt_text=text, prompt_token_ids=ids, max_tokens=max_tokens, templated_text=templated
+            )
+        )
     return requests
 
 
-def prompt_token_ids(tokenizer: Tokenizer, text: str) -> list[int]:
-    """The token ids a chat server feeds its model for a one-turn user message (as omnivox's Generate does)."""
+def chat_text(tokenizer: Tokenizer, text: str) -> str:
+    """What a chat server feeds its model for a one-turn user message (as omnivox's Generate does), as text; its
+    tokens are `tokenizer.encode(chat_text, add_special_tokens=False)`, as apply_chat_template(tokenize=True) does."""
     if getattr(tokenizer, "chat_template", None):
-        out = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
         )
-        return [int(t) for t in out]
-    return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+    return text
 
 
 def describe(requests: list[BenchRequest]) -> dict:

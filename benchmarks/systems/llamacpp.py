@@ -4,7 +4,8 @@
   One model object serves one request at a time, so it runs at concurrency 1 only.
 - server: `python -m llama_cpp.server` (its OpenAI-compatible HTTP server), `/v1/completions` with `stream: true`,
   driven by closed-loop client threads like every other system; it serialises requests internally.
-Both get the same prompt token ids as every other system (the chat template already applied).
+In-process gets the same prompt token ids as every other system (the chat template already applied); the server
+takes text only, so it gets the templated text, which it tokenizes to the same ids (special tokens parsed).
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ class LlamaCppServer:
         self.port = free_port()
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", self.gguf_path, "--host", "127.0.0.1"]
         cmd += ["--port", str(self.port), "--n_ctx", str(CONTEXT), "--n_threads", str(_threads())]
+        cmd += ["--interrupt_requests", "False"]  # its default cancels the running request when another arrives
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
@@ -136,13 +138,14 @@ class LlamaCppServer:
             if time.monotonic() > deadline:
                 raise SystemUnavailable("llama_cpp.server did not answer within 120 s")
             time.sleep(0.5)
-        trace = self._one(BenchRequest(index=-1, prompt_text="", prompt_token_ids=[1, 2, 3, 4], max_tokens=4))
+        warm = BenchRequest(index=-1, prompt_text="", prompt_token_ids=[], max_tokens=4, templated_text="warm up")
+        trace = self._one(warm)
         if trace.error:
             raise SystemUnavailable(f"warm-up request failed: {trace.error}")
 
     def _one(self, req: BenchRequest) -> RequestTrace:
         body = {
-            "prompt": req.prompt_token_ids,
+            "prompt": req.templated_text,  # its server takes text only; it tokenizes with special tokens parsed
             "max_tokens": req.max_tokens,
             "min_tokens": req.max_tokens,  # ignore EOS: llama-cpp-python masks EOS until min_tokens
             "temperature": 0.0,
