@@ -29,7 +29,7 @@ else
   SHAPE=llama-3.2-1b DTYPE=bfloat16 DEVICE=cuda
   "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu.sh: no CUDA device (use --dry-run)')"
   BENCH=(--concurrency 1,4,16,64 --min-requests 8 --requests-per-slot 2 --prompt-words 64,512 --output-tokens 64,256
-         --shared-prefix-words 64 --bandwidth-mib 2048 --systems omnivox,hf,hf-cb)
+         --shared-prefix-words 64 --bandwidth-mib 2048 --level-seconds 25 --systems omnivox,hf,hf-cb)
 fi
 
 start=$(date +%s)
