@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -40,6 +41,15 @@ def synthesize(server, text="Hello there.", encoding=ENC.AUDIO_ENCODING_WAV, rat
         text=text, audio_config=speech_pb2.AudioConfig(encoding=encoding, sample_rate_hertz=rate), **fields
     )
     return list(stub.SynthesizeSpeech(request, timeout=timeout))
+
+
+def wait_until(condition, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def split_responses(responses):
@@ -81,7 +91,8 @@ def test_every_encoding_at_24_and_16_khz(server):
         assert np.abs(audio).max() > 0  # noise, but not silence
         assert summary.time_to_first_audio.ToNanoseconds() > 0 and summary.real_time_factor > 0
         assert summary.model == "speech" and summary.request_id
-    assert server.speech.bundle(server.registry.lookup("speech")).worker.open_streams == 0
+    worker = server.speech.bundle(server.registry.lookup("speech")).worker
+    assert wait_until(lambda: worker.open_streams == 0)
 
 
 def test_eight_concurrent_streams_complete_and_share_codec_passes(server):
@@ -167,9 +178,23 @@ def test_cancelled_stream_frees_kv_blocks_and_codec_state(server):
     free, total = server.wait_kv_free("speech", timeout=5.0)
     assert free == total and server.engine("speech").num_unfinished() == 0
     worker = server.speech.bundle(server.registry.lookup("speech")).worker
-    assert worker.open_streams == 0
+    assert wait_until(lambda: worker.open_streams == 0)
     _, data, _ = split_responses(synthesize(server))  # still serving
     assert data
+
+
+def test_deadline_exceeded_frees_kv_blocks_and_codec_state(server):
+    server.speech.limits.audio_seconds_base = 30.0
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            synthesize(server, text="Keep talking.", timeout=1.5)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        server.speech.limits.audio_seconds_base = 0.5
+    free, total = server.wait_kv_free("speech", timeout=5.0)
+    assert free == total and server.engine("speech").num_unfinished() == 0
+    worker = server.speech.bundle(server.registry.lookup("speech")).worker
+    assert wait_until(lambda: worker.open_streams == 0)
 
 
 def test_list_voices_and_models(server):
