@@ -14,9 +14,16 @@ leaves early and each later chunk has time to be generated while the previous on
     emits samples          [ b_{k-1}F - O , b_k F - O )   (its first O samples crossfaded with window k-1's tail)
     holds back the tail    [ b_k F - O , b_k F )
 
-After `finish()`, one last window emits everything that is left. Windows of all streams that are ready at the same
-time are decoded in one codec forward pass (`BatchedStreamDecoder.decode_ready`); in steady state they all have the
-same length, `left_context + hop_frames + lookahead` frames.
+After `finish()`, one last window emits everything that is left.
+
+Windows of all streams that are ready at the same time are decoded in one codec forward pass
+(`BatchedStreamDecoder.decode_windows`). They need not have the same length (chunks grow, streams are at different
+stages), so shorter windows are brought to the longest one's length with context that cannot reach the emitted audio:
+more real frames before the window (each window carries some history), or, for a window that is not its stream's last
+and has at least SAFE_CONTEXT_FRAMES of lookahead, copies of its last frame after it. SAFE_CONTEXT_FRAMES is the SNAC
+24 kHz decoder's receptive field (measured: a window with two frames of context on a side reproduces the whole decode
+to 1e-7 there), so the padding changes the emitted audio only at that rounding level, and only when the window itself
+already has that much context on the padded side.
 """
 
 from __future__ import annotations
@@ -63,6 +70,9 @@ class StreamingOptions:
         return self.left_context_frames + self.hop_frames + self.lookahead_frames
 
 
+SAFE_CONTEXT_FRAMES = 2  # frames of context beyond which more (or other) frames do not change a window's audio
+
+
 @dataclass(frozen=True)
 class DecodeWindow:
     """One codec pass for one stream: decode frames [start_frame, end_frame), emit [emit_start, emit_end) samples and
@@ -77,6 +87,18 @@ class DecodeWindow:
     emit_end: int
     tail_end: int
     final: bool
+    history: torch.Tensor | None = None  # (h x codes_per_frame): the frames [start_frame - h, start_frame)
+
+    @property
+    def num_frames(self) -> int:
+        return self.end_frame - self.start_frame
+
+    def can_extend_left(self, frames: int, left_context: int) -> bool:
+        h = 0 if self.history is None else self.history.shape[0]
+        return frames <= h and left_context >= SAFE_CONTEXT_FRAMES
+
+    def can_pad_right(self, lookahead: int) -> bool:
+        return not self.final and lookahead >= SAFE_CONTEXT_FRAMES
 
 
 class StreamDecoderState:
@@ -143,6 +165,7 @@ class StreamDecoderState:
     def _make_window(self, emit_end: int, tail_end: int, end_frame: int, final: bool) -> DecodeWindow:
         f, opt = self.frame_samples, self.options
         start_frame = max(0, -(-self._planned_until // f) - opt.left_context_frames)
+        history_from = max(self._frame_offset, start_frame - opt.window_frames())
         window = DecodeWindow(
             stream=self,
             index=self._planned_windows,
@@ -153,11 +176,12 @@ class StreamDecoderState:
             emit_end=emit_end,
             tail_end=tail_end,
             final=final,
+            history=self._window_frames(history_from, start_frame),
         )
         self._planned_windows += 1
         self._planned_until = emit_end
-        # The next window starts at emit_end - no frame before this is read again.
-        keep_from = max(0, -(-emit_end // f) - opt.left_context_frames)
+        # The next window starts at emit_end - L frames; keep a window's worth of history before that for padding.
+        keep_from = max(0, -(-emit_end // f) - opt.left_context_frames - opt.window_frames())
         if keep_from > self._frame_offset:
             del self._frames[: keep_from - self._frame_offset]
             self._frame_offset = keep_from
@@ -238,8 +262,31 @@ class BatchedStreamDecoder:
         )
 
     def decode_windows(self, windows: Sequence[DecodeWindow]) -> list[torch.Tensor]:
-        """The codec pass alone (safe to run in a worker thread): audio per window, in order."""
-        return self.codec.decode_windows([(w.frames, w.start_frame) for w in windows], self.frame_levels)
+        """The codec pass alone (safe to run in a worker thread): audio per window, in order.
+
+        Windows are padded to the longest one's length where that cannot change their audio (see the module
+        docstring), so that they share one forward pass; a window that cannot be padded goes in a pass of its own
+        length. Returns exactly (num_frames * frame_samples,) per window.
+        """
+        if not windows:
+            return []
+        target = max(w.num_frames for w in windows)
+        jobs: list[tuple[torch.Tensor, int]] = []
+        offsets: list[int] = []  # frames of left extension per window
+        for w in windows:
+            need = target - w.num_frames
+            opts = w.stream.options
+            frames, start, left = w.frames, w.start_frame, 0
+            if need and w.can_extend_left(need, opts.left_context_frames):
+                assert w.history is not None
+                frames, start, left = torch.cat([w.history[-need:], frames]), start - need, need
+            elif need and w.can_pad_right(opts.lookahead_frames):
+                frames = torch.cat([frames, frames[-1:].expand(need, -1)])
+            jobs.append((frames, start))
+            offsets.append(left)
+        audio = self.codec.decode_windows(jobs, self.frame_levels)
+        f = self.codec.frame_samples
+        return [a[left * f : (left + w.num_frames) * f] for a, w, left in zip(audio, windows, offsets, strict=True)]
 
     def decode_ready(self, streams: Iterable[StreamDecoderState]) -> dict[StreamDecoderState, list[np.ndarray]]:
         """Plan, decode (batched across streams) and apply every ready window; chunks per stream, in order."""
