@@ -71,3 +71,32 @@ def kv_bytes_per_step(config, context_tokens: int, dtype_bytes: int) -> int:
     n_kv = getattr(config, "num_key_value_heads", None) or n_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
     return 2 * config.num_hidden_layers * n_kv * head_dim * context_tokens * dtype_bytes
+
+
+@dataclass(frozen=True)
+class MatmulRate:
+    dtype: str
+    size: int
+    seconds_per_pass: float
+    gflop_per_s: float  # 1e9 floating-point operations / s (a multiply-add counts 2)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def measure_matmul(dtype: torch.dtype, size: int = 1024, repeats: int = 5, device: str = "cpu") -> MatmulRate:
+    """Best-of-`repeats` rate of a square `size` matmul in `dtype`: the compute roof that batched decode and prefill
+    approach once the weights are amortised over many tokens."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    with torch.inference_mode():
+        torch.mm(a, b)
+        best = float("inf")
+        for _ in range(repeats):
+            sync()
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            sync()
+            best = min(best, time.perf_counter() - t0)
+    return MatmulRate(str(dtype).removeprefix("torch."), size, best, 2 * size**3 / best / 1e9)

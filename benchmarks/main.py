@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from omnivox.benchmarks.systems.base import System
 
 # torch and the peers are imported where used, so that `omnivox --help` stays fast.
-ALL_SYSTEMS = ("omnivox", "hf", "hf-cb", "llamacpp-server", "llamacpp")
+ALL_SYSTEMS = ("omnivox", "omnivox-engine", "hf", "hf-cb", "llamacpp-server", "llamacpp")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -129,6 +129,10 @@ def make_systems(
                     log_path=args.out / "omnivox-server.log",
                 )
             )
+        elif name == "omnivox-engine":
+            from omnivox.benchmarks.systems.omnivox_engine import OmnivoxEngineInProcess
+
+            out.append(OmnivoxEngineInProcess(model, args.dtype, args.device))
         elif name == "hf":
             from omnivox.benchmarks.systems.hf_generate import HFGenerate
 
@@ -193,7 +197,7 @@ def run(args: argparse.Namespace) -> dict:
     import torch
     from tqdm import tqdm
 
-    from omnivox.benchmarks.bandwidth import measure_bandwidth, weight_bytes_per_step
+    from omnivox.benchmarks.bandwidth import measure_bandwidth, measure_matmul, weight_bytes_per_step
     from omnivox.benchmarks.systems.hf_loading import load_config, load_tokenizer
 
     if args.threads is not None:
@@ -243,6 +247,18 @@ def run(args: argparse.Namespace) -> dict:
             "itl_floor_ms": 1e3 * wbytes / (bw.gb_per_s * 1e9),
             "itl_over_floor": {},
         }
+        # The compute roof: a token costs ~2 FLOPs per weight it passes through, prefill and decode alike, so at high
+        # concurrency total TPS <= matmul rate / (2 x weights x (output + uncached prompt tokens) / output tokens).
+        # (Reduced-precision matmuls without hardware support are slow on CPU: a smaller matrix keeps this short.)
+        size = 1024 if dtype == torch.float32 or args.device != "cpu" else 384
+        mm = measure_matmul(dtype, size=size, repeats=3, device=args.device)
+        w = result["workload"]
+        flop_per_token = 2 * wbytes / torch.empty((), dtype=dtype).element_size()
+        result["matmul"] = mm.to_dict()
+        result["floor"]["decode_tps_ceiling"] = mm.gflop_per_s * 1e9 / flop_per_token
+        result["floor"]["workload_tps_ceiling_no_cache"] = result["floor"]["decode_tps_ceiling"] * (
+            w["output_tokens"]["mean"] / (w["output_tokens"]["mean"] + w["prompt_tokens"]["mean"])
+        )
         print(
             f"bandwidth {bw.gb_per_s:.1f} GB/s ({args.dtype} mv); floor {result['floor']['itl_floor_ms']:.1f} ms/step"
         )

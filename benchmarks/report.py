@@ -60,6 +60,12 @@ def markdown_report(result: dict) -> str:
             f"Floor: {f['weight_bytes'] / 1e6:.0f} MB of weights per decode step / {f['bandwidth_gb_s']:.1f} GB/s "
             f"measured = {f['itl_floor_ms']:.1f} ms batch-1 ITL."
         )
+        if "decode_tps_ceiling" in f:
+            out.append(
+                f"Compute roof: {result['matmul']['gflop_per_s']:.0f} GFLOP/s measured ({result['matmul']['dtype']} matmul)"
+                f" caps total TPS at {f['decode_tps_ceiling']:.0f} tok/s for pure decode, and at"
+                f" {f['workload_tps_ceiling_no_cache']:.0f} tok/s for this workload's prefill + decode (no prefix cache)."
+            )
         for name, ratio in f.get("itl_over_floor", {}).items():
             out.append(f"- {name}: batch-1 ITL p50 = {ratio:.2f}x the floor")
         out.append("")

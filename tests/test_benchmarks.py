@@ -9,7 +9,7 @@ import torch
 import transformers
 from checkpoints import make_tokenizer
 
-from omnivox.benchmarks.bandwidth import kv_bytes_per_step, measure_bandwidth, weight_bytes_per_step
+from omnivox.benchmarks.bandwidth import kv_bytes_per_step, measure_bandwidth, measure_matmul, weight_bytes_per_step
 from omnivox.benchmarks.main import evaluate_targets
 from omnivox.benchmarks.metrics import RequestTrace, percentile, summarize
 from omnivox.benchmarks.report import markdown_table
@@ -117,6 +117,8 @@ def test_weight_bytes_per_step_counts_every_weight_a_decode_step_reads(family, t
 def test_bandwidth_measurement_is_a_positive_rate():
     bw = measure_bandwidth(torch.float32, matrix_mib=8, repeats=2)
     assert bw.matrix_bytes >= 8 * 2**20 - 4096 * 4 and bw.gb_per_s > 0.1
+    mm = measure_matmul(torch.float32, size=128, repeats=2)
+    assert mm.gflop_per_s > 0.01 and mm.seconds_per_pass > 0
 
 
 def _row(system, c, tps, ttft, itl50, itl99):

@@ -25,14 +25,14 @@ def test_dry_run_through_the_real_server_writes_json_markdown_and_png(tmp_path):
         [
             "--model", str(ckpt), "--concurrency", "1,3", "--min-requests", "3", "--requests-per-slot", "1",
             "--prompt-words", "3,9", "--output-tokens", "3,7", "--shared-prefix-words", "6", "--bandwidth-mib", "8",
-            "--systems", "omnivox,hf,llamacpp-server", "--out", str(out), "--no-progress",
+            "--systems", "omnivox,omnivox-engine,hf,llamacpp-server", "--out", str(out), "--no-progress",
         ]
     )  # fmt: skip
     assert code == 0
     result = json.loads((out / "results.json").read_text())
     rows = {(r["system"], r["concurrency"]): r for r in result["levels"]}
-    assert set(rows) == {("omnivox", 1), ("omnivox", 3), ("transformers generate (float32)", 1),
-                         ("transformers generate (float32)", 3)}  # fmt: skip
+    systems = ("omnivox", "omnivox engine (in-process)", "transformers generate (float32)")
+    assert set(rows) == {(s, c) for s in systems for c in (1, 3)}
     expected_tokens = {1: None, 3: None}
     for (system, c), row in rows.items():
         assert row["num_errors"] == 0 and row["num_requests"] == 3, row
@@ -44,11 +44,13 @@ def test_dry_run_through_the_real_server_writes_json_markdown_and_png(tmp_path):
     assert 3 * 3 <= expected_tokens[3] <= 3 * 7
     # omnivox reports its prefix cache; every prompt shares 6 words, so later requests hit it.
     assert rows[("omnivox", 3)]["prefix_cache_hit_rate"] > 0
+    assert rows[("omnivox engine (in-process)", 3)]["prefix_cache_hit_rate"] > 0
     assert rows[("transformers generate (float32)", 3)]["prefix_cache_hit_rate"] is None
     # The llama.cpp peer has no GGUF for this checkpoint: reported as skipped, not dropped.
     assert "llama.cpp server" in result["skipped"]
     assert result["floor"]["weight_bytes"] > 0 and result["floor"]["bandwidth_gb_s"] > 0
     assert "omnivox" in result["floor"]["itl_over_floor"]
+    assert result["floor"]["decode_tps_ceiling"] > result["floor"]["workload_tps_ceiling_no_cache"] > 0
     md = (out / "results.md").read_text()
     assert "| omnivox | 3 | 3 | 0 |" in md and "Skipped:" in md and "Targets:" in md
     png = (out / "results.png").read_bytes()
