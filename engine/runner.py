@@ -95,7 +95,7 @@ class ModelRunner:
             row += c.num_tokens
 
         nd = len(plan.decodes)
-        decode_tables = decode_mask = None
+        decode_tables = decode_mask = decode_lens = None
         if nd:
             lens = [c.end for c in plan.decodes]
             max_blocks = -(-max(lens) // bs)
@@ -107,6 +107,7 @@ class ModelRunner:
             lens_t = torch.tensor(lens)
             span = torch.arange(max_blocks * bs)
             decode_mask = (span[None, :] < lens_t[:, None]).view(nd, 1, 1, -1).to(dev)
+            decode_lens = lens_t.to(dev)
             last = lens_t - 1  # each decode token's own slot
             own = table.gather(1, (last // bs).unsqueeze(1)).squeeze(1) * bs + last % bs
             slot_parts.insert(0, own)
@@ -117,6 +118,7 @@ class ModelRunner:
             num_decode=nd,
             decode_block_tables=decode_tables,
             decode_mask=decode_mask,
+            decode_lens=decode_lens,
             prefills=prefills,
         )
         input_ids = torch.tensor(ids, device=dev)

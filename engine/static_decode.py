@@ -75,6 +75,7 @@ class StaticDecoder:
             num_decode=batch,
             decode_block_tables=self.block_tables[:batch, :blocks],
             decode_mask=mask,
+            decode_lens=lens,
             prefills=[],
         )
         hidden = self.model(self.input_ids[:batch], self.positions[:batch], self.kv_caches, meta)

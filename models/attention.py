@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from omnivox.models import cpu_kernels
+
 
 @dataclass
 class PrefillChunk:
@@ -29,6 +31,7 @@ class AttentionMetadata:
     num_decode: int  # rows [0, num_decode) are decode tokens
     decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks] blocks to read (padding: any block)
     decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size] True where a key is real
+    decode_lens: torch.Tensor | None  # [num_decode] context length of each decode request
     prefills: list[PrefillChunk]
 
 
@@ -59,22 +62,12 @@ def paged_attention(
     gqa = q.shape[1] != k_cache.shape[1]
     nd = meta.num_decode
     if nd:
-        b = meta.decode_block_tables.shape[0]
-        flat = meta.decode_block_tables.flatten()
-        kd = gather_blocks(k_cache, flat, meta.block_size).view(b, -1, *k_cache.shape[1:])  # [B, L, KVH, D]
-        vd = gather_blocks(v_cache, flat, meta.block_size).view(b, -1, *v_cache.shape[1:])
-        if q.is_cuda:
-            od = F.scaled_dot_product_attention(
-                q[:nd].unsqueeze(2),
-                kd.transpose(1, 2),
-                vd.transpose(1, 2),
-                attn_mask=meta.decode_mask,
-                scale=scale,
-                enable_gqa=gqa,
-            ).squeeze(2)
+        if not q.is_cuda and q.dtype == torch.float32 and cpu_kernels.kernel_available():
+            out[:nd] = cpu_kernels.paged_decode_attention(
+                q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_lens, meta.block_size, scale
+            )
         else:
-            od = _decode_attention_cpu(q[:nd], kd, vd, meta.decode_mask, scale)
-        out[:nd] = od
+            out[:nd] = _decode_attention_gathered(q[:nd], k_cache, v_cache, meta, scale)
     for chunk in meta.prefills:
         s, n, ctx = chunk.query_start, chunk.num_tokens, chunk.context_len
         qp = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
@@ -90,7 +83,26 @@ def paged_attention(
     return out
 
 
-def _decode_attention_cpu(q, k, v, mask, scale):
+def _decode_attention_gathered(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Portable decode attention: copy each request's blocks out of the cache, then attend (SDPA on CUDA)."""
+    b = meta.decode_block_tables.shape[0]
+    flat = meta.decode_block_tables.flatten()
+    kd = gather_blocks(k_cache, flat, meta.block_size).view(b, -1, *k_cache.shape[1:])  # [B, L, KVH, D]
+    vd = gather_blocks(v_cache, flat, meta.block_size).view(b, -1, *v_cache.shape[1:])
+    if q.is_cuda:
+        gqa = q.shape[1] != k_cache.shape[1]
+        return F.scaled_dot_product_attention(
+            q.unsqueeze(2),
+            kd.transpose(1, 2),
+            vd.transpose(1, 2),
+            attn_mask=meta.decode_mask,
+            scale=scale,
+            enable_gqa=gqa,
+        ).squeeze(2)
+    return _decode_attention_matmul(q, kd, vd, meta.decode_mask, scale)
+
+
+def _decode_attention_matmul(q, k, v, mask, scale):
     """One query per request, written as two batched matmuls: on CPU this beats SDPA's flash kernel, whose
     per-call setup dominates at one query. q [B, H, D]; k, v [B, L, KVH, D]; mask [B, 1, 1, L]."""
     b, h, d = q.shape
