@@ -17,6 +17,9 @@ class TokenConstraint(Protocol):
     `allowed(output_token_ids)` returns a bool tensor of shape [vocab_size] (True = may be sampled) for the next token,
     or None when every token is allowed. Implementations should cache and reuse mask tensors: this runs every step.
     Structured output, TTS audio-token layouts and similar rules are all expressed through this one hook.
+
+    A constraint may also define `allowed_ids(output_token_ids) -> LongTensor | None`: the admitted ids, ascending.
+    The sampler then works on those candidates alone (O(candidates) instead of O(vocabulary) per step).
     """
 
     def allowed(self, output_token_ids: list[int]) -> torch.Tensor | None: ...

@@ -259,3 +259,38 @@ def test_static_decode_twin_equals_dynamic_path(ckpt, engine):
             torch.tensor([lp.logprob for lp in x.logprobs]), torch.tensor([lp.logprob for lp in y.logprobs])
         )
     static.check_integrity()
+
+
+class _EveryThirdToken:
+    """Allows ids 0, 3, 6, ... after an even number of outputs and 1, 4, 7, ... after an odd one."""
+
+    def __init__(self, vocab: int, with_ids: bool) -> None:
+        self.masks = [torch.arange(vocab) % 3 == k for k in (0, 1)]
+        self.ids = [m.nonzero().flatten() for m in self.masks]
+        if not with_ids:
+            self.allowed_ids = None
+
+    def allowed(self, output_token_ids):
+        return self.masks[len(output_token_ids) % 2]
+
+    def allowed_ids(self, output_token_ids):
+        return self.ids[len(output_token_ids) % 2]
+
+
+def test_token_constraint_mask_and_candidate_paths_agree(engine):
+    vocab = engine.model_config.vocab_size
+    outs = {}
+    for with_ids in (False, True):
+        c = _EveryThirdToken(vocab, with_ids)
+        greedy = SamplingParams(
+            temperature=0, max_tokens=12, ignore_eos=True, logprobs=3, repetition_penalty=1.5, token_constraint=c
+        )
+        sampled = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, ignore_eos=True, seed=5, token_constraint=c)
+        outs[with_ids] = engine.generate([PROMPTS[2], PROMPTS[1]], [greedy, sampled])
+    for out in outs[True] + outs[False]:
+        assert all(t % 3 == i % 2 for i, t in enumerate(out.token_ids))
+    a, b = outs[False][0], outs[True][0]
+    assert a.token_ids == b.token_ids
+    for x, y in zip(a.logprobs, b.logprobs, strict=True):
+        assert [t for t, _ in x.top] == [t for t, _ in y.top]
+        assert x.logprob == pytest.approx(y.logprob, abs=1e-5)
