@@ -288,8 +288,11 @@ class Engine:
                     self._finish(req, "error", outputs)
                 return outputs
             now = time.monotonic()
-            for req, token, lp in zip(reqs, result.token_ids, result.logprobs, strict=True):
-                self._append_token(req, token, lp, now, outputs)
+            for i, (req, token, lp) in enumerate(zip(reqs, result.token_ids, result.logprobs, strict=True)):
+                if i in result.failed:
+                    self._finish(req, "error", outputs)
+                else:
+                    self._append_token(req, token, lp, now, outputs)
         return outputs
 
     def _append_token(self, req: Request, token: int, lp, now: float, outputs: list[RequestOutput]) -> None:

@@ -22,7 +22,7 @@ class RequestOutput:
     new_text: str = ""  # since the previous output of this request
     new_logprobs: list[TokenLogprob] | None = None  # one per new token when logprobs were asked for
     logprobs: list[TokenLogprob] | None = None  # one per output token so far when logprobs were asked for
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (engine failure) | None while running
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     first_token_time: float | None = None  # time.monotonic() when the first output token was sampled
     arrival_time: float = 0.0  # time.monotonic() when the request was added

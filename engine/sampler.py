@@ -14,6 +14,7 @@ instead of O(vocabulary) for them.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -22,12 +23,14 @@ from omnivox.engine.outputs import TokenLogprob
 from omnivox.engine.request import Request
 
 NEG_INF = float("-inf")
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
+    failed: list[int]  # rows whose own token constraint raised: no token for them, the rest sampled normally
 
 
 def apply_top_k_top_p_min_p(
@@ -69,27 +72,33 @@ class Sampler:
         logits = logits.clone()
         self._apply_bias_and_bans(logits, reqs)
         candidates: list[torch.Tensor | None] = []
+        failed: list[int] = []
         for i, r in enumerate(reqs):
             c = r.params.token_constraint
             ids = None
             if c is not None:
-                fast = getattr(c, "allowed_ids", None)
-                ids = fast(r.output_token_ids) if callable(fast) else None
-                if ids is None:
-                    allowed = c.allowed(r.output_token_ids)
-                    if allowed is not None:
-                        logits[i].masked_fill_(~allowed.to(logits.device), NEG_INF)
+                try:
+                    fast = getattr(c, "allowed_ids", None)
+                    ids = fast(r.output_token_ids) if callable(fast) else None
+                    if ids is None:
+                        allowed = c.allowed(r.output_token_ids)
+                        if allowed is not None:
+                            logits[i].masked_fill_(~allowed.to(logits.device), NEG_INF)
+                except Exception:
+                    log.exception("token constraint of %s failed", r.request_id)
+                    failed.append(i)
+                    ids = None
             candidates.append(ids)
         tokens: list[int] = [0] * len(reqs)
         logprobs: list[TokenLogprob | None] = [None] * len(reqs)
-        full = [i for i, c in enumerate(candidates) if c is None]
+        full = [i for i, c in enumerate(candidates) if c is None and i not in failed]
         compact = [i for i, c in enumerate(candidates) if c is not None]
         for rows, cands in ((full, None), (compact, [candidates[i] for i in compact])):
             if rows:
                 toks, lps = self._sample_group(logits[rows], [reqs[i] for i in rows], cands)
                 for j, i in enumerate(rows):
                     tokens[i], logprobs[i] = toks[j], lps[j]
-        return SamplerOutput(tokens, logprobs)
+        return SamplerOutput(tokens, logprobs, failed)
 
     def _sample_group(
         self, logits: torch.Tensor, reqs: list[Request], cands: list[torch.Tensor] | None

@@ -414,6 +414,8 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
             done = time.monotonic()
             audio_seconds = encoder.samples_out / plan.sample_rate
             reasons = {s.finish_reason for s in segments}
+            if "error" in reasons:  # the engine failed a segment's step and kept serving the others
+                raise errors.internal("the engine failed while computing this request; see the server log")
             finish = "length" if "length" in reasons else "stop"
             summary = speech_pb2.SpeechSummary(
                 audio_seconds=audio_seconds,

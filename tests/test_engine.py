@@ -294,3 +294,19 @@ def test_token_constraint_mask_and_candidate_paths_agree(engine):
     for x, y in zip(a.logprobs, b.logprobs, strict=True):
         assert [t for t, _ in x.top] == [t for t, _ in y.top]
         assert x.logprob == pytest.approx(y.logprob, abs=1e-5)
+
+
+class _Broken:
+    def allowed(self, output_token_ids):
+        raise RuntimeError("a constraint with a bug")
+
+
+def test_a_failing_constraint_fails_only_its_request(ckpt):
+    engine = tiny_engine(ckpt)
+    total = engine.kv_usage().total_blocks
+    bad = SamplingParams(temperature=0, max_tokens=8, token_constraint=_Broken())
+    outs = engine.generate([PROMPTS[1], PROMPTS[2]], [GREEDY, bad])
+    assert outs[1].finish_reason == "error" and outs[1].token_ids == []
+    assert outs[0].token_ids == solo(engine, [PROMPTS[1]])[0]
+    assert engine.kv_usage().free_blocks == total
+    engine.check_integrity()
