@@ -77,7 +77,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--threads",
         type=int,
-        help="CPU threads for every system (torch intra-op and llama.cpp); default: torch's default (all cores)",
+        help="CPU threads for every system (torch intra-op, `omnivox serve --threads`, llama.cpp n_threads); default:"
+        " all cores but one, as `omnivox serve` does (on a shared machine 1 is steadier)",
     )
     ap.add_argument("--bandwidth-mib", type=int, default=512, help="matrix size for the bandwidth measurement")
     ap.add_argument("--out", type=Path, default=Path("bench-results"))
@@ -98,6 +99,21 @@ def machine_description(device: str) -> str:
     except OSError:
         pass
     return f"{os.cpu_count()} cores ({cpu}), torch {torch.__version__} with {torch.get_num_threads()} threads"
+
+
+def git_commit() -> str | None:
+    """The omnivox commit measured (with `+dirty` when the work tree has changes), or None outside a git checkout."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True)
+    except OSError:
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def default_model() -> str:
@@ -125,7 +141,10 @@ def make_systems(
                 OmnivoxGrpc(
                     model=model,
                     address=args.address,
-                    server_args=["--dtype", args.dtype, "--device", args.device, *args.server_arg],
+                    server_args=[
+                        *("--dtype", args.dtype, "--device", args.device, "--threads", str(args.threads)),
+                        *args.server_arg,
+                    ],
                     log_path=args.out / "omnivox-server.log",
                 )
             )
@@ -200,11 +219,12 @@ def run(args: argparse.Namespace) -> dict:
     from omnivox.benchmarks.bandwidth import measure_bandwidth, measure_matmul, weight_bytes_per_step
     from omnivox.benchmarks.systems.hf_loading import load_config, load_tokenizer
 
-    if args.threads is not None:
-        if args.threads < 1:
-            raise SystemExit(f"--threads: must be >= 1, got {args.threads}")
-        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the server and llama.cpp processes inherit it
-        torch.set_num_threads(args.threads)
+    if args.threads is None:
+        args.threads = max(1, (os.cpu_count() or 2) - 1)
+    if args.threads < 1:
+        raise SystemExit(f"--threads: must be >= 1, got {args.threads}")
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the server and llama.cpp processes inherit it
+    torch.set_num_threads(args.threads)
     model = args.model or default_model()
     names = [n.strip() for n in args.systems.split(",") if n.strip()]
     levels_wanted = sorted(set(args.concurrency))
@@ -228,6 +248,7 @@ def run(args: argparse.Namespace) -> dict:
         "machine": machine_description(args.device),
         "load_average_at_start": list(os.getloadavg()),
         "command": " ".join(sys.argv),
+        "commit": git_commit(),
         "spec": spec.__dict__ | {"prompt_words": list(spec.prompt_words), "output_tokens": list(spec.output_tokens)},
         "workload": describe(requests),
         "requests_per_level": per_level,
@@ -312,7 +333,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_and_report(args: argparse.Namespace) -> int:
     """Run the benchmark, write its files, print the report; exit code 1 when any request failed."""
-    result = run(args)
+    import torch
+
+    threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    try:
+        result = run(args)
+    finally:  # --threads applies to this run only (it matters when called in-process, e.g. from tests)
+        torch.set_num_threads(threads)
+        if omp is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = omp
     paths = report.write_all(result, args.out)
     print()
     print(report.markdown_report(result))

@@ -74,21 +74,33 @@ CHAT_TEMPLATE = (
 
 
 def make_tokenizer(out_dir: Path, vocab_size: int) -> None:
-    """A word-level tokenizer with exactly `vocab_size` ids: specials, the workload's words, then filler tokens."""
+    """A byte-level BPE tokenizer with exactly `vocab_size` ids: specials, merges trained on the workload's words, then
+    filler tokens that no text produces but every id decodes to. BPE (not word-level) because transformers rebuilds
+    some families' tokenizers (e.g. Qwen2Tokenizer) from vocab + merges whatever tokenizer.json says."""
     import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from omnivox.benchmarks.workload import WORDS
 
-    names = SPECIALS + ["user", "assistant", "system"] + sorted(set(WORDS))
-    names += [f"<t{i}>" for i in range(vocab_size - len(names))]
-    if len(names) != vocab_size:
-        raise ValueError(f"vocab_size: {vocab_size} is too small for {len(names)} words")
-    tok = Tokenizer(models.WordLevel(vocab={n: i for i, n in enumerate(names)}, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # newlines of the chat template vanish: fine for speed
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trained = Tokenizer(models.BPE())
+    trained.pre_tokenizer = byte_level
+    trainer = trainers.BpeTrainer(
+        vocab_size=min(vocab_size, 1024), special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    trained.train_from_iterator([" ".join(WORDS)] * 8 + [f"{w} {w}" for w in WORDS], trainer=trainer)
+    state = json.loads(trained.to_str())["model"]
+    vocab: dict[str, int] = dict(state["vocab"])
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in state["merges"]]
+    for i in range(vocab_size - len(vocab)):
+        vocab[f"<t{i}>"] = len(vocab)
+    if len(vocab) != vocab_size:
+        raise ValueError(f"vocab_size: {vocab_size} is too small for {len(vocab)} tokens")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
     fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<pad>"
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
     )
     fast.add_special_tokens({"additional_special_tokens": SPECIALS[3:]})
     fast.chat_template = CHAT_TEMPLATE

@@ -43,6 +43,8 @@ def markdown_table(levels: list[dict]) -> str:
 def markdown_report(result: dict) -> str:
     out = [f"# Benchmark {result['started']}", ""]
     out.append(f"Model: `{result['model']}` ({result['dtype']}); machine: {result['machine']}.")
+    if result.get("commit"):
+        out.append(f"omnivox commit: {result['commit']}.")
     if result.get("load_average_at_start"):
         load = result["load_average_at_start"]
         out.append(f"Load average at start (1/5/15 min): {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}.")

@@ -67,7 +67,13 @@ class LlamaCppInProcess:
 
     def start(self) -> None:
         llama_cpp = _require_llama_cpp()
-        self.llm = llama_cpp.Llama(model_path=self.gguf_path, n_ctx=CONTEXT, n_threads=_threads(), verbose=False)
+        self.llm = llama_cpp.Llama(
+            model_path=self.gguf_path,
+            n_ctx=CONTEXT,
+            n_threads=_threads(),
+            n_threads_batch=_threads(),  # its default is every core, whatever n_threads says
+            verbose=False,
+        )
         self._one(BenchRequest(index=-1, prompt_text="", prompt_token_ids=[1, 2, 3, 4], max_tokens=4))
 
     def _one(self, req: BenchRequest) -> RequestTrace:
@@ -117,7 +123,8 @@ class LlamaCppServer:
         del llama_cpp
         self.port = free_port()
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", self.gguf_path, "--host", "127.0.0.1"]
-        cmd += ["--port", str(self.port), "--n_ctx", str(CONTEXT), "--n_threads", str(_threads())]
+        cmd += ["--port", str(self.port), "--n_ctx", str(CONTEXT)]
+        cmd += ["--n_threads", str(_threads()), "--n_threads_batch", str(_threads())]
         cmd += ["--interrupt_requests", "False"]  # its default cancels the running request when another arrives
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in close()
