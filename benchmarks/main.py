@@ -271,7 +271,7 @@ def run(args: argparse.Namespace) -> dict:
         # The compute roof: a token costs ~2 FLOPs per weight it passes through, prefill and decode alike, so at high
         # concurrency total TPS <= matmul rate / (2 x weights x (output + uncached prompt tokens) / output tokens).
         # (Reduced-precision matmuls without hardware support are slow on CPU: a smaller matrix keeps this short.)
-        size = 1024 if dtype == torch.float32 or args.device != "cpu" else 384
+        size = 8192 if args.device.startswith("cuda") else 1024 if dtype == torch.float32 else 384
         mm = measure_matmul(dtype, size=size, repeats=3, device=args.device)
         w = result["workload"]
         flop_per_token = 2 * wbytes / torch.empty((), dtype=dtype).element_size()
