@@ -225,6 +225,10 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit(f"--threads: must be >= 1, got {args.threads}")
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the server and llama.cpp processes inherit it
     torch.set_num_threads(args.threads)
+    try:
+        import matplotlib  # noqa: F401 - the plot is written last: fail before the run, not after it
+    except ImportError:
+        raise SystemExit("omnivox bench needs matplotlib for its plot: pip install 'omnivox[bench]'") from None
     model = args.model or default_model()
     names = [n.strip() for n in args.systems.split(",") if n.strip()]
     levels_wanted = sorted(set(args.concurrency))
