@@ -67,10 +67,13 @@ class Engine:
         kv_cache_gib: float | None = None,
         block_size: int = 16,
         max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 512,
+        max_num_batched_tokens: int | None = None,
         enable_prefix_caching: bool = True,
         static_decode: bool | None = None,
     ) -> None:
+        """max_num_batched_tokens: tokens one step may compute (decodes + prefill chunks). It bounds how long a step
+        takes, so it trades inter-token latency against time to first token; None = 2048 on CUDA, 128 on CPU, where
+        one token of a small model already costs ~3 ms of compute and a 512-token step stalled every decode for ~1 s."""
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.model = model.eval()
@@ -88,7 +91,11 @@ class Engine:
             cfg = _replace_max_len(cfg, capacity)
         self.model_config = cfg
         self.block_size = block_size
-        self.max_num_batched_tokens = max(max_num_batched_tokens, 1)
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = 2048 if self.device.type == "cuda" else 128
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
         self.kv = KVCacheManager(self.pool)
         self.scheduler = Scheduler(self.kv, max_num_seqs, self.max_num_batched_tokens)
@@ -115,7 +122,7 @@ class Engine:
         kv_cache_gib: float | None = None,
         block_size: int = 16,
         max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 512,
+        max_num_batched_tokens: int | None = None,
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
         static_decode: bool | None = None,

@@ -33,6 +33,7 @@ class EngineOptions:
     kv_cache_gib: float | None = None
     max_model_len: int | None = None
     max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None  # per engine step; None = the engine's default for the device
     progress: bool = False  # progress bars while loading weights
 
 
@@ -139,6 +140,7 @@ def load(model: ServedModel, options: EngineOptions) -> None:
             dtype=options.dtype,
             kv_cache_gib=options.kv_cache_gib,
             max_num_seqs=options.max_num_seqs,
+            max_num_batched_tokens=options.max_num_batched_tokens,
             max_model_len=options.max_model_len,
             progress=options.progress,
         )
