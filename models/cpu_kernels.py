@@ -1,4 +1,4 @@
-"""A small C kernel for decode attention on CPU, built on first use with the system C compiler.
+"""Small C kernels for decode on CPU (paged attention, batch-1 matrix-vector), built on first use with cc.
 
 torch has no paged attention on CPU: the portable path gathers each request's KV blocks into a contiguous copy before
 attending, which at large batch moves the KV cache through memory three times per step. The kernel reads the cache
@@ -23,7 +23,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_attention.c")
+_SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -48,7 +48,7 @@ def _build() -> ctypes.CDLL | None:
         log.warning("no C compiler: CPU decode attention uses the portable (slower) path")
         return None
     key = hashlib.sha256(_SOURCE.read_bytes() + " ".join([cc, *_FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_attention-{key}.so"
+    target = _cache_dir() / f"cpu_kernels-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with open(target.with_suffix(".lock"), "w") as lock:
@@ -65,6 +65,9 @@ def _build() -> ctypes.CDLL | None:
     fn = lib.paged_decode_attention_f32
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
+    gemv = lib.gemv_f32
+    gemv.restype = None
+    gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2
     return lib
 
 
@@ -111,4 +114,14 @@ def paged_decode_attention(
         scale,
         torch.get_num_threads(),
     )
+    return out
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [1, K] @ weight[N, K].T (+ bias): one row, float32, contiguous weight (batch-1 decode)."""
+    assert _lib is not None, "call kernel_available() first"
+    x = x.contiguous()
+    n, k = weight.shape
+    out = torch.empty(1, n, dtype=x.dtype)
+    _lib.gemv_f32(weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), n, k)
     return out

@@ -14,7 +14,7 @@ from torch import nn
 
 from omnivox.models.attention import AttentionMetadata, paged_attention, write_kv
 from omnivox.models.config import ModelConfig
-from omnivox.models.layers import PackedLinear, RMSNorm, RotaryEmbedding
+from omnivox.models.layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, linear
 
 
 class Attention(nn.Module):
@@ -25,7 +25,7 @@ class Attention(nn.Module):
         self.qkv_proj = PackedLinear(
             cfg.hidden_size, {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows}, cfg.attention_bias
         )
-        self.o_proj = nn.Linear(q_rows, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(q_rows, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
@@ -52,7 +52,7 @@ class MLP(nn.Module):
         self.gate_up_proj = PackedLinear(
             cfg.hidden_size, {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size}, cfg.mlp_bias
         )
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -91,7 +91,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, cfg.max_model_len)
 
     def forward(
@@ -112,7 +112,7 @@ class DecoderModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (transformers names) into place, one at a time.

@@ -6,6 +6,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnivox.models import cpu_kernels
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, except one float32 row on CPU (batch-1 decode), which goes through the C matrix-vector kernel."""
+    if (
+        x.shape[0] == 1
+        and x.dim() == 2
+        and x.device.type == "cpu"
+        and x.dtype == weight.dtype == torch.float32
+        and weight.is_contiguous()
+        and not torch.is_grad_enabled()
+        and cpu_kernels.kernel_available()
+    ):
+        return cpu_kernels.gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and checkpoint names) computed through `linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -75,7 +99,7 @@ class PackedLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(start)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def load_part(self, part: str, kind: str, tensor: torch.Tensor) -> None:
         start, rows = self.offsets[part]

@@ -51,3 +51,21 @@ def test_kernel_equals_gathered_path(heads, kv_heads, dim):
         v = v_cache[slots].repeat_interleave(heads // kv_heads, dim=1)
         p = (torch.einsum("hd,nhd->hn", q[i], k) * scale).softmax(-1)
         torch.testing.assert_close(ours[i], torch.einsum("hn,nhd->hd", p, v), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("n", "k", "bias"), [(1, 8, False), (7, 13, True), (64, 576, False), (1536, 576, True)])
+def test_gemv_equals_linear(n, k, bias):
+    torch.manual_seed(n + k)
+    w, x = torch.randn(n, k), torch.randn(1, k)
+    b = torch.randn(n) if bias else None
+    torch.testing.assert_close(cpu_kernels.gemv(x, w, b), torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-4)
+
+
+def test_decoder_linear_routes_single_rows_to_the_kernel():
+    from omnivox.models.layers import linear
+
+    w, x = torch.randn(16, 24), torch.randn(3, 24)
+    with torch.inference_mode():
+        one = linear(x[:1], w)
+        many = linear(x, w)
+    torch.testing.assert_close(one, many[:1], atol=1e-5, rtol=1e-5)
