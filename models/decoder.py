@@ -14,7 +14,7 @@ from torch import nn
 
 from omnivox.models.attention import AttentionMetadata, paged_attention, write_kv
 from omnivox.models.config import ModelConfig
-from omnivox.models.layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, linear
+from omnivox.models.layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, linear
 
 
 class Attention(nn.Module):
@@ -30,7 +30,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x, positions, rotary: RotaryEmbedding, kv: tuple[torch.Tensor, torch.Tensor], meta):
+    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv: tuple[torch.Tensor, torch.Tensor], meta):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -39,7 +39,7 @@ class Attention(nn.Module):
         v = qkv[:, q_rows + kv_rows :].view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, k, *rope)
         write_kv(kv[0], kv[1], k, v, meta.slot_mapping)
         o = paged_attention(q, kv[0], kv[1], meta, self.scale)
         return self.o_proj(o.reshape(t, q_rows))
@@ -67,8 +67,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, rotary, kv, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv, meta)
+    def forward(self, x, rope, kv, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -106,8 +106,9 @@ class DecoderModel(nn.Module):
         x = self.embed_tokens(input_ids)
         if embed_rows is not None and embed_rows.numel():
             x = x.index_copy(0, embed_rows, embed_values.to(x.dtype))
+        rope = self.rotary.tables(positions, x.dtype)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rotary, kv, meta)
+            x = layer(x, rope, kv, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
