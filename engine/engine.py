@@ -289,7 +289,7 @@ class Engine:
             reqs = [c.request for c in sampling]
             try:
                 result = self.sampler(logits, reqs)
-            except Exception:  # e.g. a token constraint that raised: fail these requests, keep the engine
+            except Exception:  # a sampler bug must not take the engine down: fail these requests, serve the rest
                 log.exception("sampling failed; aborting the %d requests it served", len(reqs))
                 for req in reqs:
                     self._finish(req, "error", outputs)
