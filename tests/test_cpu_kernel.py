@@ -69,3 +69,14 @@ def test_decoder_linear_routes_single_rows_to_the_kernel():
         one = linear(x[:1], w)
         many = linear(x, w)
     torch.testing.assert_close(one, many[:1], atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_source_ships_in_wheels():
+    """A wheel install (the Docker image) builds the kernels from models/cpu_kernels.c: it must be package data."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert "*.c" in data["omnivox.models"]
+    assert cpu_kernels._SOURCE.exists() and cpu_kernels._SOURCE.parent == root / "models"
