@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
@@ -71,4 +72,26 @@ def run_closed_loop(
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         for f in [pool.submit(client) for _ in range(concurrency)]:
             f.result()
+    return [t for t in traces if t is not None]
+
+
+async def run_closed_loop_async(
+    requests: list[BenchRequest],
+    concurrency: int,
+    one_request: Callable[[BenchRequest], Awaitable[RequestTrace]],
+    progress: Progress,
+    deadline: float = math.inf,
+) -> list[RequestTrace]:
+    """The same closed loop as `run_closed_loop`, as `concurrency` asyncio clients on one event loop."""
+    traces: list[RequestTrace | None] = [None] * len(requests)
+    sent = 0
+
+    async def client() -> None:
+        nonlocal sent
+        while may_start(sent, len(requests), concurrency, deadline):
+            i, sent = sent, sent + 1
+            traces[i] = await one_request(requests[i])
+            progress(1)
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))
     return [t for t in traces if t is not None]

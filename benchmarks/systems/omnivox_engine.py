@@ -10,7 +10,7 @@ import math
 import time
 
 from omnivox.benchmarks.metrics import RequestTrace
-from omnivox.benchmarks.systems.base import Progress, may_start
+from omnivox.benchmarks.systems.base import Progress, run_closed_loop_async
 from omnivox.benchmarks.workload import BenchRequest
 
 
@@ -41,9 +41,6 @@ class OmnivoxEngineInProcess:
     ) -> list[RequestTrace]:
         from omnivox.engine import SamplingParams
 
-        traces: list[RequestTrace | None] = [None] * len(requests)
-        sent = 0
-
         async def one(req: BenchRequest) -> RequestTrace:
             params = SamplingParams(temperature=0.0, max_tokens=req.max_tokens, ignore_eos=True)
             trace = RequestTrace(
@@ -57,15 +54,7 @@ class OmnivoxEngineInProcess:
                 trace.error = f"asked for {req.max_tokens} tokens (ignore_eos), got {trace.num_tokens}"
             return trace
 
-        async def client() -> None:
-            nonlocal sent
-            while may_start(sent, len(requests), concurrency, deadline):
-                i, sent = sent, sent + 1
-                traces[i] = await one(requests[i])
-                progress(1)
-
-        await asyncio.gather(*(client() for _ in range(concurrency)))
-        return [t for t in traces if t is not None]
+        return await run_closed_loop_async(requests, concurrency, one, progress, deadline)
 
     def close(self) -> None:
         if self.engine is not None:

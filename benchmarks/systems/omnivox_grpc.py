@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 
 from omnivox.benchmarks.metrics import RequestTrace
-from omnivox.benchmarks.systems.base import Progress, SystemUnavailable, may_start
+from omnivox.benchmarks.systems.base import Progress, SystemUnavailable, run_closed_loop_async
 from omnivox.benchmarks.workload import BenchRequest
 
 
@@ -132,8 +132,6 @@ class OmnivoxGrpc:
     ) -> list[RequestTrace]:
         from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2
 
-        traces: list[RequestTrace | None] = [None] * len(requests)
-        sent = 0
         options = [("grpc.max_concurrent_streams", max(100, concurrency * 2))]
         async with grpc.aio.insecure_channel(self.address, options=options) as channel:
             stub = generation_pb2_grpc.GenerationServiceStub(channel)
@@ -163,15 +161,7 @@ class OmnivoxGrpc:
                     trace.error = f"{e.code().name}: {e.details()}"
                 return trace
 
-            async def client() -> None:
-                nonlocal sent
-                while may_start(sent, len(requests), concurrency, deadline):
-                    i, sent = sent, sent + 1
-                    traces[i] = await one(requests[i])
-                    progress(1)
-
-            await asyncio.gather(*(client() for _ in range(concurrency)))
-        return [t for t in traces if t is not None]
+            return await run_closed_loop_async(requests, concurrency, one, progress, deadline)
 
     def close(self) -> None:
         if self.server is not None:
