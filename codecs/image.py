@@ -1,0 +1,178 @@
+"""Guarded image decoding: raw bytes of an image part in, one RGB `PIL.Image` out, or an `ImageDecodeError`.
+
+The format is sniffed from the bytes (magic numbers); a `mime_type` from the client is only a hint and never decides.
+Everything that can be checked from the header is checked before any pixel is decoded: Pillow's `Image.open` reads
+only the header, so a 30000x30000 PNG is refused with its size known and nothing allocated. Only the first frame of a
+GIF is decoded; the frame count is never asked for (`n_frames` would walk every frame of a 10,000-frame GIF).
+
+Transparency is composited on white, as transformers' `convert_to_rgb` does before every image processor of the
+families we serve, so that an RGBA image preprocesses the same here as in the reference.
+
+This module knows nothing of gRPC: the service maps `ImageDecodeError.reason` to INVALID_ARGUMENT on
+`contents[i].parts[j].image`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+# Magic numbers -> our format name (also Pillow's plugin name). TIFF is recognised only to name it in the error.
+_JPEG, _PNG, _GIF, _WEBP, _BMP, _TIFF = "JPEG", "PNG", "GIF", "WEBP", "BMP", "TIFF"
+SUPPORTED_FORMATS = frozenset({_JPEG, _PNG, _GIF, _WEBP, _BMP})
+
+
+class ImageDecodeError(ValueError):
+    """The bytes are not an image we accept. `reason` is one line, fit to show the client."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """What the server accepts. Pixel counts are read from the header and checked before decoding."""
+
+    max_bytes: int = 20 * 1024 * 1024
+    # 40 MP (a 7300x5500 photo): below Pillow's own bomb threshold (89.5 MP warns, 179 MP raises), so Pillow never
+    # warns about an image we go on to accept. Decoding 40 MP to RGB takes 120 MB.
+    max_pixels: int = 40_000_000
+    max_aspect_ratio: float = 200.0  # longer side / shorter side; Qwen2.5-VL's processor refuses more than 200
+    min_side: int = 2  # a 1x1 image carries nothing and breaks some resizers
+    formats: frozenset[str] = field(default=SUPPORTED_FORMATS)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.formats) - SUPPORTED_FORMATS
+        if unknown:
+            raise ValueError(f"unsupported image formats {sorted(unknown)}; choose among {sorted(SUPPORTED_FORMATS)}")
+        if self.max_bytes < 1 or self.max_pixels < 1 or self.min_side < 1 or self.max_aspect_ratio < 1:
+            raise ValueError(f"image limits must be positive (aspect >= 1): {self}")
+
+
+@dataclass(frozen=True)
+class DecodedImage:
+    image: Image.Image  # mode "RGB", EXIF orientation applied
+    format: str  # one of SUPPORTED_FORMATS, sniffed from the bytes
+    width: int  # after orientation
+    height: int
+
+
+def sniff_format(data: bytes) -> str | None:
+    """The image format named by the first bytes, or None when no known signature matches."""
+    if data.startswith(b"\xff\xd8\xff"):
+        return _JPEG
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return _PNG
+    if data[:6] in (b"GIF87a", b"GIF89a"):
+        return _GIF
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return _WEBP
+    if data.startswith(b"BM") and len(data) >= 26:
+        return _BMP
+    if data[:4] in (b"II*\x00", b"MM\x00*"):
+        return _TIFF
+    return None
+
+
+def decode_image(data: bytes, limits: ImageLimits = ImageLimits(), mime_type: str | None = None) -> DecodedImage:
+    """Decode `data` to RGB under `limits`; raise ImageDecodeError naming the first problem.
+
+    `mime_type` is only used to word the error when the bytes are not an image. Safe to call from worker threads
+    (no global Pillow state is changed).
+    """
+    if not data:
+        raise ImageDecodeError("the image is empty (0 bytes)")
+    if len(data) > limits.max_bytes:
+        raise ImageDecodeError(f"the image is {len(data)} bytes; the limit is {limits.max_bytes}")
+    fmt = sniff_format(data)
+    if fmt is None:
+        hint = f" (mime_type says {mime_type!r})" if mime_type else ""
+        raise ImageDecodeError(f"the bytes are not an image in a known format{hint}; send {_format_list(limits)}")
+    if fmt not in limits.formats:
+        raise ImageDecodeError(f"{fmt} images are not accepted; send {_format_list(limits)}")
+    try:
+        # formats=[fmt]: only that plugin may claim the bytes, so a sniffed PNG is never parsed by another decoder.
+        im = Image.open(io.BytesIO(data), formats=[fmt])
+    except Image.DecompressionBombError:
+        raise ImageDecodeError(f"the image has too many pixels; the limit is {limits.max_pixels}") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError) as e:
+        raise ImageDecodeError(f"the {fmt} header is corrupt: {_one_line(e)}") from None
+    width, height = im.size
+    _check_size(width, height, limits)
+    try:
+        im.seek(0)  # GIF / animated WebP: the first frame only; later frames are never read
+        im.load()
+    except Image.DecompressionBombError:
+        raise ImageDecodeError(f"the image has too many pixels; the limit is {limits.max_pixels}") from None
+    except (OSError, SyntaxError, ValueError, EOFError) as e:
+        raise ImageDecodeError(f"the {fmt} data is truncated or corrupt: {_one_line(e)}") from None
+    im = _apply_exif_orientation(im)
+    rgb = to_rgb(im)
+    return DecodedImage(image=rgb, format=fmt, width=rgb.width, height=rgb.height)
+
+
+def to_rgb(im: Image.Image) -> Image.Image:
+    """Any Pillow mode to RGB. Transparency (alpha band or palette/grayscale transparency) is composited on white,
+    exactly as transformers' `convert_to_rgb`; CMYK, YCbCr, grayscale and palette images convert as Pillow does."""
+    if im.mode == "RGB":
+        return im
+    if "A" in im.getbands() or im.info.get("transparency") is not None:
+        rgba = im.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return im.convert("RGB")
+
+
+def image_content_key(data: bytes, model: str, settings: Mapping[str, Any]) -> str:
+    """The encoder-cache and prefix-cache key of one image: sha256 over the raw bytes, the model name and the
+    preprocessing settings (e.g. `VisionEncoder.feature_settings()` plus a per-request `max_pixels`).
+
+    Same bytes under different settings (another max_pixels, another model) give different keys; transposing an image
+    changes its bytes and so its key. Settings must be JSON-serialisable; their key order does not matter.
+    """
+    h = hashlib.sha256()
+    h.update(b"omnivox-image-v1\0")
+    h.update(model.encode())
+    h.update(b"\0")
+    h.update(json.dumps(settings, sort_keys=True, separators=(",", ":"), default=str).encode())
+    h.update(b"\0")
+    h.update(hashlib.sha256(data).digest())
+    return h.hexdigest()
+
+
+def _check_size(width: int, height: int, limits: ImageLimits) -> None:
+    if width < limits.min_side or height < limits.min_side:
+        raise ImageDecodeError(f"the image is {width}x{height}; each side must be at least {limits.min_side} pixels")
+    if width * height > limits.max_pixels:
+        raise ImageDecodeError(
+            f"the image is {width}x{height} = {width * height} pixels; the limit is {limits.max_pixels}"
+        )
+    ratio = max(width, height) / min(width, height)
+    if ratio > limits.max_aspect_ratio:
+        raise ImageDecodeError(
+            f"the image is {width}x{height}, aspect ratio {ratio:.0f}:1; the limit is {limits.max_aspect_ratio:g}:1"
+        )
+
+
+def _apply_exif_orientation(im: Image.Image) -> Image.Image:
+    try:
+        return ImageOps.exif_transpose(im)
+    except (OSError, SyntaxError, ValueError, KeyError, TypeError, struct.error):
+        return im  # an unreadable EXIF block does not make the pixels wrong: keep them as stored
+
+
+def _format_list(limits: ImageLimits) -> str:
+    return ", ".join(sorted(limits.formats))
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return text[:200]
