@@ -1,0 +1,216 @@
+"""Audio parts on the way in: bytes -> mono float32 samples at the encoder's rate, or a typed error.
+
+Containers are detected from the bytes (magic numbers), whatever `encoding` says: WAV (RIFF/WAVE), FLAC (`fLaC`),
+Ogg (`OggS`, Vorbis or Opus) and MP3 (an ID3 tag or an MPEG audio frame sync), all read by libsndfile through
+soundfile. Headerless LINEAR16 (signed 16-bit little-endian) and MULAW (G.711) need `sample_rate_hertz`.
+Channels are averaged to mono; the rate is changed with torchaudio's windowed-sinc resampler.
+
+Every problem raises `AudioInputError(field, reason)` (`field` is the AudioPart field: `data`, `encoding` or
+`sample_rate_hertz`), which the service answers with INVALID_ARGUMENT. Nothing is cut short: audio over the limit is
+refused, never truncated.
+
+`content_key` hashes the DECODED samples (after mono + resample) with the feature settings and the model name, so
+the same speech sent as WAV, FLAC or LINEAR16 maps to one encoder-cache entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import soundfile
+import torch
+import torchaudio.functional as AF
+
+from omnivox.codecs.audio_format import AudioEncoding
+
+HEADERLESS = (AudioEncoding.LINEAR16, AudioEncoding.MULAW)
+CONTAINERS = {"WAV", "FLAC", "OGG", "MP3"}
+# Which detected container a declared (header-bearing) encoding accepts. OGG_OPUS admits Ogg Vorbis too: the
+# proto has one Ogg encoding, and libsndfile reads both.
+_DECLARED_CONTAINER = {AudioEncoding.WAV: "WAV", AudioEncoding.FLAC: "FLAC", AudioEncoding.OGG_OPUS: "OGG"}
+
+
+class AudioInputError(ValueError):
+    """An audio part we cannot accept. `field` names the AudioPart field (`data`, `encoding`, `sample_rate_hertz`)."""
+
+    def __init__(self, field: str, description: str) -> None:
+        super().__init__(f"{field}: {description}")
+        self.field = field
+        self.description = description
+
+
+@dataclass(frozen=True)
+class AudioLimits:
+    """What an audio part may be. `max_seconds` is the model's limit (Qwen2-Audio: its 30 s window)."""
+
+    max_seconds: float = 30.0
+    min_samples: int = 1  # at the target rate; the encoder says how many it needs for one embedding
+    max_bytes: int = 64 << 20
+    min_sample_rate: int = 4000
+    max_sample_rate: int = 192000
+
+    def max_samples(self, rate: int) -> int:
+        return math.floor(self.max_seconds * rate + 1e-6)
+
+
+@dataclass(frozen=True)
+class DecodedAudio:
+    """Mono float32 `samples` [N] at `sample_rate`, and where they came from."""
+
+    samples: np.ndarray
+    sample_rate: int
+    source_format: str  # WAV, FLAC, OGG, MP3, LINEAR16 or MULAW
+    source_rate: int
+    source_channels: int
+
+    @property
+    def seconds(self) -> float:
+        return len(self.samples) / self.sample_rate
+
+
+def detect_container(data: bytes) -> str | None:
+    """WAV, FLAC, OGG or MP3 from the first bytes; None when none matches."""
+    if len(data) >= 12 and data[:4] in (b"RIFF", b"RIFX", b"RF64") and data[8:12] == b"WAVE":
+        return "WAV"
+    if data[:4] == b"fLaC":
+        return "FLAC"
+    if data[:4] == b"OggS":
+        return "OGG"
+    if data[:3] == b"ID3":
+        return "MP3"
+    # MPEG audio frame header: 11 sync bits, layer != 0, bitrate index != 15 (https://www.mp3-tech.org/).
+    if len(data) >= 4 and data[0] == 0xFF and (data[1] & 0xE0) == 0xE0 and (data[1] & 0x06) and (data[2] >> 4) != 15:
+        return "MP3"
+    return None
+
+
+def mulaw_to_int16(codes: np.ndarray) -> np.ndarray:
+    """G.711 mu-law -> 16-bit linear (the Sun reference decoder; inverse of audio_format.int16_to_mulaw)."""
+    u = (~codes.astype(np.int32)) & 0xFF
+    t = (((u & 0x0F) << 3) + 0x84) << ((u & 0x70) >> 4)
+    return np.where(u & 0x80, 0x84 - t, t - 0x84).astype(np.int16)
+
+
+def _encoding(encoding: AudioEncoding | str | None) -> AudioEncoding | None:
+    if encoding in (None, "", "UNSPECIFIED", "AUDIO_ENCODING_UNSPECIFIED"):
+        return None
+    name = str(encoding).removeprefix("AUDIO_ENCODING_")
+    try:
+        return AudioEncoding(name)
+    except ValueError:
+        names = ", ".join(e.value for e in AudioEncoding)
+        raise AudioInputError("encoding", f"unknown encoding {encoding!r}; accepted: {names}") from None
+
+
+def _decode_raw(data: bytes, encoding: AudioEncoding, rate: int, limits: AudioLimits) -> np.ndarray:
+    if encoding is AudioEncoding.LINEAR16:
+        if len(data) % 2:
+            raise AudioInputError("data", f"LINEAR16 audio has an odd number of bytes ({len(data)})")
+        pcm = np.frombuffer(data, dtype="<i2")
+    else:
+        pcm = mulaw_to_int16(np.frombuffer(data, dtype=np.uint8))
+    if len(pcm) > limits.max_samples(rate):
+        raise _too_long(len(pcm) / rate, limits)
+    return (pcm.astype(np.float32) / 32768.0)[:, None]  # as libsndfile scales 16-bit PCM
+
+
+def _too_long(seconds: float, limits: AudioLimits) -> AudioInputError:
+    return AudioInputError(
+        "data", f"audio is {seconds:.2f} s long; this model accepts at most {limits.max_seconds:g} s"
+    )
+
+
+def _decode_container(data: bytes, container: str, limits: AudioLimits) -> tuple[np.ndarray, int]:
+    try:
+        with soundfile.SoundFile(io.BytesIO(data)) as f:
+            rate, frames = int(f.samplerate), int(f.frames)
+            # Refuse long audio before decoding it (a header may understate; checked again after reading).
+            if 0 < frames < 2**62 and rate > 0 and frames > limits.max_samples(rate):
+                raise _too_long(frames / rate, limits)
+            pcm = f.read(dtype="float32", always_2d=True)  # [frames, channels]
+    except AudioInputError:
+        raise
+    except (soundfile.LibsndfileError, RuntimeError, ValueError, TypeError) as e:
+        raise AudioInputError("data", f"cannot decode the {container} audio: {e}") from None
+    return pcm, rate
+
+
+def decode_audio(
+    data: bytes,
+    encoding: AudioEncoding | str | None = None,
+    sample_rate_hertz: int = 0,
+    target_rate: int = 16000,
+    limits: AudioLimits = AudioLimits(),
+) -> DecodedAudio:
+    """Decode an audio part to mono float32 at `target_rate`. Raises AudioInputError naming the bad field.
+
+    `encoding` None/UNSPECIFIED means "detect from the bytes"; LINEAR16 / MULAW are headerless and need
+    `sample_rate_hertz`; WAV / FLAC / OGG_OPUS must match what the bytes hold. For a container,
+    `sample_rate_hertz` is optional but, when set, must equal the header's rate.
+    """
+    if not data:
+        raise AudioInputError("data", "the audio part is empty")
+    if len(data) > limits.max_bytes:
+        raise AudioInputError("data", f"the audio part is {len(data)} bytes; at most {limits.max_bytes} are accepted")
+    enc = _encoding(encoding)
+    if sample_rate_hertz and not limits.min_sample_rate <= sample_rate_hertz <= limits.max_sample_rate:
+        raise AudioInputError(
+            "sample_rate_hertz",
+            f"{sample_rate_hertz} Hz is outside [{limits.min_sample_rate}, {limits.max_sample_rate}]",
+        )
+    if enc in HEADERLESS:
+        if not sample_rate_hertz:
+            raise AudioInputError("sample_rate_hertz", f"{enc.value} audio has no header: the sample rate is required")
+        pcm, rate, source = _decode_raw(data, enc, sample_rate_hertz, limits), sample_rate_hertz, enc.value
+    else:
+        source = detect_container(data)
+        if source is None:
+            raise AudioInputError(
+                "data", "unrecognised audio: not WAV, FLAC, Ogg or MP3 (set encoding for raw LINEAR16 or MULAW)"
+            )
+        if enc is not None and _DECLARED_CONTAINER[enc] != source:
+            raise AudioInputError("encoding", f"encoding is {enc.value} but the bytes hold {source} audio")
+        pcm, rate = _decode_container(data, source, limits)
+        if sample_rate_hertz and sample_rate_hertz != rate:
+            raise AudioInputError(
+                "sample_rate_hertz", f"sample_rate_hertz={sample_rate_hertz} but the {source} header says {rate} Hz"
+            )
+        if not limits.min_sample_rate <= rate <= limits.max_sample_rate:
+            raise AudioInputError("data", f"the {source} audio's rate {rate} Hz is not supported")
+    if pcm.shape[0] == 0:
+        raise AudioInputError("data", "the audio holds no samples")
+    if pcm.shape[0] > limits.max_samples(rate):
+        raise _too_long(pcm.shape[0] / rate, limits)
+    if not np.isfinite(pcm).all():
+        raise AudioInputError("data", "the audio holds non-finite samples (NaN or infinity)")
+    channels = pcm.shape[1]
+    mono = pcm.mean(axis=1, dtype=np.float32) if channels > 1 else pcm[:, 0]
+    samples = resample(mono, rate, target_rate)
+    if len(samples) > limits.max_samples(target_rate):
+        raise _too_long(len(samples) / target_rate, limits)
+    if len(samples) < limits.min_samples:
+        raise AudioInputError(
+            "data", f"the audio is {len(samples)} samples at {target_rate} Hz; this model needs {limits.min_samples}"
+        )
+    return DecodedAudio(np.ascontiguousarray(samples, np.float32), target_rate, source, rate, channels)
+
+
+def resample(samples: np.ndarray, orig_rate: int, new_rate: int) -> np.ndarray:
+    """torchaudio's windowed-sinc resampler (its defaults); the same rate returns the input."""
+    if orig_rate == new_rate:
+        return samples
+    return AF.resample(torch.from_numpy(np.ascontiguousarray(samples)), orig_rate, new_rate).numpy()
+
+
+def content_key(samples: np.ndarray, sample_rate: int, feature_settings: str, model: str) -> str:
+    """sha256 hex of the decoded float32 samples, their rate, the feature settings and the model name."""
+    h = hashlib.sha256()
+    for part in ("omnivox-audio-v1", model, feature_settings, str(sample_rate), str(len(samples))):
+        h.update(part.encode())
+        h.update(b"\0")
+    h.update(np.ascontiguousarray(samples, dtype="<f4").tobytes())
+    return h.hexdigest()
