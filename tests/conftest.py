@@ -13,6 +13,18 @@ def default_gguf() -> Path:
 
     The cache is `$OMNIVOX_CACHE`, else `~/.cache/omnivox`, so one download serves the whole run (and later runs).
     """
-    from omnivox.models.default import ensure_default_model
+    from omnivox.services.defaults import ensure_default_model
 
     return ensure_default_model(progress=False)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One torch compute thread for every in-process engine.
+
+    torch defaults to one thread per core; on the 2-core test machines an in-process server's two compute threads
+    contend with the gRPC thread and the test's client threads, and an aborted request then took over a second to
+    free its KV blocks (one engine step stalled behind the others). `omnivox serve` sets its own count (--threads).
+    """
+    import torch
+
+    torch.set_num_threads(1)

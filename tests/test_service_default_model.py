@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from service_harness import ServerThread, user_request
 
 from omnivox.engine import SamplingParams
-from omnivox.models.default import DEFAULT_MODEL_NAME
+from omnivox.services.defaults import DEFAULT_MODEL_NAME
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.v1 import generation_pb2, generation_pb2_grpc, model_pb2, model_pb2_grpc, sampling_pb2
 
@@ -67,15 +67,21 @@ def test_streaming_answer(server: ServerThread, stub) -> None:
     assert "Paris" in text  # a trained model, served correctly, knows this
 
     tok = server.engine().tokenizer
-    rendered = tok.apply_chat_template(
-        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    # SmolLM2-Instruct's chat template written out by hand (its default system turn included), not rendered by the
+    # same apply_chat_template call the service makes.
+    rendered = (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
     )
     prompt = tok.encode(rendered, add_special_tokens=False)
     [expected] = server.engine().generate([prompt], SamplingParams(temperature=0.0, max_tokens=16))
     assert tokens == expected.token_ids and text == expected.text
     assert summary.usage.prompt_tokens == len(prompt)
     assert summary.usage.output_tokens == len(tokens)
-    assert summary.finish_reason in (generation_pb2.FINISH_REASON_STOP, generation_pb2.FINISH_REASON_LENGTH)
+    if tokens[-1] == tok.convert_tokens_to_ids("<|im_end|>"):  # the model ended its turn
+        assert summary.finish_reason == generation_pb2.FINISH_REASON_STOP
+    else:  # cut at max_output_tokens
+        assert summary.finish_reason == generation_pb2.FINISH_REASON_LENGTH and len(tokens) == 16
     assert summary.timing.time_to_first_token.ToNanoseconds() > 0
 
 

@@ -62,8 +62,10 @@ def violations(err: grpc.RpcError) -> list[error_details_pb2.BadRequest.FieldVio
 
 
 def prompt_ids(server: ServerThread, text: str) -> list[int]:
+    """The prompt the service must build for one user turn, written out by hand from the tiny checkpoint's ChatML
+    template (tests/checkpoints.py), not rendered by the same apply_chat_template call the service makes."""
     tok = server.engine().tokenizer
-    rendered = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    rendered = f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
     return tok.encode(rendered, add_special_tokens=False)
 
 
