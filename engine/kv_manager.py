@@ -14,7 +14,7 @@ class KVCacheManager:
     def _block_extra(self, req: Request, index: int) -> tuple:
         """Content hashes of the embedding segments that overlap block `index` (part of the block's identity)."""
         lo, hi = index * self.block_size, (index + 1) * self.block_size
-        return tuple((s.content_hash, s.start - lo) for s in req.segments if s.start < hi and s.end > lo)
+        return tuple((s.key, s.start - lo) for s in req.segments if s.start < hi and s.end > lo)
 
     def _hash_of(self, req: Request, index: int) -> bytes:
         parent = req.block_hashes[index - 1] if index else None
@@ -59,7 +59,10 @@ class KVCacheManager:
         return True
 
     def commit_computed(self, req: Request) -> None:
-        """Register the request's newly full blocks in the prefix cache after a step computed them."""
+        """Register the request's newly full blocks in the prefix cache after a step computed them.
+
+        Only committed tokens count (`num_computed_tokens` never covers drafts after verification), so a block that
+        holds a draft's K/V is never hashed."""
         full = req.num_computed_tokens // self.block_size
         if full <= req.num_registered_blocks:
             return
@@ -67,6 +70,16 @@ class KVCacheManager:
         for i in range(req.num_registered_blocks, full):
             self.pool.register(req.block_table[i], req.block_hashes[i])
         req.num_registered_blocks = full
+
+    def rollback(self, req: Request, num_computed: int) -> None:
+        """Take the request's computed length back to num_computed (rejected drafts), freeing blocks past it."""
+        assert 0 <= num_computed <= req.num_tokens, "rollback past the committed tokens"
+        assert num_computed >= req.num_registered_blocks * self.block_size, "rollback into prefix-cached blocks"
+        req.num_computed_tokens = num_computed
+        keep = -(-num_computed // self.block_size)
+        if len(req.block_table) > keep:
+            self.pool.release(list(reversed(req.block_table[keep:])))
+            del req.block_table[keep:]
 
     def free(self, req: Request) -> None:
         self.pool.release(list(reversed(req.block_table)))

@@ -1,10 +1,16 @@
-"""Sampling parameters: what a request asks of the sampler and of the stopping rules."""
+"""Sampling parameters: what a request asks of the sampler and of the stopping rules.
+
+Every field's accepted range is written once, in `_RULES` below. `SamplingParams.violations()` applies the table and
+returns every problem at once; the services map the field names onto their own request paths and add only checks of
+their own wire format (roles, parts, sizes).
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -12,7 +18,7 @@ from omnivox.engine.errors import InvalidRequest
 
 
 class TokenConstraint(Protocol):
-    """A per-request mask over the vocabulary, asked once per generated token.
+    """One request's mask over the vocabulary, asked once per generated token, and told what was accepted.
 
     `allowed(output_token_ids)` returns a bool tensor of shape [vocab_size] (True = may be sampled) for the next token,
     or None when every token is allowed. Implementations should cache and reuse mask tensors: this runs every step.
@@ -20,9 +26,99 @@ class TokenConstraint(Protocol):
 
     A constraint may also define `allowed_ids(output_token_ids) -> LongTensor | None`: the admitted ids, ascending.
     The sampler then works on those candidates alone (O(candidates) instead of O(vocabulary) per step).
+
+    `advance(token_ids)` is called with the tokens the request accepted this step (in order); `rollback(n)` takes
+    back the last n advanced tokens (speculative tokens that were rejected after the constraint saw them). Both are
+    optional: a constraint that reads everything from `output_token_ids` keeps no state and needs neither.
     """
 
     def allowed(self, output_token_ids: list[int]) -> torch.Tensor | None: ...
+
+    def advance(self, token_ids: list[int]) -> None: ...
+
+    def rollback(self, num_tokens: int) -> None: ...
+
+
+# A constraint is made per request from a factory: what is shared (a compiled grammar, a TTS layout) lives in the
+# factory, the matcher state in what it returns. `SamplingParams` objects are reused across requests (generate() with
+# one params for many prompts), so they must never hold a stateful constraint themselves.
+ConstraintFactory = Callable[[], TokenConstraint]
+
+
+def shared(constraint: TokenConstraint) -> ConstraintFactory:
+    """A factory for a constraint that keeps no per-request state (every request may use the same object)."""
+    return lambda: constraint
+
+
+_NUM = (int, float)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, _NUM) and not isinstance(v, bool)
+
+
+def _check_logit_bias(bias: Any, vocab: int) -> str | None:
+    if not isinstance(bias, dict):
+        return "must be a mapping of token id to bias"
+    for tok, value in bias.items():
+        if not _is_int(tok) or not 0 <= tok < vocab:
+            return f"token id {tok!r} is outside the vocabulary [0, {vocab})"
+        if not _is_num(value) or not (math.isfinite(value) or value == -math.inf):
+            return f"bias for token {tok} must be a finite number or -inf (a ban), got {value!r}"
+    return None
+
+
+def _check_stop(stop: Any, vocab: int) -> str | None:
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list | tuple) or not all(isinstance(s, str) for s in stop):
+        return f"must be a string or a list of strings, got {type(stop).__name__}"
+    if any(s == "" for s in stop):
+        return "stop strings must not be empty"
+    return None
+
+
+def _check_ids(ids: Any, vocab: int) -> str | None:
+    if not isinstance(ids, list | tuple) or not all(_is_int(t) and 0 <= t < vocab for t in ids):
+        return f"every id must be an integer in [0, {vocab})"
+    return None
+
+
+@dataclass(frozen=True)
+class FieldRule:
+    """The accepted values of one SamplingParams field: `check(value, vocab_size)` returns why a value is bad."""
+
+    check: Callable[[Any, int], str | None]
+    optional: bool = False  # None is accepted
+
+
+def _rule(ok: Callable[[Any], bool], message: str, optional: bool = False) -> FieldRule:
+    return FieldRule(lambda v, vocab: None if ok(v) else f"{message}, got {v!r}", optional)
+
+
+# The one table of sampling ranges (services and speech validation use it through `violations()`).
+_RULES: dict[str, FieldRule] = {
+    "temperature": _rule(
+        lambda v: _is_num(v) and math.isfinite(v) and v >= 0, "must be a finite number >= 0 (0 = greedy)"
+    ),
+    "top_k": _rule(lambda v: _is_int(v) and v >= 0, "must be an integer >= 0 (0 = off)"),
+    "top_p": _rule(lambda v: _is_num(v) and 0.0 < v <= 1.0, "must be in (0, 1]"),
+    "min_p": _rule(lambda v: _is_num(v) and 0.0 <= v <= 1.0, "must be in [0, 1]"),
+    "repetition_penalty": _rule(lambda v: _is_num(v) and 0.0 < v < math.inf, "must be a finite number > 0 (1 = off)"),
+    "presence_penalty": _rule(lambda v: _is_num(v) and -2.0 <= v <= 2.0, "must be in [-2, 2]"),
+    "frequency_penalty": _rule(lambda v: _is_num(v) and -2.0 <= v <= 2.0, "must be in [-2, 2]"),
+    "logit_bias": FieldRule(_check_logit_bias, optional=True),
+    "seed": _rule(_is_int, "must be an integer", optional=True),
+    "max_tokens": _rule(lambda v: _is_int(v) and v >= 1, "must be an integer >= 1", optional=True),
+    "min_tokens": _rule(lambda v: _is_int(v) and v >= 0, "must be an integer >= 0"),
+    "stop": FieldRule(_check_stop, optional=True),
+    "stop_token_ids": FieldRule(_check_ids, optional=True),
+    "logprobs": _rule(lambda v: _is_int(v) and 0 <= v <= 20, "must be an integer in [0, 20]", optional=True),
+}
 
 
 @dataclass
@@ -34,7 +130,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 0; 1 = off (prompt and output tokens)
     presence_penalty: float = 0.0  # output tokens
     frequency_penalty: float = 0.0  # output tokens
-    logit_bias: dict[int, float] | None = None  # token id -> added to the logit
+    logit_bias: dict[int, float] | None = None  # token id -> added to the logit (-inf bans the token)
     seed: int | None = None  # per-request generator: result independent of batch composition
     max_tokens: int | None = None  # None = until the context is full
     min_tokens: int = 0  # EOS and stop tokens are masked until this many tokens exist
@@ -44,56 +140,39 @@ class SamplingParams:
     logprobs: int | None = None  # None = off; N >= 0: chosen token's logprob plus the top N
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    token_constraint: TokenConstraint | None = field(default=None, repr=False)
+    constraint_factory: ConstraintFactory | None = field(default=None, repr=False)  # one constraint per request
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
+    def violations(self, vocab_size: int) -> list[InvalidRequest]:
+        """Every bad field at once (in table order), each as an InvalidRequest naming the SamplingParams field."""
+        found: list[InvalidRequest] = []
+        for name, rule in _RULES.items():
+            value = getattr(self, name)
+            if value is None and rule.optional:
+                continue
+            problem = rule.check(value, vocab_size)
+            if problem is not None:
+                found.append(InvalidRequest(name, problem))
+        names = {v.field for v in found}
+        if (
+            self.max_tokens is not None
+            and not names & {"max_tokens", "min_tokens"}
+            and self.min_tokens > self.max_tokens
+        ):
+            found.append(InvalidRequest("min_tokens", f"{self.min_tokens} exceeds max_tokens {self.max_tokens}"))
+        if self.constraint_factory is not None and not callable(self.constraint_factory):
+            found.append(InvalidRequest("constraint_factory", "must be a callable that returns a new constraint"))
+        return found
+
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidRequest naming the first bad field. Normalises `stop` from a str to a list."""
-        num = (int, float)
-        if not isinstance(self.temperature, num) or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidRequest("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InvalidRequest("top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not isinstance(self.top_p, num) or not (0.0 < self.top_p <= 1.0):
-            raise InvalidRequest("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.min_p, num) or not (0.0 <= self.min_p <= 1.0):
-            raise InvalidRequest("min_p", f"must be in [0, 1], got {self.min_p!r}")
-        if not isinstance(self.repetition_penalty, num) or not (0.0 < self.repetition_penalty < math.inf):
-            raise InvalidRequest("repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not isinstance(v, num) or not math.isfinite(v) or abs(v) > 2.0:
-                raise InvalidRequest(name, f"must be in [-2, 2], got {v!r}")
-        if self.logit_bias is not None:
-            if not isinstance(self.logit_bias, dict):
-                raise InvalidRequest("logit_bias", "must be a mapping of token id to bias")
-            for tok, bias in self.logit_bias.items():
-                if not isinstance(tok, int) or not (0 <= tok < vocab_size):
-                    raise InvalidRequest("logit_bias", f"token id {tok!r} is outside the vocabulary [0, {vocab_size})")
-                if not isinstance(bias, num) or math.isnan(bias):
-                    raise InvalidRequest("logit_bias", f"bias for token {tok} must be a number, got {bias!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise InvalidRequest("seed", f"must be an integer, got {self.seed!r}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise InvalidRequest("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise InvalidRequest("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise InvalidRequest("min_tokens", f"{self.min_tokens} exceeds max_tokens {self.max_tokens}")
-        if self.stop is not None:
-            if isinstance(self.stop, str):
-                self.stop = [self.stop]
-            if not isinstance(self.stop, list | tuple) or not all(isinstance(s, str) for s in self.stop):
-                raise InvalidRequest("stop", f"must be a string or a list of strings, got {type(self.stop).__name__}")
-            if any(s == "" for s in self.stop):
-                raise InvalidRequest("stop", "stop strings must not be empty")
+        found = self.violations(vocab_size)
+        if found:
+            raise found[0]
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is not None:
             self.stop = list(self.stop)
-        if self.stop_token_ids is not None and not all(
-            isinstance(t, int) and 0 <= t < vocab_size for t in self.stop_token_ids
-        ):
-            raise InvalidRequest("stop_token_ids", f"every id must be in [0, {vocab_size})")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not (0 <= self.logprobs <= 20)):
-            raise InvalidRequest("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")

@@ -1,4 +1,8 @@
-"""A request as a small state object: its tokens, its block table, and how far the cache has computed it."""
+"""A request as a small state object: its tokens, its block table, and how far the cache has computed it.
+
+Only scheduling and sampling state lives here; what the output side needs (detokenizer, logprobs, the consumer's
+callback) is kept by engine/output_processor.py.
+"""
 
 from __future__ import annotations
 
@@ -10,27 +14,71 @@ from dataclasses import dataclass, field
 
 import torch
 
-from omnivox.engine.params import SamplingParams
+from omnivox.engine.params import SamplingParams, TokenConstraint
 
 
-@dataclass
 class EmbeddingSegment:
-    """Embeddings ([n, hidden]) that replace the input embeddings of prompt positions [start, start + n)."""
+    """Embeddings ([num_tokens, hidden]) that replace the input embeddings of prompt positions [start, end).
 
-    start: int
-    embeds: torch.Tensor
-    content_hash: str | None = None  # identifies the content in the prefix cache; computed from the tensor if None
+    `key` names the segment's content: a hash of the raw input bytes and the preprocessing settings, known at
+    admission before any encoder runs. It goes into the hashes of the KV blocks the segment covers, so a prefix-cache
+    hit is decided without the embeddings. `produce()` makes them lazily, at most once, and only when a prefill chunk
+    computes one of the segment's positions: a prefix-cache hit that covers the whole segment never calls it.
+    """
 
-    def __post_init__(self) -> None:
-        if self.embeds.dim() != 2:
-            raise ValueError(f"segment embeds must be [n, hidden], got shape {tuple(self.embeds.shape)}")
-        if self.content_hash is None:
-            data = self.embeds.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
-            self.content_hash = hashlib.sha256(data).hexdigest()
+    def __init__(
+        self,
+        start: int,
+        num_tokens: int,
+        key: str,
+        produce: Callable[[], torch.Tensor] | None = None,
+        embeds: torch.Tensor | None = None,
+    ) -> None:
+        if (produce is None) == (embeds is None):
+            raise ValueError("a segment needs exactly one of produce or embeds")
+        if num_tokens < 1 or start < 0:
+            raise ValueError(f"bad segment span: start {start}, {num_tokens} tokens")
+        if not key:
+            raise ValueError("a segment needs a content key")
+        self.start = start
+        self.num_tokens = num_tokens
+        self.key = key
+        self._produce = produce
+        self._embeds: torch.Tensor | None = None
+        if embeds is not None:
+            self._set(embeds)
+
+    @classmethod
+    def from_embeds(cls, start: int, embeds: torch.Tensor, key: str | None = None) -> EmbeddingSegment:
+        """A segment of ready embeddings; without a key, the key is a hash of the tensor's values."""
+        if embeds.dim() != 2:
+            raise ValueError(f"segment embeds must be [n, hidden], got shape {tuple(embeds.shape)}")
+        if key is None:
+            data = embeds.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+            key = "tensor:" + hashlib.sha256(data).hexdigest()
+        return cls(start, embeds.shape[0], key, embeds=embeds)
+
+    def _set(self, embeds: torch.Tensor) -> None:
+        if embeds.dim() != 2 or embeds.shape[0] != self.num_tokens:
+            raise ValueError(f"segment of {self.num_tokens} tokens got embeddings of shape {tuple(embeds.shape)}")
+        self._embeds = embeds
 
     @property
     def end(self) -> int:
-        return self.start + self.embeds.shape[0]
+        return self.start + self.num_tokens
+
+    @property
+    def is_produced(self) -> bool:
+        return self._embeds is not None
+
+    def embeds(self) -> torch.Tensor:
+        """The segment's embeddings [num_tokens, hidden], produced on first use."""
+        if self._embeds is None:
+            assert self._produce is not None
+            self._set(self._produce())
+            self._produce = None
+        assert self._embeds is not None
+        return self._embeds
 
 
 class Status(enum.Enum):
@@ -47,23 +95,22 @@ class Request:
     max_tokens: int  # resolved: never runs past the context
     eos_token_ids: tuple[int, ...]
     segments: list[EmbeddingSegment] = field(default_factory=list)
-    on_output: Callable | None = None  # called with each RequestOutput (from the engine thread)
+    constraint: TokenConstraint | None = None  # this request's own, made by params.constraint_factory
+    generator: torch.Generator | None = None  # per-request sampling stream when seeded
 
     output_token_ids: list[int] = field(default_factory=list)
+    # Proposed tokens after the committed ones, computed by the next step and verified by it; never hashed into the
+    # prefix cache. Empty unless a proposer (speculative decoding) set them.
+    draft_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)  # of this request's full blocks, in order
+    block_hashes: list[bytes] = field(default_factory=list)  # of this request's full committed blocks, in order
     num_registered_blocks: int = 0  # leading blocks of block_table already offered to the prefix cache
-    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_computed_tokens: int = 0  # committed tokens whose K/V are in the cache
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first admission (-1: not yet admitted)
     status: Status = Status.WAITING
     finish_reason: str | None = None
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
-    generator: torch.Generator | None = None  # per-request sampling stream when seeded
-    detok: object = None  # engine.detokenizer.IncrementalDetokenizer
-    logprobs: list = field(default_factory=list)  # TokenLogprob of every output token (when asked for)
-    num_emitted_logprobs: int = 0
 
     def __post_init__(self) -> None:
         assert self.prompt_token_ids, "empty prompt"
@@ -72,6 +119,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Committed tokens: prompt + accepted output (drafts not included)."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
@@ -79,10 +127,16 @@ class Request:
         return len(self.output_token_ids)
 
     def token_id(self, i: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+        n, m = len(self.prompt_token_ids), self.num_tokens
+        if i < n:
+            return self.prompt_token_ids[i]
+        return self.output_token_ids[i - n] if i < m else self.draft_token_ids[i - m]
 
     def token_slice(self, start: int, end: int) -> list[int]:
+        """Token ids of positions [start, end); positions past the committed tokens are the drafts."""
+        every = self.prompt_token_ids + self.output_token_ids + self.draft_token_ids if end > self.num_tokens else None
+        if every is not None:
+            return every[start:end]
         n = len(self.prompt_token_ids)
         if end <= n:
             return self.prompt_token_ids[start:end]

@@ -59,19 +59,20 @@ class ModelRunner:
         return slots[start - first * bs : end - first * bs]
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulePlan) -> tuple[torch.Tensor, list[ScheduledChunk]]:
-        """Run the plan; returns logits [N, vocab] (float32) for the N chunks that sample, in that order."""
-        if self.static is not None and not plan.prefills:
-            decodes = plan.decodes
-            if self.static.fits(len(decodes), max(c.end for c in decodes)):
-                logits = self.static.run(
-                    [c.request.token_id(c.start) for c in decodes],
-                    [c.start for c in decodes],
-                    [c.request.block_table for c in decodes],
-                )
-                return logits, list(decodes)
+    def execute(self, plan: SchedulePlan) -> tuple[torch.Tensor | None, list[ScheduledChunk]]:
+        """Run the plan; returns logits [R, vocab] (float32) and the chunks that sample, in row order: each sampling
+        chunk owns `num_verify` consecutive rows (the logits of its last num_verify positions)."""
+        singles = [c for c in plan.decodes if c.num_tokens == 1]  # one token each: the decode attention path
+        multis = [c for c in plan.decodes if c.num_tokens > 1] + plan.prefills  # chunks over a cached context
+        if self.static is not None and not multis and self.static.fits(len(singles), max(c.end for c in singles)):
+            logits = self.static.run(
+                [c.request.token_id(c.start) for c in singles],
+                [c.start for c in singles],
+                [c.request.block_table for c in singles],
+            )
+            return logits, list(singles)
         dev, bs = self.device, self.block_size
-        chunks = plan.decodes + plan.prefills
+        chunks = singles + multis
         ids: list[int] = []
         pos: list[torch.Tensor] = []
         slot_parts: list[torch.Tensor] = []
@@ -85,22 +86,22 @@ class ModelRunner:
             pos.append(torch.arange(c.start, c.end))
             for seg in req.segments:
                 lo, hi = max(c.start, seg.start), min(c.end, seg.end)
-                if lo < hi:
+                if lo < hi:  # only now are the segment's embeddings needed (produced on first use)
                     embed_rows.append(torch.arange(row + lo - c.start, row + hi - c.start))
-                    embed_vals.append(seg.embeds[lo - seg.start : hi - seg.start])
-            if k >= len(plan.decodes):
+                    embed_vals.append(seg.embeds()[lo - seg.start : hi - seg.start])
+            if k >= len(singles):
                 slot_parts.append(self._slots(req.block_table, c.start, c.end))
                 table = torch.tensor(req.block_table[: -(-c.end // bs)], device=dev)
                 prefills.append(PrefillChunk(row, c.num_tokens, c.end, table))
             row += c.num_tokens
 
-        nd = len(plan.decodes)
+        nd = len(singles)
         decode_tables = decode_mask = decode_lens = None
         if nd:
-            lens = [c.end for c in plan.decodes]
+            lens = [c.end for c in singles]
             max_blocks = -(-max(lens) // bs)
             table = torch.zeros(nd, max_blocks, dtype=torch.long)
-            for i, c in enumerate(plan.decodes):
+            for i, c in enumerate(singles):
                 bt = c.request.block_table[:max_blocks]
                 table[i, : len(bt)] = torch.tensor(bt)
             decode_tables = table.to(dev)
@@ -128,12 +129,12 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, meta, rows, vals)
 
         sampling = [c for c in chunks if c.samples]
-        last_rows, row = [], 0
+        logit_rows: list[int] = []
+        row = 0
         for c in chunks:
             row += c.num_tokens
-            if c.samples:
-                last_rows.append(row - 1)
+            logit_rows.extend(range(row - c.num_verify, row))
         logits = None
         if sampling:
-            logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(last_rows, device=dev)))
+            logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(logit_rows, device=dev)))
         return logits, sampling

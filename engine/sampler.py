@@ -74,7 +74,7 @@ class Sampler:
         candidates: list[torch.Tensor | None] = []
         failed: list[int] = []
         for i, r in enumerate(reqs):
-            c = r.params.token_constraint
+            c = r.constraint
             ids = None
             if c is not None:
                 try:

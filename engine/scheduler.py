@@ -1,9 +1,10 @@
 """Continuous batching: which requests compute how many tokens this step.
 
-Policy in one line: every running request gets its next tokens first (a decode is one token, an unfinished prefill a
-chunk), then waiting requests are admitted in arrival order while the step's token budget, the sequence limit and the
-KV pool allow. When a running request cannot grow, the newest running request is preempted (its blocks freed, it goes
-back to the front of the queue and is recomputed later, its prefix likely still cached).
+Policy in one line: every running request gets its next tokens first (a decode is one token plus any draft tokens to
+verify, an unfinished prefill a chunk), then waiting requests are admitted in arrival order while the step's token
+budget, the sequence limit and the KV pool allow. When a running request cannot grow, the newest running request is
+preempted (its blocks freed, it goes back to the front of the queue and is recomputed later, its prefix likely still
+cached). A step that preempted admits nothing: the blocks it freed are for the requests already running.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from omnivox.engine.request import Request, Status
 class ScheduledChunk:
     request: Request
     start: int  # first token position computed this step (= request.num_computed_tokens before the step)
-    num_tokens: int  # tokens computed this step
+    num_tokens: int  # tokens computed this step (a decode with drafts: 1 + number of drafts)
+    num_verify: int = 0  # logit rows this chunk samples from: its last num_verify positions (0: a mid-prompt chunk)
 
     @property
     def end(self) -> int:
@@ -28,15 +30,25 @@ class ScheduledChunk:
 
     @property
     def samples(self) -> bool:
-        """True when this chunk reaches the request's last token, so its logits give the next token."""
-        return self.end == self.request.num_tokens
+        """True when this chunk reaches the request's last committed token, so its logits give the next token."""
+        return self.num_verify > 0
+
+
+def _chunk(req: Request, n: int) -> ScheduledChunk:
+    end = req.num_computed_tokens + n
+    return ScheduledChunk(req, req.num_computed_tokens, n, max(0, end - req.num_tokens + 1))
 
 
 @dataclass
 class SchedulePlan:
-    decodes: list[ScheduledChunk] = field(default_factory=list)  # one token each, batched together
-    prefills: list[ScheduledChunk] = field(default_factory=list)  # chunks of several tokens (or a lone prompt token)
+    decodes: list[ScheduledChunk] = field(default_factory=list)  # requests past their prompt: 1 token (+ drafts) each
+    prefills: list[ScheduledChunk] = field(default_factory=list)  # prompt chunks (or a recomputed prefix)
     preempted: list[Request] = field(default_factory=list)  # sent back to the waiting queue this step
+    admitted: list[Request] = field(default_factory=list)  # taken from the waiting queue this step, in order
+
+    @property
+    def chunks(self) -> list[ScheduledChunk]:
+        return self.decodes + self.prefills
 
     @property
     def num_tokens(self) -> int:
@@ -65,11 +77,12 @@ class Scheduler:
     def schedule(self) -> SchedulePlan:
         plan = SchedulePlan()
         budget = self.max_num_batched_tokens
-        scheduled: list[Request] = []
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.draft_token_ids:  # drafts that do not fit this step's budget are dropped, never half-verified
+                del req.draft_token_ids[max(0, budget - (req.num_tokens - req.num_computed_tokens)) :]
+            n = min(req.num_tokens + len(req.draft_token_ids) - req.num_computed_tokens, budget)
             while not self.kv.allocate(req, n):
                 victim = self.running[-1]
                 self._preempt(victim, plan)
@@ -77,9 +90,9 @@ class Scheduler:
                     break
             if req.status != Status.RUNNING:  # preempted itself: nothing newer to free
                 break
-            chunk = ScheduledChunk(req, req.num_computed_tokens, n)
-            (plan.decodes if n == 1 and req.num_output_tokens else plan.prefills).append(chunk)
-            scheduled.append(req)
+            chunk = _chunk(req, n)
+            is_decode = req.num_output_tokens and req.num_computed_tokens == req.num_tokens - 1
+            (plan.decodes if is_decode else plan.prefills).append(chunk)
             budget -= n
             i += 1
         if not plan.preempted:
@@ -101,10 +114,12 @@ class Scheduler:
                 req.num_cached_tokens = cached
             req.status = Status.RUNNING
             self.running.append(req)
-            plan.prefills.append(ScheduledChunk(req, cached, n))
+            plan.admitted.append(req)
+            plan.prefills.append(_chunk(req, n))
             budget -= n
 
     def _preempt(self, req: Request, plan: SchedulePlan) -> None:
+        req.draft_token_ids.clear()
         self.running.remove(req)
         self.kv.free(req)
         req.num_computed_tokens = 0

@@ -229,6 +229,12 @@ class SpeechTokenConstraint:
         n = len(output_token_ids)
         return self._boundary_ids if self._at_boundary(n) else self._position_ids[n % self.layout.frame_size]
 
+    def advance(self, token_ids: Sequence[int]) -> None:
+        """Nothing to track: the frame position is the number of output tokens."""
+
+    def rollback(self, num_tokens: int) -> None:
+        """Nothing to take back (see advance)."""
+
 
 def save_random_speech_decoder(
     out_dir: str | Path,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from engines import tiny_checkpoint, tiny_engine
 
-from omnivox.engine import EmbeddingSegment, InvalidRequest, SamplingParams
+from omnivox.engine import EmbeddingSegment, InvalidRequest, SamplingParams, shared
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 PROMPTS = [list(range(5, 5 + n)) for n in (3, 17, 40, 9, 64, 1)]
@@ -64,12 +64,12 @@ def test_embedding_segments_equal_token_path_and_key_the_cache(ckpt):
     engine = tiny_engine(ckpt)
     prompt = list(range(20, 70))
     plain = engine.generate([prompt], GREEDY)[0]
-    seg = EmbeddingSegment(start=10, embeds=engine.embed_tokens(prompt[10:30]))
+    seg = EmbeddingSegment.from_embeds(10, engine.embed_tokens(prompt[10:30]))
     placeholder = prompt[:10] + [3] * 20 + prompt[30:]
     via_segment = engine.generate([placeholder], GREEDY, segments=[[seg]])[0]
     assert via_segment.token_ids == plain.token_ids
     # Same placeholder ids, other image content: blocks the segment covers must not be served from the cache.
-    other = EmbeddingSegment(start=10, embeds=torch.randn(20, engine.model_config.hidden_size))
+    other = EmbeddingSegment.from_embeds(10, torch.randn(20, engine.model_config.hidden_size))
     again = engine.generate([placeholder], GREEDY, segments=[[other]])[0]
     assert again.num_cached_tokens == 0  # block 0 holds positions 10..15 of the segment
     same = engine.generate([placeholder], GREEDY, segments=[[seg]])[0]
@@ -290,9 +290,16 @@ def test_token_constraint_mask_and_candidate_paths_agree(engine):
     for with_ids in (False, True):
         c = _EveryThirdToken(vocab, with_ids)
         greedy = SamplingParams(
-            temperature=0, max_tokens=12, ignore_eos=True, logprobs=3, repetition_penalty=1.5, token_constraint=c
+            temperature=0,
+            max_tokens=12,
+            ignore_eos=True,
+            logprobs=3,
+            repetition_penalty=1.5,
+            constraint_factory=shared(c),
         )
-        sampled = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, ignore_eos=True, seed=5, token_constraint=c)
+        sampled = SamplingParams(
+            temperature=1.0, top_p=0.9, max_tokens=12, ignore_eos=True, seed=5, constraint_factory=shared(c)
+        )
         outs[with_ids] = engine.generate([PROMPTS[2], PROMPTS[1]], [greedy, sampled])
     for out in outs[True] + outs[False]:
         assert all(t % 3 == i % 2 for i, t in enumerate(out.token_ids))
@@ -311,7 +318,7 @@ class _Broken:
 def test_a_failing_constraint_fails_only_its_request(ckpt):
     engine = tiny_engine(ckpt)
     total = engine.kv_usage().total_blocks
-    bad = SamplingParams(temperature=0, max_tokens=8, token_constraint=_Broken())
+    bad = SamplingParams(temperature=0, max_tokens=8, constraint_factory=_Broken)
     outs = engine.generate([PROMPTS[1], PROMPTS[2]], [GREEDY, bad])
     assert outs[1].finish_reason == "error" and outs[1].token_ids == []
     assert outs[0].token_ids == solo(engine, [PROMPTS[1]])[0]

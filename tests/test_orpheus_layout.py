@@ -9,7 +9,7 @@ import pytest
 import torch
 from checkpoints import make_checkpoint, make_tokenizer
 
-from omnivox.engine import Engine, SamplingParams
+from omnivox.engine import Engine, SamplingParams, shared
 from omnivox.models.orpheus import LAYOUT_FILE, ORPHEUS_LAYOUT, SpeechLayout, SpeechTokenConstraint
 
 ORPHEUS_VOCAB = 156940  # canopylabs/orpheus-3b-0.1-ft config.json vocab_size
@@ -92,7 +92,11 @@ def test_engine_with_the_constraint_generates_only_valid_frames(tmp_path):
         constraint = SpeechTokenConstraint(TINY, engine.model_config.vocab_size)
         prompts = [TINY.build_prompt(engine.tokenizer, t, v) for t, v in [("Hello there", "ann"), ("Hi", "bob")]]
         params = SamplingParams(
-            temperature=1.0, seed=5, max_tokens=7 * 6, stop_token_ids=[TINY.end_of_speech], token_constraint=constraint
+            temperature=1.0,
+            seed=5,
+            max_tokens=7 * 6,
+            stop_token_ids=[TINY.end_of_speech],
+            constraint_factory=shared(constraint),
         )
         outs = engine.generate(prompts, params)
     finally:

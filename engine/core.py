@@ -1,0 +1,220 @@
+"""The engine core: one step = schedule, run the model, sample, verify drafts. Nothing about text or consumers.
+
+`EngineCore.step()` returns a typed `StepResult`: the plan it ran, the tokens each request accepted, the requests
+that failed, and the step's statistics (what metrics read). Stop rules live on the output side
+(engine/output_processor.py), which tells the core which requests to finish.
+
+Multi-token steps: a proposer may give a decoding request draft tokens; the step computes the last committed token
+plus the drafts in one chunk and samples every position. Drafts are accepted while they equal what the request would
+have produced itself; the K/V of rejected drafts is rolled back (its blocks freed) and never enters the prefix cache.
+Exact verification for sampled rows (rejection sampling) is speculative decoding's job; until then only plain greedy
+rows (no logit processors, no logprobs) accept drafts, every other row takes its first token.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from omnivox.engine.block_pool import BlockPool
+from omnivox.engine.kv_manager import KVCacheManager
+from omnivox.engine.outputs import TokenLogprob
+from omnivox.engine.request import Request
+from omnivox.engine.runner import ModelRunner
+from omnivox.engine.sampler import Sampler
+from omnivox.engine.scheduler import SchedulePlan, Scheduler
+from omnivox.models.decoder import DecoderModel
+
+log = logging.getLogger(__name__)
+
+# Draft tokens for a running request (empty: none); called for requests whose next step is a plain decode.
+Proposer = Callable[[Request], list[int]]
+
+
+@dataclass
+class StepStats:
+    """What one step did (the numbers metrics are made of)."""
+
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0  # one per decoding request plus its drafts
+    num_admitted: int = 0
+    num_preempted: int = 0
+    num_drafted: int = 0  # draft tokens verified this step
+    num_accepted: int = 0  # of those, accepted
+    num_running: int = 0  # after the step
+    num_waiting: int = 0  # after the step
+    kv_free_blocks: int = 0  # after the step
+    seconds: float = 0.0  # wall time of schedule + run + sample
+
+
+@dataclass
+class Accepted:
+    """The tokens one request accepted this step, in order, with their logprobs when asked for."""
+
+    request: Request
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+@dataclass
+class StepResult:
+    plan: SchedulePlan
+    accepted: list[Accepted] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)  # their step or their own constraint failed
+    stats: StepStats = field(default_factory=StepStats)
+
+
+def _plain_greedy(req: Request) -> bool:
+    """Argmax of the raw logits is this request's next token: drafts may be checked without the sampler."""
+    p = req.params
+    return (
+        p.is_greedy
+        and req.constraint is None
+        and not p.logit_bias
+        and p.logprobs is None
+        and p.repetition_penalty == 1.0
+        and not p.presence_penalty
+        and not p.frequency_penalty
+        and req.num_output_tokens + len(req.draft_token_ids) >= p.min_tokens
+    )
+
+
+class EngineCore:
+    def __init__(
+        self,
+        model: DecoderModel,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_prefix_caching: bool = True,
+        static_decode: bool | None = None,
+        proposer: Proposer | None = None,
+        max_model_len: int | None = None,
+    ) -> None:
+        param = next(model.parameters())
+        self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool)
+        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens)
+        self.runner = ModelRunner(
+            model, num_blocks, block_size, param.device, param.dtype, max_num_seqs, static_decode=static_decode
+        )
+        self.sampler = Sampler(model.config.vocab_size, param.device)
+        self.proposer = proposer
+        self.max_model_len = max_model_len or model.config.max_model_len
+        self.num_steps = 0
+
+    def add(self, req: Request) -> None:
+        self.scheduler.add(req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """End a request (stop, length, abort, error) and free its blocks at once."""
+        req.draft_token_ids.clear()
+        self.scheduler.finish(req, reason)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def _propose(self) -> None:
+        if self.proposer is None:
+            return
+        for req in self.scheduler.running:
+            if req.num_output_tokens and req.num_computed_tokens == req.num_tokens - 1:
+                # Never past the context or max_tokens: a step yields at most drafts + 1 tokens.
+                room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
+                req.draft_token_ids = list(self.proposer(req))[: max(room, 0)]
+
+    def step(self) -> StepResult:
+        t0 = time.perf_counter()
+        self._propose()
+        plan = self.scheduler.schedule()
+        result = StepResult(plan)
+        if not plan.is_empty:
+            self.num_steps += 1
+            self._run(plan, result)
+        s = result.stats
+        s.num_prefill_tokens = sum(c.num_tokens for c in plan.prefills)
+        s.num_decode_tokens = sum(c.num_tokens for c in plan.decodes)
+        s.num_admitted, s.num_preempted = len(plan.admitted), len(plan.preempted)
+        s.num_running, s.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+        s.kv_free_blocks = self.pool.num_free
+        s.seconds = time.perf_counter() - t0
+        return result
+
+    def _run(self, plan: SchedulePlan, result: StepResult) -> None:
+        try:
+            logits, sampling = self.runner.execute(plan)
+        except Exception:
+            log.exception("engine step failed; failing the %d requests in it", len(plan.chunks))
+            result.failed = [c.request for c in plan.chunks]
+            return
+        for c in plan.chunks:  # committed positions computed; drafts are settled after verification
+            c.request.num_computed_tokens = min(c.end, c.request.num_tokens)
+            self.kv.commit_computed(c.request)
+        if not sampling:
+            return
+        assert logits is not None
+        firsts, row = [], 0
+        for c in sampling:
+            firsts.append(row)
+            row += c.num_verify
+        reqs = [c.request for c in sampling]
+        try:
+            out = self.sampler(logits.index_select(0, torch.tensor(firsts, device=logits.device)), reqs)
+        except Exception:  # a sampler bug must not take the engine down: fail these requests, serve the rest
+            log.exception("sampling failed; failing the %d requests it served", len(reqs))
+            result.failed = reqs
+            return
+        for i, (c, first) in enumerate(zip(sampling, firsts, strict=True)):
+            req = c.request
+            if i in out.failed:
+                req.draft_token_ids.clear()
+                result.failed.append(req)
+                continue
+            tokens, lps = [out.token_ids[i]], [out.logprobs[i]]
+            drafts = req.draft_token_ids
+            if drafts and _plain_greedy(req):
+                picks = logits[first + 1 : first + c.num_verify].argmax(dim=-1).tolist()
+                for j, draft in enumerate(drafts):
+                    if tokens[-1] != draft:
+                        break
+                    tokens.append(picks[j])
+                    lps.append(None)
+            try:
+                self._accept(req, tokens, result)
+            except Exception:  # its own constraint raised in advance(): fail this request only
+                log.exception("token constraint of %s failed", req.request_id)
+                result.failed.append(req)
+                continue
+            result.accepted.append(Accepted(req, tokens, lps))
+
+    def _accept(self, req: Request, tokens: list[int], result: StepResult) -> None:
+        """Commit the accepted tokens; roll the computed length back past rejected drafts."""
+        drafted = len(req.draft_token_ids)
+        num_accepted_drafts = len(tokens) - 1
+        before = req.num_tokens
+        req.draft_token_ids = []
+        req.output_token_ids.extend(tokens)
+        if drafted:
+            result.stats.num_drafted += drafted
+            result.stats.num_accepted += num_accepted_drafts
+            # K/V is valid for the old last token and the accepted drafts; the last new token is not computed yet.
+            self.kv.rollback(req, before + num_accepted_drafts)
+            self.kv.commit_computed(req)
+        advance = getattr(req.constraint, "advance", None)  # optional: stateless constraints have none
+        if advance is not None:
+            advance(tokens)
+
+    def check_integrity(self) -> None:
+        """Assert that the block pool and the requests agree (tests call this when the engine is idle)."""
+        from omnivox.engine.request import Status
+
+        self.pool.check_integrity()
+        assert all(r.status == Status.RUNNING for r in self.scheduler.running)
+        assert all(not r.block_table for r in self.scheduler.waiting)
+        held = sum(len(r.block_table) for r in self.scheduler.running)
+        assert held == sum(b.ref_count for b in self.pool.blocks), "block references do not match block tables"

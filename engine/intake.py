@@ -1,0 +1,97 @@
+"""Request intake: tokenise, validate, and build the `Request` (its own constraint and generator included).
+
+Everything here runs before a request is queued, on the caller's thread; it raises InvalidRequest naming the field
+and leaves the engine untouched.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from omnivox.engine.errors import InvalidRequest
+from omnivox.engine.params import SamplingParams
+from omnivox.engine.request import EmbeddingSegment, Request
+from omnivox.models.config import ModelConfig
+
+Prompt = str | Sequence[int]
+
+
+class RequestIntake:
+    def __init__(self, config: ModelConfig, tokenizer: Any, device: torch.device) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.device = device
+        self._ids = itertools.count()
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        vocab = self.config.vocab_size
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequest("prompt", "this model has no tokenizer: send token ids")
+            return list(self.tokenizer(prompt).input_ids) if prompt else []
+        if isinstance(prompt, Sequence | torch.Tensor):
+            ids = [int(t) for t in prompt]
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InvalidRequest("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})")
+            return ids
+        raise InvalidRequest("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def check_segments(self, segments: Sequence[EmbeddingSegment], num_prompt_tokens: int) -> list[EmbeddingSegment]:
+        segs = sorted(segments, key=lambda s: s.start)
+        for seg in segs:
+            if not isinstance(seg, EmbeddingSegment):
+                raise InvalidRequest("segments", f"expected EmbeddingSegment, got {type(seg).__name__}")
+            if seg.end > num_prompt_tokens:
+                raise InvalidRequest("segments", f"segment [{seg.start}, {seg.end}) lies outside the prompt")
+            if seg.is_produced and seg.embeds().shape[1] != self.config.hidden_size:
+                raise InvalidRequest(
+                    "segments", f"segment width {seg.embeds().shape[1]} != hidden {self.config.hidden_size}"
+                )
+        if any(a.end > b.start for a, b in itertools.pairwise(segs)):
+            raise InvalidRequest("segments", "segments overlap")
+        return segs
+
+    def build(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None,
+        request_id: str | None,
+        segments: Sequence[EmbeddingSegment] | None,
+    ) -> Request:
+        cfg = self.config
+        params = params or SamplingParams()
+        ids = self.tokenize(prompt)
+        if not ids:
+            raise InvalidRequest("prompt", "the prompt is empty")
+        if len(ids) >= cfg.max_model_len:
+            raise InvalidRequest(
+                "prompt", f"{len(ids)} tokens do not fit the context of {cfg.max_model_len} tokens with room to answer"
+            )
+        params.validate(cfg.vocab_size)
+        room = cfg.max_model_len - len(ids)
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise InvalidRequest(
+                "max_tokens", f"{params.max_tokens} exceeds the {room} tokens left in the context after the prompt"
+            )
+        segs = self.check_segments(segments or [], len(ids))
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        # A fresh constraint per request: a stateful one shared by two requests would mix their matcher states.
+        constraint = params.constraint_factory() if params.constraint_factory is not None else None
+        return Request(
+            request_id=request_id if request_id is not None else f"req-{next(self._ids)}",
+            prompt_token_ids=ids,
+            params=params,
+            max_tokens=params.max_tokens or room,
+            eos_token_ids=cfg.eos_token_ids,
+            segments=segs,
+            constraint=constraint,
+            generator=generator,
+        )

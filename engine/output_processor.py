@@ -1,0 +1,113 @@
+"""The output side: stop rules, incremental detokenization, logprobs, and handing RequestOutputs to consumers.
+
+Each request's output state (detokenizer, logprobs so far, its consumer's callback) lives here, not on the Request.
+`process()` takes the tokens a step accepted for a request and decides whether it stops; the engine then tells the
+core to finish it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from omnivox.engine.detokenizer import IncrementalDetokenizer
+from omnivox.engine.outputs import RequestOutput, TokenLogprob
+from omnivox.engine.request import Request
+
+log = logging.getLogger(__name__)
+
+OutputCallback = Callable[[RequestOutput], None]
+
+
+@dataclass
+class OutputState:
+    detok: IncrementalDetokenizer
+    on_output: OutputCallback | None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_emitted_tokens: int = 0
+    num_emitted_logprobs: int = 0
+    first_token_time: float | None = None
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self._states: dict[str, OutputState] = {}
+
+    def add(self, req: Request, on_output: OutputCallback | None) -> None:
+        p = req.params
+        detok = IncrementalDetokenizer(
+            self.tokenizer, req.prompt_token_ids, p.stop, p.include_stop_str_in_output, p.skip_special_tokens
+        )
+        self._states[req.request_id] = OutputState(detok, on_output)
+
+    def process(
+        self, req: Request, token_ids: list[int], logprobs: list[TokenLogprob | None], now: float
+    ) -> tuple[str | None, RequestOutput | None]:
+        """Apply the stop rules to the tokens a step accepted (already appended to the request), in order.
+
+        Returns (finish reason, None) when the request stops — tokens after the stopping one are dropped from its
+        output; the caller finishes it and calls `finish` — or (None, the output delivered to its consumer, if any).
+        """
+        state = self._states[req.request_id]
+        p = req.params
+        if state.first_token_time is None:
+            state.first_token_time = now
+        n_before = req.num_output_tokens - len(token_ids)
+        for k, (token, lp) in enumerate(zip(token_ids, logprobs, strict=True)):
+            if lp is not None:
+                state.logprobs.append(lp)
+            num_out = n_before + k + 1
+            reason = None
+            if (
+                (not p.ignore_eos and token in req.eos_token_ids)
+                or (p.stop_token_ids and token in p.stop_token_ids)
+                or state.detok.add(token)
+            ):
+                reason = "stop"
+            elif num_out >= req.max_tokens or len(req.prompt_token_ids) + num_out >= self.max_model_len:
+                reason = "length"
+            if reason is not None:
+                del req.output_token_ids[num_out:]
+                return reason, None
+        return None, self._emit(req, state, finished=False)
+
+    def finish(self, req: Request) -> RequestOutput:
+        """Deliver the request's last output (its finish_reason is set) and forget its state."""
+        state = self._states.pop(req.request_id)
+        out = self._emit(req, state, finished=True)
+        assert out is not None
+        return out
+
+    def _emit(self, req: Request, state: OutputState, finished: bool) -> RequestOutput | None:
+        new_tokens = req.output_token_ids[state.num_emitted_tokens :]
+        new_text = state.detok.take(final=finished)
+        if not new_tokens and not new_text and not finished:
+            return None
+        state.num_emitted_tokens = len(req.output_token_ids)
+        want_lp = req.params.logprobs is not None
+        new_lp = state.logprobs[state.num_emitted_logprobs :] if want_lp else None
+        state.num_emitted_logprobs = len(state.logprobs)
+        out = RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids),
+            text=state.detok.released_text,
+            new_token_ids=list(new_tokens),
+            new_text=new_text,
+            new_logprobs=new_lp,
+            logprobs=list(state.logprobs) if want_lp else None,
+            finish_reason=req.finish_reason if finished else None,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            first_token_time=state.first_token_time,
+            arrival_time=req.arrival_time,
+        )
+        if state.on_output is not None:
+            try:
+                state.on_output(out)
+            except Exception:  # a consumer that went away must not stop the engine
+                log.exception("output callback of %s failed", req.request_id)
+        return out
