@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 
         model = args.model
         if model is None:
-            from omnivox.services.speech import ensure_default_speech_model
+            from omnivox.services.defaults import ensure_default_speech_model
 
             model = str(ensure_default_speech_model())
         server = ServerProcess(model, args.server_arg, Path("bench-results") / "speech-server.log")

@@ -17,15 +17,15 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import struct
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 import transformers
+
+from .cache import build_cached, omnivox_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +51,6 @@ _SAFETENSORS_DTYPES = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
-
-
-def omnivox_cache_dir() -> Path:
-    """`$OMNIVOX_CACHE`, else `~/.cache/omnivox` (not created here)."""
-    env = os.environ.get("OMNIVOX_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "omnivox"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -98,7 +92,7 @@ def load_hf_config(path: str | os.PathLike) -> transformers.PretrainedConfig:
         else:
             config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
             _patch_gguf_config(config, _read_gguf_metadata(path), path)
-            _save_atomically(cached, config.save_pretrained)
+            _save_atomically(cached, config.save_pretrained, "config.json")
         config.name_or_path = str(path)
         return config
     if not (path / "config.json").is_file():
@@ -120,7 +114,7 @@ def load_tokenizer(path: str | os.PathLike) -> transformers.PreTrainedTokenizerB
             return None
         else:
             tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-            _save_atomically(cached, tokenizer.save_pretrained)
+            _save_atomically(cached, tokenizer.save_pretrained, "tokenizer_config.json")
         tokenizer.name_or_path = str(path)
         return tokenizer
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
@@ -415,19 +409,12 @@ def _gguf_cache_dir(path: Path) -> Path:
     return omnivox_cache_dir() / "gguf-meta" / key
 
 
-def _save_atomically(target: Path, save) -> None:
-    """Call `save(folder)` on a temporary folder, then rename it to `target` (kept as is if another process won)."""
+def _save_atomically(target: Path, save, marker: str) -> None:
+    """Cache `save(folder)` at `target` through the one locked, atomic cache build (models/cache.py).
+
+    A read-only cache is not an error: the caller already holds what it parsed and works without the cache.
+    """
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    except OSError as e:  # read-only cache: work without it
+        build_cached(target, save, lambda t: (t / marker).is_file())
+    except OSError as e:
         logger.warning("cannot cache GGUF metadata in %s: %s", target.parent, e)
-        return
-    try:
-        save(tmp)
-        os.rename(tmp, target)
-    except OSError:
-        if not target.is_dir():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

