@@ -1,0 +1,14 @@
+"""Vision encoders of the vision-language families we serve; see base.py for the contract the service uses."""
+
+from __future__ import annotations
+
+from omnivox.models.vision.base import ImageInputs, VisionEncoder
+from omnivox.models.vision.llava import LlavaEncoder
+
+# config.model_type -> encoder class
+FAMILIES: dict[str, type[VisionEncoder]] = {
+    "llava": LlavaEncoder,
+    "llava_next": LlavaEncoder,
+}
+
+__all__ = ["FAMILIES", "ImageInputs", "LlavaEncoder", "VisionEncoder"]

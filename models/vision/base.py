@@ -1,0 +1,242 @@
+"""The contract every vision family implements, and what they share: preprocessing through the checkpoint's own
+processor, prompt expansion, and reading the vision side's weights out of a multimodal checkpoint.
+
+How the service uses a `VisionEncoder` (one per loaded model):
+
+1. `enc = VisionEncoder.from_folder(path, device, dtype)` once at load (dispatches on the checkpoint's config).
+2. Per image part (off the event loop): `codecs.image.decode_image(bytes)`, then
+   `item = enc.preprocess([pil], max_pixels)[0]` and `key = image_content_key(bytes, model_name,
+   {**enc.feature_settings(), "max_pixels": max_pixels})`.
+3. The chat template writes `enc.marker_token` (one token, id `enc.marker_token_id`) where each image goes;
+   `ids = enc.expand_prompt(token_ids, items)` replaces every marker with that image's `item.placeholder_ids`
+   (for SmolVLM these hold text tokens between tiles too). `enc.feature_runs(ids, items)` gives, per image, the runs of
+   `enc.placeholder_token_id` positions its feature rows fill, in order: one `EmbeddingSegment` per run.
+4. In the encoder worker: `features = enc.encode(items)` for the images of every request admitted together (one
+   batched forward); `features[i]` is [items[i].num_features, text_hidden] in prompt order.
+5. Qwen2.5-VL only: `enc.rope_positions(ids, items)` -> ([3, N] positions, delta); generated token t (0-based, after N
+   prompt tokens) sits at position N + t + delta on all three axes. Other families return None (1-D positions).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import transformers
+from PIL import Image
+from torch import nn
+
+from omnivox.models.checkpoint import iter_checkpoint_tensors
+
+
+@dataclass
+class ImageInputs:
+    """One image after the checkpoint's processor: what `encode` consumes and what the prompt needs."""
+
+    tensors: dict[str, torch.Tensor]  # family-specific processor outputs for this one image (batch dim 1 or flat)
+    placeholder_ids: tuple[int, ...]  # token ids that replace the image's marker token in the prompt
+    num_features: int  # feature rows `encode` returns = placeholder_ids.count(placeholder_token_id)
+    size: tuple[int, int]  # (width, height) of the image given to the processor
+    extra: dict = field(default_factory=dict)  # family-specific facts (e.g. Qwen's grid_thw)
+
+
+class VisionEncoder(nn.Module, ABC):
+    """The vision side of a multimodal checkpoint: tower + projector, weights only of those parts."""
+
+    family: str
+    processor: transformers.ProcessorMixin
+    marker_token: str  # what the chat template writes for one image (`processor.image_token`)
+    marker_token_id: int
+    placeholder_token_id: int  # the token whose rows the features replace
+    text_hidden_size: int
+
+    @staticmethod
+    def from_folder(
+        path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    ) -> VisionEncoder:
+        """Load the vision side of the checkpoint folder `path` (config.json, weights, processor files).
+
+        Raises ValueError when the checkpoint is not a vision-language model we serve.
+        """
+        from omnivox.models.vision import FAMILIES
+
+        path = Path(path)
+        config = transformers.AutoConfig.from_pretrained(path)
+        cls = FAMILIES.get(config.model_type)
+        if cls is None:
+            raise ValueError(f"{path}: model_type {config.model_type!r} has no vision encoder; served: {sorted(FAMILIES)}")
+        processor = transformers.AutoProcessor.from_pretrained(path)
+        enc = cls(config, processor)
+        enc.load_from(path)
+        return enc.to(device=device, dtype=dtype).eval()
+
+    # --- per family -------------------------------------------------------------------------------------------------
+
+    # Checkpoint name prefixes of the vision side -> our module's prefix; both layouts (hub and transformers 5).
+    weight_prefixes: tuple[tuple[str, str], ...] = ()
+    # Checkpoint name prefixes of the text side -> the decoder's (`model.` / `lm_head.`) names.
+    text_prefixes: tuple[tuple[str, str], ...] = ()
+
+    @abstractmethod
+    def _encode_batch(self, items: Sequence[ImageInputs]) -> list[torch.Tensor]: ...
+
+    def feature_settings(self) -> dict:
+        """Everything besides the image bytes that decides the features (goes into the content key): the family and
+        the processor's full configuration. JSON-serialisable."""
+        ip = self.processor.image_processor.to_dict()
+        return {"family": self.family, "image_processor": json.loads(json.dumps(ip, sort_keys=True, default=str))}
+
+    def rope_positions(self, token_ids: Sequence[int], items: Sequence[ImageInputs]) -> tuple[torch.Tensor, int] | None:
+        """M-RoPE positions ([3, N]) and the generated-token delta, for families that use them; else None."""
+        return None
+
+    # --- shared ------------------------------------------------------------------------------------------------------
+
+    def preprocess(self, images: Sequence[Image.Image], max_pixels: int | None = None) -> list[ImageInputs]:
+        """Each RGB image through the checkpoint's own processor, one at a time (no padding across images).
+
+        max_pixels: at most this many pixels go into the processor. Families whose processor has its own pixel budget
+        (Qwen2.5-VL) get it passed down; the others get the image downscaled (aspect kept, bicubic) when it is larger.
+        """
+        out = []
+        for im in images:
+            out.append(self._preprocess_one(im, max_pixels))
+        return out
+
+    def _preprocess_one(self, im: Image.Image, max_pixels: int | None) -> ImageInputs:
+        if max_pixels is not None and im.width * im.height > max_pixels:
+            scale = (max_pixels / (im.width * im.height)) ** 0.5
+            im = im.resize((max(1, int(im.width * scale)), max(1, int(im.height * scale))), Image.Resampling.BICUBIC)
+        return self._run_processor(im, {})
+
+    def _run_processor(self, im: Image.Image, kwargs: dict) -> ImageInputs:
+        images = [[im]] if self.nested_images else [im]
+        batch = self.processor(
+            text=[self.marker_token], images=images, return_tensors="pt", add_special_tokens=False, **kwargs
+        )
+        ids = tuple(int(t) for t in batch["input_ids"][0])
+        tensors = {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
+        n = ids.count(self.placeholder_token_id)
+        return ImageInputs(tensors=tensors, placeholder_ids=ids, num_features=n, size=(im.width, im.height))
+
+    nested_images = False  # the processor wants images as [[image]] per prompt (Idefics3 / SmolVLM)
+
+    def encode(self, items: Sequence[ImageInputs]) -> list[torch.Tensor]:
+        """Features of each image, [num_features, text_hidden] each, in prompt order; one batched forward."""
+        if not items:
+            return []
+        with torch.inference_mode():
+            feats = self._encode_batch(items)
+        for item, f in zip(items, feats, strict=True):
+            if f.shape != (item.num_features, self.text_hidden_size):
+                raise AssertionError(
+                    f"{self.family}: {tuple(f.shape)} features for an image with {item.num_features} placeholders"
+                )
+        return feats
+
+    def expand_prompt(self, token_ids: Sequence[int], items: Sequence[ImageInputs]) -> list[int]:
+        """Replace the i-th marker token in token_ids by items[i].placeholder_ids; the counts must agree."""
+        markers = sum(1 for t in token_ids if t == self.marker_token_id)
+        if markers != len(items):
+            raise ValueError(f"the prompt has {markers} image markers for {len(items)} images")
+        out: list[int] = []
+        it = iter(items)
+        for t in token_ids:
+            if t == self.marker_token_id:
+                out.extend(next(it).placeholder_ids)
+            else:
+                out.append(t)
+        return out
+
+    def feature_runs(self, token_ids: Sequence[int], items: Sequence[ImageInputs]) -> list[list[tuple[int, int]]]:
+        """Per image, the (start, length) runs of placeholder tokens in the expanded prompt its rows fill, in order.
+
+        Asserts that image i owns exactly items[i].num_features placeholder positions.
+        """
+        runs: list[tuple[int, int]] = []
+        start = None
+        for i, t in enumerate([*token_ids, -1]):
+            if t == self.placeholder_token_id and start is None:
+                start = i
+            elif t != self.placeholder_token_id and start is not None:
+                runs.append((start, i - start))
+                start = None
+        per_image: list[list[tuple[int, int]]] = []
+        queue = list(runs)
+        for item in items:
+            need, mine = item.num_features, []
+            while need > 0:
+                if not queue:
+                    raise ValueError("the prompt has fewer placeholder tokens than the images' features")
+                s, n = queue.pop(0)
+                take = min(n, need)
+                mine.append((s, take))
+                if take < n:
+                    queue.insert(0, (s + take, n - take))
+                need -= take
+            per_image.append(mine)
+        if queue:
+            raise ValueError("the prompt has more placeholder tokens than the images' features")
+        return per_image
+
+    def load_from(self, path: Path) -> None:
+        """Copy the vision-side tensors of the checkpoint at `path` into this module (both key layouts); fail when
+        one of our parameters is missing from the checkpoint."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in _iter_named(path, [p for p, _ in self.weight_prefixes]):
+            ours = map_name(name, self.weight_prefixes)
+            if ours is None:
+                continue
+            if ours not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the {self.family} vision encoder")
+            p = params[ours]
+            if p.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(p.shape)}")
+            with torch.no_grad():
+                p.copy_(tensor)
+            loaded.add(ours)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"{path}: the checkpoint lacks {len(missing)} vision tensors, e.g. {missing[:4]}")
+
+    @classmethod
+    def text_tensors(cls, path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+        """The text decoder's tensors of a multimodal checkpoint, renamed to what `DecoderModel.load_weights` reads
+        (`model.layers...`, `lm_head.weight`), whichever layout the checkpoint uses."""
+        for name, tensor in iter_checkpoint_tensors(path):
+            ours = map_name(name, cls.text_prefixes)
+            if ours is not None:
+                yield ours, tensor
+
+
+def map_name(name: str, prefixes: Sequence[tuple[str, str]]) -> str | None:
+    """Rename by the first matching prefix (a regex anchored at the start); None when none matches."""
+    for pattern, target in prefixes:
+        m = re.match(pattern, name)
+        if m:
+            return target + name[m.end() :]
+    return None
+
+
+def _iter_named(path: Path, patterns: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint tensors whose names match one of `patterns`. Safetensors are opened lazily and only matching
+    tensors are read, so a 7B checkpoint's language model is never read to load its 0.3B vision tower."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        for name, tensor in iter_checkpoint_tensors(path):
+            if any(re.match(p, name) for p in patterns):
+                yield name, tensor
+        return
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has keys(), no __iter__)
+                if any(re.match(p, name) for p in patterns):
+                    yield name, f.get_tensor(name)

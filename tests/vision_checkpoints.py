@@ -1,0 +1,125 @@
+"""Tiny random vision-language checkpoints saved with `save_pretrained`, each with its processor and chat template.
+
+The tokenizer is the embedded SmolLM2 GGUF's, plus the family's special tokens. Every parameter is perturbed a little
+so that no weight sits at an init value that could hide a mistake (norms at 1, biases at 0).
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import torch
+import transformers
+from PIL import Image
+
+from omnivox.models.checkpoint import load_tokenizer
+from omnivox.services.defaults import ensure_default_model
+
+# One template for every family: the image marker is whatever `image_marker` the processor uses.
+_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}{IMAGE}"
+    "{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_TEXT = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+
+
+def tokenizer_with(special: list[str]) -> transformers.PreTrainedTokenizerBase:
+    tok = load_tokenizer(ensure_default_model(progress=False))
+    tok.add_special_tokens({"additional_special_tokens": special})
+    return tok
+
+
+def chat_template(image_marker: str) -> str:
+    return _TEMPLATE.replace("{IMAGE}", image_marker)
+
+
+def _save(model_cls, config, processor, out: Path, seed: int) -> Path:
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    return out
+
+
+def make_llava(out: Path, *, next_: bool = False, siglip: bool = False, feature_layer=-2, strategy="default") -> Path:
+    """LLaVA 1.5 (or NeXT with `next_`): a 28x28 CLIP (or SigLIP) tower with 7x7 patches, Llama (or Qwen2) text."""
+    tok = tokenizer_with(["<image>"])
+    image_token_id = tok.convert_tokens_to_ids("<image>")
+    vision_kwargs = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=28, patch_size=7
+    )
+    if siglip:
+        vision = transformers.SiglipVisionConfig(**vision_kwargs)
+        text = transformers.Qwen2Config(vocab_size=len(tok), **_TEXT)
+        ip_cls = transformers.SiglipImageProcessor
+        ip_kwargs = dict(size={"height": 28, "width": 28})
+    else:
+        vision = transformers.CLIPVisionConfig(projection_dim=32, **vision_kwargs)
+        text = transformers.LlamaConfig(vocab_size=len(tok), **_TEXT)
+        ip_cls = transformers.CLIPImageProcessor
+        ip_kwargs = dict(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    common = dict(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=image_token_id,
+        vision_feature_layer=feature_layer,
+        vision_feature_select_strategy=strategy,
+    )
+    extra_tokens = 0 if siglip else 1  # CLIP has a CLS row, SigLIP none
+    if next_:
+        pinpoints = [[28, 56], [56, 28], [56, 56], [28, 84]]
+        config = transformers.LlavaNextConfig(image_grid_pinpoints=pinpoints, **common)
+        ip = transformers.LlavaNextImageProcessor(image_grid_pinpoints=pinpoints, **ip_kwargs)
+        processor = transformers.LlavaNextProcessor(
+            image_processor=ip,
+            tokenizer=tok,
+            patch_size=7,
+            vision_feature_select_strategy=strategy,
+            num_additional_image_tokens=extra_tokens,
+            chat_template=chat_template("<image>"),
+        )
+        model_cls = transformers.LlavaNextForConditionalGeneration
+    else:
+        config = transformers.LlavaConfig(**common)
+        processor = transformers.LlavaProcessor(
+            image_processor=ip_cls(**ip_kwargs),
+            tokenizer=tok,
+            patch_size=7,
+            vision_feature_select_strategy=strategy,
+            num_additional_image_tokens=extra_tokens,
+            chat_template=chat_template("<image>"),
+        )
+        model_cls = transformers.LlavaForConditionalGeneration
+    return _save(model_cls, config, processor, out, seed=1)
+
+
+def test_image(width: int, height: int, seed: int = 0) -> Image.Image:
+    """A deterministic RGB image with structure in both directions (so a transpose changes it)."""
+    g = torch.Generator().manual_seed(seed)
+    arr = (torch.rand(height, width, 3, generator=g) * 255).to(torch.uint8)
+    arr[: height // 3, :, 0] = 255
+    return Image.fromarray(arr.numpy())
+
+
+def png_bytes(im: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    im.save(buf, format="PNG")
+    return buf.getvalue()
