@@ -112,6 +112,7 @@ class Engine:
         enable_prefix_caching: bool = True,
         static_decode: bool | None = None,
         progress: bool = False,
+        proposer: Proposer | None = None,
     ) -> Engine:
         """Load a Hugging Face checkpoint folder (safetensors) or a .gguf file."""
         from omnivox.models.checkpoint import iter_checkpoint_tensors, load_hf_config, load_tokenizer
@@ -135,6 +136,7 @@ class Engine:
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching,
             static_decode=static_decode,
+            proposer=proposer,
         )
 
     def _default_kv_gib(self) -> float:

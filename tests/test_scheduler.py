@@ -1,0 +1,162 @@
+"""Scheduler and KV manager on tiny shapes, no model: each step's plan and each block, exactly (like vLLM's
+tests/v1/core). `run_plan` plays the core's part: computed positions advance, sampling chunks append one token."""
+
+from __future__ import annotations
+
+from omnivox.engine.block_pool import BlockPool
+from omnivox.engine.kv_manager import KVCacheManager
+from omnivox.engine.params import SamplingParams
+from omnivox.engine.request import EmbeddingSegment, Request, Status
+from omnivox.engine.scheduler import SchedulePlan, Scheduler
+
+BS = 4
+
+
+def make(num_blocks: int = 8, max_seqs: int = 4, budget: int = 8, prefix: bool = True):
+    pool = BlockPool(num_blocks, BS, prefix)
+    kv = KVCacheManager(pool)
+    return pool, kv, Scheduler(kv, max_seqs, budget)
+
+
+def req(rid: str, n: int, first: int = 10, max_tokens: int = 100, segments=()) -> Request:
+    return Request(rid, list(range(first, first + n)), SamplingParams(), max_tokens, (2,), segments=list(segments))
+
+
+def run_plan(kv: KVCacheManager, plan: SchedulePlan, token: int = 7) -> None:
+    for c in plan.chunks:
+        c.request.num_computed_tokens = min(c.end, c.request.num_tokens)
+        kv.commit_computed(c.request)
+    for c in plan.chunks:
+        if c.samples:
+            c.request.output_token_ids.append(token)
+
+
+def shape(plan: SchedulePlan) -> tuple:
+    return (
+        [(c.request.request_id, c.start, c.num_tokens) for c in plan.decodes],
+        [(c.request.request_id, c.start, c.num_tokens) for c in plan.prefills],
+        [r.request_id for r in plan.preempted],
+    )
+
+
+def test_budget_chunks_prefills_and_running_requests_go_first():
+    pool, kv, sched = make(num_blocks=16, budget=8)
+    a, b = req("a", 10), req("b", 3)
+    sched.add(a)
+    sched.add(b)
+    plan = sched.schedule()
+    assert shape(plan) == ([], [("a", 0, 8)], [])  # the budget cuts a's prompt; b waits its turn in arrival order
+    assert [r.request_id for r in plan.admitted] == ["a"]
+    assert not plan.prefills[0].samples
+    run_plan(kv, plan)
+    plan = sched.schedule()
+    assert shape(plan) == ([], [("a", 8, 2), ("b", 0, 3)], [])  # a finishes its prompt first, b gets the rest
+    assert [c.samples for c in plan.prefills] == [True, True]
+    run_plan(kv, plan)
+    plan = sched.schedule()
+    assert shape(plan) == ([("a", 10, 1), ("b", 3, 1)], [], [])
+    assert a.block_table == [0, 1, 2] and b.block_table == [3]  # 11 tokens in 3 blocks, 4 tokens in 1
+    pool.check_integrity()
+
+
+def test_max_num_seqs_bounds_admission():
+    _, kv, sched = make(num_blocks=16, max_seqs=2, budget=64)
+    for i in range(3):
+        sched.add(req(f"r{i}", 2, first=10 * (i + 1)))
+    plan = sched.schedule()
+    assert shape(plan) == ([], [("r0", 0, 2), ("r1", 0, 2)], [])
+    run_plan(kv, plan)
+    assert shape(sched.schedule()) == ([("r0", 2, 1), ("r1", 2, 1)], [], [])
+    assert [r.request_id for r in sched.waiting] == ["r2"]
+
+
+def test_preemption_takes_the_newest_and_admits_nothing_that_step():
+    pool, kv, sched = make(num_blocks=4, budget=64)
+    a, b = req("a", 8), req("b", 8, first=50)
+    sched.add(a)
+    sched.add(b)
+    run_plan(kv, sched.schedule())  # both prompts: 2 blocks each, the pool is full
+    assert pool.num_free == 0
+    late = req("late", 1, first=90)
+    sched.add(late)
+    plan = sched.schedule()  # a's decode needs a third block: b (the newest) is preempted
+    assert shape(plan) == ([("a", 8, 1)], [], ["b"])
+    assert plan.admitted == []  # the freed blocks are for the running: no admission in a preempting step
+    assert b.status is Status.WAITING and b.num_computed_tokens == 0 and not b.block_table
+    assert [r.request_id for r in sched.waiting] == ["b", "late"]  # the victim goes back to the front
+    assert sched.num_preemptions == 1 and b.num_preemptions == 1
+    pool.check_integrity()
+
+
+def test_prefix_hit_at_admission_and_the_last_token_is_always_computed():
+    pool, kv, sched = make(num_blocks=16, budget=64)
+    first = req("first", 9)
+    sched.add(first)
+    run_plan(kv, sched.schedule())
+    sched.finish(first, "stop")
+    again = req("again", 9)  # same 9 prompt tokens: two full blocks cached
+    sched.add(again)
+    plan = sched.schedule()
+    assert shape(plan) == ([], [("again", 8, 1)], [])
+    assert again.num_cached_tokens == 8
+    exact = req("exact", 8)  # 8 tokens = 2 full blocks, but its last token must be computed for logits
+    sched.add(exact)
+    plan = sched.schedule()
+    assert ("exact", 4, 4) in shape(plan)[1]
+    pool.check_integrity()
+
+
+def test_segment_keys_are_part_of_the_block_hash():
+    _, kv, _ = make()
+    seg_a = EmbeddingSegment(1, 2, key="image-a", produce=lambda: None)
+    seg_b = EmbeddingSegment(1, 2, key="image-b", produce=lambda: None)
+    ra, rb, rc = req("a", 9, segments=[seg_a]), req("b", 9, segments=[seg_b]), req("c", 9, segments=[seg_a])
+    for r in (ra, rb, rc):
+        kv._extend_hashes(r, 2)
+    assert ra.block_hashes[0] != rb.block_hashes[0]  # same tokens, other image: other block
+    assert ra.block_hashes == rc.block_hashes
+    assert ra.block_hashes[1] != rb.block_hashes[1]  # the chain carries the difference on
+
+
+def test_drafts_are_scheduled_uncommitted_and_rolled_back():
+    pool, kv, sched = make(num_blocks=16, budget=64)
+    r = req("r", 7)
+    sched.add(r)
+    run_plan(kv, sched.schedule())  # prompt of 7, first output token appended: 8 tokens, 7 computed
+    r.draft_token_ids = [30, 31, 32]
+    plan = sched.schedule()
+    assert shape(plan) == ([("r", 7, 4)], [], [])  # the last token + 3 drafts, verified together
+    assert plan.decodes[0].num_verify == 4
+    assert len(r.block_table) == 3  # positions 7..10 reach the third block
+    # The step computed all 4 positions; only the last committed one counts before verification.
+    r.num_computed_tokens = r.num_tokens
+    kv.commit_computed(r)
+    assert r.num_registered_blocks == 2  # blocks 0-1 hold 8 committed tokens; the drafts' block is not hashed
+    r.draft_token_ids = []
+    r.output_token_ids.append(40)  # verification accepted no draft: one new token
+    kv.rollback(r, r.num_tokens - 1)
+    assert len(r.block_table) == 2 and r.num_computed_tokens == 8
+    sched.finish(r, "stop")
+    pool.check_integrity()
+    assert pool.num_free == 16
+
+
+def test_drafts_beyond_the_budget_are_dropped():
+    _, kv, sched = make(num_blocks=16, budget=3)
+    r = req("r", 2)
+    sched.add(r)
+    run_plan(kv, sched.schedule())
+    r.draft_token_ids = [30, 31, 32, 33]
+    plan = sched.schedule()
+    assert shape(plan) == ([("r", 2, 3)], [], [])
+    assert r.draft_token_ids == [30, 31]
+
+
+def test_allocation_failure_changes_nothing():
+    pool, kv, _ = make(num_blocks=2)
+    r = req("r", 12)
+    assert not kv.allocate(r, 12)  # needs 3 blocks of 4
+    assert r.block_table == [] and pool.num_free == 2
+    assert kv.allocate(r, 8) and r.block_table == [0, 1]
+    kv.free(r)
+    assert pool.num_free == 2 and list(pool.free) == [1, 0]  # tail first: the last block is evicted first
