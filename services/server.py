@@ -236,7 +236,9 @@ async def run(
             await stop_wait
             if demo is not None and not demo.done():
                 demo.cancel()
-        log.info("shutting down: in-flight requests have %.0f s to finish", options.grace_period_s)
+        log.info(
+            "shutting down: %d in-flight requests have %.0f s to finish", registry.in_flight(), options.grace_period_s
+        )
         await server.stop()
         if not load.done():
             load.cancel()

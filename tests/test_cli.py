@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -25,12 +28,13 @@ def omnivox(*args: str, stdin: str | None = None, timeout: float = 120) -> subpr
     return subprocess.run([*OMNIVOX, *args], input=stdin, capture_output=True, text=True, timeout=timeout)
 
 
-def free_port() -> int:
-    import socket
-
+@contextlib.contextmanager
+def closed_port() -> Iterator[int]:
+    """A localhost port held bound but not listening for the block's duration: connecting is refused, and no other
+    process can take the port meanwhile (a port bound, closed and then reused could meet a real server)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        yield s.getsockname()[1]
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
@@ -83,6 +87,26 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def long_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4096-token context: room for a stream that runs for many seconds, so that it is surely still running when a
+    test signals the server."""
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-long", family="llama", max_position_embeddings=4096)
+
+
+def in_flight_at_shutdown(log: list[str]) -> int:
+    """The number of admitted requests the server counted when the drain began (from its `shutting down` line)."""
+    [count] = [int(m.group(1)) for line in log if (m := re.search(r"shutting down: (\d+) in-flight", line))]
+    return count
+
+
+def wait_for_log(process: ServeProcess, fragment: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(fragment in line for line in process.log):
+        assert time.monotonic() < deadline, "".join(process.log)
+        time.sleep(0.005)
+
+
+@pytest.fixture(scope="module")
 def serve(checkpoint: Path):
     process = ServeProcess("--model", str(checkpoint), "--kv-cache-gib", "0.01", "--device", "cpu", "--demo")
     try:
@@ -111,10 +135,11 @@ def test_wrong_model_path_is_one_line(tmp_path: Path) -> None:
 
 
 def test_unreachable_server_is_one_line() -> None:
-    server = f"127.0.0.1:{free_port()}"
-    for command in (["models"], ["generate", "Hello"], ["chat", "Hello", "--once"]):
-        result = omnivox(*command, "--server", server, "--connect-timeout", "1")
-        assert_one_line_error(result, "cannot reach", server)
+    with closed_port() as port:
+        server = f"127.0.0.1:{port}"
+        for command in (["models"], ["generate", "Hello"], ["chat", "Hello", "--once"]):
+            result = omnivox(*command, "--server", server, "--connect-timeout", "1")
+            assert_one_line_error(result, "cannot reach", server)
 
 
 def test_demo_answers_through_the_api_then_keeps_serving(serve: ServeProcess) -> None:
@@ -178,6 +203,10 @@ def test_chat_keeps_the_conversation(serve: ServeProcess) -> None:
 
 def test_sigterm_lets_the_stream_finish_then_exits_0(serve: ServeProcess) -> None:
     """Runs last in this module: it stops the shared server."""
+    deadline = time.monotonic() + 60  # the --demo request ends first: only the streams below are in flight
+    while "still serving" not in "".join(serve.stdout):
+        assert time.monotonic() < deadline and serve.proc.poll() is None, "".join(serve.stdout + serve.log)
+        time.sleep(0.05)
     with grpc.insecure_channel(serve.address) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
         # Several long streams keep the drain open while the late call arrives (one tiny-model stream can finish
@@ -189,18 +218,18 @@ def test_sigterm_lets_the_stream_finish_then_exits_0(serve: ServeProcess) -> Non
         firsts = [next(stream) for stream in streams]  # every stream admitted before the signal
         assert all(first.HasField("delta") for first in firsts)
         os.kill(serve.proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while not any("shutting down" in line for line in serve.log):
-            assert time.monotonic() < deadline, "".join(serve.log)
-            time.sleep(0.005)
+        wait_for_log(serve, "shutting down")
+        # The server itself counted all sixteen still running when the drain began (deltas the client has not read
+        # yet say nothing: hundreds can sit in its buffers after the server has finished).
+        assert in_flight_at_shutdown(serve.log) == len(streams), "".join(serve.log)
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Generate(user_request("Late", max_output_tokens=2), timeout=10))
-        drained = any(line.strip().endswith("stopped") for line in serve.log)
+        # Refused by the drain itself (not a connection error from a server already gone).
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value
+        assert "shutting down" in info.value.details(), info.value
         for stream in streams:
             after = list(stream)  # completes normally: no RpcError
             assert after[-1].HasField("summary") and after[-1].summary.usage.output_tokens == 400
-        assert len(after) > 1, "the streams had finished before SIGTERM arrived: nothing was tested"
-        assert drained or info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value
     assert serve.proc.wait(timeout=60) == 0, "".join(serve.log)
     log = "".join(serve.log)
     assert "SIGTERM received" in log and "stopped" in log
@@ -221,19 +250,18 @@ def test_every_subpackage_is_packaged() -> None:
                 assert name in listed, f"{name} ({init.parent}) is missing from [tool.setuptools] packages"
 
 
-def test_second_signal_cuts_the_drain_short(checkpoint: Path) -> None:
-    process = ServeProcess("--model", str(checkpoint), "--kv-cache-gib", "0.01", "--device", "cpu")
+def test_second_signal_cuts_the_drain_short(long_checkpoint: Path) -> None:
+    process = ServeProcess("--model", str(long_checkpoint), "--kv-cache-gib", "0.01", "--device", "cpu")
     try:
         address = process.wait_ready()
         with grpc.insecure_channel(address) as channel:
             stub = generation_pb2_grpc.GenerationServiceStub(channel)
-            stream = stub.Generate(user_request("Talk for a long time.", max_output_tokens=450, ignore_eos=True))
+            # 4000 tokens: many seconds on any machine, so the stream cannot finish before the second signal.
+            stream = stub.Generate(user_request("Talk for a long time.", max_output_tokens=4000, ignore_eos=True))
             assert next(stream).HasField("delta")
             process.proc.send_signal(signal.SIGINT)
-            deadline = time.monotonic() + 10
-            while not any("shutting down" in line for line in process.log):
-                assert time.monotonic() < deadline, "".join(process.log)
-                time.sleep(0.01)
+            wait_for_log(process, "shutting down")
+            assert in_flight_at_shutdown(process.log) == 1, "".join(process.log)
             process.proc.send_signal(signal.SIGINT)
             with pytest.raises(grpc.RpcError):  # the stream is cut, not completed
                 list(stream)
