@@ -7,6 +7,7 @@ so that no weight sits at an init value that could hide a mistake (norms at 1, b
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import torch
@@ -109,6 +110,44 @@ def make_llava(out: Path, *, next_: bool = False, siglip: bool = False, feature_
         )
         model_cls = transformers.LlavaForConditionalGeneration
     return _save(model_cls, config, processor, out, seed=1)
+
+
+def make_idefics3(out: Path, *, smolvlm: bool = True) -> Path:
+    """SmolVLM (or Idefics3): 28x28 tiles of 7x7 patches, pixel shuffle by 2 -> 4 rows per tile; images up to 56 px
+    on the longest side are split into at most 2x2 tiles plus the global image."""
+    rows_cols = [f"<row_{r}_col_{c}>" for r in range(1, 3) for c in range(1, 3)]
+    specials = ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>", *rows_cols]
+    tok = tokenizer_with(specials)
+    vision_kwargs = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=28, patch_size=7
+    )
+    text = transformers.LlamaConfig(vocab_size=len(tok), **_TEXT)
+    ip_kwargs = dict(do_image_splitting=True, size={"longest_edge": 56}, max_image_size={"longest_edge": 28})
+    image_token_id = tok.convert_tokens_to_ids("<image>")
+    config_cls, vision_cls, model_cls = (
+        (transformers.SmolVLMConfig, transformers.SmolVLMVisionConfig, transformers.SmolVLMForConditionalGeneration)
+        if smolvlm
+        else (transformers.Idefics3Config, transformers.Idefics3VisionConfig, transformers.Idefics3ForConditionalGeneration)
+    )
+    config = config_cls(
+        vision_config=vision_cls(**vision_kwargs).to_dict(),
+        text_config=text.to_dict(),
+        image_token_id=image_token_id,
+        scale_factor=2,
+    )
+    ip_cls = transformers.SmolVLMImageProcessor if smolvlm else transformers.Idefics3ImageProcessor
+    # SmolVLMProcessor cannot be built without torchvision (its video processor): save an Idefics3Processor and
+    # name SmolVLMProcessor in processor_config.json, as a SmolVLM checkpoint does.
+    processor = transformers.Idefics3Processor(
+        image_processor=ip_cls(**ip_kwargs), tokenizer=tok, image_seq_len=4, chat_template=chat_template("<image>")
+    )
+    path = _save(model_cls, config, processor, out, seed=2)
+    if smolvlm:
+        cfg_file = path / "processor_config.json"
+        cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
+        cfg.update(processor_class="SmolVLMProcessor", image_seq_len=4)
+        cfg_file.write_text(json.dumps(cfg))
+    return path
 
 
 def test_image(width: int, height: int, seed: int = 0) -> Image.Image:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from omnivox.models.vision.base import ImageInputs, VisionEncoder
+from omnivox.models.vision.idefics3 import Idefics3Encoder
 from omnivox.models.vision.llava import LlavaEncoder
 
 # config.model_type -> encoder class
 FAMILIES: dict[str, type[VisionEncoder]] = {
     "llava": LlavaEncoder,
     "llava_next": LlavaEncoder,
+    "smolvlm": Idefics3Encoder,
+    "idefics3": Idefics3Encoder,
 }
 
-__all__ = ["FAMILIES", "ImageInputs", "LlavaEncoder", "VisionEncoder"]
+__all__ = ["FAMILIES", "Idefics3Encoder", "ImageInputs", "LlavaEncoder", "VisionEncoder"]

@@ -70,8 +70,7 @@ class VisionEncoder(nn.Module, ABC):
         cls = FAMILIES.get(config.model_type)
         if cls is None:
             raise ValueError(f"{path}: model_type {config.model_type!r} has no vision encoder; served: {sorted(FAMILIES)}")
-        processor = transformers.AutoProcessor.from_pretrained(path)
-        enc = cls(config, processor)
+        enc = cls(config, cls.load_processor(path, config))
         enc.load_from(path)
         return enc.to(device=device, dtype=dtype).eval()
 
@@ -81,6 +80,11 @@ class VisionEncoder(nn.Module, ABC):
     weight_prefixes: tuple[tuple[str, str], ...] = ()
     # Checkpoint name prefixes of the text side -> the decoder's (`model.` / `lm_head.`) names.
     text_prefixes: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def load_processor(cls, path: Path, config: transformers.PretrainedConfig) -> transformers.ProcessorMixin:
+        """The checkpoint's own processor (`AutoProcessor`), so preprocessing equals the reference's."""
+        return transformers.AutoProcessor.from_pretrained(path)
 
     @abstractmethod
     def _encode_batch(self, items: Sequence[ImageInputs]) -> list[torch.Tensor]: ...

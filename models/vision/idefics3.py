@@ -1,0 +1,114 @@
+"""SmolVLM (`SmolVLMForConditionalGeneration`) and Idefics3 (`Idefics3ForConditionalGeneration`) vision sides.
+
+The processor splits an image into a grid of square tiles plus one global (downscaled whole) image; each becomes
+`image_seq_len` feature rows after the SigLIP-like tower and the pixel-shuffle connector (a scale_factor^2 fold of
+neighbouring patches into channels, then one linear layer). In the prompt each tile's run of `<image>` tokens is
+wrapped in text (`<fake_token_around_image><row_1_col_1>`, newlines, `<global-img>`), so one image fills several
+placeholder runs: `VisionEncoder.feature_runs` returns them, tile by tile, in the order the rows come out here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import transformers
+
+from omnivox.models.vision.base import ImageInputs, VisionEncoder
+
+logger = logging.getLogger(__name__)
+
+
+class Idefics3Encoder(VisionEncoder):
+    """pixel inputs: `pixel_values` [1, tiles, 3, S, S] and `pixel_attention_mask` [1, tiles, S, S] per image."""
+
+    weight_prefixes = (
+        (r"(model\.)?vision_model\.", "vision_model."),
+        (r"(model\.)?connector\.", "connector."),
+    )
+    text_prefixes = (
+        (r"model\.text_model\.", "model."),  # the hub and transformers 5 alike
+        (r"lm_head\.", "lm_head."),
+    )
+    nested_images = True
+
+    def __init__(self, config: transformers.PretrainedConfig, processor: transformers.ProcessorMixin) -> None:
+        super().__init__()
+        self.family = config.model_type  # "smolvlm" | "idefics3"
+        if self.family == "smolvlm":
+            from transformers.models.smolvlm.modeling_smolvlm import SmolVLMConnector as Connector
+            from transformers.models.smolvlm.modeling_smolvlm import SmolVLMVisionTransformer as Tower
+        else:
+            from transformers.models.idefics3.modeling_idefics3 import Idefics3Connector as Connector
+            from transformers.models.idefics3.modeling_idefics3 import Idefics3VisionTransformer as Tower
+        self.config = config
+        self.processor = processor
+        self.vision_model = Tower._from_config(config.vision_config)
+        self.connector = Connector(config)
+        self.patch_size = config.vision_config.patch_size
+        self.text_hidden_size = config.text_config.hidden_size
+        self.marker_token = processor.image_token
+        self.marker_token_id = processor.tokenizer.convert_tokens_to_ids(self.marker_token)
+        self.placeholder_token_id = config.image_token_id
+
+    @classmethod
+    def load_processor(cls, path: Path, config: transformers.PretrainedConfig) -> transformers.ProcessorMixin:
+        """AutoProcessor; for SmolVLM without torchvision, an Idefics3Processor over SmolVLM's own image processor.
+
+        transformers 5.24's SmolVLMProcessor cannot be built without torchvision (its video processor needs it, even
+        for images). For images the two processors are the same code: SmolVLM's image processor is generated from
+        Idefics3's (modular), and both expand an image with the same prompt string (tiles with <row_r_col_c>, then
+        <global-img>), `image_seq_len` rows per tile.
+        """
+        try:
+            return transformers.AutoProcessor.from_pretrained(path)
+        except (ImportError, AttributeError, OSError) as e:
+            if config.model_type != "smolvlm":
+                raise
+            logger.warning("SmolVLMProcessor unavailable (%s); using Idefics3Processor", str(e).splitlines()[0][:120])
+        proc_config = json.loads((Path(path) / "processor_config.json").read_text())
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        return transformers.Idefics3Processor(
+            image_processor=transformers.SmolVLMImageProcessor.from_pretrained(path),
+            tokenizer=tokenizer,
+            image_seq_len=proc_config.get("image_seq_len", 169),
+            chat_template=getattr(tokenizer, "chat_template", None),
+        )
+
+    def _encode_batch(self, items: Sequence[ImageInputs]) -> list[torch.Tensor]:
+        dtype = next(self.vision_model.parameters()).dtype
+        tiles = [it.tensors["pixel_values"][0] for it in items]  # each [tiles, 3, S, S]
+        masks = [it.tensors["pixel_attention_mask"][0].bool() for it in items]  # each [tiles, S, S]
+        counts = [t.shape[0] for t in tiles]
+        # Tiles of different images can differ in size (an image smaller than one tile is not padded when processed
+        # alone): one forward per tile size, rows put back in order afterwards.
+        pixels, mask = _cat_groups(tiles), _cat_groups(masks)
+        out: list[torch.Tensor | None] = [None] * sum(counts)
+        for shape, idx in _groups(pixels):
+            pv = torch.stack([pixels[i] for i in idx]).to(dtype)  # [n, 3, S, S]
+            pm = torch.stack([mask[i] for i in idx])  # [n, S, S]
+            p = self.patch_size
+            patch_mask = pm.unfold(1, p, p).unfold(2, p, p).sum(dim=(-1, -2)) > 0  # [n, S/p, S/p]
+            hidden = self.vision_model(pixel_values=pv, patch_attention_mask=patch_mask, return_dict=True)
+            feats = self.connector(hidden.last_hidden_state)  # [n, image_seq_len, text_hidden]
+            for i, f in zip(idx, feats, strict=True):
+                out[i] = f
+        result, start = [], 0
+        for n in counts:
+            result.append(torch.cat(out[start : start + n]))
+            start += n
+        return result
+
+
+def _cat_groups(per_image: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t for group in per_image for t in group.unbind(0)]
+
+
+def _groups(tiles: list[torch.Tensor]) -> list[tuple[tuple[int, ...], list[int]]]:
+    by_shape: dict[tuple[int, ...], list[int]] = {}
+    for i, t in enumerate(tiles):
+        by_shape.setdefault(tuple(t.shape), []).append(i)
+    return list(by_shape.items())
