@@ -127,7 +127,11 @@ def make_idefics3(out: Path, *, smolvlm: bool = True) -> Path:
     config_cls, vision_cls, model_cls = (
         (transformers.SmolVLMConfig, transformers.SmolVLMVisionConfig, transformers.SmolVLMForConditionalGeneration)
         if smolvlm
-        else (transformers.Idefics3Config, transformers.Idefics3VisionConfig, transformers.Idefics3ForConditionalGeneration)
+        else (
+            transformers.Idefics3Config,
+            transformers.Idefics3VisionConfig,
+            transformers.Idefics3ForConditionalGeneration,
+        )
     )
     config = config_cls(
         vision_config=vision_cls(**vision_kwargs).to_dict(),

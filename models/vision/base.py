@@ -69,7 +69,9 @@ class VisionEncoder(nn.Module, ABC):
         config = transformers.AutoConfig.from_pretrained(path)
         cls = FAMILIES.get(config.model_type)
         if cls is None:
-            raise ValueError(f"{path}: model_type {config.model_type!r} has no vision encoder; served: {sorted(FAMILIES)}")
+            raise ValueError(
+                f"{path}: model_type {config.model_type!r} has no vision encoder; served: {sorted(FAMILIES)}"
+            )
         enc = cls(config, cls.load_processor(path, config))
         enc.load_from(path)
         return enc.to(device=device, dtype=dtype).eval()

@@ -87,7 +87,7 @@ class Idefics3Encoder(VisionEncoder):
         # alone): one forward per tile size, rows put back in order afterwards.
         pixels, mask = _cat_groups(tiles), _cat_groups(masks)
         out: list[torch.Tensor | None] = [None] * sum(counts)
-        for shape, idx in _groups(pixels):
+        for idx in _groups(pixels):
             pv = torch.stack([pixels[i] for i in idx]).to(dtype)  # [n, 3, S, S]
             pm = torch.stack([mask[i] for i in idx])  # [n, S, S]
             p = self.patch_size
@@ -107,8 +107,9 @@ def _cat_groups(per_image: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t for group in per_image for t in group.unbind(0)]
 
 
-def _groups(tiles: list[torch.Tensor]) -> list[tuple[tuple[int, ...], list[int]]]:
+def _groups(tiles: list[torch.Tensor]) -> list[list[int]]:
+    """Indices of the tiles grouped by shape."""
     by_shape: dict[tuple[int, ...], list[int]] = {}
     for i, t in enumerate(tiles):
         by_shape.setdefault(tuple(t.shape), []).append(i)
-    return list(by_shape.items())
+    return list(by_shape.values())
