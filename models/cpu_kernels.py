@@ -27,6 +27,7 @@ _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
 _lib: ctypes.CDLL | None = None
 _tried = False
+_failure: str | None = None  # why the kernels are unavailable although a compiler exists (a build or load error)
 
 
 def _cache_dir() -> Path:
@@ -42,8 +43,14 @@ def _cpu_id() -> str:
         return ""
 
 
+def compiler() -> str | None:
+    """The C compiler the kernels are built with ($CC, else cc, else gcc), or None when there is none."""
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
 def _build() -> ctypes.CDLL | None:
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    global _failure
+    cc = compiler()
     if cc is None:
         log.warning("no C compiler: CPU decode attention uses the portable (slower) path")
         return None
@@ -58,7 +65,8 @@ def _build() -> ctypes.CDLL | None:
                     built = Path(tmp) / target.name
                     proc = subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"], capture_output=True)
                     if proc.returncode != 0:
-                        log.warning("building the CPU attention kernel failed: %s", proc.stderr.decode()[-500:])
+                        _failure = f"{cc} failed: {proc.stderr.decode()[-500:]}"
+                        log.warning("building the CPU attention kernel failed: %s", _failure)
                         return None
                     os.replace(built, target)
     lib = ctypes.CDLL(str(target))
@@ -72,15 +80,26 @@ def _build() -> ctypes.CDLL | None:
 
 
 def kernel_available() -> bool:
-    global _lib, _tried
+    global _lib, _tried, _failure
     if not _tried:
         _tried = True
         try:
             _lib = _build()
         except Exception as exc:  # never let an optional speed-up stop the engine
+            _failure = f"{type(exc).__name__}: {exc}"
             log.warning("CPU attention kernel unavailable: %s", exc)
             _lib = None
     return _lib is not None
+
+
+def build_failure() -> str | None:
+    """Why the kernels are unavailable when a compiler exists (None: built, or no compiler at all).
+
+    The engine serves on the portable path either way; the kernel tests fail on this rather than skip, so that a
+    kernel that stops compiling cannot hide behind the fallback.
+    """
+    kernel_available()
+    return _failure
 
 
 def paged_decode_attention(
