@@ -1,0 +1,192 @@
+"""Audio encoders (models/audio) against transformers on tiny random Qwen2-Audio and Qwen3-ASR checkpoints.
+
+The reference is what each model's own forward puts into its language model: the processor expands the audio
+placeholder, the model's forward runs its audio path, and a hook on the language model takes the embeddings at the
+placeholder rows. Ours: `features` + one batched `encode` over every clip.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from audio_checkpoints import chirp, make_qwen2_audio, make_qwen3_asr, noise, tone
+from safetensors.torch import load_file, save_file
+
+from omnivox.models.audio import (
+    Qwen2AudioEncoder,
+    Qwen3ASRAudioEncoder,
+    audio_family,
+    load_audio_encoder,
+    split_bundle_name,
+    text_decoder_tensors,
+)
+
+FAMILIES = {
+    "qwen2_audio": (make_qwen2_audio, transformers.Qwen2AudioForConditionalGeneration, Qwen2AudioEncoder),
+    "qwen3_asr": (make_qwen3_asr, transformers.Qwen3ASRForConditionalGeneration, Qwen3ASRAudioEncoder),
+}
+PROMPTS = {
+    "qwen2_audio": "<|im_start|>user\nAudio 1: <|audio_bos|><|AUDIO|><|audio_eos|>\nWhat is it?<|im_end|>\n"
+    "<|im_start|>assistant\n",
+    "qwen3_asr": "<|im_start|>user\n<|audio_start|><|audio_pad|><|audio_end|><|im_end|>\n<|im_start|>assistant\n",
+}
+
+
+@pytest.fixture(scope="session")
+def audio_bundles(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("audio_bundles")
+    return {family: make(root / family) for family, (make, _, _) in FAMILIES.items()}
+
+
+@pytest.fixture(scope="session")
+def references(audio_bundles):
+    return {f: FAMILIES[f][1].from_pretrained(audio_bundles[f]).eval() for f in FAMILIES}
+
+
+def _clips(family: str) -> list[np.ndarray]:
+    clips = [tone(1.0), chirp(2.7), noise(0.3, seed=1), tone(0.021, freq=1000.0)]
+    # Qwen2-Audio: the whole 30 s window; Qwen3-ASR: 9 s (four 2 s attention windows, nine conv chunks).
+    return clips + [chirp(30.0) if family == "qwen2_audio" else chirp(9.0, f0=300.0) + noise(9.0, amp=0.02)]
+
+
+def _reference_embeds(family: str, path: Path, model, clip: np.ndarray) -> tuple[torch.Tensor, int]:
+    """What the model's forward puts at the placeholder rows for this clip alone, and the processor's count."""
+    processor = transformers.AutoProcessor.from_pretrained(path)
+    inputs = processor(text=[PROMPTS[family]], audio=[clip], sampling_rate=16000, return_tensors="pt")
+    captured = {}
+
+    def hook(_module, _args, kwargs):
+        captured["embeds"] = kwargs["inputs_embeds"]
+
+    handle = model.model.language_model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model.model(**{k: v for k, v in inputs.items() if k != "num_audio_tokens"})
+    finally:
+        handle.remove()
+    rows = inputs["input_ids"][0] == model.config.audio_token_id
+    return captured["embeds"][0, rows], int(rows.sum())
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_encoder_matches_transformers_batched(family, audio_bundles, references):
+    path = audio_bundles[family]
+    encoder = load_audio_encoder(path)
+    assert isinstance(encoder, FAMILIES[family][2]) and audio_family(path) == family
+    clips = _clips(family)
+    inputs = encoder.features(clips)
+    ours = encoder.encode(inputs)  # every clip in one batch
+    for clip, emb in zip(clips, ours, strict=True):
+        ref, count = _reference_embeds(family, path, references[family], clip)
+        assert encoder.num_placeholders(len(clip)) == count == emb.shape[0]
+        assert emb.shape == (count, encoder.text_hidden_size)
+        torch.testing.assert_close(emb, ref, atol=1e-5, rtol=1e-4)
+    assert encoder.placeholder_token_id == references[family].config.audio_token_id
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_encoder_batch_invariant(family, audio_bundles):
+    encoder = load_audio_encoder(audio_bundles[family])
+    clips = _clips(family)[:3]
+    together = encoder.encode(encoder.features(clips))
+    for clip, emb in zip(clips, together, strict=True):
+        (alone,) = encoder.encode(encoder.features([clip]))
+        torch.testing.assert_close(emb, alone, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_features_match_the_processor(family, audio_bundles):
+    path = audio_bundles[family]
+    encoder = load_audio_encoder(path)
+    processor = transformers.AutoProcessor.from_pretrained(path)
+    for clip in _clips(family)[:4]:
+        ref = processor(text=[PROMPTS[family]], audio=[clip], sampling_rate=16000, return_tensors="pt")
+        mask_name = "feature_attention_mask" if family == "qwen2_audio" else "input_features_mask"
+        ours = encoder.features([clip]).mel
+        assert ours.features.shape == ref["input_features"].shape
+        torch.testing.assert_close(ours.features, ref["input_features"].float(), atol=1e-4, rtol=0)
+        assert torch.equal(ours.mask, ref[mask_name].long())
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_both_key_layouts_load_the_same(family, audio_bundles, tmp_path):
+    """The hub's names (`audio_tower.*`, `language_model.model.*`) and transformers' runtime names
+    (`model.audio_tower.*`, `model.language_model.*`, `lm_head.*`) give the same encoder."""
+    src = audio_bundles[family]
+    tensors = load_file(src / "model.safetensors")
+    runtime = any(k.startswith("model.audio_tower.") for k in tensors)
+
+    def rename(name: str) -> str:
+        part, inner = split_bundle_name(name)
+        if runtime:  # to the hub's layout
+            return f"{part}.{inner}" if part != "language_model" else f"language_model.{inner}"
+        return (
+            f"model.{part}.{inner}" if part != "language_model" else inner.replace("model.", "model.language_model.", 1)
+        )
+
+    other = tmp_path / "other"
+    other.mkdir()
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (other / f.name).write_bytes(f.read_bytes())
+    save_file({rename(k): v.contiguous() for k, v in tensors.items()}, other / "model.safetensors")
+    a, b = load_audio_encoder(src), load_audio_encoder(other)
+    clips = [chirp(1.5)]
+    torch.testing.assert_close(a.encode(a.features(clips))[0], b.encode(b.features(clips))[0], atol=0, rtol=0)
+    # The text decoder reads as a plain causal LM's tensors from either layout.
+    names_a = dict(text_decoder_tensors(src))
+    names_b = dict(text_decoder_tensors(other))
+    assert names_a.keys() == names_b.keys()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_text_decoder_tensors_are_a_causal_lm(family, audio_bundles, references):
+    ref = references[family]
+    lm = transformers.AutoModelForCausalLM.from_config(ref.config.text_config)
+    expected = set(lm.state_dict().keys())
+    got = dict(text_decoder_tensors(audio_bundles[family]))
+    assert set(got) - expected == set()
+    assert expected - set(got) <= {"lm_head.weight"}  # tied embeddings save no lm_head
+    lm_sd = ref.model.language_model.state_dict()
+    for name, tensor in got.items():
+        if name.startswith("model."):
+            torch.testing.assert_close(tensor, lm_sd[name.removeprefix("model.")], atol=0, rtol=0)
+
+
+def test_split_bundle_name_layouts():
+    assert split_bundle_name("audio_tower.layers.0.fc1.weight") == ("audio_tower", "layers.0.fc1.weight")
+    assert split_bundle_name("model.audio_tower.conv1.bias") == ("audio_tower", "conv1.bias")
+    assert split_bundle_name("multi_modal_projector.linear.weight") == ("multi_modal_projector", "linear.weight")
+    assert split_bundle_name("language_model.model.norm.weight") == ("language_model", "model.norm.weight")
+    assert split_bundle_name("model.language_model.norm.weight") == ("language_model", "model.norm.weight")
+    assert split_bundle_name("language_model.lm_head.weight") == ("language_model", "lm_head.weight")
+    assert split_bundle_name("lm_head.weight") == ("language_model", "lm_head.weight")
+    assert split_bundle_name("thinker.audio_tower.ln_post.weight") == ("audio_tower", "ln_post.weight")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_limits_and_placeholder_formula(family, audio_bundles):
+    encoder = load_audio_encoder(audio_bundles[family])
+    limits = encoder.limits
+    assert encoder.num_placeholders(limits.min_samples) >= 1
+    assert encoder.num_placeholders(limits.min_samples - 1) == 0 if limits.min_samples > 1 else True
+    if family == "qwen2_audio":
+        assert limits.max_seconds == 30 and encoder.num_placeholders(480000) == 750
+        assert encoder.num_placeholders(16000) == 25
+    else:
+        assert encoder.num_placeholders(16000) == 13 and encoder.num_placeholders(1) == 7  # min_length: 0.5 s
+    key = encoder.feature_settings()
+    assert family in key and "n_mels=128" in key
+
+
+def test_encoder_in_bfloat16_is_close(audio_bundles):
+    path = audio_bundles["qwen3_asr"]
+    f32, bf16 = load_audio_encoder(path), load_audio_encoder(path, dtype=torch.bfloat16)
+    clips = [chirp(2.0)]
+    a, b = f32.encode(f32.features(clips))[0], bf16.encode(bf16.features(clips))[0]
+    assert b.dtype == torch.bfloat16 and f32.feature_settings() != bf16.feature_settings()
+    torch.testing.assert_close(b.float(), a, atol=0.05, rtol=0.05)
