@@ -1,14 +1,17 @@
-"""What to serve (ModelSpec), how to run it (EngineOptions), and loading a spec into a ServedModel."""
+"""What to serve (ModelSpec), how to run it (EngineOptions), and loading a spec into a ServedModel's bundle."""
 
 from __future__ import annotations
 
-import json
 import logging
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from omnivox.services.prompt import ChatPromptBuilder
-from omnivox.services.registry import AUDIO, TEXT, ServedModel
+from omnivox.services.registry import ServedModel
+
+if TYPE_CHECKING:
+    from omnivox.codecs.streaming import StreamingOptions
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +26,9 @@ class ModelSpec:
 
     path: str | Path | None = None
     name: str | None = None
-    speech: bool = False  # with path None: the embedded random speech model (services/speech.py) instead
+    speech: bool = False  # with path None: the embedded random speech model (services/defaults.py) instead
+    # SamplingParams fields that replace the model's own defaults (`serve --sampling-default`), checked by the CLI.
+    sampling_overrides: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -35,10 +40,7 @@ class EngineOptions:
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # per engine step; None = the engine's default for the device
     progress: bool = False  # progress bars while loading weights
-
-
-# Sampling defaults a Hugging Face generation_config.json may carry, as SamplingParams fields.
-_GENERATION_CONFIG_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+    speech_streaming: StreamingOptions | None = None  # codec windows of speech models; None = the codec's defaults
 
 
 def model_name_for(path: Path) -> str:
@@ -59,101 +61,38 @@ def check_model_path(path: str | Path) -> Path:
     return path.resolve()
 
 
-def sampling_defaults(path: Path) -> dict[str, float | int]:
-    """The model's preferred sampling values from generation_config.json, when the checkpoint has one."""
-    file = path / "generation_config.json" if path.is_dir() else None
-    if file is None or not file.is_file():
-        return {}
-    try:
-        config = json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-    if config.get("do_sample") is False:
-        return {"temperature": 0.0}
-    return {k: config[k] for k in _GENERATION_CONFIG_KEYS if isinstance(config.get(k), int | float)}
-
-
 def resolve(spec: ModelSpec, is_default: bool, max_queue: int) -> ServedModel:
-    """A LOADING ServedModel for spec, after checking its path (cheap: nothing is fetched or read here)."""
-    if spec.path is None and spec.speech:
-        from omnivox.services.defaults import DEFAULT_SPEECH_MODEL_NAME, DEFAULT_SPEECH_UNTRAINED
+    """A LOADING ServedModel for spec, after checking its path (cheap: only small files are read here)."""
+    from omnivox.services.bundle import probe
 
-        return ServedModel(
-            name=spec.name or DEFAULT_SPEECH_MODEL_NAME,
-            source=None,
-            is_default=is_default,
-            max_queue=max_queue,
-            output_modalities=frozenset({AUDIO}),
-            untrained_components=DEFAULT_SPEECH_UNTRAINED,
-        )
-    if spec.path is None:
-        from omnivox.services.defaults import DEFAULT_MODEL_NAME
-
-        return ServedModel(
-            name=spec.name or DEFAULT_MODEL_NAME, source=None, is_default=is_default, max_queue=max_queue
-        )
-    path = check_model_path(spec.path)
-    speech = path.is_dir() and (path / "speech_layout.json").is_file()  # a speech model: services/speech.py
-    return ServedModel(
-        name=spec.name or model_name_for(path),
-        source=path,
-        is_default=is_default,
-        max_queue=max_queue,
-        output_modalities=frozenset({AUDIO}) if speech else frozenset({TEXT}),
-        untrained_components=untrained_components(path),
-        sampling_defaults=sampling_defaults(path),
-    )
-
-
-def untrained_components(path: Path) -> tuple[str, ...]:
-    """Components a checkpoint folder declares randomly initialised (`untrained_components.json`: a list of names)."""
-    file = path / "untrained_components.json" if path.is_dir() else None
-    if file is None or not file.is_file():
-        return ()
-    try:
-        names = json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError):
-        return ()
-    return tuple(str(n) for n in names) if isinstance(names, list) else ()
+    if spec.path is not None:
+        spec = ModelSpec(check_model_path(spec.path), spec.name, spec.speech, spec.sampling_overrides)
+    manifest = probe(spec)
+    if manifest.embedded is not None:
+        name = spec.name or manifest.embedded.name
+    else:
+        assert manifest.source is not None
+        name = spec.name or model_name_for(manifest.source)
+    return ServedModel(name=name, manifest=manifest, is_default=is_default, max_queue=max_queue)
 
 
 def load(model: ServedModel, options: EngineOptions) -> None:
-    """Fetch (the default) and build the engine for a resolved model, then mark it ready.
+    """Fetch (an embedded default) and build the model's bundle, then mark it ready.
 
     Blocking: the server runs it in a worker thread while health reports NOT_SERVING.
     """
-    from omnivox.engine import Engine
+    from omnivox.services.bundle import load_manifest
 
-    if model.source is None:  # the embedded default: fetched into the cache on first use
-        from omnivox.services.defaults import ensure_default_model, ensure_default_speech_model
-
-        try:
-            model.source = ensure_default_speech_model() if AUDIO in model.output_modalities else ensure_default_model()
-        except Exception as exc:
-            model.set_failed(f"{type(exc).__name__}: {exc}")
-            raise ModelLoadError(f"cannot fetch the default model: {exc}") from exc
+    what = model.manifest.source or "the embedded default"
     try:
-        engine = Engine.from_pretrained(
-            str(model.source),
-            device=options.device,
-            dtype=options.dtype,
-            kv_cache_gib=options.kv_cache_gib,
-            max_num_seqs=options.max_num_seqs,
-            max_num_batched_tokens=options.max_num_batched_tokens,
-            max_model_len=options.max_model_len,
-            progress=options.progress,
-        )
+        bundle = load_manifest(model.manifest, options)
     except Exception as exc:
         model.set_failed(f"{type(exc).__name__}: {exc}")
-        raise ModelLoadError(f"cannot load {model.name!r} from {model.source}: {exc}") from exc
-    if engine.tokenizer is None:
-        model.set_failed("the checkpoint has no tokenizer")
-        engine.shutdown()
-        raise ModelLoadError(f"{model.source} has no tokenizer; the text API needs one")
-    if model.untrained_components:
+        raise ModelLoadError(f"cannot load {model.name!r} from {what}: {exc}") from exc
+    if bundle.untrained_components:
         log.warning(
             "model %r has randomly initialised components (%s): their output is noise",
             model.name,
-            ", ".join(model.untrained_components),
+            ", ".join(bundle.untrained_components),
         )
-    model.set_ready(engine, ChatPromptBuilder(engine.tokenizer))
+    model.set_ready(bundle)

@@ -1,4 +1,4 @@
-"""The models a server serves, by name: their engines, what they accept, and how many requests they admit."""
+"""The models a server serves, by name: their bundles, their state, and how many requests they admit."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omnivox.services import errors
+from omnivox.services.bundle import AUDIO, IMAGE, TEXT, BundleManifest, ModelBundle
 
 if TYPE_CHECKING:
     from omnivox.engine import Engine
     from omnivox.services.prompt import PromptBuilder
 
-TEXT, IMAGE, AUDIO = "text", "image", "audio"
+__all__ = ["AUDIO", "IMAGE", "TEXT", "ModelRegistry", "ModelState", "ServedModel"]
 
 
 class ModelState(enum.Enum):
@@ -27,35 +28,61 @@ class ModelState(enum.Enum):
 
 @dataclass
 class ServedModel:
-    """One model behind the API. Created LOADING (no engine yet); `set_ready` attaches the engine.
+    """One model behind the API: a name, a state, a queue bound, and (once loaded) its ModelBundle.
 
+    Created LOADING with the manifest of what its spec declares (so ListModels can describe it while it loads);
+    `set_ready` attaches the bundle, whose parts then decide what the model accepts and produces.
     `max_queue` bounds the requests admitted at once (waiting + running in the engine); one more gets
     RESOURCE_EXHAUSTED with a RetryInfo.
     """
 
     name: str
-    source: Path | None  # None until the embedded default is fetched
+    manifest: BundleManifest
     is_default: bool = False
     max_queue: int = 256
-    input_modalities: frozenset[str] = frozenset({TEXT})
-    output_modalities: frozenset[str] = frozenset({TEXT})
-    untrained_components: tuple[str, ...] = ()
-    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields the model prefers
     state: ModelState = ModelState.LOADING
-    engine: Engine | None = None
-    prompt_builder: PromptBuilder | None = None
+    bundle: ModelBundle | None = None
     error: str | None = None  # why loading failed
     _in_flight: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def set_ready(self, engine: Engine, prompt_builder: PromptBuilder) -> None:
-        self.engine = engine
-        self.prompt_builder = prompt_builder
+    def set_ready(self, bundle: ModelBundle) -> None:
+        self.bundle = bundle
         self.state = ModelState.READY
 
     def set_failed(self, error: str) -> None:
         self.error = error
         self.state = ModelState.FAILED
+
+    # What the bundle holds once loaded; what the manifest declares before.
+    @property
+    def source(self) -> Path | None:
+        return self.bundle.source if self.bundle is not None else self.manifest.source
+
+    @property
+    def engine(self) -> Engine | None:
+        return self.bundle.engine if self.bundle is not None else None
+
+    @property
+    def prompt_builder(self) -> PromptBuilder | None:
+        return self.bundle.prompt_builder if self.bundle is not None else None
+
+    @property
+    def input_modalities(self) -> frozenset[str]:
+        return (self.bundle or self.manifest).input_modalities
+
+    @property
+    def output_modalities(self) -> frozenset[str]:
+        return (self.bundle or self.manifest).output_modalities
+
+    @property
+    def untrained_components(self) -> tuple[str, ...]:
+        return self.manifest.untrained_components
+
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """SamplingParams fields a request leaves unset take these values (the model's, then the operator's)."""
+        return self.bundle.generation_defaults if self.bundle is not None else self.manifest.sampling_defaults
 
     @property
     def context_length(self) -> int:
@@ -138,7 +165,8 @@ class ModelRegistry:
         """Requests admitted across all models (what a drain waits for)."""
         return sum(m.in_flight for m in self._models.values())
 
-    def shutdown(self) -> None:
+    async def aclose(self) -> None:
+        """Stop every loaded bundle (codec workers, engines)."""
         for model in self:
-            if model.engine is not None:
-                model.engine.shutdown()
+            if model.bundle is not None:
+                await model.bundle.aclose()

@@ -153,11 +153,7 @@ class OmnivoxServer:
         for model in self.registry:
             if model.engine is None:
                 log.info("loading %s from %s", model.name, model.source or "the embedded default")
-                await asyncio.to_thread(loading.load, model, options)
-                for binding in self.services:  # per-model parts a servicer adds (the speech codec), before SERVING
-                    prepare = getattr(binding.servicer, "prepare", None)
-                    if prepare is not None:
-                        await asyncio.to_thread(prepare, model)
+                await asyncio.to_thread(loading.load, model, options)  # the whole bundle, speech codec included
                 log.info("%s ready (context %d tokens)", model.name, model.context_length)
         if not self.registry.draining:
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -178,11 +174,7 @@ class OmnivoxServer:
             # calls still running are cancelled, which aborts their engine requests.
             remaining = max(deadline - asyncio.get_running_loop().time(), 0.0)
             await self._server.stop(0 if self._force_stop.is_set() else min(remaining, 1.0))
-        for binding in self.services:  # servicers with background tasks (the speech codec workers) stop them
-            close = getattr(binding.servicer, "aclose", None)
-            if close is not None:
-                await close()
-        await asyncio.to_thread(self.registry.shutdown)
+        await self.registry.aclose()  # every bundle: its codec worker, then its engine
 
     def force_stop(self) -> None:
         """Cut a drain short: in-flight calls are cancelled now instead of finishing."""

@@ -17,31 +17,27 @@ import asyncio
 import contextlib
 import logging
 import math
-import re
-import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import grpc
 
-from omnivox.codecs.audio_format import AudioEncoding, AudioFormatError, AudioStreamEncoder, check_output_format
-from omnivox.codecs.decode_worker import END, AudioStream, DecodeWorker
-from omnivox.codecs.snac import SnacDecoder
-from omnivox.codecs.streaming import BatchedStreamDecoder, StreamingOptions
+from omnivox.codecs.audio_format import AudioStreamEncoder
+from omnivox.codecs.decode_worker import END, AudioStream
 from omnivox.engine import InvalidRequest, SamplingParams, shared
-from omnivox.models.orpheus import LAYOUT_FILE, SpeechLayout, SpeechTokenConstraint
-from omnivox.services import errors, validation
+from omnivox.models.orpheus import SpeechLayout
+from omnivox.services import errors
+from omnivox.services.bundle import SpeechPart
 from omnivox.services.errors import FieldViolation, rpc_method
-from omnivox.services.loading import ModelLoadError
+from omnivox.services.generation import seconds_to_duration
 from omnivox.services.registry import AUDIO, ModelRegistry, ServedModel
+from omnivox.services.speech_text import MAX_SEGMENT_CHARS, split_text
+from omnivox.services.speech_validation import SpeechPlan, invalid, language_matches, validate_speech
 from omnivox.v1 import content_pb2, generation_pb2, speech_pb2, speech_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-MAX_SEGMENT_CHARS = 300
 
 
 @dataclass
@@ -61,147 +57,6 @@ FINISH_REASONS = {
 }
 
 
-# --- text --------------------------------------------------------------------------------------------------------------
-_SENTENCE_END = re.compile(r"(?<=[.!?;…。！？])[\"')\]]*\s+|\n+")
-
-
-def split_text(text: str, max_chars: int = MAX_SEGMENT_CHARS) -> list[str]:
-    """Split at sentence boundaries, then group sentences into segments of at most max_chars (a longer sentence is
-    split at commas or spaces)."""
-    sentences = [s.strip() for s in _SENTENCE_END.split(text) if s and s.strip()]
-    pieces: list[str] = []
-    for s in sentences:
-        while len(s) > max_chars:
-            cut = max(s.rfind(", ", 0, max_chars), s.rfind(" ", 0, max_chars))
-            cut = cut + 1 if cut > 0 else max_chars
-            pieces.append(s[:cut].strip())
-            s = s[cut:].strip()
-        if s:
-            pieces.append(s)
-    segments: list[str] = []
-    for p in pieces:
-        if segments and len(segments[-1]) + 1 + len(p) <= max_chars:
-            segments[-1] = f"{segments[-1]} {p}"
-        else:
-            segments.append(p)
-    return segments
-
-
-# --- the speech side of a model ----------------------------------------------------------------------------------------
-@dataclass
-class SpeechBundle:
-    layout: SpeechLayout
-    codec: SnacDecoder
-    worker: DecodeWorker
-    constraint: SpeechTokenConstraint
-
-
-def is_speech_checkpoint(path: Path | None) -> bool:
-    return path is not None and path.is_dir() and (path / LAYOUT_FILE).is_file()
-
-
-def load_speech_bundle(
-    folder: Path,
-    vocab_size: int,
-    device: str | None = None,
-    options: StreamingOptions | None = None,
-) -> SpeechBundle:
-    """Layout, codec, decode worker and token constraint of the speech model in `folder` (blocking)."""
-    layout = SpeechLayout.load(folder)
-    if layout is None:
-        raise ValueError(f"{folder} has no {LAYOUT_FILE}: it is not a speech model")
-    codec = SnacDecoder.from_folder(folder / layout.codec_folder, device=device)
-    if codec.sample_rate != layout.sample_rate:
-        raise ValueError(f"the codec runs at {codec.sample_rate} Hz, the layout says {layout.sample_rate} Hz")
-    decoder = BatchedStreamDecoder(codec, layout.frame_levels, options)
-    constraint = SpeechTokenConstraint(layout, vocab_size, device=device)
-    return SpeechBundle(layout=layout, codec=codec, worker=DecodeWorker(decoder), constraint=constraint)
-
-
-# --- validation --------------------------------------------------------------------------------------------------------
-@dataclass
-class SpeechPlan:
-    text: str
-    voice: str
-    encoding: AudioEncoding
-    sample_rate: int
-    sampling: dict[str, object]
-    segments: list[str] = field(default_factory=list)
-
-
-def _encoding_name(value: int) -> str | None:
-    if value == content_pb2.AUDIO_ENCODING_UNSPECIFIED:
-        return AudioEncoding.WAV.value
-    try:
-        return content_pb2.AudioEncoding.Name(value).removeprefix("AUDIO_ENCODING_")
-    except ValueError:
-        return None
-
-
-def _language_matches(requested: str, offered: str) -> bool:
-    """BCP-47 prefix match, either way round: "en" matches "en-US" and "en-US" matches "en"."""
-    a, b = requested.lower(), offered.lower()
-    return a == b or a.startswith(b + "-") or b.startswith(a + "-")
-
-
-def validate_speech(
-    request: speech_pb2.SynthesizeSpeechRequest, model: ServedModel, layout: SpeechLayout, max_text_chars: int
-) -> SpeechPlan:
-    """INVALID_ARGUMENT listing every bad field, then NOT_FOUND for an unknown voice."""
-    v = validation.Violations()
-    text = request.text.strip()
-    if not text:
-        v.add("text", "must not be empty")
-    elif len(request.text) > max_text_chars:
-        v.add("text", f"is {len(request.text)} characters; the limit is {max_text_chars}")
-    encoding_name = _encoding_name(request.audio_config.encoding)
-    encoding, rate = AudioEncoding.WAV, layout.sample_rate
-    if encoding_name is None:
-        v.add("audio_config.encoding", f"unknown encoding value {request.audio_config.encoding}")
-    else:
-        try:
-            encoding, rate = check_output_format(
-                encoding_name, request.audio_config.sample_rate_hertz or layout.sample_rate
-            )
-        except AudioFormatError as err:
-            v.add(f"audio_config.{err.field}", err.description)
-    requested = validation.sampling_params(request.sampling, model, v)
-    sampling: dict[str, object] = dict(model.sampling_defaults)
-    sampling.update(temperature=layout.temperature, top_p=layout.top_p, repetition_penalty=layout.repetition_penalty)
-    for key, value in requested.items():  # what the request set explicitly wins
-        if key not in model.sampling_defaults or request.sampling.HasField(key):
-            sampling[key] = value
-    v.raise_if_any()
-
-    voice = request.voice.name or layout.default_voice
-    if voice and layout.voices and voice not in layout.voices:
-        raise errors.not_found(
-            "voice", voice, f"model {model.name!r} has no voice {voice!r} (voices: {', '.join(layout.voices)})"
-        )
-    if request.voice.language_code and not _language_matches(request.voice.language_code, layout.language_code):
-        raise errors.not_found(
-            "voice",
-            f"{voice or '*'}@{request.voice.language_code}",
-            f"model {model.name!r} has no voice for language {request.voice.language_code!r} "
-            f"(it speaks {layout.language_code!r})",
-        )
-    return SpeechPlan(text=text, voice=voice, encoding=encoding, sample_rate=rate, sampling=sampling)
-
-
-def _invalid(err: InvalidRequest) -> errors.ServiceError:
-    """An engine InvalidRequest as INVALID_ARGUMENT on the speech request's field (prompt/length problems: `text`)."""
-    field = "text" if err.field in ("prompt", "max_tokens", "segments") else validation.request_field(err.field)
-    return errors.invalid_argument([FieldViolation(field, err.description)])
-
-
-def seconds_to_duration(seconds: float):
-    from google.protobuf import duration_pb2
-
-    d = duration_pb2.Duration()
-    d.FromNanoseconds(int(max(seconds, 0.0) * 1e9))
-    return d
-
-
 # --- one synthesis -----------------------------------------------------------------------------------------------------
 @dataclass
 class _Segment:
@@ -214,23 +69,14 @@ class _Segment:
 
 
 class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
-    def __init__(
-        self, registry: ModelRegistry, streaming: StreamingOptions | None = None, limits: SpeechLimits | None = None
-    ) -> None:
+    def __init__(self, registry: ModelRegistry, limits: SpeechLimits | None = None) -> None:
         self.registry = registry
-        self.streaming = streaming
         self.limits = limits or SpeechLimits()
-        self._bundles: dict[str, SpeechBundle] = {}
-        self._bundle_lock = threading.Lock()
-
-    async def aclose(self) -> None:
-        """Stop the codec workers (server shutdown)."""
-        for bundle in list(self._bundles.values()):
-            await bundle.worker.shutdown()
 
     # --- models ---
-    def _is_speech(self, model: ServedModel) -> bool:
-        return AUDIO in model.output_modalities or is_speech_checkpoint(model.source)
+    @staticmethod
+    def _is_speech(model: ServedModel) -> bool:
+        return AUDIO in model.output_modalities
 
     def _speech_model(self, name: str) -> ServedModel:
         if name:
@@ -248,32 +94,14 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
             model = candidates[0]
         return self.registry.get_ready(model.name)
 
-    def bundle(self, model: ServedModel) -> SpeechBundle:
-        """The model's speech bundle, loaded once (blocking: call through asyncio.to_thread)."""
-        with self._bundle_lock:
-            bundle = self._bundles.get(model.name)
-            if bundle is None:
-                assert model.engine is not None and model.source is not None
-                bundle = load_speech_bundle(
-                    model.source, model.vocab_size, device=str(model.engine.device), options=self.streaming
-                )
-                self._bundles[model.name] = bundle
-            return bundle
-
-    def prepare(self, model: ServedModel) -> None:
-        """Load a freshly loaded speech model's codec now rather than on its first request (blocking)."""
-        if model.engine is not None and is_speech_checkpoint(model.source):
-            try:
-                self.bundle(model)
-            except Exception as exc:
-                model.set_failed(f"{type(exc).__name__}: {exc}")
-                raise ModelLoadError(f"cannot load the speech codec of {model.name!r}: {exc}") from exc
-
-    def _layout_of(self, model: ServedModel) -> SpeechLayout | None:
-        bundle = self._bundles.get(model.name)
-        if bundle is not None:
-            return bundle.layout
-        return SpeechLayout.load(model.source) if is_speech_checkpoint(model.source) else None
+    @staticmethod
+    def _layout_of(model: ServedModel) -> SpeechLayout | None:
+        """The model's speech layout: its bundle's once loaded, read from its folder while it loads."""
+        if model.bundle is not None:
+            return model.bundle.speech.layout if model.bundle.speech is not None else None
+        if model.manifest.speech and model.source is not None:
+            return SpeechLayout.load(model.source)
+        return None
 
     # --- RPCs ---
     @rpc_method
@@ -290,7 +118,7 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
                         [FieldViolation("model", f"model {model.name!r} does not produce speech")]
                     )
                 continue
-            if request.language_code and not _language_matches(request.language_code, layout.language_code):
+            if request.language_code and not language_matches(request.language_code, layout.language_code):
                 continue
             voices += [speech_pb2.Voice(name=n, language_codes=[layout.language_code], model=model.name)
                        for n in layout.voices]  # fmt: skip
@@ -302,7 +130,8 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
     ) -> None:
         received = time.monotonic()
         model = self._speech_model(request.model)
-        bundle = await asyncio.to_thread(self.bundle, model)
+        assert model.bundle is not None and model.bundle.speech is not None  # a ready speech model
+        bundle = model.bundle.speech
         layout, engine = bundle.layout, model.engine
         assert engine is not None
         plan = validate_speech(request, model, layout, self.limits.max_text_chars)
@@ -352,7 +181,7 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
                     first_audio = first_audio or time.monotonic()
                     await context.write(speech_pb2.SynthesizeSpeechResponse(audio=speech_pb2.AudioChunk(data=tail)))
             except InvalidRequest as err:
-                raise _invalid(err) from err
+                raise invalid(err) from err
             finally:
                 for task in tasks:
                     task.cancel()
@@ -387,7 +216,7 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
         plan: SpeechPlan,
         model: ServedModel,
         layout: SpeechLayout,
-        bundle: SpeechBundle,
+        bundle: SpeechPart,
         text: str,
         prompt: Sequence[int],
         index: int,
@@ -412,12 +241,12 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
         try:
             params.validate(model.vocab_size)
         except InvalidRequest as err:
-            raise _invalid(err) from err
+            raise invalid(err) from err
         return params
 
     @staticmethod
     async def _generate(
-        model: ServedModel, bundle: SpeechBundle, seg: _Segment, gate: asyncio.Semaphore, request_id: str
+        model: ServedModel, bundle: SpeechPart, seg: _Segment, gate: asyncio.Semaphore, request_id: str
     ) -> None:
         """Run one segment through the engine, pushing complete frames to its codec stream."""
         layout, worker, engine = bundle.layout, bundle.worker, model.engine

@@ -1,12 +1,14 @@
 """Request validation: every rejected value becomes a FieldViolation naming its field in the request message.
 
 Checks are collected, not stopped at the first, so that a client learns of every bad value in one round trip.
+Value ranges are not written here: they are the engine's one table (`SamplingParams.violations()`, engine/params.py),
+whose field names `request_field` maps onto request paths; this module adds only what belongs to the wire format or
+to the model (roles, parts, counts, sizes, the context length).
 Field paths follow google.rpc.BadRequest conventions: `contents[0].parts[1].image`, `sampling.temperature`.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from omnivox.engine.errors import InvalidRequest
@@ -17,7 +19,6 @@ from omnivox.services.registry import AUDIO, IMAGE, TEXT, ServedModel
 from omnivox.v1 import generation_pb2, sampling_pb2
 
 ROLES = ("system", "user", "assistant")
-MAX_TOP_LOGPROBS = 20
 MAX_STOP_SEQUENCES = 16
 MAX_REQUEST_ID_CHARS = 256
 
@@ -91,105 +92,64 @@ def check_contents(request: generation_pb2.GenerateRequest, model: ServedModel, 
                 v.add(f"{path}.audio.data", "must not be empty")
 
 
-def _finite(v: Violations, field: str, value: float) -> bool:
-    if not math.isfinite(value):
-        v.add(field, f"must be a finite number, got {value}")
-        return False
-    return True
-
-
-def sampling_params(
-    sampling: sampling_pb2.SamplingConfig, model: ServedModel, v: Violations, prefix: str = "sampling"
-) -> dict[str, object]:
-    """Check the SamplingConfig and return the SamplingParams keyword arguments it sets (model defaults first)."""
+def sampling_kwargs(sampling: sampling_pb2.SamplingConfig, model: ServedModel) -> dict[str, object]:
+    """The SamplingParams keyword arguments a SamplingConfig asks for: the model's defaults, then every field the
+    request set. Values are not checked here: `sampling_violations` runs the engine's one table over them."""
     kwargs: dict[str, object] = dict(model.sampling_defaults)
-
-    def has(name: str) -> bool:
-        return sampling.HasField(name)
-
-    f = f"{prefix}."
-    if has("temperature") and _finite(v, f + "temperature", sampling.temperature):
-        if sampling.temperature < 0:
-            v.add(f + "temperature", f"must be >= 0 (0 = greedy), got {sampling.temperature}")
-        kwargs["temperature"] = sampling.temperature
-    if has("top_k"):
-        if sampling.top_k < 0:
-            v.add(f + "top_k", f"must be >= 0 (0 = off), got {sampling.top_k}")
-        kwargs["top_k"] = sampling.top_k
-    if has("top_p") and _finite(v, f + "top_p", sampling.top_p):
-        if not 0.0 < sampling.top_p <= 1.0:
-            v.add(f + "top_p", f"must be in (0, 1], got {sampling.top_p}")
-        kwargs["top_p"] = sampling.top_p
-    if has("min_p") and _finite(v, f + "min_p", sampling.min_p):
-        if not 0.0 <= sampling.min_p <= 1.0:
-            v.add(f + "min_p", f"must be in [0, 1], got {sampling.min_p}")
-        kwargs["min_p"] = sampling.min_p
-    if has("repetition_penalty") and _finite(v, f + "repetition_penalty", sampling.repetition_penalty):
-        if sampling.repetition_penalty <= 0:
-            v.add(f + "repetition_penalty", f"must be > 0 (1 = off), got {sampling.repetition_penalty}")
-        kwargs["repetition_penalty"] = sampling.repetition_penalty
-    for name in ("presence_penalty", "frequency_penalty"):
-        if has(name) and _finite(v, f + name, getattr(sampling, name)):
-            value = getattr(sampling, name)
-            if not -2.0 <= value <= 2.0:
-                v.add(f + name, f"must be in [-2, 2], got {value}")
-            kwargs[name] = value
-    if has("seed"):
-        kwargs["seed"] = sampling.seed
+    for name in SAMPLING_FIELDS:
+        if sampling.HasField(name):
+            kwargs[name] = getattr(sampling, name)
     if sampling.logit_bias:
-        vocab = model.vocab_size
-        bias: dict[int, float] = {}
-        for token_id, value in sampling.logit_bias.items():
-            if not 0 <= token_id < vocab:
-                v.add(f + "logit_bias", f"token id {token_id} is outside the vocabulary [0, {vocab})")
-            elif not math.isfinite(value) and value != -math.inf:
-                v.add(f + "logit_bias", f"bias for token {token_id} must be finite or -inf, got {value}")
-            else:
-                bias[token_id] = value
-        kwargs["logit_bias"] = bias
+        kwargs["logit_bias"] = dict(sampling.logit_bias)
     return kwargs
 
 
+# SamplingConfig fields that map one to one onto SamplingParams fields of the same name (logit_bias is a map).
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+)
+
+
+def add_engine_violations(params: SamplingParams, model: ServedModel, v: Violations, field_of=None) -> None:
+    """Every range problem of `params` (engine/params.py's table) as a FieldViolation on the request's path.
+
+    `field_of` maps an engine field name to the request path (default: the GenerateRequest's, `request_field`).
+    """
+    for err in params.violations(model.vocab_size):
+        v.add((field_of or request_field)(err.field), err.description)
+
+
 def check_stopping(request: generation_pb2.GenerateRequest, model: ServedModel, v: Violations) -> dict[str, object]:
+    """The stopping and output fields as SamplingParams keyword arguments, with the checks that are the wire
+    format's or the model's own (counts, the context length, top_logprobs without logprobs); ranges are the engine's."""
     kwargs: dict[str, object] = {}
     context = model.context_length
     if request.HasField("max_output_tokens"):
-        if request.max_output_tokens < 1:
-            v.add("max_output_tokens", f"must be >= 1, got {request.max_output_tokens}")
-        elif request.max_output_tokens > context:
+        if request.max_output_tokens > context:
             v.add(
                 "max_output_tokens",
                 f"{request.max_output_tokens} is above the context length of {model.name!r} ({context})",
             )
         kwargs["max_tokens"] = request.max_output_tokens
     if request.HasField("min_output_tokens"):
-        if request.min_output_tokens < 0:
-            v.add("min_output_tokens", f"must be >= 0, got {request.min_output_tokens}")
-        elif request.HasField("max_output_tokens") and request.min_output_tokens > request.max_output_tokens:
-            v.add(
-                "min_output_tokens",
-                f"{request.min_output_tokens} is above max_output_tokens ({request.max_output_tokens})",
-            )
         kwargs["min_tokens"] = request.min_output_tokens
     if request.stop_sequences:
         if len(request.stop_sequences) > MAX_STOP_SEQUENCES:
             v.add("stop_sequences", f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(request.stop_sequences)}")
-        if any(s == "" for s in request.stop_sequences):
-            v.add("stop_sequences", "stop sequences must not be empty")
         kwargs["stop"] = list(request.stop_sequences)
     if request.stop_token_ids:
-        vocab = model.vocab_size
-        bad = [t for t in request.stop_token_ids if not 0 <= t < vocab]
-        if bad:
-            v.add("stop_token_ids", f"ids {bad} are outside the vocabulary [0, {vocab})")
         kwargs["stop_token_ids"] = list(request.stop_token_ids)
     kwargs["ignore_eos"] = request.ignore_eos
     kwargs["include_stop_str_in_output"] = request.include_stop_sequence
-    if request.HasField("top_logprobs"):
-        if not request.logprobs:
-            v.add("top_logprobs", "needs logprobs = true")
-        elif not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
-            v.add("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs}")
+    if request.HasField("top_logprobs") and not request.logprobs:
+        v.add("top_logprobs", "needs logprobs = true")
     if request.logprobs:
         kwargs["logprobs"] = request.top_logprobs
     return kwargs
@@ -209,14 +169,12 @@ def validate_generate(request: generation_pb2.GenerateRequest, model: ServedMode
     check_contents(request, model, v)
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
         v.add("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, got {len(request.request_id)}")
-    kwargs = sampling_params(request.sampling, model, v)
+    kwargs = sampling_kwargs(request.sampling, model)
     kwargs.update(check_stopping(request, model, v))
-    v.raise_if_any()
     params = SamplingParams(**kwargs)  # type: ignore[arg-type]
-    try:
-        params.validate(model.vocab_size)
-    except InvalidRequest as err:  # anything the engine checks that we did not
-        raise from_invalid_request(err) from err
+    add_engine_violations(params, model, v)
+    v.raise_if_any()
+    params.validate(model.vocab_size)  # passes (no violations); normalises `stop`
     return ValidatedGenerate(params=params)
 
 

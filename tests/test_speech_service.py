@@ -17,7 +17,8 @@ from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
 from omnivox.services.defaults import save_random_speech_model
 from omnivox.services.errors import status_details
 from omnivox.services.loading import EngineOptions, ModelSpec
-from omnivox.services.speech import SpeechServicer, split_text
+from omnivox.services.speech import SpeechServicer
+from omnivox.services.speech_text import split_text
 from omnivox.v1 import content_pb2, model_pb2, model_pb2_grpc, speech_pb2, speech_pb2_grpc
 
 SMALL_SNAC = dict(SNAC_24KHZ_CONFIG, encoder_dim=8, decoder_dim=64)  # same framing, less compute
@@ -92,12 +93,12 @@ def test_every_encoding_at_24_and_16_khz(server):
         assert np.abs(audio).max() > 0  # noise, but not silence
         assert summary.time_to_first_audio.ToNanoseconds() > 0 and summary.real_time_factor > 0
         assert summary.model == "speech" and summary.request_id
-    worker = server.speech.bundle(server.registry.lookup("speech")).worker
+    worker = server.registry.lookup("speech").bundle.speech.worker
     assert wait_until(lambda: worker.open_streams == 0)
 
 
 def test_eight_concurrent_streams_complete_and_share_codec_passes(server):
-    worker = server.speech.bundle(server.registry.lookup("speech")).worker
+    worker = server.registry.lookup("speech").bundle.speech.worker
     worker.stats.max_batch = 0
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda i: synthesize(server, text=f"Stream number {i}.",
@@ -178,7 +179,7 @@ def test_cancelled_stream_frees_kv_blocks_and_codec_state(server):
         server.speech.limits.audio_seconds_base = 0.5
     free, total = server.wait_kv_free("speech", timeout=5.0)
     assert free == total and server.engine("speech").num_unfinished() == 0
-    worker = server.speech.bundle(server.registry.lookup("speech")).worker
+    worker = server.registry.lookup("speech").bundle.speech.worker
     assert wait_until(lambda: worker.open_streams == 0)
     _, data, _ = split_responses(synthesize(server))  # still serving
     assert data
@@ -194,7 +195,7 @@ def test_deadline_exceeded_frees_kv_blocks_and_codec_state(server):
         server.speech.limits.audio_seconds_base = 0.5
     free, total = server.wait_kv_free("speech", timeout=5.0)
     assert free == total and server.engine("speech").num_unfinished() == 0
-    worker = server.speech.bundle(server.registry.lookup("speech")).worker
+    worker = server.registry.lookup("speech").bundle.speech.worker
     assert wait_until(lambda: worker.open_streams == 0)
 
 

@@ -1,0 +1,247 @@
+"""What a served model is: a ModelBundle (engine, prompt builder, generation defaults, optional parts).
+
+A bundle's parts are declared by its checkpoint and decide what it accepts and produces:
+- every bundle: a text decoder (the engine) and a prompt builder (its chat template);
+- speech out: `speech_layout.json` + a SNAC codec folder (models/orpheus.py) -> a SpeechPart (layout, codec, decode
+  worker, token constraint), output modality audio instead of text;
+- vision / audio encoders (image and audio input): planned (issues 9 and 10). Their weights are already routed away
+  from the decoder (models/checkpoint.py) but no part is built yet, so no bundle accepts image or audio input.
+
+`probe(spec)` reads what a spec declares without loading anything (the server lists models while they load);
+`load_bundle(spec, options)` builds the whole bundle (blocking: run it in a worker thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from omnivox.services.defaults import UNTRAINED_FILE, EmbeddedDefault, embedded_default
+
+if TYPE_CHECKING:
+    from omnivox.codecs.decode_worker import DecodeWorker
+    from omnivox.codecs.snac import SnacDecoder
+    from omnivox.codecs.streaming import StreamingOptions
+    from omnivox.engine import Engine
+    from omnivox.models.orpheus import SpeechLayout, SpeechTokenConstraint
+    from omnivox.services.loading import EngineOptions, ModelSpec
+    from omnivox.services.prompt import PromptBuilder
+
+log = logging.getLogger(__name__)
+
+TEXT, IMAGE, AUDIO = "text", "image", "audio"
+
+# Sampling defaults a Hugging Face generation_config.json may carry, as SamplingParams fields.
+GENERATION_CONFIG_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+
+def modalities(speech: bool, vision: bool = False, audio: bool = False) -> tuple[frozenset[str], frozenset[str]]:
+    """(input, output) modalities of a bundle holding these parts: the one rule, for probes and loaded bundles."""
+    inputs = {TEXT} | ({IMAGE} if vision else set()) | ({AUDIO} if audio else set())
+    return frozenset(inputs), frozenset({AUDIO} if speech else {TEXT})
+
+
+def read_generation_config(file: Path | None) -> dict[str, float | int]:
+    """The sampling values of a generation_config.json (SamplingParams names); {} when there is none."""
+    if file is None or not file.is_file():
+        return {}
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError):
+        log.warning("ignoring %s: not valid JSON", file)
+        return {}
+    if config.get("do_sample") is False:
+        return {"temperature": 0.0}
+    return {k: config[k] for k in GENERATION_CONFIG_KEYS if isinstance(config.get(k), int | float)}
+
+
+def _read_untrained(folder: Path | None) -> tuple[str, ...]:
+    """Components a checkpoint folder declares randomly initialised (`untrained_components.json`: a list of names)."""
+    file = folder / UNTRAINED_FILE if folder is not None and folder.is_dir() else None
+    if file is None or not file.is_file():
+        return ()
+    try:
+        names = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError):
+        return ()
+    return tuple(str(n) for n in names) if isinstance(names, list) else ()
+
+
+def is_speech_checkpoint(path: Path | None) -> bool:
+    from omnivox.models.orpheus import LAYOUT_FILE
+
+    return path is not None and path.is_dir() and (path / LAYOUT_FILE).is_file()
+
+
+@dataclass(frozen=True)
+class BundleManifest:
+    """What a spec declares, read without loading: its files, its parts, its sampling defaults."""
+
+    source: Path | None  # a checkpoint folder or .gguf; None until an embedded default is fetched
+    embedded: EmbeddedDefault | None = None
+    speech: bool = False
+    untrained_components: tuple[str, ...] = ()
+    file_defaults: dict[str, Any] = field(default_factory=dict)  # from generation_config.json (or the shipped one)
+    overrides: dict[str, Any] = field(default_factory=dict)  # the operator's `--sampling-default`s
+
+    @property
+    def input_modalities(self) -> frozenset[str]:
+        return modalities(self.speech)[0]
+
+    @property
+    def output_modalities(self) -> frozenset[str]:
+        return modalities(self.speech)[1]
+
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """Known before loading: the file's values, then the overrides (a speech layout adds its own on load)."""
+        return {**self.file_defaults, **self.overrides}
+
+
+def probe(spec: ModelSpec) -> BundleManifest:
+    """The manifest of a spec whose path was checked (services/loading.check_model_path); reads small files only."""
+    overrides = dict(spec.sampling_overrides)
+    if spec.path is None:
+        default = embedded_default(spec.speech)
+        return BundleManifest(
+            source=None,
+            embedded=default,
+            speech=default.speech,
+            untrained_components=default.untrained_components,
+            file_defaults=read_generation_config(default.generation_config()),
+            overrides=overrides,
+        )
+    path = Path(spec.path)
+    folder = path if path.is_dir() else None
+    return BundleManifest(
+        source=path,
+        speech=is_speech_checkpoint(path),
+        untrained_components=_read_untrained(folder),
+        file_defaults=read_generation_config(folder / "generation_config.json" if folder else None),
+        overrides=overrides,
+    )
+
+
+@dataclass
+class SpeechPart:
+    """The speech side of a bundle: where audio tokens live (layout), the codec, its decode worker, the constraint."""
+
+    layout: SpeechLayout
+    codec: SnacDecoder
+    worker: DecodeWorker
+    constraint: SpeechTokenConstraint  # stateless: shared by every request through engine.params.shared
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The layout's sampling values (they win over the decoder's generation_config.json)."""
+        layout = self.layout
+        return {
+            "temperature": layout.temperature,
+            "top_p": layout.top_p,
+            "repetition_penalty": layout.repetition_penalty,
+        }
+
+
+def load_speech_part(
+    folder: Path, vocab_size: int, device: str | None = None, options: StreamingOptions | None = None
+) -> SpeechPart:
+    """Layout, codec, decode worker and token constraint of the speech model in `folder` (blocking)."""
+    from omnivox.codecs.decode_worker import DecodeWorker
+    from omnivox.codecs.snac import SnacDecoder
+    from omnivox.codecs.streaming import BatchedStreamDecoder
+    from omnivox.models.orpheus import LAYOUT_FILE, SpeechLayout, SpeechTokenConstraint
+
+    layout = SpeechLayout.load(folder)
+    if layout is None:
+        raise ValueError(f"{folder} has no {LAYOUT_FILE}: it is not a speech model")
+    codec = SnacDecoder.from_folder(folder / layout.codec_folder, device=device)
+    if codec.sample_rate != layout.sample_rate:
+        raise ValueError(f"the codec runs at {codec.sample_rate} Hz, the layout says {layout.sample_rate} Hz")
+    decoder = BatchedStreamDecoder(codec, layout.frame_levels, options)
+    constraint = SpeechTokenConstraint(layout, vocab_size, device=device)
+    return SpeechPart(layout=layout, codec=codec, worker=DecodeWorker(decoder), constraint=constraint)
+
+
+@dataclass
+class ModelBundle:
+    """A loaded model: everything a servicer needs to answer requests for it."""
+
+    manifest: BundleManifest
+    source: Path  # where it was loaded from (an embedded default's cache path once fetched)
+    engine: Engine
+    prompt_builder: PromptBuilder
+    speech: SpeechPart | None = None
+    vision: Any | None = None  # a vision encoder + projector: planned (issue 9)
+    audio: Any | None = None  # an audio encoder + projector: planned (issue 10)
+
+    @property
+    def input_modalities(self) -> frozenset[str]:
+        return modalities(self.speech is not None, self.vision is not None, self.audio is not None)[0]
+
+    @property
+    def output_modalities(self) -> frozenset[str]:
+        return modalities(self.speech is not None, self.vision is not None, self.audio is not None)[1]
+
+    @property
+    def untrained_components(self) -> tuple[str, ...]:
+        return self.manifest.untrained_components
+
+    @property
+    def generation_defaults(self) -> dict[str, Any]:
+        """Effective sampling defaults: generation_config.json, then a speech layout's, then the operator's."""
+        layout = self.speech.sampling_defaults() if self.speech is not None else {}
+        return {**self.manifest.file_defaults, **layout, **self.manifest.overrides}
+
+    async def aclose(self) -> None:
+        """Stop the parts with background work (the codec worker), then the engine."""
+        if self.speech is not None:
+            await self.speech.worker.shutdown()
+        await asyncio.to_thread(self.engine.shutdown)  # joins the engine thread: off the event loop
+
+
+def load_bundle(spec: ModelSpec, options: EngineOptions) -> ModelBundle:
+    """Load a checkpoint folder, a .gguf file or an embedded default (spec.path None) into a bundle (blocking)."""
+    return load_manifest(probe(spec), options)
+
+
+def load_manifest(manifest: BundleManifest, options: EngineOptions) -> ModelBundle:
+    """Fetch (an embedded default), build the engine and every part the manifest declares (blocking).
+
+    Raises ValueError with a one-line reason when the checkpoint cannot be served; the engine is shut down again if
+    a later part fails.
+    """
+    from omnivox.engine import Engine
+    from omnivox.services.prompt import ChatPromptBuilder
+
+    source = manifest.source or manifest.embedded.ensure()  # type: ignore[union-attr]
+    engine = Engine.from_pretrained(
+        str(source),
+        device=options.device,
+        dtype=options.dtype,
+        kv_cache_gib=options.kv_cache_gib,
+        max_num_seqs=options.max_num_seqs,
+        max_num_batched_tokens=options.max_num_batched_tokens,
+        max_model_len=options.max_model_len,
+        progress=options.progress,
+    )
+    try:
+        if engine.tokenizer is None:
+            raise ValueError(f"{source} has no tokenizer; the text API needs one")
+        speech = None
+        if manifest.speech or is_speech_checkpoint(source):
+            speech = load_speech_part(
+                source, engine.model_config.vocab_size, device=str(engine.device), options=options.speech_streaming
+            )
+    except BaseException:
+        engine.shutdown()
+        raise
+    return ModelBundle(
+        manifest=manifest,
+        source=source,
+        engine=engine,
+        prompt_builder=ChatPromptBuilder(engine.tokenizer),
+        speech=speech,
+    )
