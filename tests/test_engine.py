@@ -40,7 +40,16 @@ def test_chunked_prefill_equals_unchunked(ckpt, engine):
     a = chunked.generate([long_prompt] + PROMPTS, GREEDY)
     b = engine.generate([long_prompt] + PROMPTS, GREEDY)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
-    assert chunked.num_steps > len(long_prompt) // 7  # the prompt really was split
+    # The prompt really was split: stepped by hand, no step computes more than 7 tokens, and the long prompt's
+    # prefill takes ceil(117 / 7) = 17 steps of chunks.
+    chunked.add_request(long_prompt, GREEDY, request_id="long")
+    chunks = []
+    while chunked.has_unfinished():
+        chunked.step()
+        plan = chunked.last_step.plan
+        assert plan.num_tokens <= 7
+        chunks += [c.num_tokens for c in plan.prefills if c.request.request_id == "long"]
+    assert len(chunks) == 17 and sum(chunks) == len(long_prompt)
 
 
 def test_prefix_cache_hit_is_identical_and_reported(ckpt):
