@@ -7,7 +7,6 @@ so that no weight sits at an init value that could hide a mistake (norms at 1, b
 from __future__ import annotations
 
 import io
-import json
 from pathlib import Path
 
 import torch
@@ -15,6 +14,7 @@ import transformers
 from PIL import Image
 
 from omnivox.models.checkpoint import load_tokenizer
+from omnivox.models.vision.base import image_only_processor_class
 from omnivox.services.defaults import ensure_default_model
 
 # One template for every family: the image marker is whatever `image_marker` the processor uses.
@@ -139,19 +139,19 @@ def make_idefics3(out: Path, *, smolvlm: bool = True) -> Path:
         image_token_id=image_token_id,
         scale_factor=2,
     )
-    ip_cls = transformers.SmolVLMImageProcessor if smolvlm else transformers.Idefics3ImageProcessor
-    # SmolVLMProcessor cannot be built without torchvision (its video processor): save an Idefics3Processor and
-    # name SmolVLMProcessor in processor_config.json, as a SmolVLM checkpoint does.
-    processor = transformers.Idefics3Processor(
-        image_processor=ip_cls(**ip_kwargs), tokenizer=tok, image_seq_len=4, chat_template=chat_template("<image>")
-    )
-    path = _save(model_cls, config, processor, out, seed=2)
     if smolvlm:
-        cfg_file = path / "processor_config.json"
-        cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
-        cfg.update(processor_class="SmolVLMProcessor", image_seq_len=4)
-        cfg_file.write_text(json.dumps(cfg))
-    return path
+        ip = transformers.SmolVLMImageProcessor(**ip_kwargs)
+        processor = image_only_processor_class(transformers.SmolVLMProcessor)(
+            image_processor=ip, tokenizer=tok, image_seq_len=4, chat_template=chat_template("<image>")
+        )
+    else:
+        processor = transformers.Idefics3Processor(
+            image_processor=transformers.Idefics3ImageProcessor(**ip_kwargs),
+            tokenizer=tok,
+            image_seq_len=4,
+            chat_template=chat_template("<image>"),
+        )
+    return _save(model_cls, config, processor, out, seed=2)
 
 
 def test_image(width: int, height: int, seed: int = 0) -> Image.Image:

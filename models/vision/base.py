@@ -20,6 +20,7 @@ How the service uses a `VisionEncoder` (one per loaded model):
 from __future__ import annotations
 
 import json
+import logging
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
@@ -32,6 +33,8 @@ from PIL import Image
 from torch import nn
 
 from omnivox.models.checkpoint import iter_checkpoint_tensors
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -85,8 +88,23 @@ class VisionEncoder(nn.Module, ABC):
 
     @classmethod
     def load_processor(cls, path: Path, config: transformers.PretrainedConfig) -> transformers.ProcessorMixin:
-        """The checkpoint's own processor (`AutoProcessor`), so preprocessing equals the reference's."""
-        return transformers.AutoProcessor.from_pretrained(path)
+        """The checkpoint's own processor (`AutoProcessor`), so preprocessing equals the reference's.
+
+        transformers 5.24 cannot build the SmolVLM and Qwen2.5-VL processors without torchvision, because their video
+        processor needs it even when only images are processed. Then the same processor class is loaded without its
+        video processor (`image_only_processor_class`): the image path is the class's own code, unchanged.
+        """
+        try:
+            return transformers.AutoProcessor.from_pretrained(path)
+        except (ImportError, AttributeError, OSError) as e:
+            from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+            name = PROCESSOR_MAPPING_NAMES.get(config.model_type)
+            full = getattr(transformers, name, None) if name else None
+            if full not in (transformers.SmolVLMProcessor, transformers.Qwen2_5_VLProcessor):
+                raise
+            logger.warning("%s without its video processor (%s)", name, str(e).splitlines()[0][:120])
+            return image_only_processor_class(full).from_pretrained(path)
 
     @abstractmethod
     def _encode_batch(self, items: Sequence[ImageInputs]) -> list[torch.Tensor]: ...
@@ -219,6 +237,36 @@ class VisionEncoder(nn.Module, ABC):
             ours = map_name(name, cls.text_prefixes)
             if ours is not None:
                 yield ours, tensor
+
+
+def image_only_processor_class(full: type[transformers.ProcessorMixin]) -> type[transformers.ProcessorMixin]:
+    """`full` (SmolVLMProcessor or Qwen2_5_VLProcessor) without its video processor.
+
+    ProcessorMixin finds a processor's parts and init arguments from its `__init__` (signature and code object), so the
+    subclass declares the image processor, the tokenizer and full's other arguments, and passes no video processor;
+    everything else (token attributes, `__call__`, `replace_image_token`) is full's own code. It keeps full's name, so
+    `save_pretrained` writes the real processor class into processor_config.json.
+    """
+    methods = {}
+    if full is transformers.SmolVLMProcessor:
+
+        def __init__(self, image_processor=None, tokenizer=None, image_seq_len: int = 169, chat_template=None, **kw):
+            full.__init__(self, image_processor, tokenizer, None, image_seq_len, chat_template, **kw)
+
+        def apply_chat_template(self, conversation, chat_template=None, **kw):
+            # SmolVLM's override only adds video frame defaults read from the video processor.
+            return transformers.ProcessorMixin.apply_chat_template(self, conversation, chat_template, **kw)
+
+        methods["apply_chat_template"] = apply_chat_template
+
+    elif full is transformers.Qwen2_5_VLProcessor:
+
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kw):
+            full.__init__(self, image_processor, tokenizer, None, chat_template, **kw)
+
+    else:
+        raise ValueError(f"no image-only variant of {full.__name__}")
+    return type(full.__name__, (full,), {"__init__": __init__, "__module__": full.__module__, **methods})
 
 
 def map_name(name: str, prefixes: Sequence[tuple[str, str]]) -> str | None:

@@ -9,17 +9,12 @@ placeholder runs: `VisionEncoder.feature_runs` returns them, tile by tile, in th
 
 from __future__ import annotations
 
-import json
-import logging
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 import transformers
 
 from omnivox.models.vision.base import ImageInputs, VisionEncoder
-
-logger = logging.getLogger(__name__)
 
 
 class Idefics3Encoder(VisionEncoder):
@@ -53,30 +48,6 @@ class Idefics3Encoder(VisionEncoder):
         self.marker_token = processor.image_token
         self.marker_token_id = processor.tokenizer.convert_tokens_to_ids(self.marker_token)
         self.placeholder_token_id = config.image_token_id
-
-    @classmethod
-    def load_processor(cls, path: Path, config: transformers.PretrainedConfig) -> transformers.ProcessorMixin:
-        """AutoProcessor; for SmolVLM without torchvision, an Idefics3Processor over SmolVLM's own image processor.
-
-        transformers 5.24's SmolVLMProcessor cannot be built without torchvision (its video processor needs it, even
-        for images). For images the two processors are the same code: SmolVLM's image processor is generated from
-        Idefics3's (modular), and both expand an image with the same prompt string (tiles with <row_r_col_c>, then
-        <global-img>), `image_seq_len` rows per tile.
-        """
-        try:
-            return transformers.AutoProcessor.from_pretrained(path)
-        except (ImportError, AttributeError, OSError) as e:
-            if config.model_type != "smolvlm":
-                raise
-            logger.warning("SmolVLMProcessor unavailable (%s); using Idefics3Processor", str(e).splitlines()[0][:120])
-        proc_config = json.loads((Path(path) / "processor_config.json").read_text())
-        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-        return transformers.Idefics3Processor(
-            image_processor=transformers.SmolVLMImageProcessor.from_pretrained(path),
-            tokenizer=tokenizer,
-            image_seq_len=proc_config.get("image_seq_len", 169),
-            chat_template=getattr(tokenizer, "chat_template", None),
-        )
 
     def _encode_batch(self, items: Sequence[ImageInputs]) -> list[torch.Tensor]:
         dtype = next(self.vision_model.parameters()).dtype
