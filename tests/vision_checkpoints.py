@@ -154,6 +154,58 @@ def make_idefics3(out: Path, *, smolvlm: bool = True) -> Path:
     return _save(model_cls, config, processor, out, seed=2)
 
 
+def make_qwen2_5_vl(out: Path) -> Path:
+    """Qwen2.5-VL: 4x4 patches merged 2x2 (8 px per token), windows of 2x2 merged tokens, full attention in block 1
+    of 3; images resized to 64..4096 pixels; text head_dim 16 with mrope_section [2, 3, 3]."""
+    tok = tokenizer_with(["<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"])
+    ids = {
+        t: tok.convert_tokens_to_ids(t)
+        for t in ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>")
+    }
+    vision = dict(
+        depth=3,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=4,
+        patch_size=4,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        window_size=16,  # pixels: 16 / 4 / 2 = 2 merged tokens per window side
+        fullatt_block_indexes=[1],
+        out_hidden_size=64,
+        tokens_per_second=2,
+    )
+    text = dict(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        bos_token_id=None,
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+    )
+    config = transformers.Qwen2_5_VLConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    ip = transformers.Qwen2VLImageProcessor(
+        patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=64, max_pixels=4096
+    )
+    processor = image_only_processor_class(transformers.Qwen2_5_VLProcessor)(
+        image_processor=ip, tokenizer=tok, chat_template=chat_template("<|vision_start|><|image_pad|><|vision_end|>")
+    )
+    return _save(transformers.Qwen2_5_VLForConditionalGeneration, config, processor, out, seed=3)
+
+
 def test_image(width: int, height: int, seed: int = 0) -> Image.Image:
     """A deterministic RGB image with structure in both directions (so a transpose changes it)."""
     g = torch.Generator().manual_seed(seed)

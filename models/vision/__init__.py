@@ -5,6 +5,7 @@ from __future__ import annotations
 from omnivox.models.vision.base import ImageInputs, VisionEncoder
 from omnivox.models.vision.idefics3 import Idefics3Encoder
 from omnivox.models.vision.llava import LlavaEncoder
+from omnivox.models.vision.qwen2_5_vl import Qwen25VLEncoder, mrope_positions
 
 # config.model_type -> encoder class
 FAMILIES: dict[str, type[VisionEncoder]] = {
@@ -12,6 +13,15 @@ FAMILIES: dict[str, type[VisionEncoder]] = {
     "llava_next": LlavaEncoder,
     "smolvlm": Idefics3Encoder,
     "idefics3": Idefics3Encoder,
+    "qwen2_5_vl": Qwen25VLEncoder,
 }
 
-__all__ = ["FAMILIES", "Idefics3Encoder", "ImageInputs", "LlavaEncoder", "VisionEncoder"]
+__all__ = [
+    "FAMILIES",
+    "Idefics3Encoder",
+    "ImageInputs",
+    "LlavaEncoder",
+    "Qwen25VLEncoder",
+    "VisionEncoder",
+    "mrope_positions",
+]

@@ -1,0 +1,116 @@
+"""Qwen2.5-VL (`Qwen2_5_VLForConditionalGeneration`): the vision side and M-RoPE positions.
+
+Tower: transformers' `Qwen2_5_VisionTransformerPretrainedModel` (dynamic resolution: the processor resizes each image
+to multiples of patch_size * merge_size within [min_pixels, max_pixels]; window attention in most blocks, full
+attention in `fullatt_block_indexes`; the merger folds 2x2 patches into one text-sized row). All images of a batch go
+through one forward: attention is block-diagonal per image (cu_seqlens), so batching changes nothing.
+
+M-RoPE: the decoder's rotary angle of frequency band k uses one of three position rows (temporal, height, width;
+`mrope_section` says how many bands each gets). Text tokens have the same position on all three rows, counting on
+from the previous token; an image's tokens get (t0, row + s, col + s) with s its start, and the text after it starts
+at s + max(rows, cols). So positions run behind token indices: a generated token at index i (0-based in the whole
+sequence) sits at position i + delta on all three rows, delta = (last prompt position + 1) - prompt length <= 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import transformers
+from PIL import Image
+
+from omnivox.models.vision.base import ImageInputs, VisionEncoder
+
+
+class Qwen25VLEncoder(VisionEncoder):
+    """pixel inputs: `pixel_values` [patches, 3 * temporal_patch * patch^2] and `image_grid_thw` [1, 3] per image."""
+
+    weight_prefixes = ((r"(model\.)?visual\.", "visual."),)
+    text_prefixes = (
+        (r"model\.language_model\.", "model."),  # transformers 5 save_pretrained
+        (r"model\.(?!visual\.)", "model."),  # the hub: model.layers..., model.embed_tokens, model.norm
+        (r"lm_head\.", "lm_head."),
+    )
+
+    def __init__(self, config: transformers.PretrainedConfig, processor: transformers.ProcessorMixin) -> None:
+        super().__init__()
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+        self.family = "qwen2_5_vl"
+        self.config = config
+        self.processor = processor
+        self.visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(config.vision_config)
+        self.merge_size = config.vision_config.spatial_merge_size
+        self.text_hidden_size = config.text_config.hidden_size
+        self.marker_token = processor.image_token
+        self.marker_token_id = processor.tokenizer.convert_tokens_to_ids(self.marker_token)
+        self.placeholder_token_id = config.image_token_id
+
+    def _preprocess_one(self, im: Image.Image, max_pixels: int | None) -> ImageInputs:
+        # The processor's own budget: it resizes to at most max_pixels (rounded to the patch grid), never upscaling
+        # past what the checkpoint allows and never below its min_pixels.
+        kwargs = {}
+        if max_pixels is not None:
+            size = self.processor.image_processor.size
+            kwargs["max_pixels"] = max(size["shortest_edge"], min(max_pixels, size["longest_edge"]))
+        item = self._run_processor(im, kwargs)
+        item.extra["grid_thw"] = tuple(int(x) for x in item.tensors["image_grid_thw"][0])
+        return item
+
+    def _encode_batch(self, items: Sequence[ImageInputs]) -> list[torch.Tensor]:
+        dtype = next(self.visual.parameters()).dtype
+        pixels = torch.cat([it.tensors["pixel_values"] for it in items]).to(dtype)  # [sum patches, C*T*P*P]
+        grids = torch.cat([it.tensors["image_grid_thw"] for it in items])  # [n, 3]
+        feats = self.visual(pixels, grid_thw=grids).pooler_output  # [sum patches / merge^2, text_hidden]
+        return list(feats.split((grids.prod(-1) // self.merge_size**2).tolist()))
+
+    def rope_positions(self, token_ids: Sequence[int], items: Sequence[ImageInputs]) -> tuple[torch.Tensor, int]:
+        return mrope_positions(
+            token_ids, self.placeholder_token_id, [it.extra["grid_thw"] for it in items], self.merge_size
+        )
+
+
+def mrope_positions(
+    token_ids: Sequence[int],
+    image_token_id: int,
+    image_grids: Sequence[tuple[int, int, int]],
+    spatial_merge_size: int,
+) -> tuple[torch.Tensor, int]:
+    """3-D positions ([3, N] int64) of a prompt with images, and the delta for the tokens generated after it.
+
+    Equal to transformers' `Qwen2_5_VLModel.get_rope_index` for one unpadded sequence of text and images (grid_thw
+    in patches, before merging). Image i takes the next t*h*w/merge^2 image tokens; a prompt whose image tokens do
+    not add up to the grids raises ValueError.
+    """
+    n = len(token_ids)
+    ids = torch.as_tensor(list(token_ids), dtype=torch.long)
+    pos = torch.empty(3, n, dtype=torch.long)
+    grids = iter(image_grids)
+    i = cur = 0
+    while i < n:
+        if ids[i] != image_token_id:
+            j = i
+            while j < n and ids[j] != image_token_id:
+                j += 1
+            pos[:, i:j] = torch.arange(cur, cur + j - i)
+            cur += j - i
+            i = j
+            continue
+        grid = next(grids, None)
+        if grid is None:
+            raise ValueError("the prompt has more image tokens than the images' grids")
+        t, h, w = grid[0], grid[1] // spatial_merge_size, grid[2] // spatial_merge_size
+        count = t * h * w
+        if i + count > n or bool((ids[i : i + count] != image_token_id).any()):
+            raise ValueError(f"image at token {i} needs {count} image tokens in a row")
+        tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
+        pos[0, i : i + count] = tt.flatten() + cur  # still images: time_interval 1
+        pos[1, i : i + count] = hh.flatten() + cur
+        pos[2, i : i + count] = ww.flatten() + cur
+        cur += max(h, w)
+        i += count
+    if next(grids, None) is not None:
+        raise ValueError("the prompt has fewer image tokens than the images' grids")
+    delta = int(pos.max()) + 1 - n if n else 0
+    return pos, delta
