@@ -18,7 +18,7 @@ import json
 import logging
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -57,12 +57,53 @@ _SAFETENSORS_DTYPES = {
 # Public API
 
 
-def iter_checkpoint_tensors(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(hf_name, tensor)` for every weight of the checkpoint at `path`, one tensor in memory at a time.
+# Multimodal checkpoints hold the text decoder under a prefix, next to the other parts. Each name is routed to one
+# part; the decoder's names are rewritten to a plain causal LM's (`model.layers.0...`, `lm_head.weight`). Checked in
+# order, first match wins. Transformers' own LLaVA / Qwen2-Audio `save_pretrained` writes the legacy names
+# (`language_model.model.*`); newer checkpoints use `model.language_model.*` with a top-level `lm_head.*`.
+DECODER, VISION, AUDIO, PROJECTOR = "decoder", "vision", "audio", "projector"
+_PART_PREFIXES: tuple[tuple[str, str], ...] = (
+    ("vision_tower.", VISION),
+    ("model.vision_tower.", VISION),
+    ("visual.", VISION),  # Qwen2-VL / Qwen2.5-VL
+    ("model.visual.", VISION),
+    ("model.vision_model.", VISION),  # Idefics3 / SmolVLM
+    ("audio_tower.", AUDIO),  # Qwen2-Audio
+    ("model.audio_tower.", AUDIO),
+    ("multi_modal_projector.", PROJECTOR),
+    ("model.multi_modal_projector.", PROJECTOR),
+    ("model.connector.", PROJECTOR),  # Idefics3 / SmolVLM
+)
+_DECODER_RENAMES: tuple[tuple[str, str], ...] = (
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.language_model.", "model."),
+    ("model.text_model.", "model."),  # Idefics3 / SmolVLM
+    ("language_model.", "model."),
+)
+
+
+def route_weight_name(name: str) -> tuple[str, str]:
+    """(part, name within the part) of a checkpoint tensor name: `language_model.model.norm.weight` ->
+    ("decoder", "model.norm.weight"); `vision_tower.x` -> ("vision", "vision_tower.x"). Plain decoders: unchanged."""
+    for prefix, part in _PART_PREFIXES:
+        if name.startswith(prefix):
+            return part, name
+    for prefix, replacement in _DECODER_RENAMES:
+        if name.startswith(prefix):
+            return DECODER, replacement + name[len(prefix) :]
+    return DECODER, name
+
+
+def iter_checkpoint_tensors(path: str | os.PathLike, part: str | None = DECODER) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(hf_name, tensor)` for every weight of one part of the checkpoint at `path`, one tensor at a time.
 
     `path` is a folder (`model.safetensors`, sharded safetensors with `model.safetensors.index.json`, or
     `pytorch_model.bin[.index.json]`) or a `.gguf` file (llama, qwen2, qwen3). Safetensors tensors keep their stored
     dtype; GGUF tensors come out as float32. A tied GGUF (no `output.weight`) yields no `lm_head.weight`.
+    `part`: DECODER (the default: the text decoder, with a multimodal checkpoint's names rewritten to a causal LM's,
+    see `route_weight_name`), VISION, AUDIO, PROJECTOR, or None for every tensor under its stored name. Tensors of
+    other parts are not read at all.
     Errors about the path are raised here, before the first tensor: FileNotFoundError if it does not exist,
     ValueError if it holds no weights in a format we read.
     """
@@ -72,11 +113,33 @@ def iter_checkpoint_tensors(path: str | os.PathLike) -> Iterator[tuple[str, torc
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ValueError(f"checkpoint file {path} is not a .gguf file; pass a checkpoint folder or a .gguf file")
-        return _iter_gguf(path)
+        return _iter_gguf(path)  # GGUF files we read are text decoders: every tensor is the decoder's
     files, kind = _find_weight_files(path)
+    keep = None if part is None else (lambda name: route_weight_name(name)[0] == part)
     if kind == "safetensors":
-        return _iter_safetensors_files(files, _index_names(path / SAFETENSORS_INDEX))
-    return _iter_torch_bin_files(files)
+        tensors = _iter_safetensors_files(files, _index_names(path / SAFETENSORS_INDEX), keep)
+    else:
+        tensors = _iter_torch_bin_files(files, keep)
+    return tensors if part is None else ((route_weight_name(n)[1], t) for n, t in tensors)
+
+
+def checkpoint_parts(path: str | os.PathLike) -> dict[str, list[str]]:
+    """The tensor names of a safetensors checkpoint folder by part (stored names), read from headers only.
+
+    What a multimodal checkpoint holds beside its decoder (vision / audio towers, projectors) is collected here for
+    the parts that will load it; a GGUF file or a `.bin` folder reports every name as the decoder's.
+    """
+    path = Path(path)
+    names: list[str] = []
+    if path.is_dir():
+        files, kind = _find_weight_files(path)
+        if kind == "safetensors":
+            for file in files:
+                names += _safetensors_header(file)[0]
+    parts: dict[str, list[str]] = {}
+    for name in names:
+        parts.setdefault(route_weight_name(name)[0], []).append(name)
+    return parts
 
 
 def load_hf_config(path: str | os.PathLike) -> transformers.PretrainedConfig:
@@ -164,23 +227,25 @@ def _index_names(index: Path) -> set[str] | None:
     return set(_read_index(index)) if index.is_file() else None
 
 
-def _iter_safetensors_files(files: list[Path], expected: set[str] | None) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors_files(
+    files: list[Path], expected: set[str] | None, keep: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     seen: set[str] = set()
     for file in files:
-        for name, tensor in _iter_safetensors_file(file):
+        for name, tensor in _iter_safetensors_file(file, keep):
             seen.add(name)
             yield name, tensor
+    if expected is not None and keep is not None:
+        expected = {name for name in expected if keep(name)}
     if expected is not None and expected - seen:
         missing = sorted(expected - seen)
         raise ValueError(f"tensors listed in the index but found in no shard: {', '.join(missing[:5])}")
 
 
-def _iter_safetensors_file(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Read a .safetensors file tensor by tensor with plain reads into fresh tensors.
+def _safetensors_header(file: Path) -> tuple[dict, int]:
+    """(header {name: {dtype, shape, data_offsets}}, offset of the data) of a .safetensors file.
 
-    Not memory-mapped on purpose: pages of a mapped file count in the process's resident memory until it is closed,
-    so mapping a single-file checkpoint while copying it into the model holds twice the weights at the peak.
-    Format: 8-byte little-endian header length, a JSON header {name: {dtype, shape, data_offsets}}, then the data.
+    Format: 8-byte little-endian header length, a JSON header, then the data.
     """
     size = file.stat().st_size
     with open(file, "rb", buffering=0) as f:
@@ -194,10 +259,23 @@ def _iter_safetensors_file(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
             header = json.loads(f.read(header_len))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{file} is not a safetensors file (bad JSON header): {e}") from e
-        header.pop("__metadata__", None)
-        data_start = 8 + header_len
+    header.pop("__metadata__", None)
+    return header, 8 + header_len
+
+
+def _iter_safetensors_file(file: Path, keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Read a .safetensors file tensor by tensor with plain reads into fresh tensors (only those `keep` accepts).
+
+    Not memory-mapped on purpose: pages of a mapped file count in the process's resident memory until it is closed,
+    so mapping a single-file checkpoint while copying it into the model holds twice the weights at the peak.
+    """
+    size = file.stat().st_size
+    header, data_start = _safetensors_header(file)
+    with open(file, "rb", buffering=0) as f:
         # File order: sequential reads.
         for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+            if keep is not None and not keep(name):
+                continue
             dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
             if dtype is None:
                 raise ValueError(f"{file}: tensor {name} has unsupported dtype {info['dtype']}")
@@ -223,11 +301,15 @@ def _read_tensor(f, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[i
     return raw.view(dtype).reshape(shape)
 
 
-def _iter_torch_bin_files(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_torch_bin_files(
+    files: list[Path], keep: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         state_dict = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
         for name in list(state_dict):
-            yield name, state_dict.pop(name)
+            tensor = state_dict.pop(name)
+            if keep is None or keep(name):
+                yield name, tensor
         del state_dict
 
 
@@ -293,7 +375,7 @@ def _iter_gguf(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     config = load_hf_config(path)
     processor_config = {
         "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
+        "num_key_value_heads": config.num_attention_heads,
     }
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=processor_config)
     name_map = get_gguf_hf_weights_map(_ParameterNames(config), processor)

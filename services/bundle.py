@@ -86,6 +86,8 @@ class BundleManifest:
     speech: bool = False
     untrained_components: tuple[str, ...] = ()
     file_defaults: dict[str, Any] = field(default_factory=dict)  # from generation_config.json (or the shipped one)
+    # Weights of parts no bundle builds yet (vision / audio towers, projectors: issues 9 and 10), left unloaded.
+    planned_parts: tuple[str, ...] = ()
     overrides: dict[str, Any] = field(default_factory=dict)  # the operator's `--sampling-default`s
 
     @property
@@ -115,11 +117,14 @@ def probe(spec: ModelSpec) -> BundleManifest:
             file_defaults=read_generation_config(default.generation_config()),
             overrides=overrides,
         )
+    from omnivox.models.checkpoint import DECODER, checkpoint_parts
+
     path = Path(spec.path)
     folder = path if path.is_dir() else None
     return BundleManifest(
         source=path,
         speech=is_speech_checkpoint(path),
+        planned_parts=tuple(sorted(p for p in checkpoint_parts(path) if p != DECODER)) if folder else (),
         untrained_components=_read_untrained(folder),
         file_defaults=read_generation_config(folder / "generation_config.json" if folder else None),
         overrides=overrides,
@@ -238,6 +243,12 @@ def load_manifest(manifest: BundleManifest, options: EngineOptions) -> ModelBund
     except BaseException:
         engine.shutdown()
         raise
+    if manifest.planned_parts:
+        log.warning(
+            "%s also holds %s weights: image and audio input are planned, not built; serving its text decoder only",
+            source,
+            " and ".join(manifest.planned_parts),
+        )
     return ModelBundle(
         manifest=manifest,
         source=source,
