@@ -90,12 +90,39 @@ def test_encoder_matches_transformers_batched(family, audio_bundles, references)
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_encoder_batch_invariant(family, audio_bundles):
+    """Clips of several requests (one `features` call each) encoded in one pass equal each clip encoded alone."""
     encoder = load_audio_encoder(audio_bundles[family])
-    clips = _clips(family)[:3]
-    together = encoder.encode(encoder.features(clips))
+    clips = _clips(family)[:4]
+    requests = [encoder.features(clips[:1]), encoder.features(clips[1:3]), encoder.features(clips[3:])]
+    together = encoder.encode(requests)
+    assert len(together) == len(clips)
     for clip, emb in zip(clips, together, strict=True):
         (alone,) = encoder.encode(encoder.features([clip]))
         torch.testing.assert_close(emb, alone, atol=1e-5, rtol=1e-4)
+    assert encoder.encode([]) == []
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_expand_prompt_equals_the_processor(family, audio_bundles):
+    """The chat template writes the marker once per clip; expanding it gives the processor's token ids."""
+    path = audio_bundles[family]
+    encoder = load_audio_encoder(path)
+    processor = transformers.AutoProcessor.from_pretrained(path)
+    clips = [tone(1.0), chirp(2.7)] if family == "qwen2_audio" else [chirp(2.7)]  # Qwen3-ASR: one clip per prompt
+    content = [{"type": "audio", "audio": c} for c in clips] + [{"type": "text", "text": "What is it?"}]
+    prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+    prompt = prompt if isinstance(prompt, str) else prompt[0]
+    ids = processor.tokenizer(prompt, add_special_tokens=False).input_ids
+    assert ids.count(encoder.marker_token_id) == len(clips)
+    counts = encoder.features(clips).num_tokens
+    expanded, starts = encoder.expand_prompt(ids, counts)
+    ref = processor(text=[prompt], audio=clips, sampling_rate=16000, return_tensors="pt")
+    assert expanded == ref["input_ids"][0].tolist()
+    for start, n in zip(starts, counts, strict=True):
+        assert expanded[start : start + n] == [encoder.placeholder_token_id] * n
+    assert encoder.expand_prompt(expanded, counts) == (expanded, starts)  # already expanded: unchanged
+    with pytest.raises(ValueError, match="markers"):
+        encoder.expand_prompt(ids, counts + [5])
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

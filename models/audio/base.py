@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,6 +91,26 @@ class AudioInputs:
     mel: MelBatch
     num_tokens: list[int]
 
+    @staticmethod
+    def concat(parts: Sequence[AudioInputs]) -> AudioInputs:
+        """One batch of the clips of several `features` calls (e.g. of several requests), in order. Shorter feature
+        matrices are zero-padded with mask 0, which is what a clip's own features hold past its end."""
+        if len(parts) == 1:
+            return parts[0]
+        frames = max(p.mel.features.shape[-1] for p in parts)
+
+        def pad(x: torch.Tensor) -> torch.Tensor:  # [..., T] -> [..., frames], zeros after
+            return torch.nn.functional.pad(x, (0, frames - x.shape[-1]))
+
+        return AudioInputs(
+            MelBatch(
+                features=torch.cat([pad(p.mel.features) for p in parts]),
+                mask=torch.cat([pad(p.mel.mask) for p in parts]),
+                valid_frames=[n for p in parts for n in p.mel.valid_frames],
+            ),
+            [n for p in parts for n in p.num_tokens],
+        )
+
 
 class AudioEncoder(ABC):
     """An audio-LLM's audio tower + projector: decoded samples in, [num_tokens, text_hidden] embeddings out.
@@ -101,8 +121,11 @@ class AudioEncoder(ABC):
     - `num_placeholders(num_samples)`: how many `placeholder_token_id` tokens the prompt holds for a clip of that many
       samples (the family's own formula, the one its processor uses); `encode` asserts its output has that length.
     - `features(clips)`: clips are 1-D float32 arrays/tensors at `sample_rate`; any number, any lengths within limits.
-    - `encode(inputs)`: one batched pass over all clips (of one or many requests); returns one [num_tokens_i,
-      text_hidden] tensor per clip in `dtype` on `device`. A clip's embeddings do not depend on its batch mates.
+    - `encode(inputs)`: `inputs` is one `features` result or a sequence of them (e.g. one per request); one
+      batched pass over all their clips returns one [num_tokens_i, text_hidden] tensor per clip, in order, in
+      `dtype` on `device`. A clip's embeddings do not depend on its batch mates (tested).
+    - Prompts: the chat template writes `marker_token` once per clip; `expand_prompt(token_ids, num_tokens)`
+      repeats it to each clip's count and says where each clip's run starts (an `EmbeddingSegment` per clip).
     - `feature_settings()`: a stable string of every setting that changes the embeddings, for content keys.
     """
 
@@ -141,7 +164,55 @@ class AudioEncoder(ABC):
     def num_placeholders(self, num_samples: int) -> int: ...
 
     @abstractmethod
-    def encode(self, inputs: AudioInputs) -> list[torch.Tensor]: ...
+    def _encode_batch(self, inputs: AudioInputs) -> list[torch.Tensor]: ...
+
+    @property
+    def marker_token_id(self) -> int:
+        """The token the chat template writes once per clip; both families repeat it as the placeholder."""
+        return self.placeholder_token_id
+
+    def encode(self, inputs: AudioInputs | Sequence[AudioInputs]) -> list[torch.Tensor]:
+        if not isinstance(inputs, AudioInputs):
+            if not inputs:
+                return []
+            inputs = AudioInputs.concat(list(inputs))
+        batch = inputs
+        with torch.inference_mode():
+            out = self._encode_batch(batch)
+        for n, emb in zip(batch.num_tokens, out, strict=True):
+            if tuple(emb.shape) != (n, self.text_hidden_size):
+                raise AssertionError(f"{self.family}: embeddings {tuple(emb.shape)} for a clip of {n} placeholders")
+        return out
+
+    def expand_prompt(self, token_ids: Sequence[int], num_tokens: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Repeat the i-th marker token `num_tokens[i]` times; returns (expanded ids, start of each clip's run).
+
+        A prompt already expanded (runs of exactly those lengths, as transformers' processor writes) is returned
+        as it is. The number of marker runs must equal the number of clips."""
+        marker = self.marker_token_id
+        runs: list[tuple[int, int]] = []  # (start, length) of each run of markers
+        for i, t in enumerate(token_ids):
+            if t == marker:
+                if runs and runs[-1][0] + runs[-1][1] == i:
+                    runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+                else:
+                    runs.append((i, 1))
+        if len(runs) != len(num_tokens):
+            raise ValueError(f"the prompt has {len(runs)} audio markers for {len(num_tokens)} clips")
+        if all(length == n for (_, length), n in zip(runs, num_tokens, strict=True)):
+            return list(token_ids), [start for start, _ in runs]
+        if any(length != 1 for _, length in runs):
+            raise ValueError(f"audio marker runs of {[n for _, n in runs]} tokens for clips of {list(num_tokens)}")
+        out: list[int] = []
+        starts: list[int] = []
+        clips = iter(num_tokens)
+        for t in token_ids:
+            if t == marker:
+                starts.append(len(out))
+                out.extend([marker] * next(clips))
+            else:
+                out.append(t)
+        return out, starts
 
     def feature_settings(self) -> str:
         return f"{self.family}|{self.mel_settings.key()}|dtype={self.dtype}"

@@ -85,8 +85,7 @@ class Qwen2AudioEncoder(AudioEncoder):
         frames = self.mel_settings.valid_frames(num_samples)
         return max(0, ((frames - 1) // 2 + 1 - 2) // 2 + 1)
 
-    @torch.inference_mode()
-    def encode(self, inputs: AudioInputs) -> list[torch.Tensor]:
+    def _encode_batch(self, inputs: AudioInputs) -> list[torch.Tensor]:
         features = inputs.mel.features.to(self.device, self.dtype)  # [B, n_mels, 3000]
         frames = torch.tensor(inputs.mel.valid_frames, device=self.device)
         conv_lens, out_lens = self.tower._get_feat_extract_output_lengths(frames)  # after conv2, after pooling

@@ -104,8 +104,7 @@ class Qwen3ASRAudioEncoder(AudioEncoder):
     def num_placeholders(self, num_samples: int) -> int:
         return int(hf._get_feat_extract_output_lengths(self.mel_settings.valid_frames(num_samples), self.n_window))
 
-    @torch.inference_mode()
-    def encode(self, inputs: AudioInputs) -> list[torch.Tensor]:
+    def _encode_batch(self, inputs: AudioInputs) -> list[torch.Tensor]:
         features = inputs.mel.features.to(self.device, self.dtype)  # [B, n_mels, T], T a multiple of 2 * n_window
         mask = inputs.mel.mask.to(self.device)  # [B, T]
         lengths = hf._get_feat_extract_output_lengths(mask.sum(-1), self.n_window).tolist()
