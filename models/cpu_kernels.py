@@ -76,6 +76,12 @@ def _build() -> ctypes.CDLL | None:
     gemv = lib.gemv_f32
     gemv.restype = None
     gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2
+    q4 = lib.q4_matmul_f32
+    q4.restype = None
+    q4.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    q4_deq = lib.q4_dequantize_f32
+    q4_deq.restype = None
+    q4_deq.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
     return lib
 
 
@@ -143,4 +149,34 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
     n, k = weight.shape
     out = torch.empty(1, n, dtype=x.dtype)
     _lib.gemv_f32(weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), n, k)
+    return out
+
+
+def q4_matmul(x: torch.Tensor, blocks: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] float32 @ W.T (+ bias) for W held as Q4_1 blocks: `blocks` uint8 [n, K / 32 * 20] (K % 32 == 0).
+
+    Activations are quantised to int8 per group of 32 inside the call (see cpu_kernels.c); returns [M, n] float32.
+    """
+    assert _lib is not None, "call kernel_available() first"
+    x = x.contiguous()
+    m, k = x.shape
+    out = torch.empty(m, n, dtype=torch.float32)
+    _lib.q4_matmul_f32(
+        blocks.data_ptr(),
+        x.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        m,
+        n,
+        k,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def q4_dequantize(blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Q4_1 blocks uint8 [n, k / 32 * 20] -> float32 [n, k] (k % 32 == 0)."""
+    assert _lib is not None, "call kernel_available() first"
+    out = torch.empty(n, k, dtype=torch.float32)
+    _lib.q4_dequantize_f32(blocks.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads())
     return out

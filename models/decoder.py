@@ -97,7 +97,7 @@ class DecoderModel(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T], or [3, T] M-RoPE rows for Qwen2.5-VL (KV slots stay 1-D: slot_mapping)
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         embed_rows: torch.Tensor | None = None,  # [S] rows whose embedding is replaced (vision / audio segments)
@@ -112,8 +112,9 @@ class DecoderModel(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight).float()
+        if self.lm_head is None:  # tied: the embedding matrix is the output projection
+            return linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()  # Linear, or a quantised layer (models/quant.py)
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (transformers names) into place, one at a time.

@@ -1,0 +1,92 @@
+"""Quantised linear layers: the 4-bit C kernel equals its portable torch twin; int8 and 4-bit layers stay within a
+stated error of float32 `F.linear` on odd shapes, at one row and many."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from omnivox.models import cpu_kernels, quant
+
+SHAPES = [(1, 32), (7, 40), (33, 100), (96, 64), (130, 576)]  # (out, in): odd sizes, K not a multiple of 32
+ROWS = [1, 3, 5, 17, quant.LARGE_BATCH + 3]  # batch-1 GEMV, the 4-row tiles with a remainder, the float-GEMM path
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("m", ROWS[:4])
+def test_q4_kernel_equals_portable_path(n, k, m):
+    if not cpu_kernels.kernel_available():
+        pytest.skip("no C compiler: only the portable path exists")
+    torch.manual_seed(n * k + m)
+    layer = quant.Int4Linear.from_float(torch.randn(n, k), torch.randn(n))
+    x = F.pad(torch.randn(m, k), (0, layer.padded_in - k))
+    ours = cpu_kernels.q4_matmul(x, layer.blocks, n, layer.bias)
+    portable = quant.q4_matmul_portable(x, layer.blocks, layer.bias)
+    # Same integer group dots and scales; only the float summation order differs.
+    torch.testing.assert_close(ours, portable, rtol=1e-4, atol=1e-4)
+
+
+def test_q4_dequantize_kernel_equals_torch():
+    if not cpu_kernels.kernel_available():
+        pytest.skip("no C compiler: only the portable path exists")
+    w = torch.randn(37, 96)
+    blocks = quant.quantize_q4(w)
+    assert torch.equal(cpu_kernels.q4_dequantize(blocks, 37, 96), quant.dequantize_q4(blocks, 96))
+
+
+def test_q4_round_trip_is_within_half_a_level():
+    w = torch.randn(19, 70) * 3
+    blocks = quant.quantize_q4(w)
+    d, m, _ = quant.q4_parts(blocks)
+    back = quant.dequantize_q4(blocks, 70)
+    step = d.repeat_interleave(32, dim=1)[:, :70]
+    # half a level, plus fp16 rounding of d and m (1e-3 relative)
+    assert ((back - w).abs() <= step * 0.5 + 2e-3 * w.abs().amax()).all()
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize(
+    ("kind", "tolerance"),
+    # Measured on these shapes (random normal weights and inputs): int8 1.5-2.2 % relative error (fbgemm quantises
+    # the activations per tensor as well), 4-bit groups 7-8.5 % (16 levels per group of 32).
+    [("int8", 0.04), ("int4", 0.12)],
+)
+def test_quantised_linear_close_to_float(kind, tolerance, n, k, m):
+    torch.manual_seed(n + k + m)
+    w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(m, k)
+    layer = (quant.Int8Linear if kind == "int8" else quant.Int4Linear).from_float(w, b)
+    with torch.inference_mode():
+        y = layer(x)
+    assert y.shape == (m, n)
+    ref = F.linear(x, w, b)
+    assert _rel_err(y, ref) < tolerance
+    # and against the layer's own dequantised weights, the error left is the activations' quantisation only
+    if kind == "int4":
+        assert _rel_err(y, F.linear(x, quant.dequantize_q4(layer.blocks, k), b)) < 0.03
+
+
+def test_int4_without_the_kernel_equals_with(monkeypatch):
+    if not cpu_kernels.kernel_available():
+        pytest.skip("no C compiler: only the portable path exists")
+    layer = quant.Int4Linear.from_float(torch.randn(50, 72), torch.randn(50))
+    x = torch.randn(3, 72)
+    with torch.inference_mode():
+        fast = layer(x)
+        monkeypatch.setattr(cpu_kernels, "kernel_available", lambda: False)
+        slow = layer(x)
+    torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-4)
+
+
+def test_quantised_layers_hold_no_float_weights():
+    w = torch.randn(256, 512)
+    int8, int4 = quant.Int8Linear.from_float(w), quant.Int4Linear.from_float(w)
+    assert not any(t.is_floating_point() and t.numel() >= w.numel() // 32 for t in int4.state_dict().values())
+    assert list(int8.parameters()) == []
+    assert quant.weight_bytes(int8) == 256 * 512 + 4 * 256  # int8 rows + float32 scales
+    assert quant.weight_bytes(int4) == 256 * 512 * 5 // 8  # 20 bytes per 32 weights
