@@ -53,21 +53,27 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         params = getattr(hf_config, "rope_parameters", None) or {}
         rope_type = params.get("rope_type", "default")
+        # The tables are computed on the CPU in float32, whatever device the model is being built under (transformers'
+        # rope functions return CPU tensors: mixing them with tables made under `torch.device("cuda")` crashed the
+        # Llama 3 load), then moved to the device the module is built on (the default device: cuda, cpu or meta).
+        target = torch.get_default_device()
+        cpu = torch.device("cpu")
         if rope_type == "default":
             theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=cpu) / head_dim))
             scaling = 1.0
         elif rope_type == "dynamic":
             raise ValueError("rope_type 'dynamic' (NTK scaling that changes with length) is not supported")
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
-        t = torch.arange(max_positions, dtype=torch.float)
-        freqs = torch.outer(t, inv_freq.float())  # [P, D/2]
+            with torch.device(cpu):  # their own aranges follow the default device
+                inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, cpu)
+        t = torch.arange(max_positions, dtype=torch.float, device=cpu)
+        freqs = torch.outer(t, inv_freq.to(cpu, torch.float))  # [P, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        self.register_buffer("cos", (emb.cos() * scaling).to(target), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scaling).to(target), persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for these positions, [T, 1, D] in dtype: looked up once per step, shared by every layer."""
