@@ -115,6 +115,8 @@ class EngineCore:
         """End a request (stop, length, abort, error) and free its blocks at once."""
         req.draft_token_ids.clear()
         self.scheduler.finish(req, reason)
+        for seg in req.segments:  # encoder-cache references go with the request, whatever ended it
+            seg.release()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -133,6 +135,7 @@ class EngineCore:
         self._propose()
         plan = self.scheduler.schedule()
         result = StepResult(plan)
+        self._drop_failed_segments(plan, result)
         if not plan.is_empty:
             self.num_steps += 1
             self._run(plan, result)
@@ -145,12 +148,21 @@ class EngineCore:
         s.seconds = time.perf_counter() - t0
         return result
 
+    @staticmethod
+    def _drop_failed_segments(plan: SchedulePlan, result: StepResult) -> None:
+        """A chunk whose embeddings can never come (its encoder failed) fails its request, not the step."""
+        for chunks in (plan.decodes, plan.prefills):
+            for c in list(chunks):
+                if any(s.failed() and s.end > c.start and s.start < c.end for s in c.request.segments):
+                    chunks.remove(c)
+                    result.failed.append(c.request)
+
     def _run(self, plan: SchedulePlan, result: StepResult) -> None:
         try:
             logits, sampling = self.runner.execute(plan)
         except Exception:
             log.exception("engine step failed; failing the %d requests in it", len(plan.chunks))
-            result.failed = [c.request for c in plan.chunks]
+            result.failed += [c.request for c in plan.chunks]
             return
         for c in plan.chunks:  # committed positions computed; drafts are settled after verification
             c.request.num_computed_tokens = min(c.end, c.request.num_tokens)
@@ -167,7 +179,7 @@ class EngineCore:
             out = self.sampler(logits.index_select(0, torch.tensor(firsts, device=logits.device)), reqs)
         except Exception:  # a sampler bug must not take the engine down: fail these requests, serve the rest
             log.exception("sampling failed; failing the %d requests it served", len(reqs))
-            result.failed = reqs
+            result.failed += reqs
             return
         for i, (c, first) in enumerate(zip(sampling, firsts, strict=True)):
             req = c.request

@@ -11,10 +11,29 @@ import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from omnivox.engine.params import SamplingParams, TokenConstraint
+
+
+class EmbeddingSource(Protocol):
+    """Embeddings produced off the engine thread (an encoder worker), shared through an encoder cache.
+
+    `start()` asks for them (idempotent, non-blocking); `ready()` / `failed()` say whether they exist or never
+    will; `result()` returns them ([num_tokens, hidden]); `release()` drops this request's reference (once).
+    """
+
+    def start(self) -> None: ...
+
+    def ready(self) -> bool: ...
+
+    def failed(self) -> bool: ...
+
+    def result(self) -> torch.Tensor: ...
+
+    def release(self) -> None: ...
 
 
 class EmbeddingSegment:
@@ -22,8 +41,10 @@ class EmbeddingSegment:
 
     `key` names the segment's content: a hash of the raw input bytes and the preprocessing settings, known at
     admission before any encoder runs. It goes into the hashes of the KV blocks the segment covers, so a prefix-cache
-    hit is decided without the embeddings. `produce()` makes them lazily, at most once, and only when a prefill chunk
-    computes one of the segment's positions: a prefix-cache hit that covers the whole segment never calls it.
+    hit is decided without the embeddings. The embeddings come from exactly one of: `embeds` (ready), `produce()`
+    (called on the engine thread, at most once, when a prefill chunk first computes one of the segment's positions)
+    or `source` (an EmbeddingSource: started at admission unless the prefix cache covers the whole segment; a prefill
+    chunk stops short of the segment until it is ready, so other requests never wait for an encoder).
     """
 
     def __init__(
@@ -33,9 +54,10 @@ class EmbeddingSegment:
         key: str,
         produce: Callable[[], torch.Tensor] | None = None,
         embeds: torch.Tensor | None = None,
+        source: EmbeddingSource | None = None,
     ) -> None:
-        if (produce is None) == (embeds is None):
-            raise ValueError("a segment needs exactly one of produce or embeds")
+        if sum(x is not None for x in (produce, embeds, source)) != 1:
+            raise ValueError("a segment needs exactly one of produce, embeds or source")
         if num_tokens < 1 or start < 0:
             raise ValueError(f"bad segment span: start {start}, {num_tokens} tokens")
         if not key:
@@ -43,6 +65,7 @@ class EmbeddingSegment:
         self.start = start
         self.num_tokens = num_tokens
         self.key = key
+        self.source = source
         self._produce = produce
         self._embeds: torch.Tensor | None = None
         if embeds is not None:
@@ -71,12 +94,32 @@ class EmbeddingSegment:
     def is_produced(self) -> bool:
         return self._embeds is not None
 
+    def request(self) -> None:
+        """Start producing the embeddings when they come from a source (admission calls this)."""
+        if self.source is not None:
+            self.source.start()
+
+    def ready(self) -> bool:
+        """False while a source is still producing: a prefill chunk must stop before this segment."""
+        return self.source is None or self.source.ready() or self.source.failed()
+
+    def failed(self) -> bool:
+        return self.source is not None and self.source.failed()
+
+    def release(self) -> None:
+        """The request is done with these embeddings (finish, abort): drop its reference to the source."""
+        if self.source is not None:
+            self.source.release()
+
     def embeds(self) -> torch.Tensor:
         """The segment's embeddings [num_tokens, hidden], produced on first use."""
         if self._embeds is None:
-            assert self._produce is not None
-            self._set(self._produce())
-            self._produce = None
+            if self.source is not None:
+                self._set(self.source.result())
+            else:
+                assert self._produce is not None
+                self._set(self._produce())
+                self._produce = None
         assert self._embeds is not None
         return self._embeds
 

@@ -59,6 +59,15 @@ class SchedulePlan:
         return not self.decodes and not self.prefills
 
 
+def computable(req: Request, start: int, n: int) -> int:
+    """How many of the n tokens from `start` can be computed now: a chunk stops before an embedding segment whose
+    encoder has not finished (its positions need the embeddings)."""
+    for seg in req.segments:  # sorted by start
+        if seg.end > start and seg.start < start + n and not seg.ready():
+            return max(0, seg.start - start)
+    return n
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         self.kv = kv
@@ -83,6 +92,10 @@ class Scheduler:
             if req.draft_token_ids:  # drafts that do not fit this step's budget are dropped, never half-verified
                 del req.draft_token_ids[max(0, budget - (req.num_tokens - req.num_computed_tokens)) :]
             n = min(req.num_tokens + len(req.draft_token_ids) - req.num_computed_tokens, budget)
+            n = computable(req, req.num_computed_tokens, n)
+            if n == 0:  # waiting for an encoder: it keeps its place, the others run
+                i += 1
+                continue
             while not self.kv.allocate(req, n):
                 victim = self.running[-1]
                 self._preempt(victim, plan)
@@ -104,7 +117,10 @@ class Scheduler:
             req = self.waiting[0]
             cached = self.kv.match_prefix(req)
             req.num_computed_tokens = cached
-            n = min(req.num_tokens - cached, budget)
+            for seg in req.segments:  # a segment the prefix cache covers whole is never encoded
+                if seg.end > cached:
+                    seg.request()
+            n = computable(req, cached, min(req.num_tokens - cached, budget))
             if not self.kv.allocate(req, n):
                 self.kv.free(req)
                 req.num_computed_tokens = 0
@@ -115,7 +131,8 @@ class Scheduler:
             req.status = Status.RUNNING
             self.running.append(req)
             plan.admitted.append(req)
-            plan.prefills.append(_chunk(req, n))
+            if n:  # else admitted to wait for its embeddings; it holds only its cached blocks meanwhile
+                plan.prefills.append(_chunk(req, n))
             budget -= n
 
     def _preempt(self, req: Request, plan: SchedulePlan) -> None:
