@@ -6,13 +6,22 @@ import grpc
 
 from omnivox.services.errors import rpc_method
 from omnivox.services.registry import AUDIO, IMAGE, TEXT, ModelRegistry, ModelState, ServedModel
-from omnivox.v1 import model_pb2, model_pb2_grpc
+from omnivox.services.validation import SAMPLING_FIELDS
+from omnivox.v1 import model_pb2, model_pb2_grpc, sampling_pb2
 
 MODALITIES = {TEXT: model_pb2.MODALITY_TEXT, IMAGE: model_pb2.MODALITY_IMAGE, AUDIO: model_pb2.MODALITY_AUDIO}
 
 
 def _modalities(names: frozenset[str]) -> list[int]:
     return sorted(MODALITIES[n] for n in names)
+
+
+def default_sampling(defaults: dict[str, object]) -> sampling_pb2.SamplingConfig:
+    """A model's sampling defaults as the SamplingConfig a request would send to ask for them."""
+    config = sampling_pb2.SamplingConfig(**{k: v for k, v in defaults.items() if k in SAMPLING_FIELDS})
+    if defaults.get("logit_bias"):
+        config.logit_bias.update(defaults["logit_bias"])  # type: ignore[arg-type]
+    return config
 
 
 def model_info(model: ServedModel, default_name: str | None) -> model_pb2.ModelInfo:
@@ -26,6 +35,7 @@ def model_info(model: ServedModel, default_name: str | None) -> model_pb2.ModelI
         is_default=model.name == default_name,
         source=str(model.source or ""),
         ready=model.state is ModelState.READY,
+        default_sampling=default_sampling(model.sampling_defaults),
     )
 
 

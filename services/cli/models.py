@@ -28,7 +28,12 @@ def run(args: argparse.Namespace) -> int:
             )
         except grpc.RpcError as err:
             raise CliError(rpc_error_line(err, args.server)) from None
-    rows = [("NAME", "IN", "OUT", "CONTEXT", "STATE", "UNTRAINED", "SOURCE")]
+
+    def sampling(config) -> str:
+        fields = config.ListFields()
+        return ",".join(f"{f.name}={v:g}" if isinstance(v, float) else f"{f.name}={v}" for f, v in fields) or "-"
+
+    rows = [("NAME", "IN", "OUT", "CONTEXT", "STATE", "SAMPLING", "UNTRAINED", "SOURCE")]
     for m in response.models:
         rows.append(
             (
@@ -37,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
                 names(m.output_modalities),
                 str(m.context_length),
                 "ready" if m.ready else "loading",
+                sampling(m.default_sampling),
                 ",".join(m.untrained_components) or "-",
                 m.source,
             )

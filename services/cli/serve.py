@@ -42,6 +42,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=[],
         help="the name requests use for the matching --model (in order); default: the folder or file name",
     )
+    p.add_argument(
+        "--sampling-default",
+        dest="sampling_defaults",
+        metavar="[NAME:]KEY=VALUE",
+        action="append",
+        default=[],
+        help="replace a model's own sampling default (its generation_config.json); repeatable. KEY is one of "
+        f"{', '.join(SAMPLING_DEFAULT_KEYS)}. With NAME: for the model served under that name; without: for the "
+        "default model (the first --model, or the embedded default). Requests that set the field still win",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=50051, help="port to listen on (0 = any free port)")
     p.add_argument("--tls-cert", type=Path, help="PEM certificate chain; with --tls-key, serve TLS")
@@ -69,14 +79,63 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def model_specs(models: list[Path], names: list[str]) -> list[ModelSpec]:
-    from omnivox.services.loading import ModelSpec
+# SamplingParams fields `--sampling-default` may set (a default seed would make every unseeded request the same).
+SAMPLING_DEFAULT_KEYS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+def parse_sampling_default(text: str) -> tuple[str | None, str, float | int]:
+    """`[NAME:]KEY=VALUE` -> (NAME or None, KEY, VALUE), the value checked with the engine's own table."""
+    from omnivox.engine import SamplingParams
+
+    target, sep, assignment = text.rpartition(":")
+    key, eq, raw = assignment.partition("=")
+    key = key.strip()
+    if not eq or key not in SAMPLING_DEFAULT_KEYS:
+        raise CliError(
+            f"--sampling-default {text!r}: expected [NAME:]KEY=VALUE with KEY one of {', '.join(SAMPLING_DEFAULT_KEYS)}"
+        )
+    try:
+        value: float | int = int(raw) if key == "top_k" else float(raw)
+    except ValueError:
+        raise CliError(f"--sampling-default {text!r}: {raw!r} is not a number") from None
+    for problem in SamplingParams(**{key: value}).violations(vocab_size=1):  # type: ignore[arg-type]
+        raise CliError(f"--sampling-default {text!r}: {problem.field} {problem.description}")
+    return (target.strip() or None) if sep else None, key, value
+
+
+def model_specs(models: list[Path], names: list[str], sampling_defaults: list[str] = ()) -> list[ModelSpec]:
+    """One ModelSpec per --model (the embedded defaults without any), each with its --sampling-default overrides."""
+    from omnivox.services.defaults import DEFAULT_MODEL_NAME, DEFAULT_SPEECH_MODEL_NAME
+    from omnivox.services.loading import ModelSpec, model_name_for
 
     if len(names) > max(len(models), 1):
         raise CliError(f"{len(names)} --name given for {len(models)} --model")
     if not models:  # the embedded defaults: the text model, and the random speech model for SpeechService
-        return [ModelSpec(path=None, name=names[0] if names else None), ModelSpec(path=None, speech=True)]
-    return [ModelSpec(path=path, name=names[i] if i < len(names) else None) for i, path in enumerate(models)]
+        specs = [ModelSpec(path=None, name=names[0] if names else None), ModelSpec(path=None, speech=True)]
+        served = [specs[0].name or DEFAULT_MODEL_NAME, DEFAULT_SPEECH_MODEL_NAME]
+    else:
+        specs = [ModelSpec(path=path, name=names[i] if i < len(names) else None) for i, path in enumerate(models)]
+        served = [spec.name or model_name_for(path.expanduser()) for spec, path in zip(specs, models, strict=True)]
+    overrides: list[dict[str, float | int]] = [{} for _ in specs]
+    for text in sampling_defaults:
+        target, key, value = parse_sampling_default(text)
+        if target is not None and target not in served:
+            raise CliError(
+                f"--sampling-default {text!r}: no model is served as {target!r} (served: {', '.join(served)})"
+            )
+        overrides[served.index(target) if target is not None else 0][key] = value
+    return [
+        ModelSpec(path=s.path, name=s.name, speech=s.speech, sampling_overrides=o)
+        for s, o in zip(specs, overrides, strict=True)
+    ]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -121,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
         progress=True,
     )
     try:
-        specs = model_specs(args.models, args.names)
+        specs = model_specs(args.models, args.names, args.sampling_defaults)
         return asyncio.run(server.run(specs, options, engine_options, on_ready=demo if args.demo else None))
     except (ModelLoadError, OSError) as err:
         raise CliError(str(err)) from None

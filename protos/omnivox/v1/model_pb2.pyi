@@ -1,3 +1,4 @@
+from omnivox.v1 import sampling_pb2 as _sampling_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -29,7 +30,7 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "input_modalities", "output_modalities", "context_length", "has_untrained_components", "untrained_components", "is_default", "source", "ready")
+    __slots__ = ("name", "input_modalities", "output_modalities", "context_length", "has_untrained_components", "untrained_components", "is_default", "source", "ready", "default_sampling")
     NAME_FIELD_NUMBER: _ClassVar[int]
     INPUT_MODALITIES_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_MODALITIES_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +40,7 @@ class ModelInfo(_message.Message):
     IS_DEFAULT_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_SAMPLING_FIELD_NUMBER: _ClassVar[int]
     name: str
     input_modalities: _containers.RepeatedScalarFieldContainer[Modality]
     output_modalities: _containers.RepeatedScalarFieldContainer[Modality]
@@ -48,4 +50,5 @@ class ModelInfo(_message.Message):
     is_default: bool
     source: str
     ready: bool
-    def __init__(self, name: _Optional[str] = ..., input_modalities: _Optional[_Iterable[_Union[Modality, str]]] = ..., output_modalities: _Optional[_Iterable[_Union[Modality, str]]] = ..., context_length: _Optional[int] = ..., has_untrained_components: _Optional[bool] = ..., untrained_components: _Optional[_Iterable[str]] = ..., is_default: _Optional[bool] = ..., source: _Optional[str] = ..., ready: _Optional[bool] = ...) -> None: ...
+    default_sampling: _sampling_pb2.SamplingConfig
+    def __init__(self, name: _Optional[str] = ..., input_modalities: _Optional[_Iterable[_Union[Modality, str]]] = ..., output_modalities: _Optional[_Iterable[_Union[Modality, str]]] = ..., context_length: _Optional[int] = ..., has_untrained_components: _Optional[bool] = ..., untrained_components: _Optional[_Iterable[str]] = ..., is_default: _Optional[bool] = ..., source: _Optional[str] = ..., ready: _Optional[bool] = ..., default_sampling: _Optional[_Union[_sampling_pb2.SamplingConfig, _Mapping]] = ...) -> None: ...
