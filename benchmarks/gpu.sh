@@ -5,18 +5,26 @@
 #
 #   bash benchmarks/gpu.sh            # on a machine with a GPU
 #   bash benchmarks/gpu.sh --dry-run  # the same steps on CPU with a tiny model and a tiny workload (what the tests run)
+#   bash benchmarks/gpu.sh [--dry-run] -- ARGS...  # ARGS go to the benchmark last (they win over the defaults)
 #
-# Environment: PYTHON (default: .venv/bin/python, else python3), OUT (default: bench-results/gpu).
+# Exit status: nonzero when the omnivox server cannot start, a request fails, or the budget runs out. results.json is
+# written after every level, so a run cut short keeps what it measured.
+# Environment: PYTHON (default: .venv/bin/python, else python3), OUT (default: bench-results/gpu),
+# BUDGET_S (default 470: seconds for building the checkpoint and the benchmark together).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}"
 OUT="${OUT:-bench-results/gpu}"
+BUDGET_S="${BUDGET_S:-470}"
 DRY=0
-for arg in "$@"; do
-  case "$arg" in
+EXTRA=()
+while [ $# -gt 0 ]; do
+  case "$1" in
     --dry-run) DRY=1 ;;
-    *) echo "gpu.sh: unknown argument $arg (only --dry-run)" >&2; exit 2 ;;
+    --) shift; EXTRA=("$@"); break ;;
+    *) echo "gpu.sh: unknown argument $1 (only --dry-run, then -- ARGS for the benchmark)" >&2; exit 2 ;;
   esac
+  shift
 done
 mkdir -p "$OUT"
 CKPT="$OUT/checkpoint"
@@ -33,13 +41,27 @@ else
 fi
 
 start=$(date +%s)
+# One deadline for everything: building the checkpoint counts against the same budget as the benchmark.
+left() {
+  local n=$(( start + BUDGET_S - $(date +%s) ))
+  if [ "$n" -le 0 ]; then echo "gpu.sh: budget of $BUDGET_S s spent" >&2; exit 1; fi
+  echo "$n"
+}
 if [ ! -f "$CKPT/config.json" ] || ! grep -q "\"$SHAPE\"" "$CKPT/RANDOM_WEIGHTS.json" 2>/dev/null; then
   rm -rf "$CKPT"
-  "$PYTHON" -m omnivox.benchmarks.make_random_checkpoint --shape "$SHAPE" --dtype "$DTYPE" --device "$DEVICE" --out "$CKPT"
+  timeout "$(left)" "$PYTHON" -m omnivox.benchmarks.make_random_checkpoint --shape "$SHAPE" --dtype "$DTYPE" \
+    --device "$DEVICE" --out "$CKPT" || { echo "gpu.sh: building the checkpoint failed or timed out" >&2; exit 1; }
 fi
-# A bounded run: `timeout` keeps a hung server from eating the GPU budget.
-timeout 450 "$PYTHON" -m omnivox.benchmarks --model "$CKPT" --dtype "$DTYPE" --device "$DEVICE" --out "$OUT" \
-  --no-progress "${BENCH[@]}" > "$OUT/bench.log" 2>&1 || { tail -n 40 "$OUT/bench.log" >&2; exit 1; }
+# A bounded run: `timeout` keeps a hung server from eating the GPU budget. The benchmark exits nonzero when an
+# omnivox system was skipped (its server did not start) or any request failed.
+timeout "$(left)" "$PYTHON" -m omnivox.benchmarks --model "$CKPT" --dtype "$DTYPE" --device "$DEVICE" --out "$OUT" \
+  --no-progress "${BENCH[@]}" "${EXTRA[@]}" > "$OUT/bench.log" 2>&1 || {
+  code=$?
+  tail -n 40 "$OUT/bench.log" >&2
+  [ "$code" = 124 ] && echo "gpu.sh: benchmark timed out; partial results in $OUT/results.json" >&2
+  [ -f "$OUT/omnivox-server.log" ] && { echo "--- omnivox server log (tail)" >&2; tail -n 20 "$OUT/omnivox-server.log" >&2; }
+  exit 1
+}
 
 "$PYTHON" - "$OUT/results.json" "$(( $(date +%s) - start ))" <<'PY'
 import json, sys

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import sys
@@ -290,6 +291,7 @@ def run(args: argparse.Namespace) -> dict:
 
     longest = max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
     kv_tokens = max(levels_wanted) * (longest + 16) * 5 // 4
+    write_partial(result, args.out)
     for system in make_systems(args, model, names, kv_tokens):
         if isinstance(system, tuple):
             result["skipped"][system[0]] = system[1]
@@ -302,6 +304,7 @@ def run(args: argparse.Namespace) -> dict:
             result["skipped"][system.name] = str(e)
             print(f"skipped {system.name}: {e}")
             system.close()
+            write_partial(result, args.out)
             continue
         try:
             for c in levels_wanted:
@@ -315,6 +318,7 @@ def run(args: argparse.Namespace) -> dict:
                 if errors:
                     row["errors"] = errors[:5]
                 result["levels"].append(row)
+                write_partial(result, args.out)  # a run killed by its timeout keeps every level it finished
                 print(
                     f"{system.name} @ {c}: {row['total_tps']:.1f} tok/s total, TTFT p50 {row['ttft_p50_ms']:.0f} ms,"
                     f" ITL p50 {row['itl_p50_ms']:.1f} ms p99 {row['itl_p99_ms']:.1f} ms, errors {row['num_errors']}"
@@ -331,12 +335,27 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
+def write_partial(result: dict, out_dir: Path) -> None:
+    """results.json as it stands (marked partial); the final write_all replaces it."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / "results.json.tmp"
+    tmp.write_text(json.dumps(result | {"partial": True}, indent=2))
+    tmp.replace(out_dir / "results.json")
+
+
+def own_systems_failed(result: dict) -> list[str]:
+    """Why the run must fail though it finished: an omnivox system that did not run (its server died while starting,
+    say) is the failure a benchmark of omnivox exists to catch, not a peer to skip."""
+    return [f"{name} skipped: {why}" for name, why in result["skipped"].items() if name.startswith("omnivox")]
+
+
 def main(argv: list[str] | None = None) -> int:
     return run_and_report(build_parser().parse_args(argv))
 
 
 def run_and_report(args: argparse.Namespace) -> int:
-    """Run the benchmark, write its files, print the report; exit code 1 when any request failed."""
+    """Run the benchmark, write its files, print the report; exit code 1 when any request failed or an omnivox
+    system was skipped."""
     import torch
 
     threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
@@ -353,7 +372,10 @@ def run_and_report(args: argparse.Namespace) -> int:
     print(report.markdown_report(result))
     print(f"wrote {paths['json']}, {paths['markdown']}, {paths['png']}")
     failed = [r for r in result["levels"] if r["num_errors"]]
-    return 1 if failed else 0
+    own = own_systems_failed(result)
+    for line in own:
+        print(f"FAILED: {line}", file=sys.stderr)
+    return 1 if failed or own else 0
 
 
 if __name__ == "__main__":

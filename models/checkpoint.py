@@ -335,10 +335,36 @@ def _read_gguf_metadata(path: Path) -> dict:
     return metadata
 
 
-def _gguf_tensor_table(path: Path) -> tuple[str, list[tuple[str, int, tuple[int, ...], np.ndarray]]]:
-    """(architecture, [(gguf_name, ggml_type, torch shape, raw bytes memory-mapped)]) of a GGUF file.
+class _GGUFBytes:
+    """One tensor's raw bytes in a GGUF file, read with plain reads when asked for (`np.asarray`).
 
-    The raw bytes have shape (*shape[:-1], bytes per row), which is what `gguf.quants.dequantize` takes.
+    Not memory-mapped: pages of a mapped file count in the process's resident memory until it is unmapped, so
+    dequantizing an F32 GGUF out of a map of the whole file peaked at 2.04x the weights; read tensor by tensor, under
+    1.5x (tests/test_gguf_loading.py).
+    """
+
+    def __init__(self, path: Path, offset: int, shape: tuple[int, ...]) -> None:
+        self.path, self.offset, self.shape = path, offset, shape
+        self.nbytes = int(np.prod(shape, dtype=np.int64))
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = np.empty(self.shape, dtype=np.uint8)
+        view, done = memoryview(out.reshape(-1)), 0
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(self.offset)
+            while done < self.nbytes:
+                n = f.readinto(view[done:])
+                if not n:
+                    raise ValueError(f"{self.path} is truncated")
+                done += n
+        return out if dtype is None else out.astype(dtype)
+
+
+def _gguf_tensor_table(path: Path) -> tuple[str, list[tuple[str, int, tuple[int, ...], np.ndarray | _GGUFBytes]]]:
+    """(architecture, [(gguf_name, ggml_type, torch shape, raw bytes)]) of a GGUF file.
+
+    The raw bytes have shape (*shape[:-1], bytes per row), which is what `gguf.quants.dequantize` takes; they are
+    read when `np.asarray` asks (a memory map only on the fallback reader for transformers without GgufHeader).
     """
     import gguf
 
@@ -356,7 +382,9 @@ def _gguf_tensor_table(path: Path) -> tuple[str, list[tuple[str, int, tuple[int,
         block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(info.ggml_type)]
         row_bytes = info.shape[-1] // block_size * type_size
         start = header.data_start + info.offset
-        raw = blob[start : start + info.nbytes].reshape(*info.shape[:-1], row_bytes)
+        raw = _GGUFBytes(path, start, (*info.shape[:-1], row_bytes))
+        if raw.nbytes != info.nbytes or start + info.nbytes > size:
+            raise ValueError(f"{path}: tensor {info.name} has inconsistent size or offset (truncated file?)")
         table.append((info.name, info.ggml_type, info.shape, raw))
     return header.architecture, table
 
@@ -410,7 +438,7 @@ def _dequantize_gguf_tensors(path, table, name_map, processor, dequantize) -> It
             # e.g. llama.cpp's precomputed `rope_freqs.weight`: derived from the config, not a parameter.
             logger.debug("%s: skipping GGUF tensor %s (no transformers parameter)", path, gguf_name)
             continue
-        weights = dequantize(raw, gguf.GGMLQuantizationType(ggml_type))  # (*shape) float32
+        weights = dequantize(np.asarray(raw), gguf.GGMLQuantizationType(ggml_type))  # (*shape) float32
         weights = processor.process(weights=weights, name=gguf_name).weights  # undoes llama.cpp's Q/K permutation
         if not weights.flags.writeable or not weights.flags.c_contiguous:  # still a view of the mapped file
             weights = np.array(weights, copy=True, order="C")

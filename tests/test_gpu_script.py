@@ -1,0 +1,54 @@
+"""benchmarks/gpu.sh fails loudly: a server that cannot start, or a budget spent, is a failed run, not a skipped row."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from omnivox.benchmarks.main import own_systems_failed, write_partial
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _gpu_sh(out: Path, *args: str, budget_s: int = 200) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "BUDGET_S": str(budget_s)}
+    return subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu.sh"), "--dry-run", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=budget_s + 60,
+    )
+
+
+@pytest.mark.timeout(260)
+def test_dry_run_fails_when_the_omnivox_server_cannot_start(tmp_path):
+    # `serve --dtype bogus` exits at once with an argparse error: the benchmark used to record omnivox as skipped and
+    # gpu.sh exited 0 with a table of peers only.
+    proc = _gpu_sh(tmp_path / "gpu", "--", "--systems", "omnivox", "--server-arg=--dtype=bogus")
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert "FAILED: omnivox skipped" in proc.stderr, proc.stderr[-2000:]
+    assert "exited with code" in proc.stderr
+    result = json.loads((tmp_path / "gpu" / "results.json").read_text())
+    assert "omnivox" in result["skipped"] and not result["levels"]
+
+
+@pytest.mark.timeout(60)
+def test_budget_spent_before_the_benchmark_fails(tmp_path):
+    proc = _gpu_sh(tmp_path / "gpu", budget_s=0)
+    assert proc.returncode != 0
+    assert "budget" in proc.stderr
+
+
+def test_partial_results_and_own_system_verdict(tmp_path):
+    result = {"levels": [{"system": "hf", "concurrency": 1}], "skipped": {"llama.cpp server": "no GGUF"}}
+    write_partial(result, tmp_path)
+    assert json.loads((tmp_path / "results.json").read_text()) == result | {"partial": True}
+    assert own_systems_failed(result) == []  # a peer missing here is fine
+    result["skipped"]["omnivox engine (in-process)"] = "boom"
+    assert own_systems_failed(result) == ["omnivox engine (in-process) skipped: boom"]
