@@ -376,7 +376,7 @@ def _gguf_tensor_table(path: Path) -> tuple[str, list[tuple[str, int, tuple[int,
         table = [(t.name, int(t.tensor_type), tuple(int(d) for d in reversed(t.shape)), t.data) for t in reader.tensors]
         return arch, table
     header = GgufHeader.from_file(str(path))
-    blob = np.memmap(path, mode="r", dtype=np.uint8)
+    size = path.stat().st_size
     table = []
     for info in header.tensors:
         block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(info.ggml_type)]

@@ -230,8 +230,17 @@ def _llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def write_gguf(hf_dir: Path, out: Path, quantize: dict[str, gguf.GGMLQuantizationType]) -> Path:
-    """A GGUF of the checkpoint at hf_dir: metadata, byte-level BPE tokenizer, tensors (quantized where asked)."""
+def write_gguf(
+    hf_dir: Path,
+    out: Path,
+    quantize: dict[str, gguf.GGMLQuantizationType],
+    raw: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]] | None = None,
+) -> Path:
+    """A GGUF of the checkpoint at hf_dir: metadata, byte-level BPE tokenizer, tensors (quantized where asked).
+
+    `raw` gives some tensors as ready blocks (uint8 [rows, bytes per row]) of a type, stored as they are: for types the
+    gguf package cannot quantize (K-quants).
+    """
     from safetensors.torch import load_file
 
     config = transformers.AutoConfig.from_pretrained(hf_dir)
@@ -280,7 +289,10 @@ def write_gguf(hf_dir: Path, out: Path, quantize: dict[str, gguf.GGMLQuantizatio
             weights = _llama_cpp_permute(weights, config.num_key_value_heads)
         name = _gguf_name(hf_name)
         qtype = quantize.get(name, gguf.GGMLQuantizationType.F32)
-        if qtype == gguf.GGMLQuantizationType.F32:
+        if raw and name in raw:
+            blocks, raw_type = raw[name]
+            writer.add_tensor(name, blocks, raw_dtype=raw_type)
+        elif qtype == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, np.ascontiguousarray(weights))
         else:
             writer.add_tensor(name, gguf.quants.quantize(weights, qtype), raw_dtype=qtype)

@@ -1,0 +1,176 @@
+"""GGUF loading beyond the 4/2-head F32/Q8_0/Q4_1 case of test_checkpoint.py: llama.cpp's Q/K permutation undone at
+odd head counts and for F16 and K-quant (Q4_K, Q6_K) tensors; peak memory of loading a GGUF.
+
+Expected tensors come from the original safetensors weights (F32, F16) or from the raw blocks through gguf's own
+dequantizer and an inverse permutation written here (K-quants: the gguf package cannot quantize them, so the file
+holds random valid blocks) - never from the loader under test.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from checkpoints import make_checkpoint
+from test_checkpoint import _gguf_name, write_gguf
+
+from omnivox.models.checkpoint import iter_checkpoint_tensors, load_hf_config
+
+F16 = gguf.GGMLQuantizationType.F16
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
+Q4_K = gguf.GGMLQuantizationType.Q4_K
+Q6_K = gguf.GGMLQuantizationType.Q6_K
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    """GGUF metadata caches go to this test's tmp folder, not the user's cache."""
+    monkeypatch.setenv("OMNIVOX_CACHE", str(tmp_path / "omnivox-cache"))
+
+
+def _unpermute(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's LlamaModel.permute (rows of each head: [h0 r0, h1 r0, h0 r1, ...] -> [h0..., h1...])."""
+    rows = weights.shape[0]
+    return weights.reshape(n_head, rows // n_head // 2, 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+
+
+def _random_k_blocks(rows: int, cols: int, qtype: gguf.GGMLQuantizationType, seed: int) -> np.ndarray:
+    """Random but valid K-quant blocks, uint8 [rows, cols / 256 * block bytes]: random quants and sub-block scales,
+    finite small f16 super-block scales (d, and dmin for Q4_K)."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * cols // block_size, type_size), dtype=np.uint8)
+    if qtype == Q4_K:  # d: f16, dmin: f16, scales: 12 bytes, qs: 128 bytes
+        blocks[:, 0:2] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
+        blocks[:, 2:4] = np.frombuffer(np.float16(0.001).tobytes(), np.uint8)
+    else:  # Q6_K: ql 128 bytes, qh 64 bytes, scales 16 int8, d: f16 (last)
+        blocks[:, -2:] = np.frombuffer(np.float16(0.0005).tobytes(), np.uint8)
+    return blocks.reshape(rows, cols // block_size * type_size)
+
+
+# (heads, kv heads, head_dim, hidden): odd head counts, MHA, GQA and MQA.
+HEADS = [(3, 1, 16, 48), (5, 5, 8, 40), (7, 7, 16, 112), (6, 3, 16, 96)]
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "hidden"), HEADS)
+@pytest.mark.parametrize("storage", ["f32", "f16"])
+def test_gguf_permutation_undone_at_odd_head_counts(tmp_path, heads, kv_heads, head_dim, hidden, storage):
+    hf_dir = make_checkpoint(
+        tmp_path / "hf",
+        "llama",
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        with_tokenizer=True,
+    )
+    original = dict(iter_checkpoint_tensors(hf_dir))
+    qk = [n for n in original if n.endswith(("q_proj.weight", "k_proj.weight"))]
+    quantize = {_gguf_name(n): F16 for n in qk} if storage == "f16" else {}
+    path = write_gguf(hf_dir, tmp_path / "g" / "odd.gguf", quantize)
+
+    config = load_hf_config(path)
+    assert (config.num_attention_heads, config.num_key_value_heads) == (heads, kv_heads)
+    ours = dict(iter_checkpoint_tensors(path))
+    assert sorted(ours) == sorted(original)
+    for name, tensor in original.items():
+        # F16 storage rounds once; the permutation itself must be undone exactly.
+        expected = tensor.half().float() if name in qk and storage == "f16" else tensor
+        assert torch.equal(ours[name], expected), name
+    assert any(not torch.equal(ours[n], original[n]) for n in qk) == (storage == "f16")
+
+
+# K-quant rows are 256 wide, and transformers wants hidden % heads == 0: odd head counts need hidden = heads * 256.
+@pytest.mark.parametrize(("heads", "kv_heads", "hidden"), [(3, 1, 768), (5, 5, 1280), (16, 4, 256)])
+@pytest.mark.parametrize("qtype", [Q4_K, Q6_K], ids=["Q4_K", "Q6_K"])
+def test_gguf_k_quants_unpermuted(tmp_path, heads, kv_heads, hidden, qtype):
+    head_dim = 16
+    hf_dir = make_checkpoint(
+        tmp_path / "hf",
+        "llama",
+        hidden_size=hidden,
+        intermediate_size=256,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+    )
+    # In the file, as llama.cpp stores them: q and k permuted (random blocks stand for permuted weights), up plain.
+    raw = {
+        "blk.0.attn_q.weight": _random_k_blocks(heads * head_dim, hidden, qtype, seed=1),
+        "blk.0.attn_k.weight": _random_k_blocks(kv_heads * head_dim, hidden, qtype, seed=2),
+        "blk.0.ffn_up.weight": _random_k_blocks(256, hidden, qtype, seed=3),  # [intermediate, hidden]
+    }
+    path = write_gguf(hf_dir, tmp_path / "g" / "k.gguf", {}, raw={name: (b, qtype) for name, b in raw.items()})
+    ours = dict(iter_checkpoint_tensors(path))
+
+    def dequantized(name: str) -> torch.Tensor:
+        return torch.from_numpy(gguf.quants.dequantize(raw[name], qtype).astype(np.float32))
+
+    q = _unpermute(dequantized("blk.0.attn_q.weight").numpy(), heads)
+    k = _unpermute(dequantized("blk.0.attn_k.weight").numpy(), kv_heads)
+    assert torch.equal(ours["model.layers.0.self_attn.q_proj.weight"], torch.from_numpy(q))
+    assert torch.equal(ours["model.layers.0.self_attn.k_proj.weight"], torch.from_numpy(k))
+    assert torch.equal(ours["model.layers.0.mlp.up_proj.weight"], dequantized("blk.0.ffn_up.weight"))
+    # The blocks really are K-quants with varied values (not a constant the permutation could not disturb).
+    assert ours["model.layers.0.self_attn.q_proj.weight"].unique().numel() > 100
+
+
+_PEAK_PROBE = textwrap.dedent(
+    """
+    import sys, torch
+    from omnivox.models.checkpoint import iter_checkpoint_tensors, load_hf_config
+    path, twin = sys.argv[1], sys.argv[2]
+    load_hf_config(path)  # the metadata cache is written once, not part of loading weights
+    def peak_mib():  # VmHWM: the peak resident set since the last reset (file-backed mapped pages included)
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    # Shapes from the twin (same names and shapes), which also does the lazy imports and .pyc compiles: not loading.
+    shapes = {name: tensor.shape for name, tensor in iter_checkpoint_tensors(twin)}
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = peak_mib()
+    model = {name: torch.ones(shape) for name, shape in shapes.items()}  # the model's own (touched) memory
+    for name, tensor in iter_checkpoint_tensors(path):
+        model[name].copy_(tensor)
+    print(sum(t.numel() * t.element_size() for t in model.values()) / 2**20, peak_mib() - before)
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="peak-RSS reset needs Linux /proc")
+@pytest.mark.parametrize("storage", ["F32", "Q8_0"])
+def test_gguf_loading_peak_memory_under_1_5x_weights(tmp_path, storage):
+    """README: loading peaks under 1.5x the weights - for a GGUF too, whose bytes are read from a file that a loader
+    could memory-map (mapped pages count in the resident set until unmapped: an F32 GGUF mapped whole held 2.04x)."""
+    hf_dir = make_checkpoint(
+        tmp_path / "hf",
+        "llama",
+        hidden_size=512,
+        intermediate_size=2048,
+        num_hidden_layers=10,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+    )  # 147 MiB of float32 weights
+    names = [name for name, _ in iter_checkpoint_tensors(hf_dir)]
+    quantize = {_gguf_name(n): Q8_0 for n in names if n.endswith("proj.weight")} if storage == "Q8_0" else {}
+    path = write_gguf(hf_dir, tmp_path / "g" / f"mid.{storage}.gguf", quantize)
+    # A second GGUF with the same tensor names: the probe learns the shapes and warms imports on it.
+    twin = write_gguf(hf_dir, tmp_path / "twin" / "twin.gguf", {})
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}  # see test_checkpoint.py's streaming test
+    out = subprocess.run(
+        [sys.executable, "-c", _PEAK_PROBE, str(path), str(twin)], capture_output=True, text=True, check=True, env=env
+    )
+    weights, growth = map(float, out.stdout.split())
+    print(f"{storage} GGUF: peak growth {growth:.0f} MiB for {weights:.0f} MiB of weights")
+    assert weights > 140
+    assert growth < 1.5 * weights, f"{storage} GGUF: loading grew {growth:.0f} MiB for {weights:.0f} MiB of weights"
