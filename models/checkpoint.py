@@ -403,7 +403,7 @@ def _iter_gguf(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     config = load_hf_config(path)
     processor_config = {
         "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
     }
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=processor_config)
     name_map = get_gguf_hf_weights_map(_ParameterNames(config), processor)
