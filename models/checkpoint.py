@@ -73,6 +73,8 @@ _PART_PREFIXES: tuple[tuple[str, str], ...] = (
     ("multi_modal_projector.", PROJECTOR),
     ("model.multi_modal_projector.", PROJECTOR),
     ("model.connector.", PROJECTOR),  # Idefics3 / SmolVLM
+    ("image_newline", PROJECTOR),  # LLaVA-NeXT's row separator (one vector)
+    ("model.image_newline", PROJECTOR),
 )
 _DECODER_RENAMES: tuple[tuple[str, str], ...] = (
     ("language_model.model.", "model."),

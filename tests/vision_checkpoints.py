@@ -88,7 +88,9 @@ def make_llava(out: Path, *, next_: bool = False, siglip: bool = False, feature_
     if next_:
         pinpoints = [[28, 56], [56, 28], [56, 56], [28, 84]]
         config = transformers.LlavaNextConfig(image_grid_pinpoints=pinpoints, **common)
-        ip = transformers.LlavaNextImageProcessor(image_grid_pinpoints=pinpoints, **ip_kwargs)
+        ip = transformers.LlavaNextImageProcessor(
+            image_grid_pinpoints=pinpoints, size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}
+        )
         processor = transformers.LlavaNextProcessor(
             image_processor=ip,
             tokenizer=tok,
@@ -206,7 +208,40 @@ def make_qwen2_5_vl(out: Path) -> Path:
     return _save(transformers.Qwen2_5_VLForConditionalGeneration, config, processor, out, seed=3)
 
 
-def test_image(width: int, height: int, seed: int = 0) -> Image.Image:
+def relayout(src: Path, dst: Path, renames: list[tuple[str, str]]) -> Path:
+    """A copy of the checkpoint at src whose tensor names are rewritten by the first matching (regex, replacement):
+    e.g. transformers 5's `model.vision_tower.` as the hub's `vision_tower.`."""
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    for file in dst.glob("*.safetensors"):
+        tensors = load_file(file)
+        out = {}
+        for name, t in tensors.items():
+            for pattern, repl in renames:
+                if re.match(pattern, name):
+                    name = re.sub(pattern, repl, name, count=1)
+                    break
+            out[name] = t
+        save_file(out, file, metadata={"format": "pt"})
+    return dst
+
+
+def reference_features(model, processor, images: list[Image.Image], text: str) -> tuple[dict, torch.Tensor]:
+    """The processor's batch for (text, images) and transformers' image features for it, all rows in order."""
+    nested = type(processor).__name__ in ("SmolVLMProcessor", "Idefics3Processor")
+    batch = processor(text=[text], images=[images] if nested else images, return_tensors="pt")
+    kwargs = {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
+    with torch.no_grad():
+        out = model.model.get_image_features(**kwargs).pooler_output
+    feats = torch.cat([f.reshape(-1, f.shape[-1]) for f in out]) if isinstance(out, list | tuple) else out
+    return batch, feats
+
+
+def sample_image(width: int, height: int, seed: int = 0) -> Image.Image:
     """A deterministic RGB image with structure in both directions (so a transpose changes it)."""
     g = torch.Generator().manual_seed(seed)
     arr = (torch.rand(height, width, 3, generator=g) * 255).to(torch.uint8)

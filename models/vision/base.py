@@ -83,8 +83,8 @@ class VisionEncoder(nn.Module, ABC):
 
     # Checkpoint name prefixes of the vision side -> our module's prefix; both layouts (hub and transformers 5).
     weight_prefixes: tuple[tuple[str, str], ...] = ()
-    # Checkpoint name prefixes of the text side -> the decoder's (`model.` / `lm_head.`) names.
-    text_prefixes: tuple[tuple[str, str], ...] = ()
+    # Our parameters that no feature depends on, so a checkpoint may lack them (regexes).
+    unused_params: tuple[str, ...] = ()
 
     @classmethod
     def load_processor(cls, path: Path, config: transformers.PretrainedConfig) -> transformers.ProcessorMixin:
@@ -217,6 +217,9 @@ class VisionEncoder(nn.Module, ABC):
             ours = map_name(name, self.weight_prefixes)
             if ours is None:
                 continue
+            if ours not in params and ".vision_model." in ours:
+                # transformers 5 dropped CLIP/SigLIP's inner `vision_model.` (llava-hf checkpoints still have it).
+                ours = ours.replace(".vision_model.", ".", 1)
             if ours not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the {self.family} vision encoder")
             p = params[ours]
@@ -225,18 +228,9 @@ class VisionEncoder(nn.Module, ABC):
             with torch.no_grad():
                 p.copy_(tensor)
             loaded.add(ours)
-        missing = sorted(set(params) - loaded)
+        missing = sorted(p for p in set(params) - loaded if not any(re.match(o, p) for o in self.unused_params))
         if missing:
             raise ValueError(f"{path}: the checkpoint lacks {len(missing)} vision tensors, e.g. {missing[:4]}")
-
-    @classmethod
-    def text_tensors(cls, path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-        """The text decoder's tensors of a multimodal checkpoint, renamed to what `DecoderModel.load_weights` reads
-        (`model.layers...`, `lm_head.weight`), whichever layout the checkpoint uses."""
-        for name, tensor in iter_checkpoint_tensors(path):
-            ours = map_name(name, cls.text_prefixes)
-            if ours is not None:
-                yield ours, tensor
 
 
 def image_only_processor_class(full: type[transformers.ProcessorMixin]) -> type[transformers.ProcessorMixin]:
@@ -283,7 +277,7 @@ def _iter_named(path: Path, patterns: Sequence[str]) -> Iterator[tuple[str, torc
     tensors are read, so a 7B checkpoint's language model is never read to load its 0.3B vision tower."""
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
-        for name, tensor in iter_checkpoint_tensors(path):
+        for name, tensor in iter_checkpoint_tensors(path, part=None):
             if any(re.match(p, name) for p in patterns):
                 yield name, tensor
         return

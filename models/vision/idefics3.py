@@ -24,10 +24,6 @@ class Idefics3Encoder(VisionEncoder):
         (r"(model\.)?vision_model\.", "vision_model."),
         (r"(model\.)?connector\.", "connector."),
     )
-    text_prefixes = (
-        (r"model\.text_model\.", "model."),  # the hub and transformers 5 alike
-        (r"lm_head\.", "lm_head."),
-    )
     nested_images = True
 
     def __init__(self, config: transformers.PretrainedConfig, processor: transformers.ProcessorMixin) -> None:

@@ -24,13 +24,6 @@ from transformers.models.llava_next.modeling_llava_next import (
 
 from omnivox.models.vision.base import ImageInputs, VisionEncoder
 
-_TEXT_PREFIXES = (
-    (r"model\.language_model\.", "model."),  # transformers 5 save_pretrained
-    (r"language_model\.model\.", "model."),  # the hub (llava-hf/*)
-    (r"language_model\.lm_head\.", "lm_head."),
-    (r"lm_head\.", "lm_head."),
-)
-
 
 class LlavaEncoder(VisionEncoder):
     """Vision side of LLaVA 1.5 and LLaVA-NeXT. pixel inputs: `pixel_values` [1, 3, H, W] (1.5) or
@@ -41,7 +34,8 @@ class LlavaEncoder(VisionEncoder):
         (r"(model\.)?multi_modal_projector\.", "multi_modal_projector."),
         (r"(model\.)?image_newline$", "image_newline"),
     )
-    text_prefixes = _TEXT_PREFIXES
+    # Features are hidden states of encoder layers: the pooled-output parts of CLIP / SigLIP are never used.
+    unused_params = (r"vision_tower\.post_layernorm\.", r"vision_tower\.head\.")
 
     def __init__(self, config: transformers.PretrainedConfig, processor: transformers.ProcessorMixin) -> None:
         super().__init__()

@@ -27,11 +27,6 @@ class Qwen25VLEncoder(VisionEncoder):
     """pixel inputs: `pixel_values` [patches, 3 * temporal_patch * patch^2] and `image_grid_thw` [1, 3] per image."""
 
     weight_prefixes = ((r"(model\.)?visual\.", "visual."),)
-    text_prefixes = (
-        (r"model\.language_model\.", "model."),  # transformers 5 save_pretrained
-        (r"model\.(?!visual\.)", "model."),  # the hub: model.layers..., model.embed_tokens, model.norm
-        (r"lm_head\.", "lm_head."),
-    )
 
     def __init__(self, config: transformers.PretrainedConfig, processor: transformers.ProcessorMixin) -> None:
         super().__init__()
