@@ -118,6 +118,34 @@ def make_qwen3_asr(out: Path, seed: int = 0) -> Path:
     return _save(transformers.Qwen3ASRForConditionalGeneration, config, processor, out, seed)
 
 
+def make_voxtral(out: Path, seed: int = 0) -> Path:
+    """Voxtral: 128 mel bins, the real 30 s chunk (1500 positions), d_model 32 (4 frames per embedding), Llama text.
+
+    No processor or tokenizer: Voxtral's come from `mistral_common`, which the project does not depend on; the
+    feature extractor alone is saved (preprocessor_config.json)."""
+    config = transformers.VoxtralConfig(
+        audio_config=dict(
+            num_mel_bins=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            hidden_size=32,
+            intermediate_size=128,
+            max_source_positions=1500,
+        ),
+        text_config=dict(model_type="llama", vocab_size=512, head_dim=8, **_TEXT),
+        audio_token_id=24,
+    )
+    torch.manual_seed(seed)
+    model = transformers.VoxtralForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    transformers.WhisperFeatureExtractor(feature_size=128).save_pretrained(out)
+    return out
+
+
 # --- audio the tests make --------------------------------------------------------------------------------------------
 def tone(seconds: float, rate: int = 16000, freq: float = 440.0, amp: float = 0.3) -> np.ndarray:
     t = np.arange(round(seconds * rate)) / rate

@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from audio_checkpoints import chirp, make_qwen2_audio, make_qwen3_asr, noise, tone
+from audio_checkpoints import chirp, make_qwen2_audio, make_qwen3_asr, make_voxtral, noise, tone
 from safetensors.torch import load_file, save_file
 
 from omnivox.models.audio import (
     Qwen2AudioEncoder,
     Qwen3ASRAudioEncoder,
+    VoxtralAudioEncoder,
     audio_family,
     load_audio_encoder,
     split_bundle_name,
@@ -217,3 +218,29 @@ def test_encoder_in_bfloat16_is_close(audio_bundles):
     a, b = f32.encode(f32.features(clips))[0], bf16.encode(bf16.features(clips))[0]
     assert b.dtype == torch.bfloat16 and f32.feature_settings() != bf16.feature_settings()
     torch.testing.assert_close(b.float(), a, atol=0.05, rtol=0.05)
+
+
+def test_voxtral_matches_get_audio_features(tmp_path):
+    """Voxtral (stretch): clips over 30 s become several chunks; ours equals `get_audio_features` on the
+    processor's chunked features (its own `_retrieve_input_features`), clip by clip, encoded in one batch."""
+    from types import SimpleNamespace
+
+    path = make_voxtral(tmp_path / "voxtral")
+    encoder = load_audio_encoder(path)
+    assert isinstance(encoder, VoxtralAudioEncoder) and audio_family(path) == "voxtral"
+    ref = transformers.VoxtralForConditionalGeneration.from_pretrained(path).eval()
+    fe = transformers.AutoFeatureExtractor.from_pretrained(path)
+    clips = [tone(1.0), chirp(31.0) + noise(31.0, amp=0.02), noise(0.2, seed=4)]
+    ours = encoder.encode(encoder.features(clips))
+    kwargs = dict(sampling_rate=16000, padding=True, truncation=False, pad_to_multiple_of=480000, return_tensors="pt")
+    for clip, emb in zip(clips, ours, strict=True):
+        features = transformers.VoxtralProcessor._retrieve_input_features(
+            SimpleNamespace(feature_extractor=fe), [clip], 3000, **kwargs
+        )
+        ours_mel = encoder.features([clip]).mel.features
+        torch.testing.assert_close(ours_mel.reshape(128, -1, 3000).transpose(0, 1), features, atol=1e-4, rtol=0)
+        with torch.no_grad():
+            expected = ref.get_audio_features(features).pooler_output
+        assert encoder.num_placeholders(len(clip)) == expected.shape[0] == emb.shape[0]
+        torch.testing.assert_close(emb, expected, atol=1e-5, rtol=1e-4)
+    assert [e.shape[0] for e in ours] == [375, 750, 375]

@@ -14,8 +14,13 @@ import torch
 from omnivox.models.audio.base import AudioEncoder, AudioInputs, split_bundle_name, text_decoder_tensors
 from omnivox.models.audio.qwen2_audio import Qwen2AudioEncoder
 from omnivox.models.audio.qwen3_asr import Qwen3ASRAudioEncoder
+from omnivox.models.audio.voxtral import VoxtralAudioEncoder
 
-FAMILIES: dict[str, type[AudioEncoder]] = {"qwen2_audio": Qwen2AudioEncoder, "qwen3_asr": Qwen3ASRAudioEncoder}
+FAMILIES: dict[str, type[AudioEncoder]] = {
+    "qwen2_audio": Qwen2AudioEncoder,
+    "qwen3_asr": Qwen3ASRAudioEncoder,
+    "voxtral": VoxtralAudioEncoder,
+}
 
 
 def audio_family(path: str | os.PathLike) -> str | None:
@@ -42,6 +47,7 @@ __all__ = [
     "AudioInputs",
     "Qwen2AudioEncoder",
     "Qwen3ASRAudioEncoder",
+    "VoxtralAudioEncoder",
     "audio_family",
     "load_audio_encoder",
     "split_bundle_name",
