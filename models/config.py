@@ -10,7 +10,8 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
-_MODEL_TYPE_TO_FAMILY = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# Text configs of multimodal checkpoints map to the decoder they use (Qwen2.5-VL's text model is Qwen2 with M-RoPE).
+_MODEL_TYPE_TO_FAMILY = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2_5_vl_text": "qwen2"}
 
 
 @dataclass(frozen=True)

@@ -74,12 +74,34 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         self.register_buffer("cos", (emb.cos() * scaling).to(target), persistent=False)
         self.register_buffer("sin", (emb.sin() * scaling).to(target), persistent=False)
+        # M-RoPE (Qwen2.5-VL): frequency band j takes its angle from position row axis[j] (0 temporal, 1 height,
+        # 2 width), `mrope_section` bands per row, the same split in both halves of D.
+        section = params.get("mrope_section")
+        if section is not None:
+            if sum(section) != head_dim // 2:
+                raise ValueError(f"mrope_section {section} does not cover head_dim / 2 = {head_dim // 2}")
+            axis = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(section)])
+            self.register_buffer("mrope_axis", torch.cat((axis, axis)), persistent=False)  # [D]
+        else:
+            self.mrope_axis = None
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for these positions, [T, 1, D] in dtype: looked up once per step, shared by every layer."""
-        cos = self.cos.index_select(0, positions).to(dtype).unsqueeze(1)
-        sin = self.sin.index_select(0, positions).to(dtype).unsqueeze(1)
-        return cos, sin
+        """cos and sin for these positions, [T, 1, D] in dtype: looked up once per step, shared by every layer.
+
+        positions: [T], or [3, T] M-RoPE positions (temporal, height, width rows) for a config with mrope_section.
+        1-D positions on an M-RoPE config are the text case: all three rows equal, which is the plain table.
+        """
+        if positions.dim() == 1:
+            cos = self.cos.index_select(0, positions)
+            sin = self.sin.index_select(0, positions)
+        else:
+            if self.mrope_axis is None:
+                raise ValueError("3-D positions need a config with rope_parameters['mrope_section']")
+            t = positions.shape[1]
+            index = self.mrope_axis.view(1, 1, -1).expand(1, t, -1)  # [1, T, D]: which row each band reads
+            cos = self.cos[positions].gather(0, index).squeeze(0)  # [3, T, D] -> [T, D]
+            sin = self.sin[positions].gather(0, index).squeeze(0)
+        return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

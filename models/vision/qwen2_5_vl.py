@@ -48,7 +48,8 @@ class Qwen25VLEncoder(VisionEncoder):
         kwargs = {}
         if max_pixels is not None:
             size = self.processor.image_processor.size
-            kwargs["max_pixels"] = max(size["shortest_edge"], min(max_pixels, size["longest_edge"]))
+            budget = max(size["shortest_edge"], min(max_pixels, size["longest_edge"]))
+            kwargs["size"] = {"shortest_edge": size["shortest_edge"], "longest_edge": budget}  # min / max pixels
         item = self._run_processor(im, kwargs)
         item.extra["grid_thw"] = tuple(int(x) for x in item.tensors["image_grid_thw"][0])
         return item
