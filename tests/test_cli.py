@@ -134,6 +134,13 @@ def test_wrong_model_path_is_one_line(tmp_path: Path) -> None:
     assert_one_line_error(omnivox("serve", "--model", str(tmp_path / "broken"), "--port", "0"), "cannot load 'broken'")
 
 
+def test_bad_sampling_default_is_one_line(checkpoint: Path) -> None:
+    result = omnivox("serve", "--model", str(checkpoint), "--port", "0", "--sampling-default", "temperature=-1")
+    assert_one_line_error(result, "--sampling-default", "temperature must be a finite number >= 0")
+    result = omnivox("serve", "--model", str(checkpoint), "--port", "0", "--sampling-default", "other:top_k=3")
+    assert_one_line_error(result, "no model is served as 'other'", "tiny")
+
+
 def test_unreachable_server_is_one_line() -> None:
     with closed_port() as port:
         server = f"127.0.0.1:{port}"

@@ -213,6 +213,9 @@ def test_list_voices_and_models(server):
     speech = next(m for m in models if m.name == "speech")
     assert list(speech.output_modalities) == [model_pb2.MODALITY_AUDIO]
     assert speech.has_untrained_components and "SNAC codec" in speech.untrained_components
+    # The layout's sampling values are the model's defaults (Orpheus: 0.6 / 0.8 / 1.3), shown as such.
+    shown = speech.default_sampling
+    assert (shown.temperature, shown.top_p, shown.repetition_penalty) == pytest.approx((0.6, 0.8, 1.3))
 
 
 def test_cli_speak_writes_a_wav_file(server, tmp_path, capsys):
