@@ -25,6 +25,12 @@ from omnivox.models.audio import (
     split_bundle_name,
     text_decoder_tensors,
 )
+from omnivox.models.audio.transcription import (
+    TranscriptionRequestError,
+    language_name,
+    parse_transcription,
+    transcription_messages,
+)
 
 FAMILIES = {
     "qwen2_audio": (make_qwen2_audio, transformers.Qwen2AudioForConditionalGeneration, Qwen2AudioEncoder),
@@ -244,3 +250,29 @@ def test_voxtral_matches_get_audio_features(tmp_path):
         assert encoder.num_placeholders(len(clip)) == expected.shape[0] == emb.shape[0]
         torch.testing.assert_close(emb, expected, atol=1e-5, rtol=1e-4)
     assert [e.shape[0] for e in ours] == [375, 750, 375]
+
+
+@pytest.mark.parametrize(("language", "context"), [(None, None), ("en-US", None), ("fr", "Noms : Zoë, Ørsted")])
+def test_qwen3_asr_transcription_prompt_equals_the_processor(language, context, audio_bundles):
+    processor = transformers.AutoProcessor.from_pretrained(audio_bundles["qwen3_asr"])
+    messages = transcription_messages("qwen3_asr", language, context)
+    ours = processor.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    ref = processor.apply_transcription_request(
+        audio=tone(1.0), language=language.split("-")[0] if language else None, prompt=context, tokenize=False
+    )
+    assert ours == ref[0]
+
+
+def test_transcription_languages_and_parsing():
+    assert language_name("en-US") == language_name("English") == "English" and language_name("yue") == "Cantonese"
+    with pytest.raises(TranscriptionRequestError) as info:
+        language_name("tlh")
+    assert info.value.field == "language"
+    assert parse_transcription("qwen3_asr", "language German<asr_text> Guten Tag.") == ("de", "Guten Tag.")
+    assert parse_transcription("qwen3_asr", "language None<asr_text>") == (None, "")
+    assert parse_transcription("qwen3_asr", " Bonjour.", language="fr-FR") == ("fr", "Bonjour.")
+    assert parse_transcription("qwen2_audio", " Hello there. ") == (None, "Hello there.")
+    messages = transcription_messages("qwen2_audio", "de", "Namen: Zoë")
+    assert messages[0]["content"][0] == {"type": "audio"} and "German" in messages[0]["content"][1]["text"]
+    with pytest.raises(TranscriptionRequestError):
+        transcription_messages("voxtral")

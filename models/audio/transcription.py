@@ -1,0 +1,75 @@
+"""Each audio-LLM family's transcription prompt and how to read its answer (for TranscriptionService.Transcribe).
+
+- Qwen3-ASR: the model's own recipe, as transformers' `Qwen3ASRProcessor.apply_transcription_request` builds it:
+  an optional system turn holding the context (hot words, names), the audio in the user turn, and the assistant
+  turn prefilled with `language <Name><asr_text>` when the language is given (the model then writes only the text).
+  Without a language the model answers `language <Name><asr_text><text>`: the detected language comes first.
+- Qwen2-Audio (Instruct): no transcription recipe of its own in transformers; ours is a plain instruction after the
+  audio ("Transcribe the speech ..."), naming the language when one is given, and the context when one is given.
+Rendering goes through the checkpoint's own chat template (`processor.apply_chat_template`), so the audio marker
+is whatever the template writes; `AudioEncoder.expand_prompt` then repeats it to the clip's placeholder count.
+"""
+
+from __future__ import annotations
+
+from transformers.models.qwen3_asr.processing_qwen3_asr import LANGUAGE_CODE_TO_NAME
+
+ASR_TEXT = "<asr_text>"
+_NAME_TO_CODE = {name.lower(): code for code, name in LANGUAGE_CODE_TO_NAME.items()}
+
+
+class TranscriptionRequestError(ValueError):
+    """A transcription setting the family cannot honour; `field` names the request field (`language`)."""
+
+    def __init__(self, field: str, description: str) -> None:
+        super().__init__(f"{field}: {description}")
+        self.field = field
+        self.description = description
+
+
+def language_name(language: str) -> str:
+    """A BCP-47 tag (`en`, `en-US`, `yue`, `pt-BR`) or an English name (`English`) -> the name Qwen3-ASR was trained
+    with. Raises TranscriptionRequestError for a language the model does not list."""
+    code = language.strip().replace("_", "-").split("-")[0].lower()
+    if code in LANGUAGE_CODE_TO_NAME:
+        return LANGUAGE_CODE_TO_NAME[code]
+    if language.strip().lower() in _NAME_TO_CODE:
+        return LANGUAGE_CODE_TO_NAME[_NAME_TO_CODE[language.strip().lower()]]
+    known = ", ".join(sorted(LANGUAGE_CODE_TO_NAME))
+    raise TranscriptionRequestError("language", f"{language!r} is not a language this model knows; known: {known}")
+
+
+def transcription_messages(family: str, language: str | None = None, context: str | None = None) -> list[dict]:
+    """Chat messages asking `family` to transcribe one audio clip (the `{"type": "audio"}` part marks where it goes).
+
+    Render with `processor.apply_chat_template(messages, tokenize=False, continue_final_message=...)`, where
+    `continue_final_message = messages[-1]["role"] == "assistant"` (Qwen3-ASR's prefilled answer).
+    """
+    if family == "qwen3_asr":
+        messages: list[dict] = []
+        if context:
+            messages.append({"role": "system", "content": [{"type": "text", "text": context}]})
+        messages.append({"role": "user", "content": [{"type": "audio"}]})
+        prefill = f"language {language_name(language)}{ASR_TEXT}" if language else ""
+        messages.append({"role": "assistant", "content": [{"type": "text", "text": prefill}]})
+        return messages
+    if family == "qwen2_audio":
+        instruction = "Transcribe the speech exactly, word for word, with nothing else."
+        if language:
+            instruction += f" The speech is in {language_name(language)}."
+        if context:
+            instruction += f" Context: {context}"
+        return [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": instruction}]}]
+    raise TranscriptionRequestError("model", f"transcription prompts for {family!r} are not built here")
+
+
+def parse_transcription(family: str, text: str, language: str | None = None) -> tuple[str | None, str]:
+    """(language code or None, transcript) from the generated text. `language` is the one the request forced."""
+    forced = _NAME_TO_CODE.get(language_name(language).lower()) if language else None
+    if family != "qwen3_asr" or ASR_TEXT not in text:
+        return forced, text.strip()
+    head, transcript = text.split(ASR_TEXT, 1)
+    head = head.strip()
+    name = head[len("language ") :].strip() if head.lower().startswith("language ") else head
+    detected = _NAME_TO_CODE.get(name.lower()) if name and name.lower() != "none" else None
+    return forced or detected, transcript.strip()
