@@ -11,6 +11,7 @@ Clients are ordinary synchronous grpc channels, exactly what a user would run.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 from collections.abc import Coroutine, Sequence
@@ -44,7 +45,11 @@ class ServerThread:
 
     def run(self, coro: Coroutine[Any, Any, Any], timeout: float = 120.0) -> Any:
         """Run a coroutine on the server's loop and return its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        return self.run_async(coro).result(timeout)
+
+    def run_async(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future:
+        """Start a coroutine on the server's loop; its future, for the test to wait on later."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def __enter__(self) -> ServerThread:
         self._thread.start()
