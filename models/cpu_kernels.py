@@ -10,16 +10,16 @@ Without a compiler, or when the build fails, the portable path serves and a warn
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import hashlib
 import logging
 import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
+
+from .cache import build_cached, omnivox_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +31,7 @@ _failure: str | None = None  # why the kernels are unavailable although a compil
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("OMNIVOX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "omnivox")
-    return Path(root) / "kernels"
+    return omnivox_cache_dir() / "kernels"
 
 
 def _cpu_id() -> str:
@@ -48,6 +47,10 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
+class _BuildError(Exception):
+    """The compiler ran and failed (a compiler that is missing is not an error: the portable path serves)."""
+
+
 def _build() -> ctypes.CDLL | None:
     global _failure
     cc = compiler()
@@ -56,19 +59,18 @@ def _build() -> ctypes.CDLL | None:
         return None
     key = hashlib.sha256(_SOURCE.read_bytes() + " ".join([cc, *_FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with open(target.with_suffix(".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not target.exists():
-                with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                    built = Path(tmp) / target.name
-                    proc = subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"], capture_output=True)
-                    if proc.returncode != 0:
-                        _failure = f"{cc} failed: {proc.stderr.decode()[-500:]}"
-                        log.warning("building the CPU attention kernel failed: %s", _failure)
-                        return None
-                    os.replace(built, target)
+
+    def compile_to(staged: Path) -> None:
+        proc = subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", str(staged), "-lm"], capture_output=True)
+        if proc.returncode != 0:
+            raise _BuildError(f"{cc} failed: {proc.stderr.decode()[-500:]}")
+
+    try:
+        build_cached(target, compile_to, Path.exists)  # the one locked, atomic cache build (models/cache.py)
+    except _BuildError as err:
+        _failure = str(err)
+        log.warning("building the CPU attention kernel failed: %s", _failure)
+        return None
     lib = ctypes.CDLL(str(target))
     fn = lib.paged_decode_attention_f32
     fn.restype = None
