@@ -25,7 +25,13 @@ from omnivox.engine.block_pool import KVUsage
 from omnivox.engine.core import EngineCore, Proposer, StepResult
 from omnivox.engine.errors import InvalidRequest
 from omnivox.engine.intake import Prompt, RequestIntake
-from omnivox.engine.loading import build_model, cap_max_len, default_device, resolve_dtype
+from omnivox.engine.loading import (
+    build_model,
+    cap_max_len,
+    default_device,
+    kv_cache_gib_after_profile,
+    resolve_dtype,
+)
 from omnivox.engine.output_processor import OutputCallback, OutputProcessor
 from omnivox.engine.outputs import RequestOutput
 from omnivox.engine.params import SamplingParams
@@ -60,7 +66,7 @@ class Engine:
         self.tokenizer = tokenizer
         cfg = model.config
         if kv_cache_gib is None:
-            kv_cache_gib = self._default_kv_gib()
+            kv_cache_gib = self._default_kv_gib(max_num_batched_tokens, max_num_seqs, block_size)
         bytes_per_block = cfg.kv_bytes_per_token(param.element_size()) * block_size
         num_blocks = int(kv_cache_gib * 2**30 // bytes_per_block)
         if num_blocks < 2:
@@ -87,6 +93,7 @@ class Engine:
             proposer,
             cfg.max_model_len,
         )
+        self.core.runner.prepare()  # every decode graph captured now, before anything can serve (none while serving)
         self.intake = RequestIntake(cfg, tokenizer, self.device)
         self.outputs = OutputProcessor(tokenizer, cfg.max_model_len)
         self._requests: dict[str, Request] = {}
@@ -139,10 +146,11 @@ class Engine:
             proposer=proposer,
         )
 
-    def _default_kv_gib(self) -> float:
+    def _default_kv_gib(self, max_num_batched_tokens: int | None, max_num_seqs: int, block_size: int) -> float:
+        """On CUDA: sized after a profiling step (its activation peak) and leaving room for the decode graphs."""
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return max(0.5, 0.85 * free / 2**30)
+            with torch.cuda.device(self.device):
+                return kv_cache_gib_after_profile(self.model, max_num_batched_tokens or 2048, max_num_seqs, block_size)
         return 1.0
 
     # ---- the core's parts, for tests and tools ------------------------------------------------------------------
@@ -310,6 +318,8 @@ class Engine:
             self._thread = None
 
     def _loop(self) -> None:
+        if self.device.type == "cuda":  # `--device cuda:1`: this thread's kernels and graphs must run on that device
+            torch.cuda.set_device(self.device)
         while True:
             with self._cond:
                 while not (self._stopping or self._inbox or self._aborts or self.core.has_work()):

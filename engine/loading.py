@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 
 from omnivox.models.config import ModelConfig
 from omnivox.models.decoder import DecoderModel
+
+log = logging.getLogger(__name__)
 
 
 def default_device() -> torch.device:
@@ -51,3 +54,66 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> D
 
 def cap_max_len(cfg: ModelConfig, n: int) -> ModelConfig:
     return dataclasses.replace(cfg, max_model_len=min(cfg.max_model_len, n))
+
+
+# Share of the memory still free after the weights and the profiled activations that the KV cache takes, and what is
+# kept back for the decode graphs' memory pool (captured after the cache exists). A second model served by the same
+# process sizes its cache from what this one left free, so give each an explicit kv_cache_gib when serving several.
+KV_MEMORY_FRACTION = 0.85
+GRAPH_RESERVE_BYTES = 512 * 2**20
+
+
+@torch.inference_mode()
+def profile_activation_bytes(model: DecoderModel, num_tokens: int, num_logit_rows: int, block_size: int) -> int:
+    """Peak memory of one step of `num_tokens` prefill tokens and `num_logit_rows` logits, beyond the weights (and
+    beyond the scratch KV cache this profile run writes to): what vLLM's determine_available_memory measures."""
+    from omnivox.models.attention import AttentionMetadata, PrefillChunk
+
+    param = next(model.parameters())
+    dev, cfg = param.device, model.config
+    num_tokens = max(1, min(num_tokens, cfg.max_model_len))
+    num_blocks = -(-num_tokens // block_size)
+    shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+    caches = [(torch.zeros(shape, dtype=param.dtype, device=dev),) * 2 for _ in range(cfg.num_layers)]
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+    base = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+    table = torch.arange(num_blocks, device=dev)
+    meta = AttentionMetadata(
+        block_size=block_size,
+        slot_mapping=torch.arange(num_tokens, device=dev),
+        num_decode=0,
+        decode_block_tables=None,
+        decode_mask=None,
+        decode_lens=None,
+        prefills=[PrefillChunk(0, num_tokens, num_tokens, table)],
+    )
+    ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
+    hidden = model(ids, torch.arange(num_tokens, device=dev), caches, meta)
+    model.compute_logits(hidden[: max(1, min(num_logit_rows, num_tokens))])
+    if dev.type != "cuda":
+        return 0
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev) - base
+    del caches, hidden
+    torch.cuda.empty_cache()
+    return int(peak)
+
+
+def kv_cache_gib_after_profile(model: DecoderModel, num_tokens: int, num_logit_rows: int, block_size: int) -> float:
+    """The KV cache size for a CUDA model: a share of the memory free after a profiling step, less the graph pool."""
+    dev = next(model.parameters()).device
+    peak = profile_activation_bytes(model, num_tokens, num_logit_rows, block_size)
+    free, total = torch.cuda.mem_get_info(dev)
+    budget = KV_MEMORY_FRACTION * free - peak - GRAPH_RESERVE_BYTES
+    gib = max(0.5, budget / 2**30)
+    log.info(
+        "KV cache: %.2f GiB (free %.2f of %.2f GiB after weights, activation peak %.0f MiB for %d tokens)",
+        gib,
+        free / 2**30,
+        total / 2**30,
+        peak / 2**20,
+        num_tokens,
+    )
+    return gib

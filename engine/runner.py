@@ -6,6 +6,8 @@ all layers; the model itself runs as one batched forward pass for all decodes an
 
 from __future__ import annotations
 
+from contextlib import nullcontext as _nullcontext
+
 import torch
 
 from omnivox.engine.scheduler import ScheduledChunk, SchedulePlan
@@ -49,6 +51,12 @@ class ModelRunner:
                 max_blocks=-(-cfg.max_model_len // block_size),
                 use_graphs=self.device.type == "cuda",
             )
+
+    def prepare(self) -> None:
+        """Build every static decode bucket (CUDA graphs on a GPU) now, at load, before the engine serves."""
+        if self.static is not None:
+            with torch.cuda.device(self.device) if self.device.type == "cuda" else _nullcontext():
+                self.static.build_all()
 
     def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         """Cache slots of token positions [start, end)."""

@@ -5,7 +5,18 @@ has one of a few fixed shapes and lives at a fixed address. On CUDA each (batch,
 CUDA graph and replayed: one launch instead of hundreds of small kernels per step. On CPU the very same padded
 computation runs eagerly; that is the twin the tests compare against the dynamic path.
 
+Every bucket is built at load (`build_all`, largest first so that the graph memory pool is sized once by the largest),
+before the server reports SERVING, as nano-vllm and vLLM do: a capture while serving would race the codec worker,
+host copies and embedding lookups on other threads ("operation not permitted when stream is capturing") and fail
+every request of that step. After `build_all` a bucket that was not built is refused, never captured.
+
+The bucket list is bounded (`max_graph_blocks` blocks of context): longer decode steps run on the dynamic path.
+
 Padded rows read and write a scratch block that the block pool never hands out, so they cannot touch real requests.
+
+Host staging: the step's ids, positions, slots, context lengths and block tables are written into one persistent
+host buffer (pinned on CUDA) laid out exactly like one device buffer, and moved with a single non-blocking copy (the
+previous version built six small tensors and made five pageable copies per step).
 """
 
 from __future__ import annotations
@@ -20,6 +31,9 @@ from omnivox.models.decoder import DecoderModel
 
 log = logging.getLogger(__name__)
 
+# 256 blocks of 16 = 4096 tokens of context: 8 batch x 9 block buckets = 72 graphs for max_num_seqs=64.
+DEFAULT_MAX_GRAPH_BLOCKS = 256
+
 
 def _buckets(limit: int, small: Sequence[int] = (1, 2, 4, 8)) -> list[int]:
     sizes = [b for b in small if b < limit]
@@ -28,6 +42,13 @@ def _buckets(limit: int, small: Sequence[int] = (1, 2, 4, 8)) -> list[int]:
         sizes.append(b)
         b += 16 if b < 64 else 64
     return sizes + [limit]
+
+
+def block_buckets(max_blocks: int, max_graph_blocks: int = DEFAULT_MAX_GRAPH_BLOCKS) -> list[int]:
+    """Context buckets in blocks: powers of two up to min(max_blocks, max_graph_blocks), which is always the last."""
+    top = max(1, min(max_blocks, max_graph_blocks))
+    sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048) if b < top]
+    return sizes + [top]
 
 
 class StaticDecoder:
@@ -40,29 +61,85 @@ class StaticDecoder:
         max_batch: int,
         max_blocks: int,
         use_graphs: bool,
+        max_graph_blocks: int = DEFAULT_MAX_GRAPH_BLOCKS,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.scratch_block = scratch_block
         self.batch_buckets = _buckets(max_batch)
-        self.block_buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048) if b < max_blocks]
-        self.block_buckets.append(max_blocks)
+        self.block_buckets = block_buckets(max_blocks, max_graph_blocks)
+        width = self.block_buckets[-1]
         dev = kv_caches[0][0].device
         self.device = dev
-        self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(max_batch, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.zeros(max_batch, dtype=torch.long, device=dev)
-        self.context_lens = torch.ones(max_batch, dtype=torch.long, device=dev)
-        self.block_tables = torch.full((max_batch, max_blocks), scratch_block, dtype=torch.long, device=dev)
+        self.max_batch = max_batch
+        # One flat long buffer: [ids | positions | slots | context lens | block tables (max_batch x width)].
+        n = max_batch
+        size = 4 * n + n * width
+        self._host = torch.empty(size, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self._staged = torch.empty(size, dtype=torch.long, device=dev)
+        self._copied: torch.cuda.Event | None = None  # the last host-to-device copy (the host buffer is reused)
+        self._host_views = self._split(self._host, n, width)
+        self.input_ids, self.positions, self.slot_mapping, self.context_lens, self.block_tables = self._split(
+            self._staged, n, width
+        )
+        self._fill_padding(self._host_views, 0, n)
+        self._staged.copy_(self._host)
         self.use_graphs = use_graphs and dev.type == "cuda"
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_pool = None
-        self.max_batch = max_batch
+        self.built: set[tuple[int, int]] = set()  # buckets built (captured on CUDA, run once eagerly elsewhere)
+        self.frozen = False  # set by build_all: no bucket is built after load
         self.num_runs = 0  # decode steps served by this path
+
+    @staticmethod
+    def _split(flat: torch.Tensor, n: int, width: int) -> tuple[torch.Tensor, ...]:
+        ids, pos, slots, lens = (flat[i * n : (i + 1) * n] for i in range(4))
+        return ids, pos, slots, lens, flat[4 * n :].view(n, width)
+
+    def _fill_padding(self, views: tuple[torch.Tensor, ...], start: int, end: int) -> None:
+        """Rows [start, end) as padding: token 0 at position 0 reading and writing the scratch block."""
+        ids, pos, slots, lens, table = views
+        ids[start:end] = 0
+        pos[start:end] = 0
+        slots[start:end] = self.scratch_block * self.block_size
+        lens[start:end] = 1
+        table[start:end] = self.scratch_block
+
+    def buckets(self) -> list[tuple[int, int]]:
+        """Every (batch, blocks) bucket, largest first."""
+        return [(b, k) for b in reversed(self.batch_buckets) for k in reversed(self.block_buckets)]
 
     def fits(self, batch: int, max_context: int) -> bool:
         return batch <= self.max_batch and -(-max_context // self.block_size) <= self.block_buckets[-1]
+
+    def build_all(self) -> None:
+        """Build every bucket now (at load), largest first; afterwards no bucket is ever captured again."""
+        for batch, blocks in self.buckets():
+            self._build(batch, blocks)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.frozen = True
+        log.info(
+            "decode buckets built: %d (%s), batch <= %d, context <= %d tokens",
+            len(self.built),
+            "CUDA graphs" if self.use_graphs else "eager",
+            self.max_batch,
+            self.block_buckets[-1] * self.block_size,
+        )
+
+    def _build(self, batch: int, blocks: int) -> None:
+        key = (batch, blocks)
+        if key in self.built:
+            return
+        if self.frozen:
+            raise RuntimeError(f"decode bucket {key} was not built at load; capturing while serving is refused")
+        if self.use_graphs:
+            self.graphs[key] = self._capture(batch, blocks)
+        else:
+            with torch.inference_mode():
+                self._forward(batch, blocks)  # the eager twin: the same shapes run once, writing only scratch
+        self.built.add(key)
 
     def _forward(self, batch: int, blocks: int) -> torch.Tensor:
         """The padded decode step over the static buffers: logits [batch, vocab]."""
@@ -81,51 +158,51 @@ class StaticDecoder:
         hidden = self.model(self.input_ids[:batch], self.positions[:batch], self.kv_caches, meta)
         return self.model.compute_logits(hidden)
 
+    def stage(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> tuple[int, int]:
+        """Write one step into the host buffer and copy it to the device in one go; returns its (batch, blocks)."""
+        n = len(token_ids)
+        bs = self.block_size
+        batch = next(b for b in self.batch_buckets if b >= n)
+        blocks = next(b for b in self.block_buckets if b >= max(p // bs + 1 for p in positions))
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has left the pinned buffer
+        ids, pos, slots, lens, table = self._host_views
+        width = table.shape[1]
+        rows = [bt[:width] + [self.scratch_block] * (width - len(bt[:width])) for bt in block_tables]
+        table[:n] = torch.tensor(rows, dtype=torch.long)
+        pos[:n] = torch.tensor(positions, dtype=torch.long)
+        ids[:n] = torch.tensor(token_ids, dtype=torch.long)
+        p = pos[:n]
+        slots[:n] = table[:n].gather(1, (p // bs).unsqueeze(1)).squeeze(1) * bs + p % bs
+        lens[:n] = p + 1
+        self._fill_padding(self._host_views, n, batch)
+        self._staged.copy_(self._host, non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return batch, blocks
+
     def run(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
         """One decode token per request; returns logits [len(token_ids), vocab]."""
         n = len(token_ids)
-        bs = self.block_size
         self.num_runs += 1
-        batch = next(b for b in self.batch_buckets if b >= n)
-        need = max(-(-(p + 1) // bs) for p in positions)
-        blocks = next(b for b in self.block_buckets if b >= need)
-        scratch = self.scratch_block
-        # Host-side staging, one copy per buffer.
-        table = torch.full((batch, blocks), scratch, dtype=torch.long)
-        for i, bt in enumerate(block_tables):
-            k = min(len(bt), blocks)
-            table[i, :k] = torch.tensor(bt[:k])
-        pos = torch.zeros(batch, dtype=torch.long)
-        pos[:n] = torch.tensor(positions)
-        ids = torch.zeros(batch, dtype=torch.long)
-        ids[:n] = torch.tensor(token_ids)
-        slot = torch.full((batch,), scratch * bs, dtype=torch.long)
-        slot[:n] = table[torch.arange(n), pos[:n] // bs] * bs + pos[:n] % bs
-        lens = torch.ones(batch, dtype=torch.long)
-        lens[:n] = pos[:n] + 1
-        self.block_tables[:batch, :blocks].copy_(table, non_blocking=True)
-        self.input_ids[:batch].copy_(ids, non_blocking=True)
-        self.positions[:batch].copy_(pos, non_blocking=True)
-        self.slot_mapping[:batch].copy_(slot, non_blocking=True)
-        self.context_lens[:batch].copy_(lens, non_blocking=True)
+        batch, blocks = self.stage(token_ids, positions, block_tables)
+        self._build(batch, blocks)  # a no-op after build_all; raises for a bucket it did not build
         if not self.use_graphs:
             return self._forward(batch, blocks)[:n]
-        key = (batch, blocks)
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(batch, blocks)
-        graph, out = self.graphs[key]
+        graph, out = self.graphs[(batch, blocks)]
         graph.replay()
         return out[:n]
 
     def _capture(self, batch: int, blocks: int):
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), torch.inference_mode():
             for _ in range(2):  # warm up kernels and the allocator outside the graph
                 self._forward(batch, blocks)
-        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.graph_pool):
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self.graph_pool):
             out = self._forward(batch, blocks)
         if self.graph_pool is None:
             self.graph_pool = graph.pool()

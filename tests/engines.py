@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import torch
 from checkpoints import make_checkpoint
 
 from omnivox.engine import Engine
@@ -19,6 +21,14 @@ def tiny_checkpoint(tmp_root: Path, family: str = "llama", **overrides) -> Path:
     return _CACHE[key]
 
 
+def device_under_test() -> torch.device:
+    """The device the engine tests run on: `OMNIVOX_TEST_DEVICE` (e.g. cuda, cuda:1), else the CPU. The same tests
+    then run on a GPU unchanged, in float32 (exact-token comparisons hold within float32 tolerance)."""
+    return torch.device(os.environ.get("OMNIVOX_TEST_DEVICE") or "cpu")
+
+
 def tiny_engine(path: Path, **kwargs) -> Engine:
     kwargs.setdefault("kv_cache_gib", 0.01)
-    return Engine.from_pretrained(path, device="cpu", **kwargs)
+    kwargs.setdefault("device", device_under_test())
+    kwargs.setdefault("dtype", "float32")
+    return Engine.from_pretrained(path, **kwargs)
