@@ -110,10 +110,27 @@ class VisionEncoder(nn.Module, ABC):
     def _encode_batch(self, items: Sequence[ImageInputs]) -> list[torch.Tensor]: ...
 
     def feature_settings(self) -> dict:
-        """Everything besides the image bytes that decides the features (goes into the content key): the family and
-        the processor's full configuration. JSON-serialisable."""
+        """Everything besides the image bytes and the model name that decides the features (goes into the content
+        key): the family, the weights' dtype and the image processor's full configuration. JSON-serialisable; a
+        per-request max_pixels is added by the caller."""
         ip = self.processor.image_processor.to_dict()
-        return {"family": self.family, "image_processor": json.loads(json.dumps(ip, sort_keys=True, default=str))}
+        return {
+            "family": self.family,
+            "dtype": str(self.param_dtype).removeprefix("torch."),
+            "image_processor": json.loads(json.dumps(ip, sort_keys=True, default=str)),
+        }
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    def feature_bytes(self, item: ImageInputs) -> int:
+        """Bytes the features of `item` take (what an encoder cache budgets), known before encoding."""
+        return item.num_features * self.text_hidden_size * self.param_dtype.itemsize
 
     def rope_positions(self, token_ids: Sequence[int], items: Sequence[ImageInputs]) -> tuple[torch.Tensor, int] | None:
         """M-RoPE positions ([3, N]) and the generated-token delta, for families that use them; else None."""
@@ -151,17 +168,24 @@ class VisionEncoder(nn.Module, ABC):
     nested_images = False  # the processor wants images as [[image]] per prompt (Idefics3 / SmolVLM)
 
     def encode(self, items: Sequence[ImageInputs]) -> list[torch.Tensor]:
-        """Features of each image, [num_features, text_hidden] each, in prompt order; one batched forward."""
+        """Features of each image, [num_features, text_hidden] each, in prompt order; one batched forward.
+
+        Each tensor owns its memory (a copy, not a view of the batch's output), so a cache that keeps one image's
+        features and drops another's frees what it drops. Raises AssertionError when an image's rows do not equal its
+        placeholder count (a processor / model mismatch).
+        """
         if not items:
             return []
-        with torch.inference_mode():
+        with torch.no_grad():
             feats = self._encode_batch(items)
+        out = []
         for item, f in zip(items, feats, strict=True):
             if f.shape != (item.num_features, self.text_hidden_size):
                 raise AssertionError(
                     f"{self.family}: {tuple(f.shape)} features for an image with {item.num_features} placeholders"
                 )
-        return feats
+            out.append(f.clone())
+        return out
 
     def expand_prompt(self, token_ids: Sequence[int], items: Sequence[ImageInputs]) -> list[int]:
         """Replace the i-th marker token in token_ids by items[i].placeholder_ids; the counts must agree."""

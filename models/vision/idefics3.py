@@ -46,7 +46,7 @@ class Idefics3Encoder(VisionEncoder):
         self.placeholder_token_id = config.image_token_id
 
     def _encode_batch(self, items: Sequence[ImageInputs]) -> list[torch.Tensor]:
-        dtype = next(self.vision_model.parameters()).dtype
+        dtype, device = self.param_dtype, self.device
         tiles = [it.tensors["pixel_values"][0] for it in items]  # each [tiles, 3, S, S]
         masks = [it.tensors["pixel_attention_mask"][0].bool() for it in items]  # each [tiles, S, S]
         counts = [t.shape[0] for t in tiles]
@@ -55,8 +55,8 @@ class Idefics3Encoder(VisionEncoder):
         pixels, mask = _cat_groups(tiles), _cat_groups(masks)
         out: list[torch.Tensor | None] = [None] * sum(counts)
         for idx in _groups(pixels):
-            pv = torch.stack([pixels[i] for i in idx]).to(dtype)  # [n, 3, S, S]
-            pm = torch.stack([mask[i] for i in idx])  # [n, S, S]
+            pv = torch.stack([pixels[i] for i in idx]).to(device, dtype)  # [n, 3, S, S]
+            pm = torch.stack([mask[i] for i in idx]).to(device)  # [n, S, S]
             p = self.patch_size
             patch_mask = pm.unfold(1, p, p).unfold(2, p, p).sum(dim=(-1, -2)) > 0  # [n, S/p, S/p]
             hidden = self.vision_model(pixel_values=pv, patch_attention_mask=patch_mask, return_dict=True)

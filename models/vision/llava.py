@@ -56,8 +56,8 @@ class LlavaEncoder(VisionEncoder):
         self.placeholder_token_id = config.image_token_id
 
     def _select(self, pixel_values: torch.Tensor) -> torch.Tensor:  # [B, 3, H, W] -> [B, rows, vision_hidden * L]
-        dtype = next(self.vision_tower.parameters()).dtype
-        out = self.vision_tower(pixel_values.to(dtype), output_hidden_states=True, return_dict=True)
+        pixels = pixel_values.to(self.device, self.param_dtype)
+        out = self.vision_tower(pixels, output_hidden_states=True, return_dict=True)
         layers = [self.feature_layer] if isinstance(self.feature_layer, int) else list(self.feature_layer)
         hidden = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
         return hidden[:, 1:] if self.strategy == "default" else hidden

@@ -55,9 +55,9 @@ class Qwen25VLEncoder(VisionEncoder):
         return item
 
     def _encode_batch(self, items: Sequence[ImageInputs]) -> list[torch.Tensor]:
-        dtype = next(self.visual.parameters()).dtype
-        pixels = torch.cat([it.tensors["pixel_values"] for it in items]).to(dtype)  # [sum patches, C*T*P*P]
-        grids = torch.cat([it.tensors["image_grid_thw"] for it in items])  # [n, 3]
+        pixels = torch.cat([it.tensors["pixel_values"] for it in items])  # [sum patches, C*T*P*P]
+        pixels = pixels.to(self.device, self.param_dtype)
+        grids = torch.cat([it.tensors["image_grid_thw"] for it in items]).to(self.device)  # [n, 3]
         feats = self.visual(pixels, grid_thw=grids).pooler_output  # [sum patches / merge^2, text_hidden]
         return list(feats.split((grids.prod(-1) // self.merge_size**2).tolist()))
 
