@@ -22,8 +22,6 @@ from omnivox.models.audio import (
     VoxtralAudioEncoder,
     audio_family,
     load_audio_encoder,
-    split_bundle_name,
-    text_decoder_tensors,
 )
 from omnivox.models.audio.transcription import (
     TranscriptionRequestError,
@@ -31,6 +29,7 @@ from omnivox.models.audio.transcription import (
     parse_transcription,
     transcription_messages,
 )
+from omnivox.models.checkpoint import iter_checkpoint_tensors
 
 FAMILIES = {
     "qwen2_audio": (make_qwen2_audio, transformers.Qwen2AudioForConditionalGeneration, Qwen2AudioEncoder),
@@ -146,60 +145,57 @@ def test_features_match_the_processor(family, audio_bundles):
         assert torch.equal(ours.mask, ref[mask_name].long())
 
 
+HUB_TO_RUNTIME = (
+    ("audio_tower.", "model.audio_tower."),
+    ("multi_modal_projector.", "model.multi_modal_projector."),
+    ("language_model.model.", "model.language_model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+
+
+def _relayout(name: str, to_runtime: bool) -> str:
+    for hub, runtime in HUB_TO_RUNTIME:
+        src, dst = (hub, runtime) if to_runtime else (runtime, hub)
+        if name.startswith(src):
+            return dst + name[len(src) :]
+    raise AssertionError(f"unexpected name {name}")
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_both_key_layouts_load_the_same(family, audio_bundles, tmp_path):
     """The hub's names (`audio_tower.*`, `language_model.model.*`) and transformers' runtime names
-    (`model.audio_tower.*`, `model.language_model.*`, `lm_head.*`) give the same encoder."""
+    (`model.audio_tower.*`, `model.language_model.*`, `lm_head.*`) give the same encoder and the same decoder."""
     src = audio_bundles[family]
     tensors = load_file(src / "model.safetensors")
-    runtime = any(k.startswith("model.audio_tower.") for k in tensors)
-
-    def rename(name: str) -> str:
-        part, inner = split_bundle_name(name)
-        if runtime:  # to the hub's layout
-            return f"{part}.{inner}" if part != "language_model" else f"language_model.{inner}"
-        return (
-            f"model.{part}.{inner}" if part != "language_model" else inner.replace("model.", "model.language_model.", 1)
-        )
-
+    to_runtime = not any(k.startswith("model.audio_tower.") for k in tensors)
     other = tmp_path / "other"
     other.mkdir()
     for f in src.iterdir():
         if f.name != "model.safetensors":
             (other / f.name).write_bytes(f.read_bytes())
-    save_file({rename(k): v.contiguous() for k, v in tensors.items()}, other / "model.safetensors")
+    save_file({_relayout(k, to_runtime): v.contiguous() for k, v in tensors.items()}, other / "model.safetensors")
     a, b = load_audio_encoder(src), load_audio_encoder(other)
     clips = [chirp(1.5)]
     torch.testing.assert_close(a.encode(a.features(clips))[0], b.encode(b.features(clips))[0], atol=0, rtol=0)
-    # The text decoder reads as a plain causal LM's tensors from either layout.
-    names_a = dict(text_decoder_tensors(src))
-    names_b = dict(text_decoder_tensors(other))
+    names_a = {n: t for n, t in iter_checkpoint_tensors(src)}
+    names_b = {n: t for n, t in iter_checkpoint_tensors(other)}
     assert names_a.keys() == names_b.keys()
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_text_decoder_tensors_are_a_causal_lm(family, audio_bundles, references):
+def test_decoder_part_is_a_causal_lm(family, audio_bundles, references):
+    """What the engine loads from an audio-LLM folder (`iter_checkpoint_tensors`' decoder part) is exactly the
+    text model: a causal LM's names, the reference's values, no audio tensor."""
     ref = references[family]
     lm = transformers.AutoModelForCausalLM.from_config(ref.config.text_config)
     expected = set(lm.state_dict().keys())
-    got = dict(text_decoder_tensors(audio_bundles[family]))
+    got = dict(iter_checkpoint_tensors(audio_bundles[family]))
     assert set(got) - expected == set()
     assert expected - set(got) <= {"lm_head.weight"}  # tied embeddings save no lm_head
     lm_sd = ref.model.language_model.state_dict()
     for name, tensor in got.items():
         if name.startswith("model."):
             torch.testing.assert_close(tensor, lm_sd[name.removeprefix("model.")], atol=0, rtol=0)
-
-
-def test_split_bundle_name_layouts():
-    assert split_bundle_name("audio_tower.layers.0.fc1.weight") == ("audio_tower", "layers.0.fc1.weight")
-    assert split_bundle_name("model.audio_tower.conv1.bias") == ("audio_tower", "conv1.bias")
-    assert split_bundle_name("multi_modal_projector.linear.weight") == ("multi_modal_projector", "linear.weight")
-    assert split_bundle_name("language_model.model.norm.weight") == ("language_model", "model.norm.weight")
-    assert split_bundle_name("model.language_model.norm.weight") == ("language_model", "model.norm.weight")
-    assert split_bundle_name("language_model.lm_head.weight") == ("language_model", "lm_head.weight")
-    assert split_bundle_name("lm_head.weight") == ("language_model", "lm_head.weight")
-    assert split_bundle_name("thinker.audio_tower.ln_post.weight") == ("audio_tower", "ln_post.weight")
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

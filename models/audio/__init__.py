@@ -1,6 +1,7 @@
 """Audio encoders of audio-LLMs (audio tower + projector), one module per family, one contract (`AudioEncoder`).
 
-`load_audio_encoder(path)` picks the family from the checkpoint's `model_type`.
+`load_audio_encoder(path)` picks the family from the checkpoint's `model_type`. The text decoder of the same folder is
+read by `models.checkpoint.iter_checkpoint_tensors(path)` (names rewritten to a causal LM's, both key layouts).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from omnivox.models.audio.base import AudioEncoder, AudioInputs, split_bundle_name, text_decoder_tensors
+from omnivox.models.audio.base import AudioEncoder, AudioInputs, audio_side_tensors
 from omnivox.models.audio.qwen2_audio import Qwen2AudioEncoder
 from omnivox.models.audio.qwen3_asr import Qwen3ASRAudioEncoder
 from omnivox.models.audio.voxtral import VoxtralAudioEncoder
@@ -50,6 +51,5 @@ __all__ = [
     "VoxtralAudioEncoder",
     "audio_family",
     "load_audio_encoder",
-    "split_bundle_name",
-    "text_decoder_tensors",
+    "audio_side_tensors",
 ]

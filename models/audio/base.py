@@ -1,74 +1,43 @@
-"""The audio-encoder contract shared by every audio-LLM family, and reading a bundle's tensors by part.
+"""The audio-encoder contract shared by every audio-LLM family, and reading the audio side of a checkpoint.
 
-An audio-LLM checkpoint folder ("bundle") holds an audio tower, a projector and a text decoder. Two key layouts occur:
-- the hub's (and what transformers 5's `save_pretrained` writes for Qwen2-Audio, through its conversion mapping):
-  `audio_tower.*`, `multi_modal_projector.*`, `language_model.model.*`, `language_model.lm_head.*`;
-- transformers' runtime module names (what `save_pretrained` writes for Qwen3-ASR, and `state_dict()` for all):
-  `model.audio_tower.*`, `model.multi_modal_projector.*`, `model.language_model.*`, `lm_head.*`.
-A leading `thinker.` (Qwen-Omni style exports) is dropped too. `split_bundle_name` maps both to
-(part, name inside the part); the text decoder's names come out as a plain causal LM's (`model.layers.0...`,
-`lm_head.weight`), which is what `models.decoder`'s `load_weights` reads.
+An audio-LLM checkpoint folder holds an audio tower, a projector and a text decoder, in one of two key layouts:
+- the hub's (and what transformers 5's `save_pretrained` writes for Qwen2-Audio and Voxtral, through its conversion
+  mapping): `audio_tower.*`, `multi_modal_projector.*`, `language_model.model.*`, `language_model.lm_head.*`;
+- transformers' runtime module names (what `save_pretrained` writes for Qwen3-ASR): `model.audio_tower.*`,
+  `model.multi_modal_projector.*`, `model.language_model.*`, `lm_head.*`.
+`models.checkpoint.iter_checkpoint_tensors(path, part)` routes every name to its part (AUDIO, PROJECTOR, or
+DECODER, whose names it rewrites to a plain causal LM's for the engine); `audio_side_tensors` strips the part prefix
+so the names match transformers' tower and projector modules.
 """
 
 from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
 
 from omnivox.codecs.audio_input import AudioLimits
 from omnivox.codecs.mel import LogMelExtractor, MelBatch, MelSettings
-from omnivox.models.checkpoint import iter_checkpoint_tensors
-
-AUDIO_TOWER = "audio_tower"
-PROJECTOR = "multi_modal_projector"
-LANGUAGE_MODEL = "language_model"
+from omnivox.models.checkpoint import AUDIO, PROJECTOR, iter_checkpoint_tensors
 
 
-def split_bundle_name(name: str) -> tuple[str, str]:
-    """`(part, name within the part)` for a bundle tensor name, in either key layout (see the module docstring)."""
-    name = name.removeprefix("thinker.")
-    for part in (AUDIO_TOWER, PROJECTOR):
-        for prefix in (f"{part}.", f"model.{part}."):
-            if name.startswith(prefix):
-                return part, name[len(prefix) :]
-    for prefix in ("language_model.lm_head.", "lm_head."):
-        if name.startswith(prefix):
-            return LANGUAGE_MODEL, "lm_head." + name[len(prefix) :]
-    for prefix in ("language_model.model.", "model.language_model.", "language_model.", "model."):
-        if name.startswith(prefix):
-            return LANGUAGE_MODEL, "model." + name[len(prefix) :]
-    raise ValueError(f"bundle tensor {name!r} belongs to no known part (audio tower, projector, language model)")
-
-
-def iter_bundle_tensors(folder: str | os.PathLike, parts: set[str]) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """Yield `(part, name, tensor)` for the tensors of `parts` only; safetensors tensors of other parts are not read."""
-    folder = Path(folder)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:  # a PyTorch .bin bundle: read through the generic reader, keep the parts asked for
-        for name, tensor in iter_checkpoint_tensors(folder):
-            part, inner = split_bundle_name(name)
-            if part in parts:
-                yield part, inner, tensor
-        return
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                part, inner = split_bundle_name(name)
-                if part in parts:
-                    yield part, inner, f.get_tensor(name)
-
-
-def text_decoder_tensors(folder: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor]]:
-    """The bundle's text decoder as a plain causal LM's `(name, tensor)` pairs, for the engine's decoder loader."""
-    for _, name, tensor in iter_bundle_tensors(folder, {LANGUAGE_MODEL}):
-        yield name, tensor
+def audio_side_tensors(path: str | os.PathLike, dtype: torch.dtype) -> tuple[dict, dict]:
+    """(tower state, projector state) of the checkpoint at `path`, named as inside transformers' modules
+    (`conv1.weight`, `linear.weight`), cast to `dtype`; the decoder's tensors are not read."""
+    states = []
+    for part, prefix in ((AUDIO, "audio_tower."), (PROJECTOR, "multi_modal_projector.")):
+        state = {}
+        for name, tensor in iter_checkpoint_tensors(path, part):
+            inner = name.removeprefix("model.")
+            if not inner.startswith(prefix):
+                raise ValueError(f"{path}: {name!r} is not an audio-LLM {part} tensor")
+            state[inner[len(prefix) :]] = tensor.to(dtype)
+        states.append(state)
+    return states[0], states[1]
 
 
 def load_module_state(module: torch.nn.Module, state: dict[str, torch.Tensor], what: str) -> None:

@@ -23,7 +23,7 @@ from transformers.models.qwen2_audio import modeling_qwen2_audio as hf
 
 from omnivox.codecs.audio_input import AudioLimits
 from omnivox.codecs.mel import MelSettings
-from omnivox.models.audio.base import AUDIO_TOWER, PROJECTOR, AudioEncoder, AudioInputs, iter_bundle_tensors
+from omnivox.models.audio.base import AudioEncoder, AudioInputs, audio_side_tensors
 from omnivox.models.audio.base import load_module_state as _load
 
 
@@ -62,11 +62,9 @@ class Qwen2AudioEncoder(AudioEncoder):
         with torch.device("meta"):
             tower = hf.Qwen2AudioEncoder(config.audio_config)
             projector = hf.Qwen2AudioMultiModalProjector(config)
-        states: dict[str, dict[str, torch.Tensor]] = {AUDIO_TOWER: {}, PROJECTOR: {}}
-        for part, name, tensor in iter_bundle_tensors(path, {AUDIO_TOWER, PROJECTOR}):
-            states[part][name] = tensor.to(dtype)
-        _load(tower, states[AUDIO_TOWER], AUDIO_TOWER)
-        _load(projector, states[PROJECTOR], PROJECTOR)
+        tower_state, projector_state = audio_side_tensors(path, dtype)
+        _load(tower, tower_state, "audio_tower")
+        _load(projector, projector_state, "multi_modal_projector")
         return cls(config, mel, tower, projector, device, dtype, name=path.name)
 
     @property

@@ -28,7 +28,7 @@ from transformers.models.qwen3_asr import modeling_qwen3_asr as hf
 
 from omnivox.codecs.audio_input import AudioLimits
 from omnivox.codecs.mel import MelSettings
-from omnivox.models.audio.base import AUDIO_TOWER, PROJECTOR, AudioEncoder, AudioInputs, iter_bundle_tensors
+from omnivox.models.audio.base import AudioEncoder, AudioInputs, audio_side_tensors
 from omnivox.models.audio.base import load_module_state as _load
 
 DEFAULT_MAX_SECONDS = 300.0
@@ -79,11 +79,9 @@ class Qwen3ASRAudioEncoder(AudioEncoder):
         with torch.device("meta"):
             tower = hf.Qwen3ASREncoder(config.audio_config)
             projector = hf.Qwen3ASRMultiModalProjector(config)
-        states: dict[str, dict[str, torch.Tensor]] = {AUDIO_TOWER: {}, PROJECTOR: {}}
-        for part, name, tensor in iter_bundle_tensors(path, {AUDIO_TOWER, PROJECTOR}):
-            states[part][name] = tensor.to(dtype)
-        _load(tower, states[AUDIO_TOWER], AUDIO_TOWER)
-        _load(projector, states[PROJECTOR], PROJECTOR)
+        tower_state, projector_state = audio_side_tensors(path, dtype)
+        _load(tower, tower_state, "audio_tower")
+        _load(projector, projector_state, "multi_modal_projector")
         # The sinusoidal position table is a non-persistent buffer (not in the checkpoint): compute it.
         positions = tower.positional_embedding
         positions.positional_embedding = positions.compute_default_singular_positional_embedding()

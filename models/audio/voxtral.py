@@ -24,7 +24,7 @@ from transformers.models.voxtral import modeling_voxtral as hf
 
 from omnivox.codecs.audio_input import AudioLimits
 from omnivox.codecs.mel import MelSettings
-from omnivox.models.audio.base import AUDIO_TOWER, PROJECTOR, AudioEncoder, AudioInputs, iter_bundle_tensors
+from omnivox.models.audio.base import AudioEncoder, AudioInputs, audio_side_tensors
 from omnivox.models.audio.base import load_module_state as _load
 
 DEFAULT_MAX_SECONDS = 300.0
@@ -76,11 +76,9 @@ class VoxtralAudioEncoder(AudioEncoder):
         with torch.device("meta"):
             tower = hf.VoxtralEncoder(config.audio_config)
             projector = hf.VoxtralMultiModalProjector(config)
-        states: dict[str, dict[str, torch.Tensor]] = {AUDIO_TOWER: {}, PROJECTOR: {}}
-        for part, name, tensor in iter_bundle_tensors(path, {AUDIO_TOWER, PROJECTOR}):
-            states[part][name] = tensor.to(dtype)
-        _load(tower, states[AUDIO_TOWER], AUDIO_TOWER)
-        _load(projector, states[PROJECTOR], PROJECTOR)
+        tower_state, projector_state = audio_side_tensors(path, dtype)
+        _load(tower, tower_state, "audio_tower")
+        _load(projector, projector_state, "multi_modal_projector")
         return cls(config, mel, tower, projector, device, dtype, name=path.name, max_seconds=max_seconds)
 
     @property
