@@ -117,18 +117,27 @@ def probe(spec: ModelSpec) -> BundleManifest:
             file_defaults=read_generation_config(default.generation_config()),
             overrides=overrides,
         )
-    from omnivox.models.checkpoint import DECODER, checkpoint_parts
-
     path = Path(spec.path)
     folder = path if path.is_dir() else None
     return BundleManifest(
         source=path,
         speech=is_speech_checkpoint(path),
-        planned_parts=tuple(sorted(p for p in checkpoint_parts(path) if p != DECODER)) if folder else (),
+        planned_parts=_planned_parts(path) if folder else (),
         untrained_components=_read_untrained(folder),
         file_defaults=read_generation_config(folder / "generation_config.json" if folder else None),
         overrides=overrides,
     )
+
+
+def _planned_parts(folder: Path) -> tuple[str, ...]:
+    """Parts other than the decoder whose weights the folder holds; () when its weights cannot be listed (loading
+    the bundle then says why, as a load error)."""
+    from omnivox.models.checkpoint import DECODER, checkpoint_parts
+
+    try:
+        return tuple(sorted(p for p in checkpoint_parts(folder) if p != DECODER))
+    except (OSError, ValueError):
+        return ()
 
 
 @dataclass
