@@ -23,7 +23,7 @@ import json
 import logging
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,7 +32,7 @@ import transformers
 from PIL import Image
 from torch import nn
 
-from omnivox.models.checkpoint import iter_checkpoint_tensors
+from omnivox.models.checkpoint import PROJECTOR, VISION, iter_checkpoint_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -234,10 +234,14 @@ class VisionEncoder(nn.Module, ABC):
 
     def load_from(self, path: Path) -> None:
         """Copy the vision-side tensors of the checkpoint at `path` into this module (both key layouts); fail when
-        one of our parameters is missing from the checkpoint."""
+        one of our parameters (other than `unused_params`) is missing from the checkpoint.
+
+        The tensors come from models.checkpoint's part routing (its VISION and PROJECTOR parts: one name map for the
+        project), read one at a time; `weight_prefixes` then place them in this module."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for name, tensor in _iter_named(path, [p for p, _ in self.weight_prefixes]):
+        tensors = (t for part in (VISION, PROJECTOR) for t in iter_checkpoint_tensors(path, part=part))
+        for name, tensor in tensors:  # stored names; the decoder's tensors are never read
             ours = map_name(name, self.weight_prefixes)
             if ours is None:
                 continue
@@ -294,21 +298,3 @@ def map_name(name: str, prefixes: Sequence[tuple[str, str]]) -> str | None:
         if m:
             return target + name[m.end() :]
     return None
-
-
-def _iter_named(path: Path, patterns: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Checkpoint tensors whose names match one of `patterns`. Safetensors are opened lazily and only matching
-    tensors are read, so a 7B checkpoint's language model is never read to load its 0.3B vision tower."""
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        for name, tensor in iter_checkpoint_tensors(path, part=None):
-            if any(re.match(p, name) for p in patterns):
-                yield name, tensor
-        return
-    from safetensors import safe_open
-
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open has keys(), no __iter__)
-                if any(re.match(p, name) for p in patterns):
-                    yield name, f.get_tensor(name)
