@@ -11,7 +11,15 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 # Text configs of multimodal checkpoints map to the decoder they use (Qwen2.5-VL's text model is Qwen2 with M-RoPE).
-_MODEL_TYPE_TO_FAMILY = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2_5_vl_text": "qwen2"}
+# Mistral (LLaVA-NeXT-Mistral's text model) is Llama's architecture plus an optional sliding window; with a window,
+# the served length is capped to it, where sliding and full attention are the same.
+_MODEL_TYPE_TO_FAMILY = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen2_5_vl_text": "qwen2",
+    "mistral": "llama",
+}
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,9 @@ class ModelConfig:
             eos = getattr(hf_config, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (int(eos),))
         max_pos = int(getattr(text, "max_position_embeddings", 2048))
+        window = getattr(text, "sliding_window", None) if getattr(text, "model_type", "") == "mistral" else None
+        if window:  # keys further back than the window are masked: exact only up to the window's length
+            max_pos = min(max_pos, int(window))
         if max_model_len is not None and max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         tie = getattr(hf_config, "tie_word_embeddings", None)
