@@ -20,7 +20,7 @@ from omnivox.models.attention import AttentionMetadata, PrefillChunk
 from omnivox.models.checkpoint import iter_checkpoint_tensors
 from omnivox.models.config import ModelConfig
 from omnivox.models.decoder import DecoderModel
-from omnivox.models.vision import VisionEncoder, mrope_positions
+from omnivox.models.vision import VisionEncoder, mrope_positions, mrope_span
 
 # save_pretrained writes the hub layout (visual.*, model.layers.*); transformers 5's module names:
 IN_MEMORY = [(r"^visual\.", "model.visual."), (r"^model\.", "model.language_model.")]
@@ -88,7 +88,7 @@ def _prefill_meta(n: int, start: int = 0) -> AttentionMetadata:
 def test_decoder_with_mrope_equals_transformers(path, reference):
     """Our decoder on the Qwen2.5-VL text config: same inputs_embeds (image features spliced in) and 3-D positions
     give transformers' logits; then two generated tokens at 1-D positions index + delta, through a second chunk
-    that reads the first chunk's KV from the paged cache."""
+    that reads the first chunk's KV from the paged cache; then the same in chunks cut inside an image."""
     enc = VisionEncoder.from_folder(path)
     config = transformers.AutoConfig.from_pretrained(path)
     cfg = ModelConfig.from_hf(config)
@@ -136,6 +136,27 @@ def test_decoder_with_mrope_equals_transformers(path, reference):
             model(torch.tensor(ids), torch.arange(n), kv, _prefill_meta(n), embed_rows=rows, embed_values=feats)
         )
     assert not torch.allclose(plain, ours_prompt, atol=1e-3)
+
+    # Chunked prefill with the boundary inside the first image, positions from mrope_span, then the generated
+    # tokens as two decode-like chunks of one token each: the same logits.
+    cut = int(rows[len(rows) // 4])  # a position inside the first image's run
+    assert ids[cut] == ids[cut - 1] == enc.placeholder_token_id
+    with torch.no_grad():
+        kv = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in kv]
+        outs = []
+        for start, end in ((0, cut), (cut, n), (n, n + 1), (n + 1, n + 2)):
+            sel = (rows >= start) & (rows < end)
+            hidden = model(
+                all_ids[start:end],
+                mrope_span(pos, delta, start, end),
+                kv,
+                _prefill_meta(end - start, start=start),
+                embed_rows=rows[sel] - start,
+                embed_values=feats[sel],
+            )
+            outs.append(model.compute_logits(hidden))
+    torch.testing.assert_close(torch.cat(outs), ref_logits, atol=1e-4, rtol=1e-4)
+    assert torch.equal(mrope_span(pos, delta, 0, n + 2), full_pos)
 
 
 def test_three_d_positions_need_mrope_config():

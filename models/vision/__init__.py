@@ -5,7 +5,7 @@ from __future__ import annotations
 from omnivox.models.vision.base import ImageInputs, VisionEncoder
 from omnivox.models.vision.idefics3 import Idefics3Encoder
 from omnivox.models.vision.llava import LlavaEncoder
-from omnivox.models.vision.qwen2_5_vl import Qwen25VLEncoder, mrope_positions
+from omnivox.models.vision.qwen2_5_vl import Qwen25VLEncoder, mrope_positions, mrope_span
 
 # config.model_type -> encoder class
 FAMILIES: dict[str, type[VisionEncoder]] = {
@@ -24,4 +24,5 @@ __all__ = [
     "Qwen25VLEncoder",
     "VisionEncoder",
     "mrope_positions",
+    "mrope_span",
 ]

@@ -110,3 +110,18 @@ def mrope_positions(
         raise ValueError("the prompt has fewer image tokens than the images' grids")
     delta = int(pos.max()) + 1 - n if n else 0
     return pos, delta
+
+
+def mrope_span(prompt_positions: torch.Tensor, delta: int, start: int, end: int) -> torch.Tensor:
+    """Positions [3, end - start] of tokens [start, end) of a sequence whose first N tokens are the prompt with
+    `prompt_positions` [3, N]: prompt tokens take theirs, later tokens (generated) i + delta on all three rows.
+
+    This is what a runner needs per prefill chunk (any start, e.g. inside an image) and per decode token.
+    """
+    n = prompt_positions.shape[1]
+    parts = []
+    if start < n:
+        parts.append(prompt_positions[:, start : min(end, n)])
+    if end > n:
+        parts.append((torch.arange(max(start, n), end) + delta).expand(3, -1))
+    return torch.cat(parts, dim=1)
