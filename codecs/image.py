@@ -47,13 +47,14 @@ class ImageLimits:
     max_pixels: int = 40_000_000
     max_aspect_ratio: float = 200.0  # longer side / shorter side; Qwen2.5-VL's processor refuses more than 200
     min_side: int = 2  # a 1x1 image carries nothing and breaks some resizers
+    max_images: int = 16  # per request; counted by the service before decoding any of them
     formats: frozenset[str] = field(default=SUPPORTED_FORMATS)
 
     def __post_init__(self) -> None:
         unknown = set(self.formats) - SUPPORTED_FORMATS
         if unknown:
             raise ValueError(f"unsupported image formats {sorted(unknown)}; choose among {sorted(SUPPORTED_FORMATS)}")
-        if self.max_bytes < 1 or self.max_pixels < 1 or self.min_side < 1 or self.max_aspect_ratio < 1:
+        if min(self.max_bytes, self.max_pixels, self.min_side, self.max_images) < 1 or self.max_aspect_ratio < 1:
             raise ValueError(f"image limits must be positive (aspect >= 1): {self}")
 
 
