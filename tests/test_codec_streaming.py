@@ -207,3 +207,26 @@ def test_window_length_is_constant_in_steady_state(codec):
     windows = s.plan()
     assert [w.end_frame - w.start_frame for w in windows[2:]] == [opts.window_frames()] * (len(windows) - 2)
     assert [w.emit_start for w in windows[1:]] == [w.emit_end for w in windows[:-1]]  # contiguous, no gaps
+
+
+def test_old_frames_are_trimmed_and_a_long_stream_still_equals_one_shot(codec):
+    """A stream keeps only the frames later windows can still read (left context plus a window of history for padding),
+    not every frame it ever received: memory stays flat over a long utterance, and the audio stays exact."""
+    n = 96
+    frames = random_frames(n, seed=9)
+    dec = BatchedStreamDecoder(codec, LEVELS)
+    opts = dec.open_stream().options
+    stream = dec.open_stream()
+    chunks: list[np.ndarray] = []
+    held = []
+    for row in frames.tolist():
+        stream.push_frame(row)
+        chunks += dec.decode_ready([stream]).get(stream, [])
+        held.append(len(stream._frames))
+    stream.finish()
+    chunks += dec.decode_ready([stream]).get(stream, [])
+    # Not yet emitted (at most a hop plus the lookahead) + left context + one window of history + the frame in hand.
+    bound = opts.hop_frames + opts.lookahead_frames + opts.left_context_frames + opts.window_frames() + 1
+    assert max(held) <= bound < n, (max(held), bound)
+    assert held[-1] < n // 2  # trimmed as it went, not only at the end
+    np.testing.assert_allclose(np.concatenate(chunks), codec.decode_frames(frames[None], LEVELS)[0].numpy(), atol=1e-5)
