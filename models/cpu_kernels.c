@@ -289,3 +289,110 @@ void q4_dequantize_f32(const block_q4_1 *W, float *out, int N, int K, int num_th
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------------------------------
+// 8-bit weights in groups of 32 (GGUF's Q8_0 block, byte for byte): {fp16 d, 32 x int8}, weight = d * q. Activations
+// are quantised per group of 32 as above (llama.cpp's Q8_0 x Q8_0 dot product). Per-group scales on both sides keep
+// the error at ~0.5 % per layer; torch's fbgemm dynamic int8 linear (one activation scale per call, 7 bits) measured
+// +58 % perplexity on SmolLM2-135M, +15 % with 8-bit activations.
+typedef struct {
+    uint16_t d;  // fp16
+    int8_t qs[32];
+} block_q8_0;
+
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 dot_q8_q8(const int8_t *wq, const int8_t *xq) {
+    const __m256i w = _mm256_loadu_si256((const __m256i *)wq);
+    const __m256i x = _mm256_loadu_si256((const __m256i *)xq);
+    const __m256i aw = _mm256_sign_epi8(w, w), sx = _mm256_sign_epi8(x, w);  // |w| * (x * sign w) = w * x
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, sx));
+#else
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1)));
+#endif
+}
+#endif
+
+static inline void q8_row(const block_q8_0 *row, const int8_t *qx, const float *dx, int R, int K, int G, float *out) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (R == 1) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        int g = 0;
+        for (; g + 2 <= G; g += 2) {
+            a0 = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(row[g].d) * dx[g]), dot_q8_q8(row[g].qs, qx + g * 32), a0);
+            a1 = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(row[g + 1].d) * dx[g + 1]),
+                                 dot_q8_q8(row[g + 1].qs, qx + (g + 1) * 32), a1);
+        }
+        for (; g < G; g++)
+            a0 = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(row[g].d) * dx[g]), dot_q8_q8(row[g].qs, qx + g * 32), a0);
+        out[0] = hsum256(_mm256_add_ps(a0, a1));
+        return;
+    }
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    const size_t r1 = R > 1 ? 1 : 0, r2 = R > 2 ? 2 : 0, r3 = R > 3 ? 3 : 0;
+    for (int g = 0; g < G; g++) {
+        const float d = fp16_to_f32(row[g].d);
+        const __m256i w = _mm256_loadu_si256((const __m256i *)row[g].qs);
+        const __m256i aw = _mm256_sign_epi8(w, w);
+#define Q8_ACC(acc, r)                                                                                  \
+    {                                                                                                   \
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(qx + (r) * K + g * 32));                 \
+        const __m256i sx = _mm256_sign_epi8(x, w);                                                      \
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1));        \
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[(r) * G + g]), _mm256_cvtepi32_ps(p), acc);         \
+    }
+        Q8_ACC(a0, 0)
+        Q8_ACC(a1, r1)
+        Q8_ACC(a2, r2)
+        Q8_ACC(a3, r3)
+#undef Q8_ACC
+    }
+    const float res[4] = {hsum256(a0), hsum256(a1), hsum256(a2), hsum256(a3)};
+    for (int r = 0; r < R; r++) out[r] = res[r];
+#else
+    for (int r = 0; r < R; r++) {
+        float acc = 0.f;
+        for (int g = 0; g < G; g++) {
+            const int8_t *q = qx + (size_t)r * K + g * 32;
+            int dot = 0;
+            for (int j = 0; j < 32; j++) dot += row[g].qs[j] * q[j];
+            acc += fp16_to_f32(row[g].d) * dx[(size_t)r * G + g] * (float)dot;
+        }
+        out[r] = acc;
+    }
+#endif
+}
+
+void q8_matmul_f32(const block_q8_0 *W, const float *x, const float *b, float *y, int M, int N, int K, int num_threads) {
+    const int G = K / 32;
+    int8_t *qx = (int8_t *)malloc((size_t)M * K);
+    float *dx = (float *)malloc(sizeof(float) * (size_t)M * G);
+    float *sx = (float *)malloc(sizeof(float) * (size_t)M * G);
+    quantize_rows_q8(x, qx, dx, sx, M, K);
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int n = 0; n < N; n++) {
+        const block_q8_0 *row = W + (size_t)n * G;
+        for (int r0 = 0; r0 < M; r0 += 4) {
+            const int R = M - r0 < 4 ? M - r0 : 4;
+            float out[4];
+            q8_row(row, qx + (size_t)r0 * K, dx + (size_t)r0 * G, R, K, G, out);
+            for (int r = 0; r < R; r++) y[(size_t)(r0 + r) * N + n] = out[r] + (b ? b[n] : 0.f);
+        }
+    }
+    free(qx);
+    free(dx);
+    free(sx);
+}
+
+void q8_dequantize_f32(const block_q8_0 *W, float *out, int N, int K, int num_threads) {
+    const int G = K / 32;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int n = 0; n < N; n++) {
+        for (int g = 0; g < G; g++) {
+            const block_q8_0 *blk = W + (size_t)n * G + g;
+            const float d = fp16_to_f32(blk->d);
+            float *o = out + (size_t)n * K + g * 32;
+            for (int j = 0; j < 32; j++) o[j] = d * (float)blk->qs[j];
+        }
+    }
+}

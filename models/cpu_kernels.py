@@ -78,12 +78,13 @@ def _build() -> ctypes.CDLL | None:
     gemv = lib.gemv_f32
     gemv.restype = None
     gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2
-    q4 = lib.q4_matmul_f32
-    q4.restype = None
-    q4.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
-    q4_deq = lib.q4_dequantize_f32
-    q4_deq.restype = None
-    q4_deq.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
+    for name in ("q4", "q8"):
+        mm = getattr(lib, f"{name}_matmul_f32")
+        mm.restype = None
+        mm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+        deq = getattr(lib, f"{name}_dequantize_f32")
+        deq.restype = None
+        deq.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
     return lib
 
 
@@ -154,8 +155,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
     return out
 
 
-def q4_matmul(x: torch.Tensor, blocks: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] float32 @ W.T (+ bias) for W held as Q4_1 blocks: `blocks` uint8 [n, K / 32 * 20] (K % 32 == 0).
+def block_matmul(kind: str, x: torch.Tensor, blocks: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] float32 @ W.T (+ bias) for W held as GGUF blocks of 32: kind "q4" (Q4_1, 20 bytes a block) or "q8"
+    (Q8_0, 34 bytes); `blocks` uint8 [n, K / 32 * bytes], K % 32 == 0.
 
     Activations are quantised to int8 per group of 32 inside the call (see cpu_kernels.c); returns [M, n] float32.
     """
@@ -163,22 +165,16 @@ def q4_matmul(x: torch.Tensor, blocks: torch.Tensor, n: int, bias: torch.Tensor 
     x = x.contiguous()
     m, k = x.shape
     out = torch.empty(m, n, dtype=torch.float32)
-    _lib.q4_matmul_f32(
-        blocks.data_ptr(),
-        x.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        out.data_ptr(),
-        m,
-        n,
-        k,
-        torch.get_num_threads(),
-    )
+    fn = _lib.q4_matmul_f32 if kind == "q4" else _lib.q8_matmul_f32
+    bias_ptr = None if bias is None else bias.data_ptr()
+    fn(blocks.data_ptr(), x.data_ptr(), bias_ptr, out.data_ptr(), m, n, k, torch.get_num_threads())
     return out
 
 
-def q4_dequantize(blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """Q4_1 blocks uint8 [n, k / 32 * 20] -> float32 [n, k] (k % 32 == 0)."""
+def block_dequantize(kind: str, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """GGUF blocks ("q4" / "q8", see block_matmul) [n, k / 32 * bytes] -> float32 [n, k] (k % 32 == 0)."""
     assert _lib is not None, "call kernel_available() first"
     out = torch.empty(n, k, dtype=torch.float32)
-    _lib.q4_dequantize_f32(blocks.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads())
+    fn = _lib.q4_dequantize_f32 if kind == "q4" else _lib.q8_dequantize_f32
+    fn(blocks.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads())
     return out

@@ -1,15 +1,19 @@
-"""Quantised linear layers (int8 and 4-bit groups) and `quantize_decoder`, which swaps them into a loaded decoder.
+"""Quantised linear layers (8-bit and 4-bit groups of 32) and `quantize_decoder`, which swaps them into a decoder.
 
-- **int8**: per-output-channel symmetric int8 weights. On CPU through torch's fbgemm dynamic int8 linear
-  (`quantized::linear_dynamic` on prepacked weights: activations quantised per call, integer GEMM); measured on a
-  1728x576 layer 4.4x faster than float32 `F.linear` at batch 1 and 4.5x at batch 16, ~2 % relative error per layer
-  (the activation is quantised per tensor). Elsewhere (CUDA): int8 weights dequantised inside the matmul.
-- **int4**: GGUF's Q4_1 block layout byte for byte (groups of 32: fp16 scale d, fp16 offset m, 16 bytes of nibbles;
-  5 bits per weight), so a Q4_1 file loads without conversion and Q4_0 / Q4_K convert exactly or nearly. On CPU the
-  C kernel `q4_matmul_f32` (models/cpu_kernels.c, llama.cpp's Q4_1 x Q8_1 scheme: int8 activations per group,
-  integer dot products); the portable torch path below does the same arithmetic and is tested equal to it.
+Both keep GGUF's own block layouts byte for byte, so a GGUF's Q8_0 / Q4_1 tensors load without conversion:
+- **int8**: Q8_0 blocks (fp16 scale d, 32 x int8; 8.5 bits per weight), weight = d * q.
+- **int4**: Q4_1 blocks (fp16 scale d, fp16 offset m, 16 bytes of nibbles; 5 bits per weight), weight = d * q + m.
+  Q4_0 converts exactly (m = -8 d), Q4_K to within half a level.
+On CPU, below LARGE_BATCH rows, the C kernels in models/cpu_kernels.c compute as llama.cpp's Q8_0/Q4_1 x Q8 dot
+products do: activations quantised to int8 per group of 32, integer dot products, one float multiply-add per group.
+From LARGE_BATCH rows (prefill) the layer is dequantised into a transient float32 matrix for torch's float GEMM,
+which is faster there than integer group dots. The portable torch path does the kernels' arithmetic and is tested
+equal to them. Off CPU (CUDA) a layer is dequantised inside each matmul (correct; not a speed path).
 
-Memory: a quantised layer holds only its quantised weights (no float copy); `weight_bytes(model)` counts them.
+torch's fbgemm dynamic int8 linear (`quantized::linear_dynamic`, per-channel weights) was measured first: 4.4x faster
+than float32 at batch 1 on a 1728x576 layer, but it quantises the activations with one scale per call (7 bits), and on
+SmolLM2-135M that raised perplexity by 58 % (+15 % with 8-bit activations); per-group activation scales cost nothing
+measurable in quality (see BENCHMARKS.md, "Quantised weights").
 """
 
 from __future__ import annotations
@@ -24,67 +28,44 @@ from omnivox.models import cpu_kernels
 from omnivox.models.layers import Linear, PackedLinear
 
 MODES = ("none", "int8", "int4")
-GROUP = 32  # weights per 4-bit group (and activations per int8 group in the 4-bit kernel)
+GROUP = 32  # weights per group (and activations per int8 group in the kernels)
 Q4_BLOCK_BYTES = 20  # fp16 d + fp16 m + 16 bytes of nibbles
-LARGE_BATCH = 32  # rows from which a 4-bit layer is dequantised for float GEMM (measured crossover, see BENCHMARKS)
+Q8_BLOCK_BYTES = 34  # fp16 d + 32 x int8
+LARGE_BATCH = 32  # rows from which a layer is dequantised for float GEMM (measured crossover, see BENCHMARKS)
+
+
+def _padded(k: int) -> int:
+    return -(-k // GROUP) * GROUP
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# int8, per output channel
+# Block formats: quantise, unpack, dequantise
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [N, K] float -> (int8 [N, K], float32 scales [N]): symmetric, scale = max|row| / 127."""
-    w = weight.float()
-    scales = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)  # [N]
-    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q, scales
+def quantize_q8(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] float -> Q8_0 blocks uint8 [N, ceil(K/32) * 34]; K zero-padded to a multiple of 32.
+
+    Per group: d = max|w| / 127, q = round(w / d), as llama.cpp's quantize_row_q8_0_ref.
+    """
+    n, k = weight.shape
+    w = F.pad(weight.float(), (0, _padded(k) - k)).view(n, -1, GROUP)
+    d = (w.abs().amax(-1) / 127.0).half()  # [N, G]
+    d32 = d.float()
+    inv = torch.where(d32 > 0, 1.0 / d32, torch.zeros_like(d32))
+    q = torch.round(w * inv[..., None]).clamp_(-127, 127).to(torch.int8)  # [N, G, 32]
+    return torch.cat([d[..., None].view(torch.uint8), q.view(torch.uint8)], dim=-1).reshape(n, -1).contiguous()
 
 
-class Int8Linear(nn.Module):
-    """y = x W^T (+ b) with W = int8 rows x per-row scales."""
-
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.out_features, self.in_features = qweight.shape
-        device = qweight.device
-        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
-        self._nbytes = qweight.numel() + 4 * scales.numel()
-        if device.type == "cpu":
-            qw = torch._make_per_channel_quantized_tensor(
-                qweight, scales.double(), torch.zeros(len(scales), dtype=torch.long), 0
-            )
-            # fbgemm copies the weights into its own packed layout; qweight is not kept.
-            self._packed = torch.ops.quantized.linear_prepack(qw, None if bias is None else self.bias.detach())
-            self.qweight = self.scales = None
-        else:
-            self._packed = None
-            self.register_buffer("qweight", qweight)
-            self.register_buffer("scales", scales.float())
-
-    @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
-        q, s = quantize_int8(weight)
-        return cls(q, s, bias)
-
-    @property
-    def nbytes(self) -> int:
-        return self._nbytes
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
-        if self._packed is not None:
-            # reduce_range: 7-bit activations, which fbgemm needs on AVX2 without VNNI (no int16 saturation).
-            y = torch.ops.quantized.linear_dynamic(x.float(), self._packed, True)
-            return y.to(x.dtype)
-        y = F.linear(x, self.qweight.to(x.dtype)) * self.scales.to(x.dtype)
-        return y if self.bias is None else y + self.bias.to(x.dtype)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per channel"
+def q8_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 blocks [N, G * 34] -> (d [N, G] float32, q [N, G, 32] int8)."""
+    b = blocks.view(blocks.shape[0], -1, Q8_BLOCK_BYTES)
+    return b[..., :2].contiguous().view(torch.float16).float().squeeze(-1), b[..., 2:].contiguous().view(torch.int8)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# 4-bit groups (Q4_1 blocks)
+def dequantize_q8(blocks: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Q8_0 blocks -> float32 weight [N, in_features]."""
+    d, q = q8_parts(blocks)
+    return (q.float() * d[..., None]).reshape(blocks.shape[0], -1)[:, :in_features]
 
 
 def quantize_q4(weight: torch.Tensor) -> torch.Tensor:
@@ -93,8 +74,7 @@ def quantize_q4(weight: torch.Tensor) -> torch.Tensor:
     Per group: m = min, d = (max - min) / 15, q = round((w - m) / d), as llama.cpp's quantize_row_q4_1_ref.
     """
     n, k = weight.shape
-    kp = -(-k // GROUP) * GROUP
-    w = F.pad(weight.float(), (0, kp - k)).view(n, kp // GROUP, GROUP)
+    w = F.pad(weight.float(), (0, _padded(k) - k)).view(n, -1, GROUP)
     lo, hi = w.amin(-1), w.amax(-1)  # [N, G]
     d = ((hi - lo) / 15.0).half()
     m = lo.half()
@@ -108,23 +88,20 @@ def quantize_q4(weight: torch.Tensor) -> torch.Tensor:
 
 def q4_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q4_1 blocks [N, G * 20] -> (d [N, G] float32, m [N, G] float32, q [N, G, 32] uint8)."""
-    n = blocks.shape[0]
-    b = blocks.view(n, -1, Q4_BLOCK_BYTES)
+    b = blocks.view(blocks.shape[0], -1, Q4_BLOCK_BYTES)
     head = b[..., :4].contiguous().view(torch.float16).float()  # [N, G, 2]
     nib = b[..., 4:]
-    q = torch.cat([nib & 15, nib >> 4], dim=-1)
-    return head[..., 0], head[..., 1], q
+    return head[..., 0], head[..., 1], torch.cat([nib & 15, nib >> 4], dim=-1)
 
 
 def dequantize_q4(blocks: torch.Tensor, in_features: int) -> torch.Tensor:
     """Q4_1 blocks -> float32 weight [N, in_features]."""
     d, m, q = q4_parts(blocks)
-    w = q.float() * d[..., None] + m[..., None]
-    return w.reshape(blocks.shape[0], -1)[:, :in_features]
+    return (q.float() * d[..., None] + m[..., None]).reshape(blocks.shape[0], -1)[:, :in_features]
 
 
 def quantize_activations_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] (K % 32 == 0) -> (qx [M, G, 32] float holding ints, dx [M, G], sx [M, G]), as the C kernel does."""
+    """x [M, K] (K % 32 == 0) -> (qx [M, G, 32] float holding ints, dx [M, G], sx [M, G]), as the C kernels do."""
     xs = x.float().view(x.shape[0], -1, GROUP)
     dx = xs.abs().amax(-1) / 127.0
     inv = torch.where(dx > 0, 1.0 / dx, torch.zeros_like(dx))
@@ -132,53 +109,83 @@ def quantize_activations_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return qx, dx, dx * qx.sum(-1)
 
 
-def q4_matmul_portable(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The C kernel's arithmetic in torch: int8 activations per group, exact integer group dots (in float32)."""
-    d, m, q = q4_parts(blocks)  # [N, G], [N, G], [N, G, 32]
+def block_matmul_portable(kind: str, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The C kernels' arithmetic in torch: int8 activations per group, exact integer group dots (in float32)."""
     qx, dx, sx = quantize_activations_q8(x)  # [M, G, 32], [M, G], [M, G]
+    if kind == "q4":
+        d, m, q = q4_parts(blocks)  # [N, G], [N, G], [N, G, 32]
+        y = sx @ m.T  # [M, N]: the offset term
+    else:
+        d, q = q8_parts(blocks)
+        y = torch.zeros(x.shape[0], blocks.shape[0])
     qw = q.float()
-    y = sx @ m.T  # [M, N]: the offset term
     for g in range(qw.shape[1]):  # integer dot of each group (sums < 2^24: exact in float32)
         y += (qx[:, g] @ qw[:, g].T) * (dx[:, g, None] * d[None, :, g])
     return y if bias is None else y + bias
 
 
-class Int4Linear(nn.Module):
-    """y = x W^T (+ b) with W in Q4_1 blocks (groups of 32 along the input)."""
+# ---------------------------------------------------------------------------------------------------------------------
+# Layers
+
+
+class BlockLinear(nn.Module):
+    """y = x W^T (+ b) with W held as GGUF blocks of 32 along the input (`blocks` uint8 [N, K / 32 * bytes])."""
+
+    kind = ""  # "q4" or "q8": the C kernel and block layout
+    block_bytes = 0
 
     def __init__(self, blocks: torch.Tensor, in_features: int, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, blocks.shape[0]
-        self.padded_in = -(-in_features // GROUP) * GROUP
-        assert blocks.dtype == torch.uint8 and blocks.shape[1] == self.padded_in // GROUP * Q4_BLOCK_BYTES
+        self.padded_in = _padded(in_features)
+        if blocks.dtype != torch.uint8 or blocks.shape[1] != self.padded_in // GROUP * self.block_bytes:
+            raise ValueError(f"{self.kind} blocks {tuple(blocks.shape)} do not hold {in_features} inputs")
         self.register_buffer("blocks", blocks.contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
-
-    @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int4Linear:
-        return cls(quantize_q4(weight).to(weight.device), weight.shape[1], bias)
 
     @property
     def nbytes(self) -> int:
         return self.blocks.numel()
 
+    def dequantize(self) -> torch.Tensor:  # [N, in_features] float32
+        fn = dequantize_q4 if self.kind == "q4" else dequantize_q8
+        return fn(self.blocks, self.in_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
-        if x.device.type != "cpu":  # no 4-bit kernel off CPU: dequantise in the matmul
-            return F.linear(x, dequantize_q4(self.blocks, self.in_features).to(x.dtype), _cast(self.bias, x.dtype))
+        if x.device.type != "cpu":  # no block kernel off CPU: dequantise in the matmul
+            return F.linear(x, self.dequantize().to(x.dtype), _cast(self.bias, x.dtype))
         xf = x.float()
         if self.padded_in != self.in_features:
             xf = F.pad(xf, (0, self.padded_in - self.in_features))
-        if not torch.is_grad_enabled() and cpu_kernels.kernel_available():
-            if xf.shape[0] >= LARGE_BATCH:  # float GEMM beats integer group dots here; the float copy is transient
-                w = cpu_kernels.q4_dequantize(self.blocks, self.out_features, self.padded_in)
-                return F.linear(xf, w, self.bias).to(x.dtype)
-            y = cpu_kernels.q4_matmul(xf, self.blocks, self.out_features, self.bias)
-        else:
-            y = q4_matmul_portable(xf, self.blocks, self.bias)
-        return y.to(x.dtype)
+        if torch.is_grad_enabled() or not cpu_kernels.kernel_available():
+            return block_matmul_portable(self.kind, xf, self.blocks, self.bias).to(x.dtype)
+        if xf.shape[0] >= LARGE_BATCH:  # float GEMM beats integer group dots here; the float copy is transient
+            w = cpu_kernels.block_dequantize(self.kind, self.blocks, self.out_features, self.padded_in)
+            return F.linear(xf, w, self.bias).to(x.dtype)
+        return cpu_kernels.block_matmul(self.kind, xf, self.blocks, self.out_features, self.bias).to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, 4-bit groups of {GROUP}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind} groups of {GROUP}"
+
+
+class Int8Linear(BlockLinear):
+    """8-bit weights: Q8_0 blocks."""
+
+    kind, block_bytes = "q8", Q8_BLOCK_BYTES
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
+        return cls(quantize_q8(weight).to(weight.device), weight.shape[1], bias)
+
+
+class Int4Linear(BlockLinear):
+    """4-bit weights: Q4_1 blocks."""
+
+    kind, block_bytes = "q4", Q4_BLOCK_BYTES
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int4Linear:
+        return cls(quantize_q4(weight).to(weight.device), weight.shape[1], bias)
 
 
 def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -186,19 +193,19 @@ def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
 
 
 class Int8Embedding(nn.Module):
-    """Embedding lookup from int8 rows x per-row scales (the tied lm_head's own int8 weights)."""
+    """Embedding lookup that dequantises only the rows asked for, from a tied output layer's Q8_0 blocks (shared)."""
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(self, output: Int8Linear, dtype: torch.dtype) -> None:
         super().__init__()
-        self.register_buffer("qweight", qweight)  # [V, H] int8
-        self.register_buffer("scales", scales.float())  # [V]
+        self.output = [output]  # a list: not a submodule, so the shared blocks are not counted twice
         self.dtype = dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
-        return (self.qweight[ids].float() * self.scales[ids, None]).to(self.dtype)
+        out = self.output[0]
+        rows = out.blocks.index_select(0, ids.flatten())
+        return dequantize_q8(rows, out.in_features).to(self.dtype).view(*ids.shape, -1)
 
 
-QuantLinear = Int8Linear | Int4Linear
 _FROM_FLOAT: dict[str, Callable[[torch.Tensor, torch.Tensor | None], nn.Module]] = {
     "int8": Int8Linear.from_float,
     "int4": Int4Linear.from_float,
@@ -235,14 +242,13 @@ def quantize_decoder(model: nn.Module, mode: str, quantize_lm_head: bool = False
 
 
 def quantize_output(model: nn.Module) -> None:
-    """The lm_head as int8; a tied model's embedding shares its int8 rows."""
+    """The lm_head as int8; a tied model's embedding reads the same blocks."""
     if model.lm_head is None:  # tied
         weight = model.embed_tokens.weight.detach()
-        q, s = quantize_int8(weight)
-        model.lm_head = Int8Linear(q, s, None)
-        model.embed_tokens = Int8Embedding(q, s, weight.dtype)
+        model.lm_head = Int8Linear.from_float(weight)
+        model.embed_tokens = Int8Embedding(model.lm_head, weight.dtype)
     elif isinstance(model.lm_head, Linear):
-        model.lm_head = Int8Linear.from_float(model.lm_head.weight.detach(), None)
+        model.lm_head = Int8Linear.from_float(model.lm_head.weight.detach())
 
 
 def _bias(module: nn.Module) -> torch.Tensor | None:
@@ -250,12 +256,10 @@ def _bias(module: nn.Module) -> torch.Tensor | None:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of every weight the model holds: parameters, persistent buffers, and fbgemm's packed int8 weights."""
+    """Bytes of every weight the model holds: parameters and persistent buffers (quantised blocks included)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     for module in model.modules():
         for name, buf in module.named_buffers(recurse=False):
             if name not in module._non_persistent_buffers_set:
                 total += buf.numel() * buf.element_size()
-        if isinstance(module, Int8Linear) and module._packed is not None:
-            total += module.nbytes
     return total

@@ -1,0 +1,216 @@
+"""Quality and speed of quantised weights against float32, measured in one run on one model.
+
+- **Perplexity** of each quantisation on a fixed English text shipped here (`data/pride_and_prejudice.txt`: the first
+  chapters of Jane Austen's *Pride and Prejudice*, 1813, public domain, written out for this benchmark; ~3 900 SmolLM2
+  tokens), every token predicted from all before it through the model's own paged KV cache. Twice: in steps of 16
+  rows (`perplexity`: the quantised kernels with int8 activations, as decode runs them) and in prefill chunks of 256
+  rows (`perplexity_prefill`: layers dequantised for float GEMM, i.e. the weights' quantisation alone).
+- **Greedy agreement** with float32 over 64 tokens on 20 fixed prompts (chat template applied): the mean share of
+  the 64 tokens before the first divergence, and how many of the 20 continuations are identical.
+- **Speed** through the engine in-process: batch-1 ITL (one request, the time for 64 decode steps), and total TPS
+  with 16 requests of 64 tokens submitted together (prefill included).
+
+`python -m omnivox.benchmarks.quality [--model PATH] [--modes none,int8,int4,native] [--output results.json]`;
+the default model is the embedded SmolLM2-135M-Instruct (Q4_1 GGUF): mode "native" serves it at its own precision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from omnivox.models.attention import AttentionMetadata, PrefillChunk
+from omnivox.models.decoder import DecoderModel
+
+TEXT = Path(__file__).with_name("data") / "pride_and_prejudice.txt"
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis in two sentences.",
+    "List three uses of a paperclip.",
+    "Who wrote Romeo and Juliet?",
+    "How do I boil an egg?",
+    "Translate 'good morning' into Spanish.",
+    "What is 12 times 7?",
+    "Give me a tip for sleeping better.",
+    "Describe a cat to someone who has never seen one.",
+    "Why is the sky blue?",
+    "What is a prime number?",
+    "Suggest a name for a bakery.",
+    "Summarise the story of Cinderella.",
+    "What should I pack for a beach holiday?",
+    "How does a bicycle stay upright?",
+    "Write a short thank-you note to a teacher.",
+    "What are the three states of matter?",
+    "Tell me a fun fact about octopuses.",
+    "How do vaccines work?",
+]
+GREEDY_TOKENS = 64
+CHUNK = 16  # rows per step: below quant.LARGE_BATCH, so the block kernels run
+PREFILL_CHUNK = 256
+BLOCK = 16
+
+
+class _Cache:
+    """A private paged KV cache for one sequence (contiguous blocks), enough for `max_len` tokens."""
+
+    def __init__(self, model: DecoderModel, max_len: int) -> None:
+        cfg = model.config
+        dtype = next(model.parameters()).dtype
+        blocks = -(-max_len // BLOCK)
+        shape = (blocks * BLOCK, cfg.num_kv_heads, cfg.head_dim)
+        self.kv = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(cfg.num_layers)]
+        self.table = torch.arange(blocks)
+        self.len = 0
+
+    def forward(self, model: DecoderModel, ids: list[int]) -> torch.Tensor:  # [len(ids), vocab] float32 logits
+        start, n = self.len, len(ids)
+        self.len += n
+        chunk = PrefillChunk(0, n, self.len, self.table[: -(-self.len // BLOCK)])
+        meta = AttentionMetadata(BLOCK, torch.arange(start, start + n), 0, None, None, None, [chunk])
+        hidden = model(torch.tensor(ids), torch.arange(start, start + n), self.kv, meta)
+        return model.compute_logits(hidden)
+
+
+@torch.inference_mode()
+def perplexity(model: DecoderModel, ids: list[int], chunk: int = CHUNK) -> float:
+    """exp(mean negative log-likelihood) of ids[1:] given everything before, in prefill chunks of `chunk` tokens."""
+    cache = _Cache(model, len(ids))
+    nll, count = 0.0, 0
+    for s in range(0, len(ids) - 1, chunk):
+        piece = ids[s : min(s + chunk, len(ids) - 1)]
+        logp = cache.forward(model, piece).log_softmax(-1)
+        targets = torch.tensor(ids[s + 1 : s + 1 + len(piece)])
+        nll -= logp.gather(1, targets[:, None]).sum().item()
+        count += len(piece)
+    return math.exp(nll / count)
+
+
+@torch.inference_mode()
+def greedy(model: DecoderModel, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens after prompt (prefill, then one-row decode steps: the batch-1 path of every layer)."""
+    cache = _Cache(model, len(prompt) + n)
+    out = [int(cache.forward(model, prompt)[-1].argmax())]
+    while len(out) < n:
+        out.append(int(cache.forward(model, out[-1:])[-1].argmax()))
+    return out
+
+
+def agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
+    """Mean share of tokens before the first divergence, and the number of identical continuations."""
+    prefixes = []
+    for a, b in zip(reference, other, strict=True):
+        k = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+        prefixes.append(k / len(a))
+    return {
+        "mean_prefix_share": sum(prefixes) / len(prefixes),
+        "identical": sum(p == 1.0 for p in prefixes),
+        "of": len(prefixes),
+    }
+
+
+def engine_speed(model: DecoderModel, tokenizer, prompts: list[list[int]]) -> dict:
+    """Batch-1 ITL (ms) and total TPS at 16 through the engine in-process."""
+    from omnivox.engine import Engine, SamplingParams
+
+    engine = Engine(model, tokenizer, kv_cache_gib=0.5)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    full = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS + 1, ignore_eos=True)
+    engine.generate([prompts[0]], [one])  # warm-up
+    itls = []
+    for p in prompts[:3]:
+        t0 = time.perf_counter()
+        engine.generate([p], [one])
+        t1 = time.perf_counter()
+        engine.generate([p], [full])
+        t2 = time.perf_counter()
+        itls.append(((t2 - t1) - (t1 - t0)) / GREEDY_TOKENS * 1e3)
+    batch = prompts[:16]
+    t0 = time.perf_counter()
+    outs = engine.generate(batch, [SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True)] * 16)
+    dt = time.perf_counter() - t0
+    tokens = sum(len(o.token_ids) for o in outs)
+    return {"itl_batch1_ms": sorted(itls)[len(itls) // 2], "total_tps_16": tokens / dt}
+
+
+def run(model_path: str, modes: list[str], threads: int, speed: bool) -> dict:
+    from omnivox.models.checkpoint import load_tokenizer
+    from omnivox.models.loading import load_decoder
+    from omnivox.models.quant import weight_bytes
+
+    torch.set_num_threads(threads)
+    tokenizer = load_tokenizer(model_path)
+    text_ids = tokenizer(TEXT.read_text()).input_ids
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+        for p in PROMPTS
+    ]
+    prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
+    results: dict = {
+        "model": str(model_path),
+        "text_tokens": len(text_ids),
+        "threads": threads,
+        "machine": platform.processor() or platform.machine(),
+        "commit": _commit(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "modes": {},
+    }
+    reference = None
+    for mode in ["none", *[m for m in modes if m != "none"]]:
+        quantization = None if mode == "native" else mode
+        t0 = time.perf_counter()
+        model = load_decoder(model_path, quantization=quantization).eval()
+        row: dict = {"load_s": time.perf_counter() - t0, "weight_mb": weight_bytes(model) / 1e6}
+        row["perplexity"] = perplexity(model, text_ids)
+        row["perplexity_prefill"] = perplexity(model, text_ids, PREFILL_CHUNK)
+        outs = [greedy(model, p, GREEDY_TOKENS) for p in prompts]
+        if reference is None:
+            reference = outs
+        row["greedy"] = agreement(reference, outs)
+        if speed:
+            row |= engine_speed(model, tokenizer, prompts)
+        base = results["modes"].get("none")
+        if base is not None:
+            row["perplexity_vs_float32"] = row["perplexity"] / base["perplexity"] - 1
+            row["perplexity_prefill_vs_float32"] = row["perplexity_prefill"] / base["perplexity_prefill"] - 1
+        results["modes"][mode] = row
+        print(mode, json.dumps(row), flush=True)
+        del model
+    return results
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=TEXT.parent)
+        return out.stdout.strip()
+    except OSError:
+        return ""
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: the embedded SmolLM2)")
+    parser.add_argument("--modes", default="none,int8,int4,native", help="comma-separated: none,int8,int4,native")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--no-speed", action="store_true", help="quality only")
+    parser.add_argument("--output", default=None, help="write the results JSON here")
+    args = parser.parse_args(argv)
+    model = args.model
+    if model is None:
+        from omnivox.services.defaults import ensure_default_model
+
+        model = str(ensure_default_model())
+    results = run(model, args.modes.split(","), args.threads, not args.no_speed)
+    if args.output:
+        Path(args.output).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
