@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -38,20 +39,25 @@ def omnivox_command() -> list[str]:
 
 
 class ServerProcess:
-    """`omnivox serve --model PATH --port N [extra args]` as a child process, ready when its health check says
-    SERVING. The server's output goes to `log_path`."""
+    """`omnivox serve --model PATH --port 0 [extra args]` as a child process, ready when its health check says
+    SERVING. The server's output goes to `log_path`.
+
+    The server binds a free port itself and the address is read from its `listening on` log line: a port picked
+    here, closed, and handed over could be taken by another process in between (or be another server's).
+    """
 
     def __init__(self, model: str, extra_args: list[str], log_path: Path, startup_timeout_s: float = 300.0) -> None:
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        cmd = [*omnivox_command(), "serve", "--model", str(model), "--port", str(self.port), *extra_args]
+        cmd = [*omnivox_command(), "serve", "--model", str(model), "--port", "0", *extra_args]
         self.command = cmd
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in close()
         self.log_path = log_path
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=os.environ.copy())
         try:
-            wait_serving(self.address, startup_timeout_s, self.proc)
+            started = time.monotonic()
+            self.address = _listening_address(log_path, startup_timeout_s, self.proc)
+            self.port = int(self.address.rsplit(":", 1)[1])
+            wait_serving(self.address, startup_timeout_s - (time.monotonic() - started), self.proc)
         except BaseException:
             self.close()
             raise
@@ -65,6 +71,19 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+
+
+def _listening_address(log_path: Path, timeout_s: float, proc: subprocess.Popen) -> str:
+    """The host:port from the server's `listening on HOST:PORT` log line (a later --port in extra args wins)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        match = re.search(r"listening on (\S+)", log_path.read_text(errors="replace"))
+        if match:
+            return match.group(1)
+        if proc.poll() is not None:
+            raise SystemUnavailable(f"omnivox server exited with code {proc.returncode} while starting")
+        time.sleep(0.05)
+    raise SystemUnavailable(f"omnivox server did not report its address within {timeout_s:.0f}s (see {log_path})")
 
 
 def wait_serving(address: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
