@@ -75,7 +75,8 @@ def test_a_bad_frame_fails_only_its_producer_and_close_drops_state(decoder):
         assert sum(len(c) for c in chunks) == 2 * 2048
         abandoned = worker.open()
         worker.push(abandoned, [[3] * 7] * 4)
-        await asyncio.sleep(0.5)
+        await asyncio.wait_for(abandoned.chunks.get(), 60)  # decoding has begun: it holds frames and a tail
+        assert abandoned.state._tail is not None and abandoned.state._frames
         worker.close(abandoned)  # a cancelled request: its frames and tail are dropped
         assert abandoned.state._tail is None and not abandoned.state._frames
         worker.close(good)
