@@ -6,14 +6,23 @@ all layers; the model itself runs as one batched forward pass for all decodes an
 
 from __future__ import annotations
 
+import logging
 from contextlib import nullcontext as _nullcontext
 
 import torch
 
 from omnivox.engine.scheduler import ScheduledChunk, SchedulePlan
 from omnivox.engine.static_decode import StaticDecoder
-from omnivox.models.attention import AttentionMetadata, PrefillChunk
+from omnivox.models.attention import (
+    AttentionMetadata,
+    PrefillChunk,
+    decode_attention_flex,
+    paged_block_mask,
+    sdpa_backend_name,
+)
 from omnivox.models.decoder import DecoderModel
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -26,12 +35,22 @@ class ModelRunner:
         dtype,
         max_num_seqs: int = 64,
         static_decode: bool | None = None,
+        decode_attention: str | None = None,
     ) -> None:
-        """static_decode: pad decode-only steps to fixed shapes (CUDA graphs on a GPU); None = on CUDA only."""
+        """static_decode: pad decode-only steps to fixed shapes (CUDA graphs on a GPU); None = on CUDA only.
+        decode_attention: "flex" (read the paged cache in place; None = on CUDA) or "native" (the CPU C kernel, else
+        the gathered SDPA path). A flex path that fails at load falls back to native, and says so."""
         cfg = model.config
         self.model = model
         self.device = torch.device(device)
         self.block_size = block_size
+        self.num_cache_blocks = num_blocks + 1
+        self.max_num_seqs = max_num_seqs
+        if decode_attention is None:
+            decode_attention = "flex" if self.device.type == "cuda" else "native"
+        if decode_attention not in ("flex", "native"):
+            raise ValueError(f"decode_attention must be 'flex' or 'native', got {decode_attention!r}")
+        self.use_flex = decode_attention == "flex"
         # One block past the pool's: the scratch block that padded rows of static decode steps write to.
         shape = ((num_blocks + 1) * block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [
@@ -51,12 +70,53 @@ class ModelRunner:
                 max_blocks=-(-cfg.max_model_len // block_size),
                 use_graphs=self.device.type == "cuda",
             )
+            self.static.use_flex = self.use_flex
+
+    def set_decode_attention(self, kind: str) -> None:
+        """Switch the decode attention ("flex" or "native") before `prepare` (tests; the load-time fallback)."""
+        self.use_flex = kind == "flex"
+        if self.static is not None:
+            self.static.reset()
+            self.static.use_flex = self.use_flex
 
     def prepare(self) -> None:
-        """Build every static decode bucket (CUDA graphs on a GPU) now, at load, before the engine serves."""
-        if self.static is not None:
-            with torch.cuda.device(self.device) if self.device.type == "cuda" else _nullcontext():
+        """Check the decode attention and build every static decode bucket (CUDA graphs on a GPU) now, at load,
+        before the engine serves. A flex path that fails here (no compiler, a kernel limit) falls back to native."""
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else _nullcontext():
+            if self.use_flex:
+                try:
+                    self._probe_flex()
+                    if self.static is not None:
+                        self.static.build_all()
+                except Exception:
+                    log.exception("FlexAttention decode failed at load; falling back to the gathered SDPA path")
+                    self.set_decode_attention("native")
+            if self.static is not None and not self.static.frozen:
                 self.static.build_all()
+        log.info("decode attention: %s", self.describe_decode_attention())
+
+    def describe_decode_attention(self) -> str:
+        if self.use_flex:
+            return "FlexAttention over the paged cache in place" + (" (compiled)" if self.device.type == "cuda" else "")
+        if self.device.type != "cuda":
+            return "CPU paged kernel or gathered matmul"
+        cfg = self.model.config
+        dt = self.kv_caches[0][0].dtype
+        q = torch.zeros(1, cfg.num_heads, 1, cfg.head_dim, dtype=dt, device=self.device)
+        k = torch.zeros(1, cfg.num_kv_heads, 4 * self.block_size, cfg.head_dim, dtype=dt, device=self.device)
+        mask = torch.ones(1, 1, 1, k.shape[2], dtype=torch.bool, device=self.device)
+        return f"gathered blocks + SDPA ({sdpa_backend_name(q, k, k, mask)} backend)"
+
+    @torch.inference_mode()
+    def _probe_flex(self) -> None:
+        """One decode attention call through the flex path on the scratch block (compiles it on CUDA)."""
+        cfg = self.model.config
+        k_cache, v_cache = self.kv_caches[0]
+        scratch = torch.full((1, 1), self.num_cache_blocks - 1, dtype=torch.long, device=self.device)
+        lens = torch.ones(1, dtype=torch.long, device=self.device)
+        mask = paged_block_mask(scratch, lens, self.block_size, self.num_cache_blocks, self.max_num_seqs)
+        q = torch.zeros(1, cfg.num_heads, cfg.head_dim, dtype=k_cache.dtype, device=self.device)
+        decode_attention_flex(q, k_cache, v_cache, mask, cfg.head_dim**-0.5)
 
     def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         """Cache slots of token positions [start, end)."""
@@ -72,7 +132,13 @@ class ModelRunner:
         chunk owns `num_verify` consecutive rows (the logits of its last num_verify positions)."""
         singles = [c for c in plan.decodes if c.num_tokens == 1]  # one token each: the decode attention path
         multis = [c for c in plan.decodes if c.num_tokens > 1] + plan.prefills  # chunks over a cached context
-        if self.static is not None and not multis and self.static.fits(len(singles), max(c.end for c in singles)):
+        mrope = any(c.request.rope_positions is not None for c in plan.chunks)
+        if (
+            self.static is not None
+            and not multis
+            and not mrope  # static buffers hold 1-D positions that double as KV slots
+            and self.static.fits(len(singles), max(c.end for c in singles))
+        ):
             logits = self.static.run(
                 [c.request.token_id(c.start) for c in singles],
                 [c.start for c in singles],
@@ -91,7 +157,8 @@ class ModelRunner:
         for k, c in enumerate(chunks):
             req = c.request
             ids.extend(req.token_slice(c.start, c.end))
-            pos.append(torch.arange(c.start, c.end))
+            span = req.rope_span(c.start, c.end)
+            pos.append(span.expand(3, -1) if mrope and span.dim() == 1 else span)  # a mixed step: all [3, n]
             for seg in req.segments:
                 lo, hi = max(c.start, seg.start), min(c.end, seg.end)
                 if lo < hi:  # only now are the segment's embeddings needed (produced on first use)
@@ -130,8 +197,11 @@ class ModelRunner:
             decode_lens=decode_lens,
             prefills=prefills,
         )
+        if nd and self.use_flex:
+            rows = max(nd, self.max_num_seqs)  # one compiled shape for every step
+            meta.decode_block_mask = paged_block_mask(decode_tables, decode_lens, bs, self.num_cache_blocks, rows)
         input_ids = torch.tensor(ids, device=dev)
-        positions = torch.cat(pos).to(dev)
+        positions = torch.cat(pos, dim=-1).to(dev)
         rows = torch.cat(embed_rows).to(dev) if embed_rows else None
         vals = torch.cat([v.to(dev) for v in embed_vals]) if embed_vals else None
         hidden = self.model(input_ids, positions, self.kv_caches, meta, rows, vals)

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from omnivox.models.attention import AttentionMetadata
+from omnivox.models.attention import AttentionMetadata, paged_block_mask
 from omnivox.models.decoder import DecoderModel
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,7 @@ class StaticDecoder:
         self.graph_pool = None
         self.built: set[tuple[int, int]] = set()  # buckets built (captured on CUDA, run once eagerly elsewhere)
         self.frozen = False  # set by build_all: no bucket is built after load
+        self.use_flex = False  # decode attention reads the cache in place (set by the runner before build_all)
         self.num_runs = 0  # decode steps served by this path
 
     @staticmethod
@@ -105,6 +106,13 @@ class StaticDecoder:
         slots[start:end] = self.scratch_block * self.block_size
         lens[start:end] = 1
         table[start:end] = self.scratch_block
+
+    def reset(self) -> None:
+        """Forget every built bucket (the runner switched its decode attention before serving)."""
+        self.graphs.clear()
+        self.built.clear()
+        self.graph_pool = None
+        self.frozen = False
 
     def buckets(self) -> list[tuple[int, int]]:
         """Every (batch, blocks) bucket, largest first."""
@@ -155,6 +163,11 @@ class StaticDecoder:
             decode_lens=lens,
             prefills=[],
         )
+        if self.use_flex:  # padded to max_batch rows: every bucket shares the one compiled attention kernel
+            n_blocks = self.kv_caches[0][0].shape[0] // self.block_size
+            meta.decode_block_mask = paged_block_mask(
+                meta.decode_block_tables, lens, self.block_size, n_blocks, self.max_batch
+            )
         hidden = self.model(self.input_ids[:batch], self.positions[:batch], self.kv_caches, meta)
         return self.model.compute_logits(hidden)
 

@@ -2,16 +2,27 @@
 
 The KV cache of one layer is two flat tensors `k_cache`, `v_cache` of shape [num_blocks * block_size, kv_heads, head_dim]:
 slot `block * block_size + offset` holds one token. A step's tokens are flattened into one batch of T rows:
-first the decode tokens (one per request, attended together in one padded SDPA call), then each prefill chunk
-(attended per request with a causal mask offset by the tokens it already has in the cache).
+first the decode tokens (one per request, attended together), then each prefill chunk (attended per request with a
+causal mask offset by the tokens it already has in the cache).
+
+Decode attention, by what the metadata carries and where it runs:
+- `decode_block_mask` set (CUDA default): FlexAttention reads the paged cache in place through a block mask whose KV
+  blocks are each request's block table; nothing is copied. Compiled once on CUDA (the batch is always padded to
+  the mask's rows, so one shape serves every step); on CPU it runs eagerly (tests) and materialises scores over the
+  whole cache, so it is never the CPU default.
+- CPU float32: the C kernel (models/cpu_kernels.c), which also reads the cache in place.
+- otherwise: the gathered path (copy each request's blocks, then SDPA on CUDA, two matmuls on CPU): the fallback.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from omnivox.models import cpu_kernels
 
@@ -33,6 +44,88 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size] True where a key is real
     decode_lens: torch.Tensor | None  # [num_decode] context length of each decode request
     prefills: list[PrefillChunk]
+    decode_block_mask: BlockMask | None = None  # set: decode attention reads the cache in place (paged_block_mask)
+
+
+log = logging.getLogger(__name__)
+
+# FlexAttention's query block: one q block holds the single decode query (128 is a multiple of every kernel BLOCK_M).
+_FLEX_Q_BLOCK = 128
+
+
+def paged_block_mask(
+    block_tables: torch.Tensor,  # [B, W] each request's blocks in order (entries past its length: any block)
+    lens: torch.Tensor,  # [B] context length of each request (>= 1)
+    block_size: int,
+    num_cache_blocks: int,  # blocks in the flat cache (its rows / block_size)
+    rows: int,  # the mask's batch: B padded up to this with one-token rows on the last cache block (scratch)
+) -> BlockMask:
+    """A FlexAttention block mask over the whole flat cache for one decode query per request.
+
+    The KV blocks of row b are its block table, so the kernel visits only them. FlexAttention requires the mask_mod
+    to be the whole truth (its eager path ignores the block lists), so the mask_mod maps each physical cache block
+    back to its logical index in row b (-1: not this request's) and admits a key when logical * block_size + offset
+    < lens[b], as torch's experimental PagedAttention does.
+    """
+    b, w = block_tables.shape
+    dev = block_tables.device
+    scratch = num_cache_blocks - 1
+    tables = torch.full((rows, w), scratch, dtype=torch.long, device=dev)
+    tables[:b] = block_tables
+    lengths = torch.ones(rows, dtype=torch.long, device=dev)
+    lengths[:b] = lens
+    nblocks = (lengths + block_size - 1) // block_size  # [rows]
+    logical = torch.arange(w, device=dev).expand(rows, w)
+    used = logical < nblocks[:, None]
+    # Physical -> logical block, one extra column catching the unused table entries (duplicates must not race).
+    p2l = torch.full((rows, num_cache_blocks + 1), -1, dtype=torch.long, device=dev)
+    p2l.scatter_(1, torch.where(used, tables, num_cache_blocks), torch.where(used, logical, -1))
+    p2l = p2l[:, :num_cache_blocks]
+    kv_indices = torch.zeros(rows, 1, 1, num_cache_blocks, dtype=torch.int32, device=dev)
+    kv_indices[:, 0, 0, :w] = tables.to(torch.int32)
+
+    def mask_mod(bi, h, q_idx, kv_idx):
+        logical_block = p2l[bi, kv_idx // block_size]
+        return (logical_block >= 0) & (logical_block * block_size + kv_idx % block_size < lengths[bi])
+
+    return BlockMask.from_kv_blocks(
+        nblocks.view(rows, 1, 1).to(torch.int32),
+        kv_indices,
+        BLOCK_SIZE=(_FLEX_Q_BLOCK, block_size),
+        mask_mod=mask_mod,
+        seq_lengths=(1, num_cache_blocks * block_size),
+        compute_q_blocks=False,  # the transposed lists serve only the backward pass
+    )
+
+
+@functools.cache
+def _compiled_flex():
+    """FlexAttention compiled (a fused kernel); uncompiled it materialises the scores over the whole cache."""
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def decode_attention_flex(q, k_cache, v_cache, block_mask: BlockMask, scale: float) -> torch.Tensor:
+    """q [B, H, D] (B <= the mask's rows) -> [B, H, D], reading the paged cache in place."""
+    b, h, d = q.shape
+    rows = block_mask.kv_num_blocks.shape[0]
+    qp = q.new_zeros(rows, h, 1, d)
+    qp[:b, :, 0] = q
+    n, kvh = k_cache.shape[0], k_cache.shape[1]
+    k = k_cache.view(1, n, kvh, d).transpose(1, 2).expand(rows, kvh, n, d)  # [rows, KVH, N, D], no copy
+    v = v_cache.view(1, n, kvh, d).transpose(1, 2).expand(rows, kvh, n, d)
+    attend = _compiled_flex() if q.is_cuda else flex_attention
+    out = attend(qp, k, v, block_mask=block_mask, scale=scale, enable_gqa=kvh != h)
+    return out[:b, :, 0]
+
+
+def sdpa_backend_name(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> str:
+    """The SDPA backend torch picks for these inputs ([B, H, L, D]), to log at load: cuDNN builds a plan per new
+    shape (time-to-first-token spikes); flash and efficient do not."""
+    try:
+        choice = torch._fused_sdp_choice(q, k, v, mask, 0.0, False, enable_gqa=q.shape[1] != k.shape[1])
+        return torch.nn.attention.SDPBackend(choice).name
+    except Exception as e:  # a private torch API: a name is worth logging, never worth failing a load
+        return f"unknown ({type(e).__name__})"
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -62,7 +155,9 @@ def paged_attention(
     gqa = q.shape[1] != k_cache.shape[1]
     nd = meta.num_decode
     if nd:
-        if not q.is_cuda and q.dtype == torch.float32 and cpu_kernels.kernel_available():
+        if meta.decode_block_mask is not None:
+            out[:nd] = decode_attention_flex(q[:nd], k_cache, v_cache, meta.decode_block_mask, scale)
+        elif not q.is_cuda and q.dtype == torch.float32 and cpu_kernels.kernel_available():
             out[:nd] = cpu_kernels.paged_decode_attention(
                 q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_lens, meta.block_size, scale
             )
