@@ -213,8 +213,9 @@ def test_limits_and_placeholder_formula(family, audio_bundles):
     assert family in key and "n_mels=128" in key
 
 
-def test_encoder_in_bfloat16_is_close(audio_bundles):
-    path = audio_bundles["qwen3_asr"]
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_encoder_in_bfloat16_is_close(family, audio_bundles):
+    path = audio_bundles[family]
     f32, bf16 = load_audio_encoder(path), load_audio_encoder(path, dtype=torch.bfloat16)
     clips = [chirp(2.0)]
     a, b = f32.encode(f32.features(clips))[0], bf16.encode(bf16.features(clips))[0]
