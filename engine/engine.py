@@ -178,9 +178,11 @@ class Engine:
         request_id: str | None = None,
         segments: Sequence[EmbeddingSegment] | None = None,
         on_output: Callable[[RequestOutput], None] | None = None,
+        rope_positions: tuple[torch.Tensor, int] | None = None,
     ) -> str:
-        """Validate and queue a request (thread-safe); raises InvalidRequest before anything is queued."""
-        req = self.intake.build(prompt, params, request_id, segments)
+        """Validate and queue a request (thread-safe); raises InvalidRequest before anything is queued.
+        rope_positions: ([3, len(prompt)] M-RoPE positions, generated-token delta) for Qwen2.5-VL-style models."""
+        req = self.intake.build(prompt, params, request_id, segments, rope_positions)
         with self._cond:
             if req.request_id in self._requests:
                 raise InvalidRequest("request_id", f"{req.request_id!r} is already in use")
@@ -280,6 +282,7 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         segments: Sequence[EmbeddingSegment] | None = None,
+        rope_positions: tuple[torch.Tensor, int] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield incremental outputs of one request. Leaving early (break, cancellation) aborts it."""
         loop = asyncio.get_running_loop()
@@ -289,7 +292,7 @@ class Engine:
             loop.call_soon_threadsafe(queue.put_nowait, out)
 
         self.start()
-        rid = self.add_request(prompt, params, request_id, segments, on_output=deliver)
+        rid = self.add_request(prompt, params, request_id, segments, on_output=deliver, rope_positions=rope_positions)
         finished = False
         try:
             while not finished:

@@ -62,7 +62,9 @@ class RequestIntake:
         params: SamplingParams | None,
         request_id: str | None,
         segments: Sequence[EmbeddingSegment] | None,
+        rope_positions: tuple[torch.Tensor, int] | None = None,
     ) -> Request:
+        """rope_positions: M-RoPE ([3, len(prompt)] positions, delta of generated tokens), for models that use it."""
         cfg = self.config
         params = params or SamplingParams()
         ids = self.tokenize(prompt)
@@ -79,6 +81,9 @@ class RequestIntake:
                 "max_tokens", f"{params.max_tokens} exceeds the {room} tokens left in the context after the prompt"
             )
         segs = self.check_segments(segments or [], len(ids))
+        positions, delta = rope_positions if rope_positions is not None else (None, 0)
+        if positions is not None and tuple(positions.shape) != (3, len(ids)):
+            raise InvalidRequest("rope_positions", f"must be [3, {len(ids)}], got {tuple(positions.shape)}")
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device)
@@ -94,4 +99,6 @@ class RequestIntake:
             segments=segs,
             constraint=constraint,
             generator=generator,
+            rope_positions=positions,
+            rope_delta=int(delta),
         )

@@ -139,6 +139,10 @@ class Request:
     eos_token_ids: tuple[int, ...]
     segments: list[EmbeddingSegment] = field(default_factory=list)
     constraint: TokenConstraint | None = None  # this request's own, made by params.constraint_factory
+    # M-RoPE (Qwen2.5-VL): [3, len(prompt)] rotary positions of the prompt; later tokens sit at index + rope_delta on
+    # all three rows. None: the plain 1-D positions. KV slots are 1-D either way.
+    rope_positions: torch.Tensor | None = None
+    rope_delta: int = 0
     generator: torch.Generator | None = None  # per-request sampling stream when seeded
 
     output_token_ids: list[int] = field(default_factory=list)
@@ -157,6 +161,8 @@ class Request:
 
     def __post_init__(self) -> None:
         assert self.prompt_token_ids, "empty prompt"
+        if self.rope_positions is not None:
+            assert tuple(self.rope_positions.shape) == (3, len(self.prompt_token_ids)), "rope positions [3, prompt]"
         for seg in self.segments:
             assert seg.start >= 0 and seg.end <= len(self.prompt_token_ids), "segment outside the prompt"
 
@@ -186,6 +192,18 @@ class Request:
         if start >= n:
             return self.output_token_ids[start - n : end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    def rope_span(self, start: int, end: int) -> torch.Tensor:
+        """Rotary positions of tokens [start, end): [end - start], or [3, end - start] for M-RoPE requests."""
+        if self.rope_positions is None:
+            return torch.arange(start, end)
+        n = self.rope_positions.shape[1]
+        parts = []
+        if start < n:
+            parts.append(self.rope_positions[:, start : min(end, n)])
+        if end > n:
+            parts.append((torch.arange(max(start, n), end) + self.rope_delta).expand(3, -1))
+        return torch.cat(parts, dim=1)
 
     @property
     def is_finished(self) -> bool:
