@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import threading
 import time
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
 import grpc
+from engines import device_under_test
 
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.services.server import OmnivoxServer, ServerOptions, build_registry
@@ -36,6 +38,10 @@ class ServerThread:
         server_options.setdefault("grace_period_s", 5.0)
         self.options = ServerOptions(**server_options)
         self.registry = build_registry(specs, self.options.max_queue)
+        if engine_options.device is None:  # OMNIVOX_TEST_DEVICE (else the CPU), float32 unless the test says
+            engine_options = dataclasses.replace(
+                engine_options, device=str(device_under_test()), dtype=engine_options.dtype or "float32"
+            )
         self.engine_options = engine_options
         self.load = load
         self.server = OmnivoxServer(self.registry, self.options)
