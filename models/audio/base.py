@@ -46,8 +46,9 @@ def load_module_state(module: torch.nn.Module, state: dict[str, torch.Tensor], w
     missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
     if missing or unexpected:
         raise ValueError(f"{what}: checkpoint lacks {missing[:4]} ({len(missing)}), has no place for {unexpected[:4]}")
+    current = module.state_dict()
     for name, tensor in state.items():
-        want = module.get_parameter(name) if name in dict(module.named_parameters()) else module.get_buffer(name)
+        want = current[name]
         if tuple(want.shape) != tuple(tensor.shape):
             raise ValueError(f"{what}.{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(want.shape)}")
     module.load_state_dict(state, assign=True)
@@ -93,8 +94,9 @@ class AudioEncoder(ABC):
     - `encode(inputs)`: `inputs` is one `features` result or a sequence of them (e.g. one per request); one
       batched pass over all their clips returns one [num_tokens_i, text_hidden] tensor per clip, in order, in
       `dtype` on `device`. A clip's embeddings do not depend on its batch mates (tested).
-    - Prompts: the chat template writes `marker_token` once per clip; `expand_prompt(token_ids, num_tokens)`
-      repeats it to each clip's count and says where each clip's run starts (an `EmbeddingSegment` per clip).
+    - Prompts: the chat template writes the marker token (`marker_token_id`) once per clip; `expand_prompt(token_ids,
+      num_tokens)` repeats it to each clip's count and says where each clip's run starts (an `EmbeddingSegment` per
+      clip: start, num_tokens, key). User text must not be able to produce the marker (tokenize it apart).
     - `feature_settings()`: a stable string of every setting that changes the embeddings, for content keys.
     """
 
