@@ -102,12 +102,16 @@ def profile_activation_bytes(model: DecoderModel, num_tokens: int, num_logit_row
 
 
 def kv_cache_gib_after_profile(model: DecoderModel, num_tokens: int, num_logit_rows: int, block_size: int) -> float:
-    """The KV cache size for a CUDA model: a share of the memory free after a profiling step, less the graph pool."""
-    dev = next(model.parameters()).device
+    """The KV cache size for a CUDA model: a share of the memory free after a profiling step, less the graph pool,
+    and never more than twice what `num_logit_rows` (max_num_seqs) full contexts hold: a small model on a large GPU
+    took 118 GiB (31 M blocks of bookkeeping) it could never fill, and left nothing for a second model."""
+    param = next(model.parameters())
+    dev, cfg = param.device, model.config
     peak = profile_activation_bytes(model, num_tokens, num_logit_rows, block_size)
     free, total = torch.cuda.mem_get_info(dev)
     budget = KV_MEMORY_FRACTION * free - peak - GRAPH_RESERVE_BYTES
-    gib = max(0.5, budget / 2**30)
+    useful = 2 * num_logit_rows * cfg.max_model_len * cfg.kv_bytes_per_token(param.element_size())
+    gib = min(max(0.5 * 2**30, budget), useful) / 2**30
     log.info(
         "KV cache: %.2f GiB (free %.2f of %.2f GiB after weights, activation peak %.0f MiB for %d tokens)",
         gib,

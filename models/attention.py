@@ -78,8 +78,8 @@ def paged_block_mask(
     logical = torch.arange(w, device=dev).expand(rows, w)
     used = logical < nblocks[:, None]
     # Physical -> logical block, one extra column catching the unused table entries (duplicates must not race).
-    p2l = torch.full((rows, num_cache_blocks + 1), -1, dtype=torch.long, device=dev)
-    p2l.scatter_(1, torch.where(used, tables, num_cache_blocks), torch.where(used, logical, -1))
+    p2l = torch.full((rows, num_cache_blocks + 1), -1, dtype=torch.int32, device=dev)
+    p2l.scatter_(1, torch.where(used, tables, num_cache_blocks), torch.where(used, logical, -1).to(torch.int32))
     p2l = p2l[:, :num_cache_blocks]
     kv_indices = torch.zeros(rows, 1, 1, num_cache_blocks, dtype=torch.int32, device=dev)
     kv_indices[:, 0, 0, :w] = tables.to(torch.int32)

@@ -52,3 +52,17 @@ def test_partial_results_and_own_system_verdict(tmp_path):
     assert own_systems_failed(result) == []  # a peer missing here is fine
     result["skipped"]["omnivox engine (in-process)"] = "boom"
     assert own_systems_failed(result) == ["omnivox engine (in-process) skipped: boom"]
+
+
+@pytest.mark.timeout(120)
+def test_gpu_smoke_runs_on_cpu(tmp_path):
+    """Stage 1 of benchmarks/gpu_check.sh, on the CPU: every check passes and the JSON holds each one."""
+    from omnivox.benchmarks.gpu_smoke import main as smoke
+
+    out = tmp_path / "smoke.json"
+    assert smoke(["--device", "cpu", "--out", str(out)]) == 0
+    records = {r["check"]: r for r in json.loads(out.read_text())}
+    assert all(r["ok"] for r in records.values()), records
+    assert records["meta build, llama3 rope"]["devices"] == ["meta"]
+    assert records["load + generate, float32, defaults"]["tokens_equal"]
+    assert records["16 streams on the engine thread, bfloat16"]["tokens"] == 16 * 48
