@@ -124,3 +124,18 @@ def test_the_embedded_default_answers_paris_without_sampling_fields(default_gguf
         with ThreadPoolExecutor(10) as pool:
             answers = list(pool.map(answer, range(10)))
     assert sum("Paris" in a for a in answers) >= 8, answers
+
+
+def test_the_shipped_defaults_are_package_data() -> None:
+    """A wheel install (the Docker image) must carry the default's generation_config.json and its measurement."""
+    import fnmatch
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "omnivox.services"
+    ]
+    shipped = [p.relative_to(root / "services").as_posix() for p in (root / "services" / "data").rglob("*.*")]
+    assert DEFAULT_GENERATION_CONFIG.is_file() and len(shipped) >= 3
+    for name in shipped:
+        assert any(fnmatch.fnmatch(name, g) for g in globs), f"services/{name} is not package data"
