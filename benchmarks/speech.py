@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -134,6 +135,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     args = ap.parse_args(argv)
     levels = [int(v) for v in args.concurrency.split(",") if v.strip()]
+    from omnivox.benchmarks.main import git_commit
+
+    # What a results file needs to be quoted from: when, at which commit, on how busy a machine, by which command.
+    meta = {
+        "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": git_commit(),
+        "load_average_at_start": list(os.getloadavg()),
+        "command": " ".join(["python -m omnivox.benchmarks.speech", *(argv if argv is not None else sys.argv[1:])]),
+        "text_chars": len(args.text),
+    }
     server = None
     address = args.address
     if address is None:
@@ -153,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             server.close()
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
+        args.out.write_text(json.dumps({**meta, **result}, indent=2))
     print(format_table(result))
     return 0
 

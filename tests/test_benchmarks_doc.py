@@ -1,0 +1,122 @@
+"""BENCHMARKS.md quotes committed results files, not earlier runs: every table row equals the JSON it links, every
+committed Markdown report is the one its JSON renders to, and the run facts (time, commit, load) match."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from omnivox.benchmarks import report
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = (ROOT / "BENCHMARKS.md").read_text()
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def sections() -> list[tuple[str, Path | None]]:
+    """(text, the results JSON it links) for each `##`/`###`-free section of BENCHMARKS.md split at `## `."""
+    out = []
+    for text in re.split(r"^## ", DOC, flags=re.M)[1:]:
+        links = re.findall(r"\(benchmarks/results/([\w.-]+\.json)\)", text)
+        assert len(set(links)) <= 1, f"one results file per section: {links}"
+        out.append((text, RESULTS / links[0] if links else None))
+    return out
+
+
+def tables(text: str) -> list[list[dict[str, str]]]:
+    """Markdown tables in `text` as rows of {header: cell}."""
+    found, lines = [], text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("| ") and i + 1 < len(lines) and re.match(r"^\|[-:|]+\|$", lines[i + 1]):
+            header = [h.strip() for h in line.strip("|").split("|")]
+            rows = []
+            for row in lines[i + 2 :]:
+                if not row.startswith("|"):
+                    break
+                rows.append(dict(zip(header, [c.strip() for c in row.strip("|").split("|")], strict=True)))
+            found.append(rows)
+    return found
+
+
+def quoted_sections() -> list[tuple[str, Path]]:
+    return [(text, path) for text, path in sections() if path is not None]
+
+
+def flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_every_quoted_results_file_is_committed() -> None:
+    assert quoted_sections(), "BENCHMARKS.md links no results file"
+    for _, path in quoted_sections():
+        assert path.is_file(), path
+
+
+@pytest.mark.parametrize("path", sorted(RESULTS.glob("*.json")), ids=lambda p: p.stem)
+def test_committed_markdown_report_is_rendered_from_its_json(path: Path) -> None:
+    result = json.loads(path.read_text())
+    markdown = path.with_suffix(".md")
+    if "levels" in result and "workload" in result:  # an `omnivox bench` run
+        assert markdown.read_text() == report.markdown_report(result) + "\n", f"{markdown} is from another run"
+
+
+def test_tables_equal_the_json_they_link() -> None:
+    from omnivox.benchmarks import speech
+
+    columns = {header: (key, fmt) for header, key, fmt in report.COLUMNS}
+    checked = 0
+    for text, path in quoted_sections():
+        result = json.loads(path.read_text())
+        for rows in tables(text):
+            if "system" in rows[0]:  # an `omnivox bench` table (possibly fewer columns than the report's)
+                levels = {(level["system"], str(level["concurrency"])): level for level in result["levels"]}
+                for row in rows:
+                    if row["system"] not in {s for s, _ in levels}:
+                        continue  # e.g. the targets table
+                    level = levels[(row["system"], row["conc."])]
+                    for header, cell in row.items():
+                        key, fmt = columns[header]
+                        assert cell == report._cell(fmt, level.get(key)), (path.name, row["system"], header)
+                    checked += 1
+            elif "streams" in rows[0]:  # the speech benchmark's table
+                expected = tables(speech.format_table(result))[0]
+                assert rows == expected, path.name
+                checked += len(rows)
+    assert checked >= 20
+
+
+def test_run_facts_match_the_json() -> None:
+    for text, path in quoted_sections():
+        text = flat(text)  # a figure may be wrapped across lines
+        result = json.loads(path.read_text())
+        started = result["started"].split()[1]  # HH:MM
+        assert f"{started} UTC" in text, (path.name, started)
+        if result.get("commit"):
+            assert result["commit"].split("+")[0] in text, (path.name, result["commit"])
+        load = "{:.1f} / {:.1f} / {:.1f}".format(*result["load_average_at_start"])
+        assert load in text, (path.name, load)
+
+
+def test_limits_and_targets_are_the_jsons() -> None:
+    """The floor, the roofs and the target ratios quoted are the ones the run computed (none adjusted by hand)."""
+    for text, path in quoted_sections():
+        text = flat(text)
+        result = json.loads(path.read_text())
+        floor = result.get("floor")
+        if not floor:
+            continue
+        assert f"{floor['itl_floor_ms']:.1f} ms" in text, path.name
+        assert f"{floor['bandwidth_gb_s']:.1f} GB/s" in text, path.name
+        assert f"{result['matmul']['gflop_per_s']:.0f} GFLOP/s" in text, path.name
+        assert f"{floor['decode_tps_ceiling']:.0f} tok/s" in text, path.name
+        assert f"{floor['workload_tps_ceiling_no_cache']:.0f} tok/s" in text, path.name
+        for target in result.get("targets") or []:
+            if target["value"] is None:  # not measured in this run
+                continue
+            if "ms" in target["target"]:
+                assert f"{target['value']:.0f} ms" in text, target
+            else:
+                assert f"{target['value']:.2f}x" in text, target
