@@ -66,3 +66,11 @@ def test_gpu_smoke_runs_on_cpu(tmp_path):
     assert records["meta build, llama3 rope"]["devices"] == ["meta"]
     assert records["load + generate, float32, defaults"]["tokens_equal"]
     assert records["16 streams on the engine thread, bfloat16"]["tokens"] == 16 * 48
+
+
+def test_gpu_check_script_parses_and_names_its_stages():
+    script = ROOT / "benchmarks" / "gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    text = script.read_text()
+    for needle in ("gpu_smoke", "OMNIVOX_TEST_DEVICE=cuda", "benchmarks/gpu.sh", "step failed"):
+        assert needle in text

@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 18, in the issue's order, as one bounded run (~8 minutes) on a machine with a GPU:
+#   1. a tiny Llama with Llama 3 rope loaded on CUDA, checked against the CPU engine (benchmarks/gpu_smoke.py);
+#   2. the service and speech tests with OMNIVOX_TEST_DEVICE=cuda;
+#   3. decoder parity, the static-decode twin and the in-place (flex) decode attention on CUDA in float32;
+#   4. bash benchmarks/gpu.sh (with what is left of the budget), then the server log searched for failed steps.
+# Every stage appends its line to summary.txt as it ends, so a run cut short keeps what it saw.
+#
+# On the device machine (its image lacks a few of our packages; their wheels travel in .whl, see below):
+#   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=560)
+# The files come back from $OUT (8 at most): summary.txt, smoke.json, smoke.log, tests-service.log, tests-cuda.log,
+# gpu.log, results.json, server.log.
+#
+# .whl (gitignored) is filled here once, for Python 3.12 on x86-64, with what the image lacks or holds too old:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#     grpcio==1.85.3 protobuf==7.36.2 googleapis-common-protos==1.76.0 grpcio-health-checking==1.85.1 \
+#     grpcio-reflection==1.85.1 grpcio-status==1.85.3 gguf==0.19.0 snac==1.2.1 soundfile==0.14.0 cffi==2.1.1 \
+#     pycparser==3.12 num2words==0.5.14 transformers==5.24.0 regex==2026.11.19  # (the image's huggingface_hub 1.33 serves)
+#
+# Environment: OUT (default gpu-check), PYTHON (default python3), TOTAL_S (default 480), STAGES (default "1 2 3 4":
+# a rerun may pick some).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-gpu-check}"
+PY="${PYTHON:-python3}"
+TOTAL_S="${TOTAL_S:-480}"
+STAGES="${STAGES:-1 2 3 4}"
+mkdir -p "$OUT"
+START=$(date +%s)
+export PYTHONUNBUFFERED=1
+
+summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
+left() { echo $(( START + TOTAL_S - $(date +%s) )); }
+wanted() { [[ " $STAGES " == *" $1 "* ]]; }
+# stage NAME CAP_S LOG COMMAND...: run under min(CAP_S, time left), output to LOG, one summary line.
+stage() {
+  local name=$1 cap=$2 log=$3; shift 3
+  local limit; limit=$(left); [ "$limit" -gt "$cap" ] && limit=$cap
+  if [ "$limit" -lt 20 ]; then summary "$(printf '%-34s skipped: budget spent' "$name")"; return 1; fi
+  local t0; t0=$(date +%s)
+  timeout "$limit" "$@" > "$log" 2>&1
+  local rc=$?
+  summary "$(printf '%-34s rc=%-3s %4ss (limit %ss)  %s' "$name" "$rc" "$(( $(date +%s) - t0 ))" "$limit" \
+    "$(grep -E '(passed|failed|error).* in [0-9.]+s|^gpu_smoke:' "$log" | tail -n 1)")"
+  return $rc
+}
+
+# 0. Environment: the image's python and torch, our missing packages from .whl, omnivox from this tree (a link
+# farm with the layout pyproject's package-dir maps, so nothing is built).
+summary "gpu_check $(date -u '+%F %T') UTC, commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+summary "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -n 1)"
+if [ -d .whl ]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    > "$OUT/smoke.log" 2>&1 || summary "wheel install failed: $(tail -n 3 "$OUT/smoke.log")"
+fi
+SHIM=/tmp/omnivox-shim
+rm -rf "$SHIM" && mkdir -p "$SHIM/omnivox"
+cp -r protos/omnivox/. "$SHIM/omnivox/"
+for pkg in services engine models codecs benchmarks; do ln -s "$PWD/$pkg" "$SHIM/omnivox/$pkg"; done
+export PYTHONPATH="$SHIM:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+summary "$("$PY" -c 'import torch, transformers, grpc, omnivox.engine; print("torch", torch.__version__, "cuda", torch.cuda.is_available(), "transformers", transformers.__version__, "grpc", grpc.__version__)' 2>&1 | tail -n 1)"
+
+if wanted 1; then
+  stage "1 llama3-rope load on cuda" 100 "$OUT/smoke.log" "$PY" -m omnivox.benchmarks.gpu_smoke --out "$OUT/smoke.json"
+fi
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider --timeout 100 -o "addopts=" -W ignore::UserWarning)
+if wanted 2; then
+  OMNIVOX_TEST_DEVICE=cuda stage "2 service+speech tests (cuda)" 100 "$OUT/tests-service.log" \
+    "${PYTEST[@]}" tests/test_service_generate.py tests/test_speech_service.py
+fi
+if wanted 3; then
+  OMNIVOX_TEST_DEVICE=cuda stage "3 parity+twin+flex fp32 (cuda)" 130 "$OUT/tests-cuda.log" \
+    "${PYTEST[@]}" tests/test_static_decode.py tests/test_decoder_parity.py tests/test_paged_flex.py \
+    tests/test_engine.py tests/test_meta_build.py
+fi
+if wanted 4; then
+  budget=$(( $(left) - 15 ))
+  if [ "$budget" -lt 60 ]; then
+    summary "4 gpu.sh                            skipped: ${budget}s left"
+  else
+    BENCH_OUT=/tmp/gpu-bench
+    stage "4 gpu.sh" "$budget" "$OUT/gpu.log" env OUT="$BENCH_OUT" BUDGET_S="$budget" PYTHON="$PY" bash benchmarks/gpu.sh
+    cp "$BENCH_OUT/results.json" "$OUT/results.json" 2>/dev/null
+    if [ -f "$BENCH_OUT/omnivox-server.log" ]; then
+      {
+        echo "# failed steps and errors in the omnivox server log"
+        grep -n -E "step failed|failing the|sampling failed|stream is capturing|Traceback|Error|falling back" \
+          "$BENCH_OUT/omnivox-server.log" | head -n 100
+        echo "# the log's last 150 lines"
+        tail -n 150 "$BENCH_OUT/omnivox-server.log"
+      } > "$OUT/server.log"
+      summary "server log: $(grep -c -E 'step failed|failing the|stream is capturing' "$BENCH_OUT/omnivox-server.log") failed steps; $(grep -m1 'decode attention' "$BENCH_OUT/omnivox-server.log" | cut -c1-160)"
+    fi
+  fi
+fi
+summary "total $(( $(date +%s) - START ))s"
