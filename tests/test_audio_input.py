@@ -153,3 +153,18 @@ def test_espeak_speech_wav_and_flac_share_a_key():
     pcm, rate = soundfile.read(io.BytesIO(wav), dtype="int16")
     flac = decode_audio(encode(pcm, rate, "FLAC"))
     assert _key(a) == _key(flac)
+
+
+def test_proto_enum_names_are_accepted():
+    """The service may pass `AudioEncoding.Name(part.encoding)` as it is: AUDIO_ENCODING_* names map to ours."""
+    from omnivox.v1 import content_pb2
+
+    pcm = float_to_int16(tone(0.5))
+    for value, data, rate in [
+        (content_pb2.AUDIO_ENCODING_UNSPECIFIED, encode(pcm, 16000, "WAV"), 0),
+        (content_pb2.AUDIO_ENCODING_WAV, encode(pcm, 16000, "WAV"), 0),
+        (content_pb2.AUDIO_ENCODING_FLAC, encode(pcm, 16000, "FLAC"), 0),
+        (content_pb2.AUDIO_ENCODING_LINEAR16, pcm.tobytes(), 16000),
+    ]:
+        decoded = decode_audio(data, content_pb2.AudioEncoding.Name(value), rate)
+        np.testing.assert_array_equal(decoded.samples, pcm / np.float32(32768.0))
