@@ -61,12 +61,26 @@ def check_model_path(path: str | Path) -> Path:
     return path.resolve()
 
 
+def check_sampling_overrides(overrides: Mapping[str, Any]) -> None:
+    """ModelLoadError unless every override is a SamplingParams field with a value the engine's table accepts."""
+    from omnivox.engine import SamplingParams
+
+    try:
+        params = SamplingParams(**overrides)
+    except TypeError as exc:
+        raise ModelLoadError(f"unknown sampling default: {exc}") from None
+    problems = [f"{p.field} {p.description}" for p in params.violations(vocab_size=1 << 31)]
+    if problems:
+        raise ModelLoadError(f"bad sampling default: {'; '.join(problems)}")
+
+
 def resolve(spec: ModelSpec, is_default: bool, max_queue: int) -> ServedModel:
     """A LOADING ServedModel for spec, after checking its path (cheap: only small files are read here)."""
     from omnivox.services.bundle import probe
 
     if spec.path is not None:
         spec = ModelSpec(check_model_path(spec.path), spec.name, spec.speech, spec.sampling_overrides)
+    check_sampling_overrides(spec.sampling_overrides)
     manifest = probe(spec)
     if manifest.embedded is not None:
         name = spec.name or manifest.embedded.name

@@ -139,3 +139,13 @@ def test_the_shipped_defaults_are_package_data() -> None:
     assert DEFAULT_GENERATION_CONFIG.is_file() and len(shipped) >= 3
     for name in shipped:
         assert any(fnmatch.fnmatch(name, g) for g in globs), f"services/{name} is not package data"
+
+
+def test_a_bad_override_is_refused_before_loading(checkpoint: Path) -> None:
+    from omnivox.services.loading import ModelLoadError
+    from omnivox.services.server import build_registry
+
+    with pytest.raises(ModelLoadError, match="bad sampling default: top_p must be in"):
+        build_registry([ModelSpec(path=checkpoint, sampling_overrides={"top_p": 0.0})], max_queue=4)
+    with pytest.raises(ModelLoadError, match="unknown sampling default"):
+        build_registry([ModelSpec(path=checkpoint, sampling_overrides={"warmth": 1.0})], max_queue=4)
