@@ -5,7 +5,7 @@
 A fixed set of factual and chat prompts, each with the words a correct answer contains, is run through the engine
 (prompts built by the service's own chat-template builder) under each candidate setting with several seeds. A reply
 scores when it holds one of its prompt's words (case-insensitive); a reply that runs to the token limit counts as
-"rambling". The numbers chosen from this run are in services/data/README.md next to the shipped generation_config.json.
+"rambling". The numbers and the choice are in services/data/README.md, next to the shipped generation_config.json.
 """
 
 from __future__ import annotations
@@ -137,8 +137,13 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(
-                {"model": path.name, "seeds": args.seeds, "max_tokens": args.max_tokens, "prompts": PROMPTS,
-                 "results": results},
+                {
+                    "model": path.name,
+                    "seeds": args.seeds,
+                    "max_tokens": args.max_tokens,
+                    "prompts": PROMPTS,
+                    "results": results,
+                },
                 f,
                 indent=1,
                 ensure_ascii=False,
