@@ -38,11 +38,10 @@ def health(srv: ServerThread) -> int:
     return health_pb2_grpc.HealthStub(srv.channel()).Check(health_pb2.HealthCheckRequest()).status
 
 
-def test_grace_period_expiry_cancels_the_stream_and_frees_kv(checkpoint: Path) -> None:
-    """A stream still running when the grace period ends is cut (the client sees an error, not a summary), its KV
-    blocks return, and stop() returns soon after the grace period instead of waiting for the stream."""
+def test_grace_period_expiry_cuts_the_stream(checkpoint: Path) -> None:
+    """A stream still running when the grace period ends is cut (the client sees an error, not a summary), its
+    handler unwinds, and stop() returns soon after the grace period instead of waiting for the stream."""
     with ServerThread([ModelSpec(path=checkpoint, name="tiny")], EngineOptions(kv_cache_gib=KV_GIB)) as srv:
-        engine = srv.engine("tiny")
         stub = generation_pb2_grpc.GenerationServiceStub(srv.channel())
         stream = stub.Generate(user_request("Talk for a long time.", **LONG))
         assert next(stream).HasField("delta")  # admitted and running
@@ -59,10 +58,9 @@ def test_grace_period_expiry_cancels_the_stream_and_frees_kv(checkpoint: Path) -
         assert info.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE), info.value
         assert not any(r.HasField("summary") for r in received)
         assert sum(len(r.delta.token_ids) for r in received) < LONG["max_output_tokens"] - 1
-        # The cancelled handler aborts its engine request as it unwinds (just after stop() returns).
-        wait_until(lambda: engine.num_unfinished() == 0, timeout=5.0)
-        usage = engine.kv_usage()
-        assert usage.free_blocks == usage.total_blocks
+        # The cancelled handler unwinds (closing its engine stream) just after stop() returns. The engine itself is
+        # shut down by then, so its KV pool is no longer a server's concern; the admission slot is.
+        wait_until(lambda: srv.registry.in_flight() == 0, timeout=5.0)
 
 
 def test_model_finishing_its_load_during_a_drain_is_not_served(checkpoint: Path, monkeypatch) -> None:
