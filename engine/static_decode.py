@@ -116,7 +116,12 @@ class StaticDecoder:
 
     def buckets(self) -> list[tuple[int, int]]:
         """Every (batch, blocks) bucket, largest first."""
-        return [(b, k) for b in reversed(self.batch_buckets) for k in reversed(self.block_buckets)]
+        return [(b, k) for b in reversed(self.batch_buckets) for k in reversed(self._context_buckets())]
+
+    def _context_buckets(self) -> list[int]:
+        """The gathered path copies `blocks` blocks per row, so it wants a bucket near each context length; the flex
+        path reads only each row's own blocks whatever the table's width: one width serves (8 graphs, not 72)."""
+        return self.block_buckets[-1:] if self.use_flex else self.block_buckets
 
     def fits(self, batch: int, max_context: int) -> bool:
         return batch <= self.max_batch and -(-max_context // self.block_size) <= self.block_buckets[-1]
@@ -176,7 +181,7 @@ class StaticDecoder:
         n = len(token_ids)
         bs = self.block_size
         batch = next(b for b in self.batch_buckets if b >= n)
-        blocks = next(b for b in self.block_buckets if b >= max(p // bs + 1 for p in positions))
+        blocks = next(b for b in self._context_buckets() if b >= max(p // bs + 1 for p in positions))
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has left the pinned buffer
         ids, pos, slots, lens, table = self._host_views

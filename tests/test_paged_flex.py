@@ -106,7 +106,9 @@ def test_engine_with_flex_decode_equals_the_default(tmp_path_factory, static):
             torch.tensor([lp.logprob for lp in x.logprobs]), torch.tensor([lp.logprob for lp in y.logprobs])
         )
     if static:
-        assert flex.runner.static.num_runs > 0 and flex.runner.static.frozen
+        st = flex.runner.static
+        assert st.num_runs > 0 and st.frozen
+        assert st.built == {(b, st.block_buckets[-1]) for b in st.batch_buckets}  # one context width under flex
 
 
 def test_flex_failure_at_load_falls_back_to_native(tmp_path_factory, monkeypatch):
