@@ -65,3 +65,19 @@ def test_a_speech_checkpoint_brings_its_codec_and_layout_defaults(tmp_path: Path
         assert bundle.untrained_components == DEFAULT_SPEECH_UNTRAINED
     finally:
         asyncio.run(bundle.aclose())
+
+
+def test_a_speech_model_without_its_codec_fails_to_load_not_at_its_first_request(tmp_path: Path) -> None:
+    import shutil
+
+    from omnivox.services.loading import ModelLoadError, load, resolve
+    from omnivox.services.registry import ModelState
+
+    small = dict(SNAC_24KHZ_CONFIG, encoder_dim=8, decoder_dim=64)
+    path = save_random_speech_model(tmp_path / "speech", snac_config=small)
+    shutil.rmtree(path / "snac")
+    model = resolve(ModelSpec(path=path), is_default=True, max_queue=4)
+    assert model.output_modalities == {AUDIO}  # declared by speech_layout.json before loading
+    with pytest.raises(ModelLoadError, match="cannot load 'speech'"):
+        load(model, OPTIONS)
+    assert model.state is ModelState.FAILED and model.bundle is None
