@@ -205,6 +205,37 @@ def main(argv: list[str] | None = None) -> int:
         return res
 
     checks.run("decode step time, tiny model (launch-bound)", step_times)
+
+    def prefill_new_shapes() -> dict:
+        """Time to first token over 12 prompt lengths never seen before, with SDPA's default choice and with cuDNN
+        left out (cuDNN builds a plan per new shape: the issue predicts TTFT spikes)."""
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        from omnivox.models.attention import sdpa_backend_name
+
+        engine = engines.get("bf16")
+        assert engine is not None, "no bf16 engine"
+        cfg = engine.model_config
+        q = torch.zeros(1, cfg.num_heads, 300, cfg.head_dim, dtype=engine.dtype, device=engine.device)
+        k = torch.zeros(1, cfg.num_kv_heads, 300, cfg.head_dim, dtype=engine.dtype, device=engine.device)
+        res: dict = {"sdpa_backend_prefill_300": sdpa_backend_name(q, k, k, None)}
+        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        no_cudnn = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+        for label, offset, ctx in (("default", 0, None), ("no_cudnn", 1, no_cudnn)):
+            times = []
+            for i, n in enumerate(range(37 + offset, 900, 71)):  # distinct lengths per run: every shape is new
+                prompt = [(7 * offset + 5 + 3 * i + j) % (cfg.vocab_size - 10) + 5 for j in range(n)]  # no prefix hits
+                t0 = time.perf_counter()
+                if ctx is None:
+                    engine.generate([prompt], params)
+                else:
+                    with sdpa_kernel(ctx):
+                        engine.generate([prompt], params)
+                times.append(round(1e3 * (time.perf_counter() - t0), 2))
+            res[f"ttft_ms_{label}"] = times
+        return res
+
+    checks.run("prefill over new shapes: SDPA default vs cuDNN left out", prefill_new_shapes)
     failed = [r["check"] for r in checks.records if not r["ok"]]
     print(f"gpu_smoke: {len(checks.records) - len(failed)} ok, {len(failed)} failed {failed}", flush=True)
     return 1 if failed else 0
