@@ -26,6 +26,7 @@ def _gpu_sh(out: Path, *args: str, budget_s: int = 200) -> subprocess.CompletedP
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(260)
 def test_dry_run_fails_when_the_omnivox_server_cannot_start(tmp_path):
     # `serve --dtype bogus` exits at once with an argparse error: the benchmark used to record omnivox as skipped and
