@@ -103,6 +103,16 @@ def test_abort_and_completion_return_every_block(ckpt):
     engine = tiny_engine(ckpt)
     total = engine.kv_usage().total_blocks
 
+    async def settled_within_steps() -> int:
+        """Engine steps taken until the request left: an aborted request leaves within a step or two, a request
+        running on to its 200 tokens would take ~200 (counted in steps, not seconds, so no machine is too slow)."""
+        start = engine.num_steps
+        for _ in range(3000):
+            if engine.kv_usage().free_blocks == total and not engine.has_unfinished():
+                return engine.num_steps - start
+            await asyncio.sleep(0.01)
+        raise AssertionError("the request never left the engine")
+
     async def run():
         params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
         got = 0
@@ -110,6 +120,7 @@ def test_abort_and_completion_return_every_block(ckpt):
             got += len(out.new_token_ids)
             if got >= 3:
                 break  # leaving the stream aborts the request
+        assert await settled_within_steps() <= 3
         done = [o async for o in engine.stream([5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True))]
         assert done[-1].finish_reason == "length"
         first_delta = asyncio.Event()
@@ -125,10 +136,7 @@ def test_abort_and_completion_return_every_block(ckpt):
         task.cancel()  # a cancelled consumer (a gRPC client going away) aborts too
         with pytest.raises(asyncio.CancelledError):
             await task
-        for _ in range(100):
-            if engine.kv_usage().free_blocks == total and not engine.has_unfinished():
-                break
-            await asyncio.sleep(0.02)
+        assert await settled_within_steps() <= 3
 
     asyncio.run(run())
     assert engine.kv_usage().free_blocks == total
