@@ -72,11 +72,11 @@ def test_workload_is_reproducible_and_within_ranges(tokenizer):
     words = [r.prompt_text.split() for r in a]
     assert all(7 <= len(w) <= 13 for w in words)
     assert len({tuple(w[:4]) for w in words}) == 1  # the shared prefix
-    # The ids are what a chat server feeds the model: the chat template applied to the text.
-    expected = tokenizer.apply_chat_template(
-        [{"role": "user", "content": a[0].prompt_text}], add_generation_prompt=True, tokenize=True, return_dict=False
-    )
-    assert a[0].prompt_token_ids == list(expected)
+    # The ids are what a chat server feeds the model: the chat template applied to the text (the tiny tokenizer's
+    # ChatML template, tests/checkpoints.py, written out here rather than rendered by the call the workload makes).
+    templated = f"<|im_start|>user\n{a[0].prompt_text}<|im_end|>\n<|im_start|>assistant\n"
+    assert a[0].templated_text == templated
+    assert a[0].prompt_token_ids == tokenizer.encode(templated, add_special_tokens=False)
     other = make_workload(WorkloadSpec(**{**spec.__dict__, "seed": 8}), tokenizer)
     assert [r.prompt_text for r in other] != [r.prompt_text for r in a]
 
