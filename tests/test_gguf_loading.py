@@ -126,51 +126,75 @@ def test_gguf_k_quants_unpermuted(tmp_path, heads, kv_heads, hidden, qtype):
 _PEAK_PROBE = textwrap.dedent(
     """
     import sys, torch
+    import omnivox.engine
     from omnivox.models.checkpoint import iter_checkpoint_tensors, load_hf_config
-    path, twin = sys.argv[1], sys.argv[2]
+    level, path, twin = sys.argv[1:4]
     load_hf_config(path)  # the metadata cache is written once, not part of loading weights
     def peak_mib():  # VmHWM: the peak resident set since the last reset (file-backed mapped pages included)
         for line in open("/proc/self/status"):
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
-    # Shapes from the twin (same names and shapes), which also does the lazy imports and .pyc compiles: not loading.
-    shapes = {name: tensor.shape for name, tensor in iter_checkpoint_tensors(twin)}
+    if level == "reader":
+        # Shapes from the twin (same names and shapes), which also does the lazy imports and .pyc compiles.
+        shapes = {name: tensor.shape for name, tensor in iter_checkpoint_tensors(twin)}
+    else:
+        omnivox.engine.Engine.from_pretrained(twin, device="cpu", kv_cache_gib=0.01)  # lazy imports, not loading
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     before = peak_mib()
-    model = {name: torch.ones(shape) for name, shape in shapes.items()}  # the model's own (touched) memory
-    for name, tensor in iter_checkpoint_tensors(path):
-        model[name].copy_(tensor)
-    print(sum(t.numel() * t.element_size() for t in model.values()) / 2**20, peak_mib() - before)
+    if level == "reader":
+        model = {name: torch.ones(shape) for name, shape in shapes.items()}  # the model's own (touched) memory
+        for name, tensor in iter_checkpoint_tensors(path):
+            model[name].copy_(tensor)
+        weights = sum(t.numel() * t.element_size() for t in model.values())
+    else:
+        engine = omnivox.engine.Engine.from_pretrained(path, device="cpu", kv_cache_gib=0.01)
+        weights = sum(t.numel() * t.element_size() for t in [*engine.model.parameters(), *engine.model.buffers()])
+    print(weights / 2**20, peak_mib() - before)
     """
 )
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="peak-RSS reset needs Linux /proc")
-@pytest.mark.parametrize("storage", ["F32", "Q8_0"])
-def test_gguf_loading_peak_memory_under_1_5x_weights(tmp_path, storage):
-    """README: loading peaks under 1.5x the weights - for a GGUF too, whose bytes are read from a file that a loader
-    could memory-map (mapped pages count in the resident set until unmapped: an F32 GGUF mapped whole held 2.04x)."""
+@pytest.fixture(scope="module")
+def mid_ggufs(tmp_path_factory) -> dict[str, Path]:
+    """GGUFs of a 147 MiB float32 llama, F32 and Q8_0, and a tiny one for warming an engine's imports."""
+    root = tmp_path_factory.mktemp("mid-gguf")
     hf_dir = make_checkpoint(
-        tmp_path / "hf",
+        root / "hf",
         "llama",
         hidden_size=512,
         intermediate_size=2048,
         num_hidden_layers=10,
         num_attention_heads=8,
         num_key_value_heads=2,
-    )  # 147 MiB of float32 weights
+    )
     names = [name for name, _ in iter_checkpoint_tensors(hf_dir)]
-    quantize = {_gguf_name(n): Q8_0 for n in names if n.endswith("proj.weight")} if storage == "Q8_0" else {}
-    path = write_gguf(hf_dir, tmp_path / "g" / f"mid.{storage}.gguf", quantize)
-    # A second GGUF with the same tensor names: the probe learns the shapes and warms imports on it.
-    twin = write_gguf(hf_dir, tmp_path / "twin" / "twin.gguf", {})
+    q8 = {_gguf_name(n): Q8_0 for n in names if n.endswith("proj.weight")}
+    tiny = make_checkpoint(root / "tiny-hf", "llama")
+    return {
+        "F32": write_gguf(hf_dir, root / "f32" / "mid.F32.gguf", {}),
+        "Q8_0": write_gguf(hf_dir, root / "q8" / "mid.Q8_0.gguf", q8),
+        "tiny": write_gguf(tiny, root / "tiny" / "tiny.gguf", {}),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="peak-RSS reset needs Linux /proc")
+@pytest.mark.parametrize(("level", "storage"), [("reader", "F32"), ("reader", "Q8_0"), ("engine", "F32")])
+def test_gguf_loading_peak_memory_under_1_5x_weights(mid_ggufs, level, storage):
+    """README: loading peaks under 1.5x the weights - for a GGUF too, whose bytes are read from a file that a loader
+    could memory-map (mapped pages count in the resident set until unmapped: an F32 GGUF mapped whole held 2.04x).
+    Through the checkpoint reader alone, and through Engine.from_pretrained."""
+    twin = mid_ggufs["F32"] if level == "reader" else mid_ggufs["tiny"]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}  # see test_checkpoint.py's streaming test
     out = subprocess.run(
-        [sys.executable, "-c", _PEAK_PROBE, str(path), str(twin)], capture_output=True, text=True, check=True, env=env
+        [sys.executable, "-c", _PEAK_PROBE, level, str(mid_ggufs[storage]), str(twin)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
     )
     weights, growth = map(float, out.stdout.split())
-    print(f"{storage} GGUF: peak growth {growth:.0f} MiB for {weights:.0f} MiB of weights")
+    print(f"{level}, {storage} GGUF: peak growth {growth:.0f} MiB for {weights:.0f} MiB of weights")
     assert weights > 140
-    assert growth < 1.5 * weights, f"{storage} GGUF: loading grew {growth:.0f} MiB for {weights:.0f} MiB of weights"
+    assert growth < 1.5 * weights, f"{storage} GGUF ({level}): grew {growth:.0f} MiB for {weights:.0f} MiB of weights"
