@@ -13,6 +13,15 @@ SHAPES = [(1, 32), (7, 40), (33, 100), (96, 64), (130, 576)]  # (out, in): odd s
 ROWS = [1, 3, 5, 17, quant.LARGE_BATCH + 3]  # batch-1 GEMV, the 4-row tiles with a remainder, the float-GEMM path
 
 
+def require_kernels() -> None:
+    """Skip without a C compiler (only the portable path exists); fail when one exists and the kernels did not build."""
+    if cpu_kernels.kernel_available():
+        return
+    if cpu_kernels.compiler() is None:
+        pytest.skip("no C compiler: only the portable path exists")
+    pytest.fail(f"a C compiler exists but the CPU kernels are unavailable: {cpu_kernels.build_failure()}")
+
+
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
@@ -24,8 +33,7 @@ LAYERS = {"q8": quant.Int8Linear, "q4": quant.Int4Linear}
 @pytest.mark.parametrize("m", ROWS[:4])
 @pytest.mark.parametrize("kind", ["q8", "q4"])
 def test_block_kernels_equal_portable_path(kind, n, k, m):
-    if not cpu_kernels.kernel_available():
-        pytest.skip("no C compiler: only the portable path exists")
+    require_kernels()
     torch.manual_seed(n * k + m)
     layer = LAYERS[kind].from_float(torch.randn(n, k), torch.randn(n))
     x = F.pad(torch.randn(m, k), (0, layer.padded_in - k))
@@ -37,8 +45,7 @@ def test_block_kernels_equal_portable_path(kind, n, k, m):
 
 @pytest.mark.parametrize("kind", ["q8", "q4"])
 def test_dequantize_kernels_equal_torch(kind):
-    if not cpu_kernels.kernel_available():
-        pytest.skip("no C compiler: only the portable path exists")
+    require_kernels()
     layer = LAYERS[kind].from_float(torch.randn(37, 96))
     assert torch.equal(cpu_kernels.block_dequantize(kind, layer.blocks, 37, 96), layer.dequantize())
 
@@ -76,8 +83,7 @@ def test_quantised_linear_close_to_float(kind, tolerance, n, k, m):
 
 @pytest.mark.parametrize("kind", ["q8", "q4"])
 def test_layer_without_the_kernel_equals_with(monkeypatch, kind):
-    if not cpu_kernels.kernel_available():
-        pytest.skip("no C compiler: only the portable path exists")
+    require_kernels()
     layer = LAYERS[kind].from_float(torch.randn(50, 72), torch.randn(50))
     x = torch.randn(3, 72)
     with torch.inference_mode():
