@@ -65,20 +65,32 @@ _RACE = """
 import sys, time
 from pathlib import Path
 from omnivox.models.cache import build_cached
+target, log, ready, other = map(Path, sys.argv[1:5])
 def build(staged):
-    with open(sys.argv[2], "a") as log:
-        log.write("built\\n")
-    time.sleep(0.5)  # hold the lock long enough for the other process to wait on it
+    with open(log, "a") as f:
+        f.write("built\\n")
+    # Hold the lock until the other process is past its imports and about to ask for it (a fixed sleep is not
+    # enough: on a busy machine the other interpreter may start only after this build is done).
+    deadline = time.monotonic() + 60
+    while not other.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)
     staged.write_text("content")
-print(build_cached(Path(sys.argv[1]), build, lambda p: p.is_file()))
+ready.write_text("")
+print(build_cached(target, build, lambda p: p.is_file()))
 """
 
 
 def test_two_processes_build_once(tmp_path):
     target, log = tmp_path / "file.bin", tmp_path / "builds.log"
+    ready = [tmp_path / "ready-0", tmp_path / "ready-1"]
     procs = [
-        subprocess.Popen([sys.executable, "-c", _RACE, str(target), str(log)], stdout=subprocess.PIPE, text=True)
-        for _ in range(2)
+        subprocess.Popen(
+            [sys.executable, "-c", _RACE, str(target), str(log), str(ready[i]), str(ready[1 - i])],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
     ]
     outputs = [p.communicate(timeout=60)[0].strip() for p in procs]
     assert [p.returncode for p in procs] == [0, 0]
