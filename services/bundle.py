@@ -4,8 +4,10 @@ A bundle's parts are declared by its checkpoint and decide what it accepts and p
 - every bundle: a text decoder (the engine) and a prompt builder (its chat template);
 - speech out: `speech_layout.json` + a SNAC codec folder (models/orpheus.py) -> a SpeechPart (layout, codec, decode
   worker, token constraint), output modality audio instead of text;
-- vision / audio encoders (image and audio input): planned (issues 9 and 10). Their weights are already routed away
-  from the decoder (models/checkpoint.py) but no part is built yet, so no bundle accepts image or audio input.
+- audio in: an audio-LLM checkpoint (Qwen2-Audio, Qwen3-ASR: `models.audio.audio_family`) -> an AudioInputPart
+  (services/audio_prompt.py: encoder, encoder worker + cache, the processor's chat template), input modality audio;
+- vision encoders (image input): planned (issue 9). Their weights are already routed away from the decoder
+  (models/checkpoint.py) but no part is built yet.
 
 `probe(spec)` reads what a spec declares without loading anything (the server lists models while they load);
 `load_bundle(spec, options)` builds the whole bundle (blocking: run it in a worker thread).
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
     from omnivox.codecs.streaming import StreamingOptions
     from omnivox.engine import Engine
     from omnivox.models.orpheus import SpeechLayout, SpeechTokenConstraint
+    from omnivox.services.audio_prompt import AudioInputPart
     from omnivox.services.loading import EngineOptions, ModelSpec
     from omnivox.services.prompt import PromptBuilder
 
@@ -89,10 +92,11 @@ class BundleManifest:
     # Weights of parts no bundle builds yet (vision / audio towers, projectors: issues 9 and 10), left unloaded.
     planned_parts: tuple[str, ...] = ()
     overrides: dict[str, Any] = field(default_factory=dict)  # the operator's `--sampling-default`s
+    audio: bool = False  # an audio-LLM checkpoint (models.audio.audio_family): audio input
 
     @property
     def input_modalities(self) -> frozenset[str]:
-        return modalities(self.speech)[0]
+        return modalities(self.speech, audio=self.audio)[0]
 
     @property
     def output_modalities(self) -> frozenset[str]:
@@ -119,14 +123,28 @@ def probe(spec: ModelSpec) -> BundleManifest:
         )
     path = Path(spec.path)
     folder = path if path.is_dir() else None
+    audio = folder is not None and _audio_family(folder) is not None
+    planned = _planned_parts(path) if folder else ()
+    if audio:  # the audio tower and projector are built (services/audio_prompt.py)
+        planned = tuple(p for p in planned if p not in ("audio", "projector"))
     return BundleManifest(
         source=path,
         speech=is_speech_checkpoint(path),
-        planned_parts=_planned_parts(path) if folder else (),
+        audio=audio,
+        planned_parts=planned,
         untrained_components=_read_untrained(folder),
         file_defaults=read_generation_config(folder / "generation_config.json" if folder else None),
         overrides=overrides,
     )
+
+
+def _audio_family(folder: Path) -> str | None:
+    from omnivox.models.audio import audio_family
+
+    try:
+        return audio_family(folder)
+    except (OSError, ValueError):  # an unreadable config.json: loading says why
+        return None
 
 
 def _planned_parts(folder: Path) -> tuple[str, ...]:
@@ -189,7 +207,7 @@ class ModelBundle:
     prompt_builder: PromptBuilder
     speech: SpeechPart | None = None
     vision: Any | None = None  # a vision encoder + projector: planned (issue 9)
-    audio: Any | None = None  # an audio encoder + projector: planned (issue 10)
+    audio: AudioInputPart | None = None  # audio input: encoder + worker + chat template (services/audio_prompt.py)
 
     @property
     def input_modalities(self) -> frozenset[str]:
@@ -213,6 +231,8 @@ class ModelBundle:
         """Stop the parts with background work (the codec worker), then the engine."""
         if self.speech is not None:
             await self.speech.worker.shutdown()
+        if self.audio is not None:
+            await asyncio.to_thread(self.audio.close)  # joins the encoder thread
         await asyncio.to_thread(self.engine.shutdown)  # joins the engine thread: off the event loop
 
 
@@ -249,6 +269,11 @@ def load_manifest(manifest: BundleManifest, options: EngineOptions) -> ModelBund
             speech = load_speech_part(
                 source, engine.model_config.vocab_size, device=str(engine.device), options=options.speech_streaming
             )
+        audio = None
+        if manifest.audio:
+            from omnivox.services.audio_prompt import load_audio_part
+
+            audio = load_audio_part(source, engine.device, engine.dtype, model_key=str(source))
     except BaseException:
         engine.shutdown()
         raise
@@ -258,10 +283,16 @@ def load_manifest(manifest: BundleManifest, options: EngineOptions) -> ModelBund
             source,
             " and ".join(manifest.planned_parts),
         )
+    prompt_builder: PromptBuilder = ChatPromptBuilder(engine.tokenizer)
+    if audio is not None:
+        from omnivox.services.audio_prompt import AudioPromptBuilder
+
+        prompt_builder = AudioPromptBuilder(audio)
     return ModelBundle(
         manifest=manifest,
         source=source,
         engine=engine,
-        prompt_builder=ChatPromptBuilder(engine.tokenizer),
+        prompt_builder=prompt_builder,
         speech=speech,
+        audio=audio,
     )

@@ -7,6 +7,8 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 from google.protobuf import duration_pb2
@@ -34,6 +36,22 @@ def seconds_to_duration(seconds: float) -> duration_pb2.Duration:
     return d
 
 
+async def build_in_thread(build: Callable[..., Prompt], *args: Any) -> Prompt:
+    """`build(*args)` in a worker thread. A call cancelled meanwhile (client gone, deadline) cannot stop the thread:
+    the prompt it still builds releases its encoder-cache references when it is done."""
+    task = asyncio.ensure_future(asyncio.to_thread(build, *args))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+
+        def release(t: asyncio.Future) -> None:
+            if not t.cancelled() and t.exception() is None:
+                t.result().release()
+
+        task.add_done_callback(release)
+        raise
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     def __init__(self, registry: ModelRegistry) -> None:
         self.registry = registry
@@ -46,7 +64,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         # Admitted from here on: counted against the queue bound, and waited for by a drain.
         with model.admit():
             prompt = await self._build_prompt(model, request)
-            validation.check_prompt_fits(len(prompt.token_ids), checked.params, model)
+            try:
+                validation.check_prompt_fits(len(prompt.token_ids), checked.params, model)
+            except ServiceError:
+                prompt.release()  # never queued: its encoder-cache references are ours to drop
+                raise
             assert model.engine is not None
             engine_request_id = uuid.uuid4().hex  # ours, so that clients reusing an id cannot collide in the engine
             stream = model.engine.stream(
@@ -59,9 +81,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 try:
                     async for out in stream:
                         last = out
-                        if out.new_token_ids or out.new_text:
+                        if out.new_text:
                             await context.write(self._delta(out, model))
-                except InvalidRequest as err:
+                except InvalidRequest as err:  # raised by add_request, before the engine queued anything
+                    prompt.release()
                     raise validation.from_invalid_request(err) from err
             assert last is not None and last.finished, "the engine stream ended without a finished output"
             if last.finish_reason == "error":  # the engine failed this request's step and kept serving the others
@@ -82,8 +105,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     @staticmethod
     async def _build_prompt(model: ServedModel, request: generation_pb2.GenerateRequest) -> Prompt:
         assert model.prompt_builder is not None
-        try:  # in a worker thread: a long prompt (or an image encoder) must not stall the other streams
-            return await asyncio.to_thread(model.prompt_builder.build, request.contents)
+        try:  # in a worker thread: a long prompt (or decoding audio and images) must not stall the other streams
+            return await build_in_thread(model.prompt_builder.build, request.contents)
         except ServiceError:
             raise
         except Exception as exc:  # e.g. a chat template that refuses a role order: the request's fault

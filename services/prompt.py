@@ -21,6 +21,12 @@ class Prompt:
     token_ids: list[int]
     segments: list[EmbeddingSegment] = field(default_factory=list)
 
+    def release(self) -> None:
+        """Drop the segments' encoder-cache references: for a prompt the engine never queued (a queued request's
+        segments are released by the engine when it ends). Releasing twice is harmless."""
+        for segment in self.segments:
+            segment.release()
+
 
 class PromptBuilder(Protocol):
     def build(self, contents: Sequence[content_pb2.Content]) -> Prompt:
