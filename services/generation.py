@@ -81,7 +81,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 try:
                     async for out in stream:
                         last = out
-                        if out.new_text:
+                        if out.new_token_ids or out.new_text:
                             await context.write(self._delta(out, model))
                 except InvalidRequest as err:  # raised by add_request, before the engine queued anything
                     prompt.release()
