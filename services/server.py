@@ -29,7 +29,17 @@ from omnivox.services.loading import EngineOptions, ModelLoadError, ModelSpec
 from omnivox.services.model_service import ModelServicer
 from omnivox.services.registry import ModelRegistry
 from omnivox.services.speech import SpeechServicer
-from omnivox.v1 import generation_pb2, generation_pb2_grpc, model_pb2, model_pb2_grpc, speech_pb2, speech_pb2_grpc
+from omnivox.services.transcription import TranscriptionServicer
+from omnivox.v1 import (
+    generation_pb2,
+    generation_pb2_grpc,
+    model_pb2,
+    model_pb2_grpc,
+    speech_pb2,
+    speech_pb2_grpc,
+    transcription_pb2,
+    transcription_pb2_grpc,
+)
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +83,11 @@ def omnivox_services(registry: ModelRegistry) -> list[ServiceBinding]:
             speech_pb2.DESCRIPTOR.services_by_name["SpeechService"].full_name,
             speech_pb2_grpc.add_SpeechServiceServicer_to_server,
             SpeechServicer(registry),
+        ),
+        ServiceBinding(
+            transcription_pb2.DESCRIPTOR.services_by_name["TranscriptionService"].full_name,
+            transcription_pb2_grpc.add_TranscriptionServiceServicer_to_server,
+            TranscriptionServicer(registry),
         ),
     ]
     return bindings

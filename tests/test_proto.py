@@ -54,9 +54,9 @@ def test_every_proto_has_generated_code() -> None:
 
 def test_conventions() -> None:
     """Enums start with *_UNSPECIFIED = 0; services end in Service; RPCs take XRequest and return XResponse."""
-    from omnivox.v1 import content_pb2, generation_pb2, model_pb2, sampling_pb2, speech_pb2
+    from omnivox.v1 import content_pb2, generation_pb2, model_pb2, sampling_pb2, speech_pb2, transcription_pb2
 
-    modules = [content_pb2, generation_pb2, model_pb2, sampling_pb2, speech_pb2]
+    modules = [content_pb2, generation_pb2, model_pb2, sampling_pb2, speech_pb2, transcription_pb2]
     services = []
     for module in modules:
         file = module.DESCRIPTOR
@@ -75,6 +75,7 @@ def test_conventions() -> None:
         "omnivox.v1.GenerationService",
         "omnivox.v1.ModelService",
         "omnivox.v1.SpeechService",
+        "omnivox.v1.TranscriptionService",
     ]
 
 

@@ -17,7 +17,7 @@ from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.v1 import generation_pb2_grpc, model_pb2, model_pb2_grpc
 
 KV = EngineOptions(kv_cache_gib=0.01)
-OMNIVOX_SERVICES = ["omnivox.v1.GenerationService", "omnivox.v1.ModelService"]
+OMNIVOX_SERVICES = ["omnivox.v1.GenerationService", "omnivox.v1.ModelService", "omnivox.v1.TranscriptionService"]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,239 @@
+"""TranscriptionService: speech in, text deltas out, then one summary (text, language, audio seconds, real-time factor,
+segments with their offsets).
+
+For audio-LLMs (Qwen2-Audio, Qwen3-ASR) a transcription is the family's transcription prompt
+(models/audio/transcription.py) through the shared engine, greedy. One request:
+
+  validate -> decode the audio (up to TRANSCRIBE_MAX_SECONDS, off the event loop) -> split it into windows the
+  encoder accepts, each cut at the quietest 100 ms near the window's edge (codecs/audio_split.py) -> one engine
+  request per window, MAX_PARALLEL_WINDOWS at a time (their clips are encoded together, their decode steps batched)
+  -> window 0's text streamed as it comes, then window 1's, ... -> the summary.
+
+Leaving the handler in any way (done, cancelled, deadline, error) aborts the windows' engine requests, which frees
+their KV blocks and encoder-cache references.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from omnivox.codecs.audio_split import split_at_quiet
+from omnivox.engine import InvalidRequest, RequestOutput, SamplingParams
+from omnivox.models.audio.transcription import TranscriptionRequestError, language_name, transcription_messages
+from omnivox.services import errors
+from omnivox.services.audio_prompt import AudioInputPart
+from omnivox.services.errors import FieldViolation, rpc_method
+from omnivox.services.generation import build_in_thread, seconds_to_duration
+from omnivox.services.prompt import Prompt
+from omnivox.services.registry import AUDIO, ModelRegistry, ServedModel
+from omnivox.services.transcript_text import SegmentTranscript
+from omnivox.v1 import transcription_pb2, transcription_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+MAX_PARALLEL_WINDOWS = 4  # engine requests in flight per transcription (later windows start as earlier ones end)
+# Output budget per window. Speech runs ~3 words (~4-5 tokens) a second; 12 a second leaves room for any language
+# and stops a model that loops (a random test model never says end-of-text) after a bounded number of tokens.
+TOKENS_BASE, TOKENS_PER_SECOND = 32, 12.0
+MAX_REQUEST_ID_CHARS = 256
+
+
+@dataclass
+class _Plan:
+    """A decoded, split transcription: the clips to transcribe and the prompt (markers not yet expanded)."""
+
+    samples: np.ndarray
+    sample_rate: int
+    windows: list[tuple[int, int]]  # [start, end) sample ranges
+    prompt_ids: list[int]
+
+
+class TranscriptionServicer(transcription_pb2_grpc.TranscriptionServiceServicer):
+    def __init__(self, registry: ModelRegistry) -> None:
+        self.registry = registry
+
+    def _audio_model(self, name: str) -> ServedModel:
+        """The model called `name` (it must take audio), or the default model if it does, else the first that does."""
+        if name:
+            model = self.registry.lookup(name)
+            if AUDIO not in model.input_modalities:
+                accepted = ", ".join(sorted(model.input_modalities))
+                raise errors.invalid_argument(
+                    [FieldViolation("model", f"model {model.name!r} does not accept audio (it accepts: {accepted})")]
+                )
+        else:
+            default = self.registry.default
+            candidates = [default] if default is not None and AUDIO in default.input_modalities else []
+            candidates += [m for m in self.registry if AUDIO in m.input_modalities]
+            if not candidates:
+                raise errors.not_found("model", "", "this server serves no model that takes audio")
+            model = candidates[0]
+        return self.registry.get_ready(model.name)
+
+    @staticmethod
+    def _validate(request: transcription_pb2.TranscribeRequest, audio: AudioInputPart) -> None:
+        bad = []
+        if request.language:
+            try:
+                language_name(request.language)
+            except TranscriptionRequestError as err:
+                bad.append(FieldViolation(err.field, err.description))
+        marker = audio.marker_text()
+        if marker and marker in request.prompt:
+            bad.append(FieldViolation("prompt", f"must not contain the audio marker {marker!r}"))
+        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+            bad.append(FieldViolation("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters"))
+        if bad:
+            raise errors.invalid_argument(bad)
+
+    @staticmethod
+    def _plan(request: transcription_pb2.TranscribeRequest, audio: AudioInputPart) -> _Plan:
+        """Decode and split the audio, render the prompt (blocking: run in a worker thread)."""
+        decoded = audio.decode(request.audio, "audio", audio.long_limits())
+        windows = split_at_quiet(decoded.samples, decoded.sample_rate, audio.limits.max_seconds)
+        # A last window too short for one embedding (a few ms) holds no speech: it is left out, not refused.
+        if len(windows) > 1 and windows[-1][1] - windows[-1][0] < audio.limits.min_samples:
+            windows.pop()
+        messages = transcription_messages(audio.family, request.language or None, request.prompt or None)
+        ids = audio.render(messages, continue_final=messages[-1]["role"] == "assistant")
+        return _Plan(decoded.samples, decoded.sample_rate, windows, ids)
+
+    @rpc_method
+    async def Transcribe(self, request: transcription_pb2.TranscribeRequest, context: grpc.aio.ServicerContext) -> None:
+        received = time.monotonic()
+        model = self._audio_model(request.model)
+        assert model.bundle is not None and model.bundle.audio is not None and model.engine is not None
+        audio = model.bundle.audio
+        self._validate(request, audio)
+        request_id = request.request_id or uuid.uuid4().hex
+        with model.admit():
+            plan = await asyncio.to_thread(self._plan, request, audio)
+            run = _Run(model, audio, plan, request.language or None)
+            try:
+                first_token: float | None = None
+                for index in range(len(plan.windows)):
+                    async for delta in run.window_text(index):
+                        if first_token is None:
+                            first_token = time.monotonic()
+                        await context.write(
+                            transcription_pb2.TranscribeResponse(
+                                delta=transcription_pb2.TranscriptDelta(text=delta, segment_index=index)
+                            )
+                        )
+            finally:
+                run.abort_all()
+            elapsed = time.monotonic() - received
+            seconds = len(plan.samples) / plan.sample_rate
+            summary = transcription_pb2.TranscriptionSummary(
+                text=run.full_text(),
+                language=run.language() or "",
+                audio_seconds=seconds,
+                real_time_factor=elapsed / seconds if seconds > 0 else 0.0,
+                output_tokens=run.output_tokens,
+                total=seconds_to_duration(elapsed),
+                request_id=request_id,
+                model=model.name,
+            )
+            if first_token is not None:
+                summary.time_to_first_token.CopyFrom(seconds_to_duration(first_token - received))
+            for (start, end), text in zip(plan.windows, run.texts, strict=True):
+                summary.segments.append(
+                    transcription_pb2.TranscriptSegment(
+                        text=text,
+                        start_offset=seconds_to_duration(start / plan.sample_rate),
+                        end_offset=seconds_to_duration(end / plan.sample_rate),
+                    )
+                )
+            await context.write(transcription_pb2.TranscribeResponse(summary=summary))
+        log.debug("Transcribe %s model=%s audio=%.2fs windows=%d rtf=%.3f", request_id, model.name, seconds,
+                  len(plan.windows), summary.real_time_factor)  # fmt: skip
+
+
+class _Run:
+    """The engine requests of one transcription: started in order, at most MAX_PARALLEL_WINDOWS at once."""
+
+    def __init__(self, model: ServedModel, audio: AudioInputPart, plan: _Plan, language: str | None) -> None:
+        assert model.engine is not None
+        self.model, self.engine, self.audio, self.plan = model, model.engine, audio, plan
+        self.loop = asyncio.get_running_loop()
+        n = len(plan.windows)
+        self.queues: list[asyncio.Queue[RequestOutput]] = [asyncio.Queue() for _ in range(n)]
+        self.request_ids: list[str | None] = [None] * n
+        self.finished = [False] * n
+        self.transcripts = [SegmentTranscript(audio.processor.tokenizer, audio.family, language) for _ in range(n)]
+        self.texts: list[str] = [""] * n
+        self.output_tokens = 0
+        self.started = 0
+        self.emitted_any = False
+
+    async def _start(self, index: int) -> None:
+        start, end = self.plan.windows[index]
+        clip = self.plan.samples[start:end]
+        prompt: Prompt = await build_in_thread(self.audio.prompt, self.plan.prompt_ids, [clip], "prompt")
+        context = self.model.context_length
+        if len(prompt.token_ids) >= context:
+            prompt.release()
+            raise errors.invalid_argument([FieldViolation("prompt", f"the prompt is {len(prompt.token_ids)} tokens; "
+                                                                    f"the context is {context}")])  # fmt: skip
+        budget = TOKENS_BASE + math.ceil(TOKENS_PER_SECOND * (end - start) / self.plan.sample_rate)
+        params = SamplingParams(temperature=0.0, max_tokens=min(budget, context - len(prompt.token_ids)))
+        queue = self.queues[index]
+
+        def deliver(out: RequestOutput) -> None:
+            self.loop.call_soon_threadsafe(queue.put_nowait, out)
+
+        self.engine.start()
+        try:
+            self.request_ids[index] = self.engine.add_request(
+                prompt.token_ids, params, uuid.uuid4().hex, prompt.segments, on_output=deliver
+            )
+        except InvalidRequest as err:  # nothing queued: the references are still ours
+            prompt.release()
+            raise errors.invalid_argument([FieldViolation("audio", err.description)]) from err
+
+    async def window_text(self, index: int):
+        """Start the windows up to index + MAX_PARALLEL_WINDOWS - 1, then yield window `index`'s text deltas."""
+        while self.started < min(index + MAX_PARALLEL_WINDOWS, len(self.plan.windows)):
+            await self._start(self.started)
+            self.started += 1
+        transcript, queue = self.transcripts[index], self.queues[index]
+        lead = " " if self.emitted_any else ""  # windows' texts are joined by one space
+        while True:
+            out = await queue.get()
+            self.output_tokens += len(out.new_token_ids)
+            delta = transcript.feed(list(out.new_token_ids))
+            if out.finished:
+                self.finished[index] = True
+                if out.finish_reason == "error":
+                    raise errors.internal("the engine failed while computing this request; see the server log")
+                delta += transcript.finish()
+            if delta:
+                yield lead + delta
+                lead, self.emitted_any = "", True
+            if out.finished:
+                self.texts[index] = transcript.text(final=True)
+                return
+
+    def abort_all(self) -> None:
+        """Abort every started window that has not finished (no-op for finished ones)."""
+        for rid, done in zip(self.request_ids, self.finished, strict=True):
+            if rid is not None and not done:
+                self.engine.abort(rid)
+
+    def full_text(self) -> str:
+        return " ".join(t for t in self.texts if t)
+
+    def language(self) -> str | None:
+        for t in self.transcripts:
+            found = t.detected_language()
+            if found:
+                return found
+        return None
