@@ -41,12 +41,14 @@ class Part(_message.Message):
     def __init__(self, text: _Optional[str] = ..., image: _Optional[_Union[ImagePart, _Mapping]] = ..., audio: _Optional[_Union[AudioPart, _Mapping]] = ...) -> None: ...
 
 class ImagePart(_message.Message):
-    __slots__ = ("data", "mime_type")
+    __slots__ = ("data", "mime_type", "max_pixels")
     DATA_FIELD_NUMBER: _ClassVar[int]
     MIME_TYPE_FIELD_NUMBER: _ClassVar[int]
+    MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     mime_type: str
-    def __init__(self, data: _Optional[bytes] = ..., mime_type: _Optional[str] = ...) -> None: ...
+    max_pixels: int
+    def __init__(self, data: _Optional[bytes] = ..., mime_type: _Optional[str] = ..., max_pixels: _Optional[int] = ...) -> None: ...
 
 class AudioPart(_message.Message):
     __slots__ = ("data", "encoding", "sample_rate_hertz")
