@@ -19,7 +19,7 @@ from omnivox import __version__
 from omnivox.services.cli._common import CliError
 
 # Commands listed first in --help, in this order; any others follow alphabetically.
-_PREFERRED_ORDER = ("serve", "chat", "generate", "speak", "models", "bench")
+_PREFERRED_ORDER = ("serve", "chat", "generate", "ask", "transcribe", "speak", "models", "bench")
 
 
 def command_modules() -> Iterator[ModuleType]:
