@@ -6,7 +6,8 @@
   rows (`perplexity`: the quantised kernels with int8 activations, as decode runs them) and in prefill chunks of 256
   rows (`perplexity_prefill`: layers dequantised for float GEMM, i.e. the weights' quantisation alone).
 - **Greedy agreement** with float32 over 64 tokens on 20 fixed prompts (chat template applied): the mean share of
-  the 64 tokens before the first divergence, and how many of the 20 continuations are identical.
+  the 64 tokens before the first divergence, how many of the 20 continuations are identical, and the teacher-forced
+  top-1 agreement (each position predicted from float32's own continuation).
 - **Speed** through the engine in-process: batch-1 ITL (one request, the time for 64 decode steps), and total TPS
   with 16 requests of 64 tokens submitted together (prefill included).
 
@@ -58,7 +59,7 @@ PREFILL_CHUNK = 256
 BLOCK = 16
 
 
-class _Cache:
+class SequenceCache:
     """A private paged KV cache for one sequence (contiguous blocks), enough for `max_len` tokens."""
 
     def __init__(self, model: DecoderModel, max_len: int) -> None:
@@ -82,7 +83,7 @@ class _Cache:
 @torch.inference_mode()
 def perplexity(model: DecoderModel, ids: list[int], chunk: int = CHUNK) -> float:
     """exp(mean negative log-likelihood) of ids[1:] given everything before, in prefill chunks of `chunk` tokens."""
-    cache = _Cache(model, len(ids))
+    cache = SequenceCache(model, len(ids))
     nll, count = 0.0, 0
     for s in range(0, len(ids) - 1, chunk):
         piece = ids[s : min(s + chunk, len(ids) - 1)]
@@ -96,11 +97,25 @@ def perplexity(model: DecoderModel, ids: list[int], chunk: int = CHUNK) -> float
 @torch.inference_mode()
 def greedy(model: DecoderModel, prompt: list[int], n: int) -> list[int]:
     """n greedy tokens after prompt (prefill, then one-row decode steps: the batch-1 path of every layer)."""
-    cache = _Cache(model, len(prompt) + n)
+    cache = SequenceCache(model, len(prompt) + n)
     out = [int(cache.forward(model, prompt)[-1].argmax())]
     while len(out) < n:
         out.append(int(cache.forward(model, out[-1:])[-1].argmax()))
     return out
+
+
+@torch.inference_mode()
+def teacher_forced_top1(model: DecoderModel, prompts: list[list[int]], reference: list[list[int]]) -> float:
+    """Share of positions of the reference continuations where the model's top-1 token is the reference's token,
+    each prediction made from the reference prefix (so one early flip does not decide the rest, as in greedy)."""
+    hits = total = 0
+    for prompt, cont in zip(prompts, reference, strict=True):
+        ids = prompt + cont
+        cache = SequenceCache(model, len(ids))
+        preds = torch.cat([cache.forward(model, ids[s : s + CHUNK]).argmax(-1) for s in range(0, len(ids), CHUNK)])
+        hits += int((preds[len(prompt) - 1 : -1] == torch.tensor(cont)).sum())
+        total += len(cont)
+    return hits / total
 
 
 def agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
@@ -145,6 +160,8 @@ def run(model_path: str, modes: list[str], threads: int, speed: bool) -> dict:
     from omnivox.models.loading import load_decoder
     from omnivox.models.quant import weight_bytes
 
+    if speed:
+        import omnivox.engine  # noqa: F401  (fail before the quality runs, not after them)
     torch.set_num_threads(threads)
     tokenizer = load_tokenizer(model_path)
     text_ids = tokenizer(TEXT.read_text()).input_ids
@@ -174,6 +191,7 @@ def run(model_path: str, modes: list[str], threads: int, speed: bool) -> dict:
         if reference is None:
             reference = outs
         row["greedy"] = agreement(reference, outs)
+        row["greedy"]["teacher_forced_top1"] = teacher_forced_top1(model, prompts, reference)
         if speed:
             row |= engine_speed(model, tokenizer, prompts)
         base = results["modes"].get("none")

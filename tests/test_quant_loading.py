@@ -16,7 +16,7 @@ import torch
 from checkpoints import make_checkpoint
 from test_checkpoint import write_gguf
 
-from omnivox.benchmarks.quality import _Cache, greedy
+from omnivox.benchmarks.quality import SequenceCache, greedy
 from omnivox.models import quant
 from omnivox.models.loading import GGUFBlocks, _PendingLinear, load_decoder
 
@@ -31,7 +31,7 @@ def tiny(tmp_path_factory) -> Path:
 
 def _logits(model, ids: list[int]) -> torch.Tensor:  # [len(ids), vocab]
     with torch.inference_mode():
-        return _Cache(model, len(ids)).forward(model, ids)
+        return SequenceCache(model, len(ids)).forward(model, ids)
 
 
 def _agreement(reference, other, margin: float) -> tuple[int, int]:
