@@ -27,7 +27,7 @@ from omnivox.services import loading
 from omnivox.services.generation import GenerationServicer
 from omnivox.services.loading import EngineOptions, ModelLoadError, ModelSpec
 from omnivox.services.model_service import ModelServicer
-from omnivox.services.registry import ModelRegistry
+from omnivox.services.registry import ModelRegistry, ServedModel
 from omnivox.services.speech import SpeechServicer
 from omnivox.services.transcription import TranscriptionServicer
 from omnivox.v1 import (
@@ -170,8 +170,22 @@ class OmnivoxServer:
                 log.info("loading %s from %s", model.name, model.source or "the embedded default")
                 await asyncio.to_thread(loading.load, model, options)  # the whole bundle, speech codec included
                 log.info("%s ready (context %d tokens)", model.name, model.context_length)
+                self._check_message_limit(model)
         if not self.registry.draining:
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    def _check_message_limit(self, model: ServedModel) -> None:
+        """Audio arrives inline: say so when the gRPC message limit, not the model's audio limit, decides how large
+        a clip may be (a larger request gets RESOURCE_EXHAUSTED from gRPC itself, before any handler runs)."""
+        audio = model.bundle.audio if model.bundle is not None else None
+        limit = self.options.max_receive_message_bytes
+        if audio is not None and audio.limits.max_bytes >= limit:
+            log.info(
+                "%s accepts audio parts of up to %d MiB; requests are limited to %d MiB (--max-message-mib)",
+                model.name,
+                audio.limits.max_bytes >> 20,
+                limit >> 20,
+            )
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Drain: NOT_SERVING, refuse new calls, let in-flight calls finish within the grace period; stop engines."""

@@ -179,3 +179,26 @@ def test_list_models_shows_audio_input(served):
     models = {m.name: m for m in stub.ListModels(model_pb2.ListModelsRequest()).models}
     assert model_pb2.MODALITY_AUDIO in models[served["family"]].input_modalities
     assert model_pb2.MODALITY_AUDIO not in models["text"].input_modalities
+
+
+def test_cancelled_audio_stream_frees_kv_and_cache_references(served):
+    request = ask(content_pb2.AudioPart(data=encode(tone(1.0), 16000, "WAV")), "Go on.", served["family"])
+    request.max_output_tokens = 2000
+    call = served["stub"].Generate(request)
+    first = next(call)
+    assert first.HasField("delta")
+    call.cancel()
+    baseline(served)
+
+
+def test_a_request_over_the_grpc_message_limit_is_resource_exhausted(tmp_path):
+    path = make_qwen2_audio(tmp_path / "qwen2-audio", seed=5)
+    spec = ModelSpec(path=path, name="small-messages")
+    with ServerThread([spec], EngineOptions(kv_cache_gib=0.01), max_receive_message_bytes=1 << 20) as server:
+        stub = generation_pb2_grpc.GenerationServiceStub(server.channel())
+        big = content_pb2.AudioPart(data=encode(noise(20.0, amp=0.3), 16000, "WAV", "FLOAT"))  # 1.28 MB
+        with pytest.raises(grpc.RpcError) as info:
+            tokens(stub, ask(big, "hi", "small-messages"))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        got, _ = tokens(stub, ask(content_pb2.AudioPart(data=encode(tone(0.5), 16000, "WAV")), "hi", "small-messages"))
+        assert len(got) == STEPS
