@@ -15,6 +15,7 @@ from service_harness import ServerThread
 
 from omnivox.codecs.audio_format import float_to_int16
 from omnivox.codecs.audio_input import decode_audio
+from omnivox.services.bundle import probe
 from omnivox.services.errors import status_details
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, model_pb2, model_pb2_grpc, sampling_pb2
@@ -46,6 +47,7 @@ def served(request, tmp_path_factory):
             "processor": transformers.AutoProcessor.from_pretrained(path),
             "reference": ref_cls.from_pretrained(path).eval(),
             "audio": server.registry.lookup(family).bundle.audio,
+            "path": path,
         }
 
 
@@ -179,6 +181,9 @@ def test_list_models_shows_audio_input(served):
     models = {m.name: m for m in stub.ListModels(model_pb2.ListModelsRequest()).models}
     assert model_pb2.MODALITY_AUDIO in models[served["family"]].input_modalities
     assert model_pb2.MODALITY_AUDIO not in models["text"].input_modalities
+    # Known before loading too (ListModels while the model loads): the manifest reads the family from config.json.
+    manifest = probe(ModelSpec(path=served["path"]))
+    assert "audio" in manifest.input_modalities and manifest.audio and manifest.planned_parts == ()
 
 
 def test_cancelled_audio_stream_frees_kv_and_cache_references(served):
