@@ -6,8 +6,9 @@ A bundle's parts are declared by its checkpoint and decide what it accepts and p
   worker, token constraint), output modality audio instead of text;
 - audio in: an audio-LLM checkpoint (Qwen2-Audio, Qwen3-ASR: `models.audio.audio_family`) -> an AudioInputPart
   (services/audio_prompt.py: encoder, encoder worker + cache, the processor's chat template), input modality audio;
-- vision encoders (image input): planned (issue 9). Their weights are already routed away from the decoder
-  (models/checkpoint.py) but no part is built yet.
+- image in: a vision-language checkpoint (LLaVA 1.5/NeXT, SmolVLM/Idefics3, Qwen2.5-VL: `models.vision.FAMILIES`)
+  -> an ImageInputPart (services/image_prompt.py: vision encoder + the checkpoint's processor, encoder worker +
+  cache), input modality image.
 
 `probe(spec)` reads what a spec declares without loading anything (the server lists models while they load);
 `load_bundle(spec, options)` builds the whole bundle (blocking: run it in a worker thread).
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from omnivox.engine import Engine
     from omnivox.models.orpheus import SpeechLayout, SpeechTokenConstraint
     from omnivox.services.audio_prompt import AudioInputPart
+    from omnivox.services.image_prompt import ImageInputPart
     from omnivox.services.loading import EngineOptions, ModelSpec
     from omnivox.services.prompt import PromptBuilder
 
@@ -93,10 +95,11 @@ class BundleManifest:
     planned_parts: tuple[str, ...] = ()
     overrides: dict[str, Any] = field(default_factory=dict)  # the operator's `--sampling-default`s
     audio: bool = False  # an audio-LLM checkpoint (models.audio.audio_family): audio input
+    vision: bool = False  # a vision-language checkpoint (services.image_prompt.vision_family): image input
 
     @property
     def input_modalities(self) -> frozenset[str]:
-        return modalities(self.speech, audio=self.audio)[0]
+        return modalities(self.speech, vision=self.vision, audio=self.audio)[0]
 
     @property
     def output_modalities(self) -> frozenset[str]:
@@ -127,10 +130,14 @@ def probe(spec: ModelSpec) -> BundleManifest:
     planned = _planned_parts(path) if folder else ()
     if audio:  # the audio tower and projector are built (services/audio_prompt.py)
         planned = tuple(p for p in planned if p not in ("audio", "projector"))
+    vision = folder is not None and _vision_family(folder) is not None
+    if vision:  # the vision tower and projector are built (services/image_prompt.py)
+        planned = tuple(p for p in planned if p not in ("vision", "projector"))
     return BundleManifest(
         source=path,
         speech=is_speech_checkpoint(path),
         audio=audio,
+        vision=vision,
         planned_parts=planned,
         untrained_components=_read_untrained(folder),
         file_defaults=read_generation_config(folder / "generation_config.json" if folder else None),
@@ -145,6 +152,12 @@ def _audio_family(folder: Path) -> str | None:
         return audio_family(folder)
     except (OSError, ValueError):  # an unreadable config.json: loading says why
         return None
+
+
+def _vision_family(folder: Path) -> str | None:
+    from omnivox.services.image_prompt import vision_family
+
+    return vision_family(folder)
 
 
 def _planned_parts(folder: Path) -> tuple[str, ...]:
@@ -206,7 +219,7 @@ class ModelBundle:
     engine: Engine
     prompt_builder: PromptBuilder
     speech: SpeechPart | None = None
-    vision: Any | None = None  # a vision encoder + projector: planned (issue 9)
+    vision: ImageInputPart | None = None  # image input: encoder + worker + cache (services/image_prompt.py)
     audio: AudioInputPart | None = None  # audio input: encoder + worker + chat template (services/audio_prompt.py)
 
     @property
@@ -233,6 +246,8 @@ class ModelBundle:
             await self.speech.worker.shutdown()
         if self.audio is not None:
             await asyncio.to_thread(self.audio.close)  # joins the encoder thread
+        if self.vision is not None:
+            await asyncio.to_thread(self.vision.close)  # joins the encoder thread
         await asyncio.to_thread(self.engine.shutdown)  # joins the engine thread: off the event loop
 
 
@@ -261,6 +276,8 @@ def load_manifest(manifest: BundleManifest, options: EngineOptions) -> ModelBund
         max_model_len=options.max_model_len,
         progress=options.progress,
     )
+    audio: AudioInputPart | None = None
+    vision: ImageInputPart | None = None
     try:
         if engine.tokenizer is None:
             raise ValueError(f"{source} has no tokenizer; the text API needs one")
@@ -269,12 +286,19 @@ def load_manifest(manifest: BundleManifest, options: EngineOptions) -> ModelBund
             speech = load_speech_part(
                 source, engine.model_config.vocab_size, device=str(engine.device), options=options.speech_streaming
             )
-        audio = None
         if manifest.audio:
             from omnivox.services.audio_prompt import load_audio_part
 
             audio = load_audio_part(source, engine.device, engine.dtype, model_key=str(source))
+        if manifest.vision:
+            from omnivox.services.image_prompt import load_image_part
+
+            vision = load_image_part(
+                source, engine.device, engine.dtype, model_key=str(source), cache_bytes=options.image_cache_mib << 20
+            )
     except BaseException:
+        if audio is not None:
+            audio.close()
         engine.shutdown()
         raise
     if manifest.planned_parts:
@@ -288,6 +312,10 @@ def load_manifest(manifest: BundleManifest, options: EngineOptions) -> ModelBund
         from omnivox.services.audio_prompt import AudioPromptBuilder
 
         prompt_builder = AudioPromptBuilder(audio)
+    if vision is not None:
+        from omnivox.services.image_prompt import ImagePromptBuilder
+
+        prompt_builder = ImagePromptBuilder(vision)
     return ModelBundle(
         manifest=manifest,
         source=source,
@@ -295,4 +323,5 @@ def load_manifest(manifest: BundleManifest, options: EngineOptions) -> ModelBund
         prompt_builder=prompt_builder,
         speech=speech,
         audio=audio,
+        vision=vision,
     )

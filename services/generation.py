@@ -72,7 +72,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             assert model.engine is not None
             engine_request_id = uuid.uuid4().hex  # ours, so that clients reusing an id cannot collide in the engine
             stream = model.engine.stream(
-                prompt.token_ids, checked.params, request_id=engine_request_id, segments=prompt.segments or None
+                prompt.token_ids,
+                checked.params,
+                request_id=engine_request_id,
+                segments=prompt.segments or None,
+                rope_positions=prompt.rope_positions,
             )
             last: RequestOutput | None = None
             # Leaving this block in any way (finished, client cancelled, deadline passed, server stopping) closes the

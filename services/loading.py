@@ -41,6 +41,7 @@ class EngineOptions:
     max_num_batched_tokens: int | None = None  # per engine step; None = the engine's default for the device
     progress: bool = False  # progress bars while loading weights
     speech_streaming: StreamingOptions | None = None  # codec windows of speech models; None = the codec's defaults
+    image_cache_mib: int = 256  # encoder cache of each vision model: encoded images kept for reuse (MiB)
 
 
 def model_name_for(path: Path) -> str:

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from omnivox.v1 import content_pb2
 
 if TYPE_CHECKING:
+    import torch
+
     from omnivox.engine import EmbeddingSegment
 
 
@@ -20,6 +22,8 @@ if TYPE_CHECKING:
 class Prompt:
     token_ids: list[int]
     segments: list[EmbeddingSegment] = field(default_factory=list)
+    # M-RoPE (Qwen2.5-VL): ([3, len(token_ids)] positions, generated-token delta) for `engine.stream`; None: 1-D.
+    rope_positions: tuple[torch.Tensor, int] | None = None
 
     def release(self) -> None:
         """Drop the segments' encoder-cache references: for a prompt the engine never queued (a queued request's

@@ -62,6 +62,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-gib", type=float, help="KV cache size per model (default: the engine decides)")
     p.add_argument("--max-model-len", type=int, help="cap the context length")
     p.add_argument(
+        "--image-cache-mib",
+        type=int,
+        default=256,
+        help="encoded images each vision model keeps for reuse; a single image whose features exceed it is refused",
+    )
+    p.add_argument(
         "--max-batched-tokens",
         type=int,
         help="tokens one engine step may compute (decodes + prefill chunks): lower bounds inter-token latency, "
@@ -177,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
         kv_cache_gib=args.kv_cache_gib,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_batched_tokens,
+        image_cache_mib=args.image_cache_mib,
         progress=True,
     )
     try:

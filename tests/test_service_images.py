@@ -1,0 +1,329 @@
+"""Image input over gRPC: GenerationService with image parts, served by a real server on tiny random LLaVA, SmolVLM and
+Qwen2.5-VL checkpoints (saved with processor + chat template), against transformers' processor + `generate`.
+
+The server runs with 8-token engine steps, so every image below is cut by at least one prefill chunk boundary.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import io
+import time
+
+import grpc
+import pytest
+import torch
+import transformers
+from checkpoints import make_checkpoint
+from google.rpc import error_details_pb2
+from PIL import Image
+from service_harness import ServerThread
+from vision_checkpoints import make_idefics3, make_llava, make_qwen2_5_vl, png_bytes, sample_image
+
+from omnivox.services.errors import status_details
+from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, model_pb2, model_pb2_grpc, sampling_pb2
+
+STEPS = 16
+CHUNK = 8  # max_num_batched_tokens: smaller than every image's feature rows
+MAKERS = {"llava": make_llava, "smolvlm": make_idefics3, "qwen2_5_vl": make_qwen2_5_vl}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    paths = {name: make(tmp_path_factory.mktemp(name) / name) for name, make in MAKERS.items()}
+    text = make_checkpoint(tmp_path_factory.mktemp("text") / "tiny-text", family="llama")
+    specs = [ModelSpec(path=p, name=n) for n, p in paths.items()] + [ModelSpec(path=text, name="text")]
+    with ServerThread(specs, EngineOptions(kv_cache_gib=0.01, max_num_batched_tokens=CHUNK)) as server:
+        yield {
+            "server": server,
+            "paths": paths,
+            "stub": generation_pb2_grpc.GenerationServiceStub(server.channel()),
+            "refs": {},
+        }
+
+
+def part_of(item) -> content_pb2.Part:
+    if isinstance(item, str):
+        return content_pb2.Part(text=item)
+    if isinstance(item, Image.Image):
+        return content_pb2.Part(image=content_pb2.ImagePart(data=png_bytes(item)))
+    return content_pb2.Part(image=item)  # an ImagePart as is
+
+
+def ask(model: str, turns: list[tuple[str, list]], logprobs: bool = False) -> generation_pb2.GenerateRequest:
+    contents = [content_pb2.Content(role=role, parts=[part_of(x) for x in items]) for role, items in turns]
+    request = generation_pb2.GenerateRequest(
+        model=model,
+        contents=contents,
+        sampling=sampling_pb2.SamplingConfig(temperature=0.0),
+        max_output_tokens=STEPS,
+        ignore_eos=True,
+    )
+    if logprobs:
+        request.logprobs = True
+    return request
+
+
+def run(stub, request, timeout: float = 120) -> tuple[list[int], list[float], generation_pb2.GenerateSummary]:
+    ids, lps, summary = [], [], None
+    for response in stub.Generate(request, timeout=timeout):
+        if response.HasField("delta"):
+            ids.extend(response.delta.token_ids)
+            lps.extend(lp.logprob for lp in response.delta.logprobs)
+        else:
+            summary = response.summary
+    assert summary is not None
+    return ids, lps, summary
+
+
+def reference(s, family: str, turns: list[tuple[str, list]]) -> tuple[int, list[int]]:
+    """(prompt length, greedy tokens) of transformers' processor + generate for the same turns."""
+    path = s["paths"][family]
+    if family not in s["refs"]:
+        processor = s["server"].registry.lookup(family).bundle.vision.processor
+        model = transformers.AutoModelForImageTextToText.from_pretrained(path).eval()
+        s["refs"][family] = (processor, model)
+    processor, model = s["refs"][family]
+    messages = [
+        {
+            "role": role,
+            "content": [{"type": "text", "text": x} if isinstance(x, str) else {"type": "image"} for x in items],
+        }
+        for role, items in turns
+    ]
+    images = [x for _, items in turns for x in items if isinstance(x, Image.Image)]
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    nested = family == "smolvlm"
+    batch = processor(text=[text], images=[images] if nested else images, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False)
+    n = batch["input_ids"].shape[1]
+    return n, out[0, n:].tolist()
+
+
+def baseline(s, family: str = "llava") -> None:
+    """Every KV block free again and no encoder-cache reference held."""
+    free, total = s["server"].wait_kv_free(family)
+    assert free == total
+    cache = s["server"].registry.lookup(family).bundle.vision.cache
+    deadline = time.monotonic() + 2.0
+    while cache.total_refs() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cache.total_refs() == 0
+
+
+A, B, C = sample_image(50, 30, seed=1), sample_image(30, 50, seed=2), sample_image(40, 40, seed=3)
+
+
+@pytest.mark.parametrize("family", list(MAKERS))
+def test_one_and_two_images_equal_transformers(served, family):
+    for turns in (
+        [("user", [A, "What is in this picture?"])],
+        [("user", [A, "Compare", B, "with this one."])],  # two images in one turn
+        [("user", [C, "First picture."]), ("assistant", ["A square."]), ("user", ["And now?", B])],  # earlier turn
+    ):
+        got, _, summary = run(served["stub"], ask(family, turns))
+        n, want = reference(served, family, turns)
+        assert got == want, f"{family}: {got} != {want}"
+        assert summary.usage.prompt_tokens == n
+        segments = _segments(served, family, turns)
+        assert any(
+            s.num_tokens > CHUNK or (s.start % CHUNK and s.num_tokens > 1) for s in segments
+        )  # a chunk boundary inside an image
+    baseline(served, family)
+
+
+def _prompt(s, family, turns):
+    """The prompt the server's builder makes for these turns (its cache references dropped again)."""
+    bundle = s["server"].registry.lookup(family).bundle
+    prompt = bundle.prompt_builder.build(ask(family, turns).contents)
+    prompt.release()
+    return prompt
+
+
+def _segments(s, family, turns):
+    return _prompt(s, family, turns).segments
+
+
+@pytest.mark.parametrize("family", list(MAKERS))
+def test_prefix_hit_covering_part_of_an_image(served, family):
+    """Same image, then questions differing from their first token: the prefix cache covers the blocks before the
+    difference, which (with the filler chosen here) ends inside the image."""
+    block = served["server"].engine(family).block_size
+    for k in range(block):
+        first = [("user", ["x " * k, B, "Where?"])]
+        prompt = _prompt(served, family, first)
+        segs, prompt_len = prompt.segments, len(prompt.token_ids)
+        end = max(s.end for s in segs)
+        hit = (end // block) * block  # the first block after the image holds the differing question
+        if any(s.start < hit < s.end for s in segs) and prompt_len > end:
+            break
+    else:
+        pytest.skip("no filler puts a block boundary inside the image")
+    run(served["stub"], ask(family, first))
+    second = [("user", ["x " * k, B, "Why?"])]
+    got, _, summary = run(served["stub"], ask(family, second))
+    assert summary.usage.cached_prompt_tokens == hit
+    assert got == reference(served, family, second)[1]
+    baseline(served, family)
+
+
+def test_batch_isolation_different_images_same_text(served):
+    family = "qwen2_5_vl"
+    ims = [A, B, C, sample_image(24, 56, seed=7)]
+    solo = [run(served["stub"], ask(family, [("user", ["Describe it.", im])]))[0] for im in ims]
+    with concurrent.futures.ThreadPoolExecutor(len(ims)) as pool:
+        batched = list(pool.map(lambda im: run(served["stub"], ask(family, [("user", ["Describe it.", im])]))[0], ims))
+    assert batched == solo
+    assert len({tuple(t) for t in solo}) > 1  # the images matter
+    baseline(served, family)
+
+
+def test_repeat_eviction_and_re_encode_give_identical_tokens_and_logprobs(served):
+    family = "smolvlm"  # several feature runs per image
+    cache = served["server"].registry.lookup(family).bundle.vision.cache
+    worker = served["server"].registry.lookup(family).bundle.vision.worker
+
+    def turns(q):  # the question first: a new question misses the prefix cache before the image
+        return [("user", [q, C])]
+
+    encoded = worker.num_encoded
+    first = run(served["stub"], ask(family, turns("One?"), logprobs=True))
+    hit = run(served["stub"], ask(family, turns("One?"), logprobs=True))  # prefix cache
+    other_q = run(served["stub"], ask(family, turns("Two?"), logprobs=True))  # encoder cache
+    assert worker.num_encoded == encoded + 1
+    budget, cache.budget_bytes = cache.budget_bytes, 0  # evict everything unreferenced
+    run(served["stub"], ask(family, [("user", ["Evict.", A])]))
+    cache.budget_bytes = budget
+    assert len(cache._entries) == 0
+    again = run(served["stub"], ask(family, turns("Two?"), logprobs=True))  # re-encoded
+    assert worker.num_encoded == encoded + 3
+    assert hit[:2] == first[:2] and hit[2].usage.cached_prompt_tokens > 0
+    assert again[:2] == other_q[:2]
+    # A transposed image and another max_pixels are other features: other keys.
+    keys = {
+        s.key.split(":")[0]
+        for im in (C, C.transpose(Image.Transpose.TRANSPOSE))
+        for s in _segments(served, family, [("user", [im])])
+    }
+    small = content_pb2.ImagePart(data=png_bytes(C), max_pixels=900)
+    keys |= {s.key.split(":")[0] for s in _segments(served, family, [("user", [small])])}
+    assert len(keys) == 3
+    baseline(served, family)
+
+
+def _encode(im: Image.Image, fmt: str, **kwargs) -> bytes:
+    buf = io.BytesIO()
+    im.save(buf, format=fmt, **kwargs)
+    return buf.getvalue()
+
+
+def _png_bomb(size: int = 30_000) -> bytes:
+    import struct
+    import zlib
+
+    data = bytearray(_encode(Image.new("RGB", (2, 2)), "PNG"))
+    ihdr = struct.pack(">IIBBBBB", size, size, 8, 2, 0, 0, 0)
+    data[16:29] = ihdr
+    data[29:33] = struct.pack(">I", zlib.crc32(b"IHDR" + ihdr) & 0xFFFFFFFF)
+    return bytes(data)
+
+
+def _gif_10000_frames() -> bytes:
+    frames = [Image.new("RGB", (4, 4), (255, 0, 0))]
+    for i in range(1, 10_000):
+        f = Image.new("RGB", (4, 4))
+        f.putpixel((i % 4, (i // 4) % 4), (255, 255, 255))
+        frames.append(f)
+    return _encode(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=10)
+
+
+def _violations(err: grpc.RpcError) -> list[str]:
+    return [
+        v.field for d in status_details(err) if isinstance(d, error_details_pb2.BadRequest) for v in d.field_violations
+    ]
+
+
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
+def test_bad_images_are_invalid_argument_and_the_server_keeps_serving(served):
+    stub, family = served["stub"], "llava"
+    kv_before = served["server"].wait_kv_free(family)
+    bad = {
+        "truncated": _encode(A, "PNG")[:60],
+        "empty": b"",
+        "text": b"What is in this picture? Plain text, not an image.",
+        "tiff": _encode(A, "TIFF"),
+        "1x1": _encode(Image.new("RGB", (1, 1)), "PNG"),
+        "250:1": _encode(Image.new("RGB", (500, 2)), "PNG"),
+        "png bomb": _png_bomb(),
+        "gif 10000 frames": _gif_10000_frames(),
+    }
+    for name, data in bad.items():
+        with pytest.raises(grpc.RpcError) as info:
+            run(stub, ask(family, [("user", ["Look:", content_pb2.ImagePart(data=data)])]))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+        fields = _violations(info.value)
+        assert len(fields) == 1 and fields[0].startswith("contents[0].parts[1].image"), (name, fields)
+    # Every problem of a request at once; the good image in it takes no cache reference.
+    with pytest.raises(grpc.RpcError) as info:
+        run(stub, ask(family, [("user", [A, content_pb2.ImagePart(data=bad["tiff"]), bad_max_pixels()])]))
+    assert _violations(info.value) == ["contents[0].parts[1].image", "contents[0].parts[2].image.max_pixels"]
+    # Too many images, features above the cache budget, user text spelling the image token, a text-only model.
+    with pytest.raises(grpc.RpcError) as info:
+        run(stub, ask(family, [("user", [A] * 17)]))
+    assert _violations(info.value) == ["contents"]
+    cache = served["server"].registry.lookup(family).bundle.vision.cache
+    budget, cache.budget_bytes = cache.budget_bytes, 100
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            run(stub, ask(family, [("user", [A, "hi"])]))
+        assert _violations(info.value) == ["contents[0].parts[0].image"]
+    finally:
+        cache.budget_bytes = budget
+    with pytest.raises(grpc.RpcError) as info:
+        run(stub, ask(family, [("user", [A, "what is <image>?"])]))
+    assert _violations(info.value) == ["contents[0].parts[1].text"]
+    with pytest.raises(grpc.RpcError) as info:
+        run(stub, ask("text", [("user", [A, "hi"])]))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert _violations(info.value) == ["contents[0].parts[0].image"]
+    assert served["server"].wait_kv_free(family) == kv_before
+    baseline(served, family)
+    got, _, summary = run(stub, ask(family, [("user", [A, "Still there?"])]))
+    assert len(got) == STEPS and summary.finish_reason == generation_pb2.FINISH_REASON_LENGTH
+    baseline(served, family)
+
+
+def bad_max_pixels() -> content_pb2.ImagePart:
+    return content_pb2.ImagePart(data=png_bytes(B), max_pixels=10**9)
+
+
+def test_cancelling_during_encoding_releases_cache_references(served):
+    family = "llava"
+    vision = served["server"].registry.lookup(family).bundle.vision
+    encode = vision.worker.encode_batch
+
+    def slow(items):
+        time.sleep(1.5)
+        return encode(items)
+
+    vision.worker.encode_batch = slow
+    try:
+        image = sample_image(36, 44, seed=11)  # never seen: it must be encoded
+        with pytest.raises(grpc.RpcError) as info:
+            run(served["stub"], ask(family, [("user", [image, "Slow?"])]), timeout=0.5)
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert vision.cache.total_refs() <= 1  # at most the cancelled request's, until the engine drops it
+        time.sleep(1.5)  # the encoding ends; nobody holds the entry
+    finally:
+        vision.worker.encode_batch = encode
+    baseline(served, family)
+
+
+def test_list_models_shows_image_input(served):
+    stub = model_pb2_grpc.ModelServiceStub(served["server"].channel())
+    models = {m.name: m for m in stub.ListModels(model_pb2.ListModelsRequest()).models}
+    for family in MAKERS:
+        assert model_pb2.MODALITY_IMAGE in models[family].input_modalities
+    assert model_pb2.MODALITY_IMAGE not in models["text"].input_modalities
