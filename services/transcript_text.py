@@ -2,16 +2,21 @@
 
 An audio-LLM's answer may start with a header that is not transcript: Qwen3-ASR asked to detect the language writes
 `language English<asr_text>` first. The header is held back (and read for the language) until its `<asr_text>` tag
-is complete; the transcript is what follows, decoded without special tokens. Deltas are emitted only while they
-extend what was emitted: trailing whitespace and a trailing partial character (U+FFFD) wait for the next token, and
-leading whitespace is dropped, so the deltas joined equal the final, stripped text.
+is complete; the transcript is what follows, decoded without special tokens, incrementally (the engine's
+detokenizer: never half a character). Deltas are emitted only while they extend what was emitted: trailing whitespace
+waits for the next token and leading whitespace is dropped, so the deltas joined equal the final, stripped text.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from omnivox.engine.detokenizer import IncrementalDetokenizer
 from omnivox.models.audio.transcription import ASR_TEXT, parse_transcription
+
+# Qwen3-ASR's header ("language English<asr_text>") is a handful of tokens; an answer whose first tokens hold no tag
+# has no header, and all of it is transcript (the search stops here, so it never rescans a long answer).
+HEADER_MAX_TOKENS = 32
 
 
 class SegmentTranscript:
@@ -22,37 +27,46 @@ class SegmentTranscript:
         # Only a Qwen3-ASR answer without a forced language starts with a header (the prefill holds it otherwise).
         self.expect_header = family == "qwen3_asr" and self.language is None
         self.ids: list[int] = []
-        self.text_start: int | None = None if self.expect_header else 0  # index in ids where the transcript begins
+        self.text_start: int | None = None  # index in ids where the transcript begins, once known
+        self.detok: IncrementalDetokenizer | None = None  # the transcript's text, one token at a time (O(n) overall)
         self.header = ""
         self.emitted = ""
+        if not self.expect_header:
+            self._start_text(0)
 
     def _decode(self, ids: list[int], skip_special: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
 
-    def _find_header(self) -> None:
-        raw = self._decode(self.ids, skip_special=False)
-        if ASR_TEXT not in raw:
-            return
-        # The fewest tokens whose text holds the whole tag: the transcript starts right after them.
-        k = next(k for k in range(1, len(self.ids) + 1) if ASR_TEXT in self._decode(self.ids[:k], skip_special=False))
+    def _start_text(self, k: int) -> None:
         self.text_start = k
-        self.header = self._decode(self.ids[:k], skip_special=False)
+        self.detok = IncrementalDetokenizer(self.tokenizer, self.ids[:k], None, False, skip_special_tokens=True)
+        for token_id in self.ids[k:]:
+            self.detok.add(token_id)
+
+    def _find_header(self) -> None:
+        if ASR_TEXT in self._decode(self.ids, skip_special=False):
+            # The fewest tokens whose text holds the whole tag: the transcript starts right after them.
+            k = next(k for k in range(1, len(self.ids) + 1) if ASR_TEXT in self._decode(self.ids[:k], False))
+            self.header = self._decode(self.ids[:k], skip_special=False)
+            self._start_text(k)
+        elif len(self.ids) >= HEADER_MAX_TOKENS:
+            self._start_text(0)
 
     def text(self, final: bool = False) -> str:
-        """The transcript so far (stripped at the start; at the end too when final)."""
-        if self.text_start is None:
-            if not final:
-                return ""
-            return self._decode(self.ids).strip()  # no header after all: all of it is the transcript
-        text = self._decode(self.ids[self.text_start :]).lstrip()
-        return text.strip() if final else text
+        """The transcript so far (stripped at the start); when final, decoded whole and stripped at both ends."""
+        if final:
+            return self._decode(self.ids[self.text_start or 0 :]).strip()
+        return self.detok.text.lstrip() if self.detok is not None else ""
 
     def feed(self, token_ids: list[int]) -> str:
         """Add generated tokens; return the text to emit now (may be empty)."""
+        if self.detok is not None:
+            for token_id in token_ids:
+                self.detok.add(token_id)
         self.ids.extend(token_ids)
         if self.text_start is None:
             self._find_header()
-        return self._delta(self.text().rstrip().removesuffix("\ufffd").rstrip())
+        return self._delta(self.text().rstrip())
 
     def finish(self) -> str:
         """The text still to emit once the segment's generation has ended."""
