@@ -3,6 +3,8 @@ Qwen3-ASR checkpoints (saved with processor + chat template), against transforme
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import grpc
 import numpy as np
 import pytest
@@ -207,3 +209,15 @@ def test_a_request_over_the_grpc_message_limit_is_resource_exhausted(tmp_path):
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         got, _ = tokens(stub, ask(content_pb2.AudioPart(data=encode(tone(0.5), 16000, "WAV")), "hi", "small-messages"))
         assert len(got) == STEPS
+
+
+def test_concurrent_audio_requests_each_equal_transformers(served):
+    """Three clients at once, each with its own clip: batched in the engine (and, when admitted together, in the
+    encoder), each answer as transformers gives it alone."""
+    clips = [float_to_int16(chirp(0.7 + 0.5 * i, f0=150.0 * (i + 1))) for i in range(3)]
+    requests = [ask(content_pb2.AudioPart(data=encode(c, 16000, "WAV")), "Which one?", served["family"]) for c in clips]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda r: tokens(served["stub"], r)[0], requests))
+    wants = [reference(served, c.astype(np.float32) / 32768.0, "Which one?")[1] for c in clips]
+    assert results == wants
+    baseline(served)
