@@ -118,11 +118,8 @@ class TranscriptionServicer(transcription_pb2_grpc.TranscriptionServiceServicer)
             plan = await asyncio.to_thread(self._plan, request, audio)
             run = _Run(model, audio, plan, request.language or None)
             try:
-                first_token: float | None = None
                 for index in range(len(plan.windows)):
                     async for delta in run.window_text(index):
-                        if first_token is None:
-                            first_token = time.monotonic()
                         await context.write(
                             transcription_pb2.TranscribeResponse(
                                 delta=transcription_pb2.TranscriptDelta(text=delta, segment_index=index)
@@ -142,8 +139,8 @@ class TranscriptionServicer(transcription_pb2_grpc.TranscriptionServiceServicer)
                 request_id=request_id,
                 model=model.name,
             )
-            if first_token is not None:
-                summary.time_to_first_token.CopyFrom(seconds_to_duration(first_token - received))
+            if run.first_token_time is not None:
+                summary.time_to_first_token.CopyFrom(seconds_to_duration(run.first_token_time - received))
             for (start, end), text in zip(plan.windows, run.texts, strict=True):
                 summary.segments.append(
                     transcription_pb2.TranscriptSegment(
@@ -173,6 +170,7 @@ class _Run:
         self.output_tokens = 0
         self.started = 0
         self.emitted_any = False
+        self.first_token_time: float | None = None  # the engine's clock (time.monotonic) at the first token
 
     async def _start(self, index: int) -> None:
         start, end = self.plan.windows[index]
@@ -209,6 +207,8 @@ class _Run:
         while True:
             out = await queue.get()
             self.output_tokens += len(out.new_token_ids)
+            if self.first_token_time is None and out.first_token_time is not None:
+                self.first_token_time = out.first_token_time
             delta = transcript.feed(list(out.new_token_ids))
             if out.finished:
                 self.finished[index] = True

@@ -104,6 +104,7 @@ def test_transcript_equals_transformers_with_language_and_rtf(served, language):
     assert summary.audio_seconds == pytest.approx(2.1, abs=1e-3)
     assert summary.real_time_factor > 0 and summary.output_tokens > 0
     assert summary.model == served["family"] and summary.request_id
+    assert 0 < summary.time_to_first_token.ToNanoseconds() <= summary.total.ToNanoseconds()
     [segment] = summary.segments
     assert segment.text == summary.text and segment.start_offset.ToNanoseconds() == 0
     assert segment.end_offset.ToNanoseconds() / 1e9 == pytest.approx(2.1, abs=1e-3)
