@@ -182,25 +182,36 @@ def test_batch_isolation_different_images_same_text(served):
 
 def test_repeat_eviction_and_re_encode_give_identical_tokens_and_logprobs(served):
     family = "smolvlm"  # several feature runs per image
-    cache = served["server"].registry.lookup(family).bundle.vision.cache
-    worker = served["server"].registry.lookup(family).bundle.vision.worker
+    vision = served["server"].registry.lookup(family).bundle.vision
+    cache, worker = vision.cache, vision.worker
+
+    image = sample_image(44, 36, seed=5)  # seen by no other test
 
     def turns(q):  # the question first: a new question misses the prefix cache before the image
-        return [("user", [q, C])]
+        return [("user", [q, image])]
 
     encoded = worker.num_encoded
     first = run(served["stub"], ask(family, turns("One?"), logprobs=True))
-    hit = run(served["stub"], ask(family, turns("One?"), logprobs=True))  # prefix cache
-    other_q = run(served["stub"], ask(family, turns("Two?"), logprobs=True))  # encoder cache
+    (key,) = {s.key.split(":")[0] for s in _segments(served, family, turns("One?"))}
+    features = cache._entries[key].features
+    hit = run(served["stub"], ask(family, turns("One?"), logprobs=True))  # the prefix cache covers the image
+    two = run(served["stub"], ask(family, turns("Two?"), logprobs=True))  # the encoder cache has it
     assert worker.num_encoded == encoded + 1
-    budget, cache.budget_bytes = cache.budget_bytes, 0  # evict everything unreferenced
+    assert hit[0] == first[0] and hit[2].usage.cached_prompt_tokens > 0
+    # A prefix hit computes the prompt's tail in other chunk shapes: float32 rounding only (measured 1.2e-6).
+    torch.testing.assert_close(torch.tensor(hit[1]), torch.tensor(first[1]), atol=1e-5, rtol=0)
+    room = vision.encoder.feature_bytes(vision.encoder.preprocess([A])[0])
+    budget, cache.budget_bytes = cache.budget_bytes, room  # room for A's features only: the others are evicted
+    evictions = cache.evictions
     run(served["stub"], ask(family, [("user", ["Evict.", A])]))
     cache.budget_bytes = budget
-    assert len(cache._entries) == 0
-    again = run(served["stub"], ask(family, turns("Two?"), logprobs=True))  # re-encoded
-    assert worker.num_encoded == encoded + 3
-    assert hit[:2] == first[:2] and hit[2].usage.cached_prompt_tokens > 0
-    assert again[:2] == other_q[:2]
+    assert cache.evictions > evictions and key not in cache
+    encoded = worker.num_encoded
+    three = run(served["stub"], ask(family, turns("Three?"), logprobs=True))  # encoded again
+    assert worker.num_encoded == encoded + 1
+    assert torch.equal(cache._entries[key].features, features)  # re-encoding gives the same features, bit for bit
+    for q, got in (("Two?", two), ("Three?", three)):
+        assert got[0] == reference(served, family, turns(q))[1]
     # A transposed image and another max_pixels are other features: other keys.
     keys = {
         s.key.split(":")[0]
@@ -257,7 +268,6 @@ def test_bad_images_are_invalid_argument_and_the_server_keeps_serving(served):
         "1x1": _encode(Image.new("RGB", (1, 1)), "PNG"),
         "250:1": _encode(Image.new("RGB", (500, 2)), "PNG"),
         "png bomb": _png_bomb(),
-        "gif 10000 frames": _gif_10000_frames(),
     }
     for name, data in bad.items():
         with pytest.raises(grpc.RpcError) as info:
@@ -265,6 +275,10 @@ def test_bad_images_are_invalid_argument_and_the_server_keeps_serving(served):
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
         fields = _violations(info.value)
         assert len(fields) == 1 and fields[0].startswith("contents[0].parts[1].image"), (name, fields)
+    # A GIF of 10,000 frames is answered from its first frame, without reading the others (GIFs are accepted).
+    t0 = time.monotonic()
+    got, _, _ = run(stub, ask(family, [("user", ["Look:", content_pb2.ImagePart(data=_gif_10000_frames())])]))
+    assert len(got) == STEPS and time.monotonic() - t0 < 10
     # Every problem of a request at once; the good image in it takes no cache reference.
     with pytest.raises(grpc.RpcError) as info:
         run(stub, ask(family, [("user", [A, content_pb2.ImagePart(data=bad["tiff"]), bad_max_pixels()])]))
