@@ -27,6 +27,7 @@ from omnivox.engine.request import Request
 from omnivox.engine.runner import ModelRunner
 from omnivox.engine.sampler import Sampler
 from omnivox.engine.scheduler import SchedulePlan, Scheduler
+from omnivox.engine.structured import GrammarMasks
 from omnivox.models.decoder import DecoderModel
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,7 @@ class EngineCore:
             model, num_blocks, block_size, param.device, param.dtype, max_num_seqs, static_decode=static_decode
         )
         self.sampler = Sampler(model.config.vocab_size, param.device)
+        self.grammar_masks = GrammarMasks(model.config.vocab_size)  # filled while the model runs (structured.py)
         self.proposer = proposer
         self.max_model_len = max_model_len or model.config.max_model_len
         self.num_steps = 0
@@ -159,7 +161,8 @@ class EngineCore:
 
     def _run(self, plan: SchedulePlan, result: StepResult) -> None:
         try:
-            logits, sampling = self.runner.execute(plan)
+            with self.grammar_masks.overlap(c.request for c in plan.chunks):
+                logits, sampling = self.runner.execute(plan)
         except Exception:
             log.exception("engine step failed; failing the %d requests in it", len(plan.chunks))
             result.failed += [c.request for c in plan.chunks]

@@ -152,7 +152,8 @@ class Sampler:
                     bias_rows.append(i)
                     bias_cols.append(tok)
                     bias_vals.append(float(b))
-            if r.num_output_tokens < p.min_tokens:
+            if r.num_output_tokens < p.min_tokens and not getattr(r.constraint, "must_end", False):
+                # a finished grammar admits only EOS: it wins over min_tokens (engine/structured.py)
                 banned = list(p.stop_token_ids or ()) + ([] if p.ignore_eos else list(r.eos_token_ids))
                 if banned:
                     logits[i, banned] = NEG_INF

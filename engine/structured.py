@@ -1,0 +1,174 @@
+"""Grammar-constrained decoding (JSON schema, regex, Lark, choices) on llguidance, as per-request token constraints.
+
+`GrammarConstraintFactory` holds what is shared by every request of one grammar: the compiled matcher (a prototype
+that each request deep-copies, microseconds instead of a recompile) and the model's eos ids. Each request gets its own
+`GrammarConstraint` (matcher state: `advance` consumes tokens, `rollback` takes them back).
+
+Masks for the whole batch are filled in one `fill_next_token_bitmask_par` call per step by `GrammarMasks.overlap`,
+which runs it on a worker thread while the model's forward pass runs (llguidance and torch both release the GIL), and
+joins it before sampling. The sampler then reads each row's mask through the ordinary `allowed()` hook, so grammar
+rows go through the one mask path with TTS rows and logit bias. A constraint asked for a mask that the batch did not
+fill (a state the batch never saw: speculative rows, a request that joined mid-step) computes its own, one row.
+
+A finished grammar admits only the end-of-sequence tokens (`must_end`), which the sampler lets win over
+min_tokens: the grammar is the stronger promise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import llguidance
+import llguidance.torch as llg_torch
+import torch
+
+log = logging.getLogger(__name__)
+
+_BIT = torch.arange(32, dtype=torch.int32)  # [32]
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 bitmask [B, ceil(V/32)] (bit j of word w = token 32w+j) -> bool [B, V]."""
+    bits = (bitmask.unsqueeze(-1) >> _BIT) & 1  # [B, W, 32]
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+class GrammarConstraint:
+    """One request's grammar state. Not thread-safe: the engine thread and the step's mask worker take turns."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos_ids: Sequence[int]) -> None:
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self.eos_ids = torch.tensor(sorted(set(eos_ids)), dtype=torch.long)
+        self.num_consumed = 0  # tokens consumed by the matcher (advance - rollback)
+        self._mask: torch.Tensor | None = None  # bool [V] for the state after num_consumed tokens
+        self._mask_at = -1
+        self._only_eos = False
+
+    @property
+    def needs_mask(self) -> bool:
+        return self._mask_at != self.num_consumed
+
+    def set_mask(self, mask: torch.Tensor) -> None:  # bool [V], filled by the batch
+        if self.eos_ids.numel():
+            # llguidance admits its own eos when the grammar may end; every eos id of the model ends the request.
+            if bool(mask[self.eos_ids].any()):
+                mask[self.eos_ids] = True
+            self._only_eos = int(mask.sum()) == int(mask[self.eos_ids].sum())
+        self._mask, self._mask_at = mask, self.num_consumed
+
+    def _check(self) -> None:
+        if self.matcher.is_error():
+            raise ValueError(f"grammar matcher failed: {self.matcher.get_error()}")
+
+    def allowed(self, output_token_ids: list[int]) -> torch.Tensor:
+        if self.needs_mask:
+            self._check()
+            bitmask = llg_torch.allocate_token_bitmask(1, self.vocab_size)
+            llg_torch.fill_next_token_bitmask(self.matcher, bitmask, 0)
+            self._check()
+            self.set_mask(unpack_bitmask(bitmask, self.vocab_size)[0])
+        assert self._mask is not None
+        return self._mask
+
+    @property
+    def must_end(self) -> bool:
+        """True when the grammar is complete and admits nothing but end-of-sequence."""
+        self.allowed([])
+        return self._only_eos
+
+    def advance(self, token_ids: list[int]) -> None:
+        for t in token_ids:
+            if self.matcher.is_stopped():  # the eos that ended the grammar, or tokens after it: nothing to match
+                self.num_consumed += 1
+                continue
+            if not self.matcher.consume_token(t):
+                raise ValueError(f"token {t} rejected by the grammar: {self.matcher.get_error()}")
+            self.num_consumed += 1
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+            self.num_consumed -= num_tokens
+
+
+class GrammarConstraintFactory:
+    """A compiled grammar shared by its requests; calling it makes one request's constraint."""
+
+    def __init__(self, prototype: llguidance.LLMatcher, vocab_size: int, eos_ids: Sequence[int]) -> None:
+        self.prototype = prototype
+        self.vocab_size = vocab_size
+        self.eos_ids = list(eos_ids)
+
+    def __call__(self) -> GrammarConstraint:
+        return GrammarConstraint(self.prototype.deep_copy(), self.vocab_size, self.eos_ids)
+
+
+class GrammarMasks:
+    """Fills every grammar row's next-token mask for one step in one parallel llguidance call, off the engine thread."""
+
+    def __init__(self, vocab_size: int, num_threads: int | None = None) -> None:
+        self.vocab_size = vocab_size
+        self._executor: Any = None
+        self._num_threads = num_threads
+        self._worker: ThreadPoolExecutor | None = None
+
+    def _fill(self, constraints: list[GrammarConstraint]) -> None:
+        bitmask = llg_torch.allocate_token_bitmask(len(constraints), self.vocab_size)  # int32 [B, ceil(V/32)]
+        llg_torch.fill_next_token_bitmask_par(
+            self._executor, [(c.matcher, i) for i, c in enumerate(constraints)], bitmask
+        )
+        masks = unpack_bitmask(bitmask, self.vocab_size)  # bool [B, V], a fresh tensor every step
+        for c, mask in zip(constraints, masks, strict=True):
+            if not c.matcher.is_error():  # an errored row computes again in allowed() and raises there
+                c.set_mask(mask)
+
+    def start(self, requests: Iterable[Any]) -> Future | None:
+        """Begin filling the masks of these requests' grammar constraints that are not up to date."""
+        rows = [
+            r.constraint for r in requests if isinstance(r.constraint, GrammarConstraint) and r.constraint.needs_mask
+        ]
+        if not rows:
+            return None
+        if self._worker is None:
+            self._executor = llguidance.LLExecutor(self._num_threads)
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        return self._worker.submit(self._fill, rows)
+
+    @contextlib.contextmanager
+    def overlap(self, requests: Iterable[Any]) -> Iterator[None]:
+        """`with masks.overlap(reqs): forward pass` — the masks are filled while the body runs, ready after it."""
+        pending = self.start(requests)
+        try:
+            yield
+        finally:
+            if pending is not None:
+                try:
+                    pending.result()
+                except Exception:  # each row then computes its own mask and fails alone if it must
+                    log.exception("batch grammar mask fill failed")
+
+
+class GrammarError(ValueError):
+    """The grammar does not compile; the message is the compiler's."""
+
+
+def grammar_tokenizer(hf_tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]) -> llguidance.LLTokenizer:
+    """llguidance's view of a fast HF tokenizer over the model's vocabulary (~1 s for 50k tokens: build it once)."""
+    import llguidance.hf
+
+    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=list(eos_ids))
+
+
+def compile_grammar(
+    tokenizer: llguidance.LLTokenizer, grammar: str, vocab_size: int, eos_ids: Sequence[int]
+) -> GrammarConstraintFactory:
+    """Compile an llguidance grammar (from `LLMatcher.grammar_from_*`) into a factory; GrammarError when it is bad."""
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    if matcher.is_error():
+        raise GrammarError(matcher.get_error())
+    return GrammarConstraintFactory(matcher, vocab_size, eos_ids)
