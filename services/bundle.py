@@ -91,7 +91,7 @@ class BundleManifest:
     speech: bool = False
     untrained_components: tuple[str, ...] = ()
     file_defaults: dict[str, Any] = field(default_factory=dict)  # from generation_config.json (or the shipped one)
-    # Weights of parts no bundle builds yet (vision / audio towers, projectors: issues 9 and 10), left unloaded.
+    # Weights of parts no bundle builds (a tower or projector of a family without an encoder here), left unloaded.
     planned_parts: tuple[str, ...] = ()
     overrides: dict[str, Any] = field(default_factory=dict)  # the operator's `--sampling-default`s
     audio: bool = False  # an audio-LLM checkpoint (models.audio.audio_family): audio input
@@ -303,7 +303,7 @@ def load_manifest(manifest: BundleManifest, options: EngineOptions) -> ModelBund
         raise
     if manifest.planned_parts:
         log.warning(
-            "%s also holds %s weights: image and audio input are planned, not built; serving its text decoder only",
+            "%s also holds %s weights of a family omnivox does not build; serving its text decoder only",
             source,
             " and ".join(manifest.planned_parts),
         )
