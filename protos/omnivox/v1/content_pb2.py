@@ -24,21 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18omnivox/v1/content.proto\x12\nomnivox.v1\"8\n\x07\x43ontent\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x1f\n\x05parts\x18\x02 \x03(\x0b\x32\x10.omnivox.v1.Part\"n\n\x04Part\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12&\n\x05image\x18\x02 \x01(\x0b\x32\x15.omnivox.v1.ImagePartH\x00\x12&\n\x05\x61udio\x18\x03 \x01(\x0b\x32\x15.omnivox.v1.AudioPartH\x00\x42\x06\n\x04kind\"T\n\tImagePart\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x11\n\tmime_type\x18\x02 \x01(\t\x12\x17\n\nmax_pixels\x18\x03 \x01(\x05H\x00\x88\x01\x01\x42\r\n\x0b_max_pixels\"a\n\tAudioPart\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12+\n\x08\x65ncoding\x18\x02 \x01(\x0e\x32\x19.omnivox.v1.AudioEncoding\x12\x19\n\x11sample_rate_hertz\x18\x03 \x01(\x05*\xb4\x01\n\rAudioEncoding\x12\x1e\n\x1a\x41UDIO_ENCODING_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x41UDIO_ENCODING_LINEAR16\x10\x01\x12\x16\n\x12\x41UDIO_ENCODING_WAV\x10\x02\x12\x17\n\x13\x41UDIO_ENCODING_FLAC\x10\x03\x12\x1b\n\x17\x41UDIO_ENCODING_OGG_OPUS\x10\x04\x12\x18\n\x14\x41UDIO_ENCODING_MULAW\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18omnivox/v1/content.proto\x12\nomnivox.v1\"x\n\x07\x43ontent\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x1f\n\x05parts\x18\x02 \x03(\x0b\x32\x10.omnivox.v1.Part\x12(\n\ntool_calls\x18\x14 \x03(\x0b\x32\x14.omnivox.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x15 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"n\n\x04Part\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12&\n\x05image\x18\x02 \x01(\x0b\x32\x15.omnivox.v1.ImagePartH\x00\x12&\n\x05\x61udio\x18\x03 \x01(\x0b\x32\x15.omnivox.v1.AudioPartH\x00\x42\x06\n\x04kind\"T\n\tImagePart\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x11\n\tmime_type\x18\x02 \x01(\t\x12\x17\n\nmax_pixels\x18\x03 \x01(\x05H\x00\x88\x01\x01\x42\r\n\x0b_max_pixels\"a\n\tAudioPart\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12+\n\x08\x65ncoding\x18\x02 \x01(\x0e\x32\x19.omnivox.v1.AudioEncoding\x12\x19\n\x11sample_rate_hertz\x18\x03 \x01(\x05*\xb4\x01\n\rAudioEncoding\x12\x1e\n\x1a\x41UDIO_ENCODING_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x41UDIO_ENCODING_LINEAR16\x10\x01\x12\x16\n\x12\x41UDIO_ENCODING_WAV\x10\x02\x12\x17\n\x13\x41UDIO_ENCODING_FLAC\x10\x03\x12\x1b\n\x17\x41UDIO_ENCODING_OGG_OPUS\x10\x04\x12\x18\n\x14\x41UDIO_ENCODING_MULAW\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'omnivox.v1.content_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_AUDIOENCODING']._serialized_start=396
-  _globals['_AUDIOENCODING']._serialized_end=576
+  _globals['_AUDIOENCODING']._serialized_start=517
+  _globals['_AUDIOENCODING']._serialized_end=697
   _globals['_CONTENT']._serialized_start=40
-  _globals['_CONTENT']._serialized_end=96
-  _globals['_PART']._serialized_start=98
-  _globals['_PART']._serialized_end=208
-  _globals['_IMAGEPART']._serialized_start=210
-  _globals['_IMAGEPART']._serialized_end=294
-  _globals['_AUDIOPART']._serialized_start=296
-  _globals['_AUDIOPART']._serialized_end=393
+  _globals['_CONTENT']._serialized_end=160
+  _globals['_TOOLCALL']._serialized_start=162
+  _globals['_TOOLCALL']._serialized_end=217
+  _globals['_PART']._serialized_start=219
+  _globals['_PART']._serialized_end=329
+  _globals['_IMAGEPART']._serialized_start=331
+  _globals['_IMAGEPART']._serialized_end=415
+  _globals['_AUDIOPART']._serialized_start=417
+  _globals['_AUDIOPART']._serialized_end=514
 # @@protoc_insertion_point(module_scope)
