@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -26,14 +25,12 @@ from omnivox.engine.outputs import TokenLogprob
 from omnivox.engine.request import Request
 from omnivox.engine.runner import ModelRunner
 from omnivox.engine.sampler import Sampler
-from omnivox.engine.scheduler import SchedulePlan, Scheduler
+from omnivox.engine.scheduler import ScheduledChunk, SchedulePlan, Scheduler
+from omnivox.engine.speculative import AcceptanceGate, Proposal, Proposer, verify_requests
 from omnivox.engine.structured import GrammarMasks
 from omnivox.models.decoder import DecoderModel
 
 log = logging.getLogger(__name__)
-
-# Draft tokens for a running request (empty: none); called for requests whose next step is a plain decode.
-Proposer = Callable[[Request], list[int]]
 
 
 @dataclass
@@ -46,6 +43,7 @@ class StepStats:
     num_preempted: int = 0
     num_drafted: int = 0  # draft tokens verified this step
     num_accepted: int = 0  # of those, accepted
+    accepted_by_position: list[int] = field(default_factory=list)  # drafts accepted at position 0, 1, ...
     num_running: int = 0  # after the step
     num_waiting: int = 0  # after the step
     kv_free_blocks: int = 0  # after the step
@@ -67,21 +65,6 @@ class StepResult:
     accepted: list[Accepted] = field(default_factory=list)
     failed: list[Request] = field(default_factory=list)  # their step or their own constraint failed
     stats: StepStats = field(default_factory=StepStats)
-
-
-def _plain_greedy(req: Request) -> bool:
-    """Argmax of the raw logits is this request's next token: drafts may be checked without the sampler."""
-    p = req.params
-    return (
-        p.is_greedy
-        and req.constraint is None
-        and not p.logit_bias
-        and p.logprobs is None
-        and p.repetition_penalty == 1.0
-        and not p.presence_penalty
-        and not p.frequency_penalty
-        and req.num_output_tokens + len(req.draft_token_ids) >= p.min_tokens
-    )
 
 
 class EngineCore:
@@ -107,6 +90,8 @@ class EngineCore:
         self.sampler = Sampler(model.config.vocab_size, param.device)
         self.grammar_masks = GrammarMasks(model.config.vocab_size)  # filled while the model runs (structured.py)
         self.proposer = proposer
+        self.gate = AcceptanceGate() if proposer is not None else None
+        self._draft_q: dict[str, torch.Tensor] = {}  # a draft model's distributions for this step's drafts
         self.max_model_len = max_model_len or model.config.max_model_len
         self.num_steps = 0
 
@@ -116,6 +101,11 @@ class EngineCore:
     def finish(self, req: Request, reason: str) -> None:
         """End a request (stop, length, abort, error) and free its blocks at once."""
         req.draft_token_ids.clear()
+        if self.gate is not None:
+            self.gate.forget(req.request_id)
+            forget = getattr(self.proposer, "forget", None)  # a draft model frees its shadow's blocks
+            if forget is not None:
+                forget(req.request_id)
         self.scheduler.finish(req, reason)
         for seg in req.segments:  # encoder-cache references go with the request, whatever ended it
             seg.release()
@@ -124,13 +114,22 @@ class EngineCore:
         return self.scheduler.has_work()
 
     def _propose(self) -> None:
-        if self.proposer is None:
+        if self.proposer is None or self.gate is None:
             return
+        self._draft_q.clear()
+        batch = len(self.scheduler.running)
         for req in self.scheduler.running:
-            if req.num_output_tokens and req.num_computed_tokens == req.num_tokens - 1:
-                # Never past the context or max_tokens: a step yields at most drafts + 1 tokens.
-                room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
-                req.draft_token_ids = list(self.proposer(req))[: max(room, 0)]
+            if not (req.num_output_tokens and req.num_computed_tokens == req.num_tokens - 1):
+                continue  # still prefilling
+            if req.params.logprobs is not None or not self.gate.wants(req, batch):
+                continue
+            proposal = self.proposer(req)
+            tokens, q = (proposal.tokens, proposal.q) if isinstance(proposal, Proposal) else (list(proposal), None)
+            # Never past the context or max_tokens: a step yields at most drafts + 1 tokens.
+            room = max(min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1, 0)
+            req.draft_token_ids = list(tokens[:room])
+            if q is not None and req.draft_token_ids:
+                self._draft_q[req.request_id] = q[:room]
 
     def step(self) -> StepResult:
         t0 = time.perf_counter()
@@ -177,35 +176,60 @@ class EngineCore:
         for c in sampling:
             firsts.append(row)
             row += c.num_verify
-        reqs = [c.request for c in sampling]
+        plain = [(c, f) for c, f in zip(sampling, firsts, strict=True) if c.num_verify == 1]
+        spec = [(c, f) for c, f in zip(sampling, firsts, strict=True) if c.num_verify > 1]
+        if plain:
+            self._sample_plain(logits, plain, result)
+        if spec:
+            self._verify(logits, spec, result)
+
+    def _sample_plain(self, logits: torch.Tensor, chunks: list[tuple[ScheduledChunk, int]], result: StepResult) -> None:
+        reqs = [c.request for c, _ in chunks]
+        rows = torch.tensor([f for _, f in chunks], device=logits.device)
         try:
-            out = self.sampler(logits.index_select(0, torch.tensor(firsts, device=logits.device)), reqs)
+            out = self.sampler(logits.index_select(0, rows), reqs)
         except Exception:  # a sampler bug must not take the engine down: fail these requests, serve the rest
             log.exception("sampling failed; failing the %d requests it served", len(reqs))
             result.failed += reqs
             return
-        for i, (c, first) in enumerate(zip(sampling, firsts, strict=True)):
-            req = c.request
+        for i, req in enumerate(reqs):
             if i in out.failed:
+                result.failed.append(req)
+            else:
+                self._commit(req, [out.token_ids[i]], [out.logprobs[i]], result)
+
+    def _verify(self, logits: torch.Tensor, chunks: list[tuple[ScheduledChunk, int]], result: StepResult) -> None:
+        """Requests with drafts: every row processed as plain sampling would, drafts accepted by rejection sampling
+        (exact in distribution; greedy rows by argmax), rejected drafts rolled back."""
+        reqs = [c.request for c, _ in chunks]
+        rows = [logits[f : f + c.num_verify] for c, f in chunks]
+        qs = [self._draft_q.get(r.request_id) for r in reqs]
+        try:
+            accepted = verify_requests(self.sampler, rows, reqs, qs)
+        except Exception:
+            log.exception("verifying drafts failed; failing the %d requests it served", len(reqs))
+            accepted = [None] * len(reqs)
+        for req, tokens in zip(reqs, accepted, strict=True):
+            if tokens is None:
                 req.draft_token_ids.clear()
                 result.failed.append(req)
                 continue
-            tokens, lps = [out.token_ids[i]], [out.logprobs[i]]
-            drafts = req.draft_token_ids
-            if drafts and _plain_greedy(req):
-                picks = logits[first + 1 : first + c.num_verify].argmax(dim=-1).tolist()
-                for j, draft in enumerate(drafts):
-                    if tokens[-1] != draft:
-                        break
-                    tokens.append(picks[j])
-                    lps.append(None)
-            try:
-                self._accept(req, tokens, result)
-            except Exception:  # its own constraint raised in advance(): fail this request only
-                log.exception("token constraint of %s failed", req.request_id)
-                result.failed.append(req)
-                continue
-            result.accepted.append(Accepted(req, tokens, lps))
+            drafted = len(req.draft_token_ids)
+            result.stats.accepted_by_position += [0] * (drafted - len(result.stats.accepted_by_position))
+            for j in range(len(tokens) - 1):
+                result.stats.accepted_by_position[j] += 1
+            if self.gate is not None:
+                self.gate.record(req, drafted, len(tokens) - 1)
+            self._commit(req, tokens, [None] * len(tokens), result)
+
+    def _commit(self, req: Request, tokens: list[int], lps: list, result: StepResult) -> None:
+        try:
+            self._accept(req, tokens, result)
+        except Exception:  # its own constraint raised in advance(): fail this request only
+            log.exception("token constraint of %s failed", req.request_id)
+            result.failed.append(req)
+            return
+        result.accepted.append(Accepted(req, tokens, lps))
 
     def _accept(self, req: Request, tokens: list[int], result: StepResult) -> None:
         """Commit the accepted tokens; roll the computed length back past rejected drafts."""

@@ -100,6 +100,26 @@ class Sampler:
                     tokens[i], logprobs[i] = toks[j], lps[j]
         return SamplerOutput(tokens, logprobs, failed)
 
+    def distributions(self, logits: torch.Tensor, reqs: list) -> torch.Tensor:
+        """The next-token distributions [B, V] plain sampling would draw from, without drawing: the same processing
+        (bias and bans, the constraint's mask, penalties; for sampled rows temperature and top-k / top-p / min-p).
+        Greedy rows get the softmax of their processed logits: their token is its argmax. Speculative verification
+        uses this; a constraint that raises propagates (the caller fails that request)."""
+        logits = logits.clone()
+        self._apply_bias_and_bans(logits, reqs)
+        for i, r in enumerate(reqs):
+            allowed = r.constraint.allowed(r.output_token_ids) if r.constraint is not None else None
+            if allowed is not None:
+                logits[i].masked_fill_(~allowed.to(logits.device), NEG_INF)
+        self._apply_penalties(logits, reqs, None)
+        sampled = [i for i, r in enumerate(reqs) if not r.params.is_greedy]
+        if sampled:
+            dev = logits.device
+            sub = logits[sampled] / torch.tensor([reqs[i].params.temperature for i in sampled], device=dev)[:, None]
+            rows = [reqs[i] for i in sampled]
+            logits[sampled] = apply_top_k_top_p_min_p(sub, *_filters(rows, dev))
+        return logits.softmax(dim=-1)
+
     def _sample_group(
         self, logits: torch.Tensor, reqs: list[Request], cands: list[torch.Tensor] | None
     ) -> tuple[list[int], list[TokenLogprob | None]]:
@@ -193,14 +213,7 @@ class Sampler:
         dev = logits.device
         temp = torch.tensor([r.params.temperature for r in reqs], device=dev).unsqueeze(1)
         logits = logits / temp
-        top_k = top_p = min_p = None
-        if any(r.params.top_k > 0 for r in reqs):
-            top_k = torch.tensor([r.params.top_k for r in reqs], device=dev)
-        if any(r.params.top_p < 1.0 for r in reqs):
-            top_p = torch.tensor([r.params.top_p for r in reqs], device=dev)
-        if any(r.params.min_p > 0.0 for r in reqs):
-            min_p = torch.tensor([r.params.min_p for r in reqs], device=dev)
-        logits = apply_top_k_top_p_min_p(logits, top_k, top_p, min_p)
+        logits = apply_top_k_top_p_min_p(logits, *_filters(reqs, dev))
         probs = logits.softmax(dim=-1)
         noise = torch.ones_like(probs)
         unseeded = [j for j, r in enumerate(reqs) if r.generator is None]
@@ -210,6 +223,18 @@ class Sampler:
             if r.generator is not None:  # exactly this row's own number of draws, whatever shares the batch
                 noise[j, : sizes[j]].exponential_(generator=r.generator)
         return (probs / noise).argmax(dim=-1)
+
+
+def _filters(reqs: list, dev: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Per-row top-k, top-p and min-p tensors, each None when no row uses that filter."""
+    top_k = top_p = min_p = None
+    if any(r.params.top_k > 0 for r in reqs):
+        top_k = torch.tensor([r.params.top_k for r in reqs], device=dev)
+    if any(r.params.top_p < 1.0 for r in reqs):
+        top_p = torch.tensor([r.params.top_p for r in reqs], device=dev)
+    if any(r.params.min_p > 0.0 for r in reqs):
+        min_p = torch.tensor([r.params.min_p for r in reqs], device=dev)
+    return top_k, top_p, min_p
 
 
 def _counts(id_lists: list[list[int]], rows: int, vocab: int, device: torch.device) -> torch.Tensor:

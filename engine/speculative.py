@@ -1,0 +1,229 @@
+"""Speculative decoding: proposals, and their exact verification in the step that computes them.
+
+A proposer gives a decoding request k draft tokens (and, for a draft model, the distributions q it drew them from;
+n-gram proposals are point masses). The step computes the last committed token plus the drafts in one chunk, so the
+target model's logits for every position come from one forward pass. Verification then processes row j of each
+request exactly as plain sampling would have with the drafts before it accepted (penalties over output + drafts,
+logit bias, min-tokens bans, the request's own constraint advanced over the drafts, temperature, top-k / top-p /
+min-p) into p_j, and:
+- greedy rows accept d_j while d_j == argmax p_j, then take argmax p_j;
+- sampled rows accept d_j with probability min(1, p_j(d_j) / q_j(d_j)); on the first rejection they draw from
+  norm(max(p_j - q_j, 0)); when every draft is accepted, a bonus token comes from p_k.
+This is the standard rejection scheme (Leviathan et al. 2023; vLLM's rejection_sampler.py): the accepted tokens are
+distributed exactly as plain sampling's. Seeded requests draw their uniforms and noise from their own generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from omnivox.engine.request import Request
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]
+    q: torch.Tensor | None = None  # [len(tokens), vocab] draft distributions; None = point masses on the tokens
+
+
+# A proposer returns the draft tokens for a request (a list, or a Proposal with the draft's distributions).
+Proposer = Callable[[Request], "list[int] | Proposal"]
+
+
+class NgramProposer:
+    """Prompt lookup: the longest suffix n-gram of the context (between min_n and max_n tokens) that occurred earlier
+    proposes the (up to) k tokens that followed its most recent earlier occurrence. Costs no model at all; pays off on
+    text that repeats its context (editing, summarising, code), and is turned off per request when it does not."""
+
+    def __init__(self, k: int = 4, min_n: int = 2, max_n: int = 5, window: int = 2048) -> None:
+        if not 1 <= min_n <= max_n or k < 1:
+            raise ValueError(f"need 1 <= min_n <= max_n and k >= 1, got {min_n}, {max_n}, {k}")
+        self.k, self.min_n, self.max_n, self.window = k, min_n, max_n, window
+
+    def __call__(self, req: Request) -> list[int]:
+        ctx = req.token_slice(max(0, req.num_tokens - self.window), req.num_tokens)
+        n_ctx = len(ctx)
+        for n in range(min(self.max_n, n_ctx - 1), self.min_n - 1, -1):
+            suffix = ctx[n_ctx - n :]
+            first = suffix[0]
+            for i in range(n_ctx - n - 1, -1, -1):  # most recent earlier occurrence first
+                if ctx[i] == first and ctx[i : i + n] == suffix:
+                    follow = ctx[i + n : i + n + self.k]
+                    if follow:
+                        return follow
+        return []
+
+
+@dataclass
+class AcceptanceGate:
+    """Speculation turns itself off where it cannot pay: for the whole step when the batch is large enough to be
+    compute-bound (verifying k extra tokens per request then costs real time), and per request while its measured
+    acceptance rate (an exponential average) is poor. A request that was switched off is probed again now and then."""
+
+    max_batch: int = 8
+    min_acceptance: float = 0.25
+    retry_every: int = 16
+    _rate: dict[str, float] = field(default_factory=dict)
+    _skipped: dict[str, int] = field(default_factory=dict)
+
+    def wants(self, req: Request, batch: int) -> bool:
+        if batch > self.max_batch:
+            return False
+        rate = self._rate.get(req.request_id, 1.0)
+        if rate >= self.min_acceptance:
+            return True
+        skipped = self._skipped.get(req.request_id, 0) + 1
+        self._skipped[req.request_id] = skipped
+        return skipped % self.retry_every == 0
+
+    def record(self, req: Request, drafted: int, accepted: int) -> None:
+        if drafted:
+            old = self._rate.get(req.request_id, 1.0)
+            self._rate[req.request_id] = 0.7 * old + 0.3 * (accepted / drafted)
+
+    def forget(self, request_id: str) -> None:
+        self._rate.pop(request_id, None)
+        self._skipped.pop(request_id, None)
+
+
+def resolve(
+    p: torch.Tensor,  # [N, V] target distributions at one position
+    q: torch.Tensor | None,  # [N, V] draft distributions, None = point masses on the drafts
+    drafts: torch.Tensor,  # [N] draft tokens (drawn from q)
+    u: torch.Tensor,  # [N] uniforms in [0, 1)
+    noise: torch.Tensor,  # [N, V] Exp(1) draws for the residual sample
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One position of the rejection scheme for N rows: (accepted [N] bool, the token each row ends with)."""
+    idx = drafts.unsqueeze(1)
+    p_d = p.gather(1, idx).squeeze(1)
+    if q is None:
+        q_d = torch.ones_like(p_d)
+        residual = p.scatter(1, idx, 0.0)
+    else:
+        q_d = q.gather(1, idx).squeeze(1)
+        residual = (p - q).clamp_min(0.0)
+    accept = (q_d > 0) & (u < torch.clamp(p_d / q_d.clamp_min(1e-30), max=1.0))
+    empty = residual.sum(dim=1, keepdim=True) <= 0  # p == q: a rejection cannot happen; keep the draw well defined
+    residual = torch.where(empty, p, residual)
+    resampled = (residual / noise).argmax(dim=1)  # exponential-noise draw: no normalisation needed
+    return accept, torch.where(accept, drafts, resampled)
+
+
+def verify(
+    probs: torch.Tensor,  # [k + 1, V] processed target distributions p_0..p_k (greedy rows: argmax is the token)
+    drafts: list[int],  # k draft tokens
+    q: torch.Tensor | None,  # [k, V] draft distributions, None = point masses
+    greedy: bool,
+    gen: torch.Generator | None,
+) -> list[int]:
+    """The tokens one request accepts: the accepted drafts, then one corrected or bonus token."""
+    k = len(drafts)
+    if greedy:
+        picks = probs.argmax(dim=-1).tolist()
+        n = next((j for j in range(k) if drafts[j] != picks[j]), k)
+        return drafts[:n] + [picks[n]]
+    dev = probs.device
+    u = torch.rand(k, generator=gen, device=dev) if gen is not None else torch.rand(k, device=dev)
+    noise = torch.empty_like(probs[:k]).exponential_(generator=gen)
+    accept, tokens = resolve(probs[:k], q, torch.tensor(drafts, device=dev), u, noise)
+    accept_l, tokens_l = accept.tolist(), tokens.tolist()
+    n = next((j for j in range(k) if not accept_l[j]), k)
+    if n < k:
+        return drafts[:n] + [tokens_l[n]]
+    bonus = (probs[k] / torch.empty_like(probs[k]).exponential_(generator=gen)).argmax()
+    return drafts + [int(bonus)]
+
+
+class _FixedMask:
+    """A constraint stand-in that answers with one precomputed mask (a verification row's)."""
+
+    def __init__(self, mask: torch.Tensor | None) -> None:
+        self.mask = mask
+
+    def allowed(self, output_token_ids: list[int]) -> torch.Tensor | None:
+        return self.mask
+
+
+class _RowView:
+    """What the sampler reads of a request, as it stands after `extra` drafts were accepted (verification row j)."""
+
+    def __init__(self, req: Request, extra: list[int], mask: torch.Tensor | None) -> None:
+        self.request_id = req.request_id
+        self.params = req.params
+        self.prompt_token_ids = req.prompt_token_ids
+        self.eos_token_ids = req.eos_token_ids
+        self.generator = req.generator
+        self.output_token_ids = req.output_token_ids + extra
+        self.constraint = _FixedMask(mask) if req.constraint is not None else None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+
+def constraint_masks(req: Request, drafts: list[int]) -> tuple[list[int], list[torch.Tensor | None]]:
+    """The request's constraint masks for rows 0..len(drafts) (its state advanced over the drafts, then rolled back),
+    with the drafts cut at the first one the constraint rejects."""
+    c = req.constraint
+    if c is None:
+        return drafts, [None] * (len(drafts) + 1)
+    advance, rollback = getattr(c, "advance", None), getattr(c, "rollback", None)
+    masks: list[torch.Tensor | None] = []
+    out = list(req.output_token_ids)
+    advanced = 0
+    try:
+        for j in range(len(drafts) + 1):
+            mask = c.allowed(out)
+            masks.append(mask)
+            if j == len(drafts):
+                break
+            if mask is not None and not bool(mask[drafts[j]]):
+                drafts = drafts[:j]
+                break
+            if advance is not None:
+                advance([drafts[j]])
+                advanced += 1
+            out.append(drafts[j])
+    finally:
+        if advanced and rollback is not None:
+            rollback(advanced)
+    return drafts, masks
+
+
+def verify_requests(
+    sampler, rows: list[torch.Tensor], reqs: list[Request], qs: list[torch.Tensor | None]
+) -> list[list[int] | None]:
+    """Each request's accepted tokens (None: its constraint raised). rows[i]: the logits [1 + drafts, V] of request i
+    (whose draft_token_ids are cut here to what its constraint admits)."""
+    views, spans, cut = [], [], []
+    for req, logits in zip(reqs, rows, strict=True):
+        try:
+            drafts, masks = constraint_masks(req, list(req.draft_token_ids))
+        except Exception:
+            cut.append(None)
+            continue
+        req.draft_token_ids = drafts
+        start = len(views)
+        views += [_RowView(req, drafts[:j], masks[j]) for j in range(len(drafts) + 1)]
+        spans.append((start, len(drafts) + 1))
+        cut.append(logits[: len(drafts) + 1])
+    if not views:
+        return [None] * len(reqs)
+    probs = sampler.distributions(torch.cat([c for c in cut if c is not None]), views)
+    results: list[list[int] | None] = []
+    spans_iter = iter(spans)
+    for req, c, q in zip(reqs, cut, qs, strict=True):
+        if c is None:
+            results.append(None)
+            continue
+        start, n = next(spans_iter)
+        q_rows = q[: n - 1] if q is not None else None
+        results.append(
+            verify(probs[start : start + n], req.draft_token_ids, q_rows, req.params.is_greedy, req.generator)
+        )
+    return results

@@ -1,0 +1,165 @@
+"""Speculative decoding: the rejection scheme is exact in distribution, greedy output never changes, blocks follow
+the committed tokens, and the n-gram and draft-model proposers propose what they should."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from engines import tiny_checkpoint, tiny_engine
+from test_sampling_distribution import PROMPT, chi_square_ok
+from test_sampling_distribution import spread as spread  # noqa: F401  (fixture)
+
+from omnivox.engine import SamplingParams
+from omnivox.engine.draft import DraftModelProposer
+from omnivox.engine.speculative import NgramProposer, Proposal, resolve
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+PROMPTS = [list(range(11, 30)), [5, 6, 7, 5, 6, 7, 5, 6], list(range(40, 45))]
+
+
+@pytest.mark.parametrize("kind", ["point-mass", "general"])
+def test_rejection_scheme_reproduces_p_within_tv_001(kind):
+    torch.manual_seed(0)
+    n, v = 200_000, 8
+    p = torch.softmax(torch.randn(v) * 1.5, 0)
+    q = torch.softmax(torch.randn(v) * 1.5, 0) if kind == "general" else None
+    if q is None:
+        drafts = torch.full((n,), 3)  # always the same token
+        q_rows = None
+    else:
+        drafts = torch.multinomial(q, n, replacement=True)
+        q_rows = q.expand(n, v)
+    _, tokens = resolve(p.expand(n, v), q_rows, drafts, torch.rand(n), torch.empty(n, v).exponential_())
+    freq = torch.bincount(tokens, minlength=v).double() / n
+    tv = 0.5 * (freq - p.double()).abs().sum().item()
+    assert tv < 0.01, tv
+    # And the check has power: the drafts alone (no rejection) are far from p.
+    if q is not None:
+        assert 0.5 * (q - p).abs().sum().item() > 0.05
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def family(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"spec-{request.param}")
+    return tiny_checkpoint(root, request.param), tiny_checkpoint(root, request.param, seed=7)
+
+
+class Stateful:
+    """A stateful constraint (the shape of a grammar matcher): bans one token after each even count of advances."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.mask = torch.ones(384, dtype=torch.bool)
+        self.banned = self.mask.clone()
+        self.banned[::3] = False
+
+    def allowed(self, output_token_ids):
+        assert self.n == len(output_token_ids)
+        return self.banned if self.n % 2 == 0 else self.mask
+
+    def advance(self, tokens):
+        self.n += len(tokens)
+
+    def rollback(self, n):
+        self.n -= n
+
+
+def run_all(engine, prompts, params):
+    ids = [engine.add_request(p, params[i], request_id=f"r{i}") for i, p in enumerate(prompts)]
+    out = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = o.token_ids
+        for req in engine.scheduler.running:  # blocks held = what the committed tokens need
+            assert len(req.block_table) <= -(-(req.num_tokens + len(req.draft_token_ids)) // engine.block_size)
+    return [out[i] for i in ids]
+
+
+def test_greedy_output_identical_with_every_proposer(family):
+    target, other = family
+    plain = tiny_engine(target)
+    params = [
+        GREEDY,
+        GREEDY,
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, constraint_factory=Stateful),
+    ]
+    expected = run_all(plain, PROMPTS, params)
+    for name, proposer in (
+        ("draft=target", DraftModelProposer.from_pretrained(target, device="cpu", k=3, kv_cache_gib=0.01)),
+        ("random draft", DraftModelProposer.from_pretrained(other, device="cpu", k=3, kv_cache_gib=0.01)),
+        ("ngram", NgramProposer(k=3, min_n=1, max_n=3)),
+    ):
+        spec = tiny_engine(target, proposer=proposer)
+        drafted = accepted = 0
+        got = []
+        ids = [spec.add_request(p, params[i], request_id=f"r{i}") for i, p in enumerate(PROMPTS)]
+        finals = {}
+        while spec.has_unfinished():
+            for o in spec.step():
+                if o.finished:
+                    finals[o.request_id] = o.token_ids
+            drafted += spec.last_step.stats.num_drafted
+            accepted += spec.last_step.stats.num_accepted
+        got = [finals[i] for i in ids]
+        assert got == expected, name
+        assert drafted > 0, name
+        if name == "draft=target":
+            rows = spec.last_step.stats
+            assert accepted >= 0.8 * drafted, (accepted, drafted)  # the constraint cuts some proposals
+            del rows
+        spec.check_integrity()
+        assert spec.pool.num_free == spec.pool.usage().total_blocks
+        if isinstance(proposer, DraftModelProposer):
+            assert proposer.pool.num_free == proposer.pool.usage().total_blocks  # shadows freed at finish
+
+
+def test_ngram_proposes_what_followed_the_last_match():
+    from omnivox.engine.request import Request
+
+    prop = NgramProposer(k=3, min_n=2, max_n=4)
+    req = Request("r", [1, 2, 3, 4, 9, 1, 2, 3, 4, 7, 8, 1, 2, 3], SamplingParams(), 10, ())
+    assert prop(req) == [4, 7, 8]  # "1 2 3" last seen before "4 7 8"
+    assert prop(Request("s", [1, 2, 3, 4, 5], SamplingParams(), 10, ())) == []
+
+
+class GeneralDraft:
+    """Proposes one token drawn from a fixed distribution q (with q): exercises the general rejection path."""
+
+    def __init__(self, vocab: int) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.q = torch.softmax(torch.randn(vocab, generator=g) * 4, 0)
+        self.gen = torch.Generator().manual_seed(2)
+        self.proposed = 0
+
+    def __call__(self, req):
+        self.proposed += 1
+        token = int(torch.multinomial(self.q, 1, generator=self.gen))
+        return Proposal([token], self.q.unsqueeze(0))
+
+
+def test_first_two_tokens_keep_their_distribution_at_temperature_1(spread):  # noqa: F811
+    path, first_logits = spread
+    from checkpoints import load_reference
+
+    model = load_reference(path)
+    with torch.no_grad():  # p(t2 | t1) for every t1
+        batch = torch.tensor([PROMPT + [t] for t in range(384)])
+        second = torch.softmax(model(batch).logits[:, -1].double(), -1).numpy()
+    p1 = torch.softmax(torch.tensor(first_logits), 0).numpy()
+    joint = (p1[:, None] * second).ravel()
+    draft = GeneralDraft(384)
+    engine = tiny_engine(path, proposer=draft, max_num_batched_tokens=512)
+    engine.core.gate.max_batch = 10**6  # verify in every step, however large the batch
+    engine.core.gate.min_acceptance = 0.0
+    n = 3000
+    # max_tokens=3: the second token is the one verified against the draft (the first comes from the prefill)
+    outs = engine.generate([PROMPT] * n, [SamplingParams(max_tokens=3, ignore_eos=True, seed=i) for i in range(n)])
+    assert draft.proposed >= n
+    counts = np.zeros(384 * 384)
+    for o in outs:
+        counts[o.token_ids[0] * 384 + o.token_ids[1]] += 1
+    ok, stat, limit = chi_square_ok(counts, joint)
+    assert ok, (stat, limit)
+    engine.check_integrity()
