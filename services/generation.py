@@ -15,7 +15,7 @@ from google.protobuf import duration_pb2
 
 from omnivox.engine import RequestOutput
 from omnivox.engine.errors import InvalidRequest
-from omnivox.services import errors, validation
+from omnivox.services import errors, structured, validation
 from omnivox.services.errors import FieldViolation, ServiceError, rpc_method
 from omnivox.services.prompt import Prompt
 from omnivox.services.registry import ModelRegistry, ServedModel
@@ -63,6 +63,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         checked = validation.validate_generate(request, model)
         # Admitted from here on: counted against the queue bound, and waited for by a drain.
         with model.admit():
+            assert model.engine is not None
+            await structured.constrain(request, checked.params, model.engine)  # compiled off the loop, cached
             prompt = await self._build_prompt(model, request)
             try:
                 validation.check_prompt_fits(len(prompt.token_ids), checked.params, model)

@@ -1,0 +1,169 @@
+"""Structured output for Generate: a request's response_format (or tool grammar) compiled off the event loop.
+
+Grammar compilation (llguidance) runs in a small worker pool, never on the event loop or the engine loop: a request
+awaits its own grammar while every other stream keeps going. Results are cached per model (one llguidance tokenizer
+per model) by grammar text, failures included, so that a client retrying a bad schema costs nothing. A compile that
+takes longer than `COMPILE_TIMEOUT_S` is INVALID_ARGUMENT (its thread finishes in the background and fills the cache).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import weakref
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+
+from omnivox.engine.structured import GrammarConstraintFactory, GrammarError, compile_grammar, grammar_tokenizer
+from omnivox.services import errors
+from omnivox.services.errors import FieldViolation
+from omnivox.v1 import generation_pb2
+
+COMPILE_TIMEOUT_S = 10.0
+CACHE_ENTRIES = 128
+MAX_GRAMMAR_CHARS = 256 * 1024
+MAX_CHOICES = 1024
+
+# Compact JSON: no whitespace between tokens, so a model cannot loop on spaces or newlines inside a structure (a
+# +100 bias on the space token still ends; spaces only fit inside strings).
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    field: str  # the request path a compile error names, e.g. "response_format.json_schema"
+    grammar: str  # llguidance grammar text (LLMatcher.grammar_from_*)
+
+
+def _bad(field: str, message: str) -> errors.ServiceError:
+    return errors.invalid_argument([FieldViolation(field, message)])
+
+
+def json_schema_grammar(schema_text: str, field: str) -> str:
+    """The grammar of one JSON value valid under the schema (JSON text); INVALID_ARGUMENT if it is not JSON."""
+    try:
+        schema = json.loads(schema_text)
+    except json.JSONDecodeError as exc:
+        raise _bad(field, f"not valid JSON: {exc}") from exc
+    if not isinstance(schema, dict | bool):
+        raise _bad(field, f"a JSON schema is an object or a boolean, got {type(schema).__name__}")
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    except ValueError as exc:
+        raise _bad(field, str(exc)) from exc
+
+
+def choices_grammar(values: list[str], field: str) -> str:
+    if not values:
+        raise _bad(field, "must hold at least one choice")
+    if len(values) > MAX_CHOICES:
+        raise _bad(field, f"at most {MAX_CHOICES} choices, got {len(values)}")
+    for i, v in enumerate(values):
+        if not v:
+            raise _bad(f"{field}[{i}]", "must not be empty")
+    # Lark string literals take JSON escapes: any text becomes a literal as json.dumps writes it.
+    return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(v) for v in values))
+
+
+def response_format_spec(request: generation_pb2.GenerateRequest) -> GrammarSpec | None:
+    """The grammar a request's response_format asks for (None: unconstrained). Raises INVALID_ARGUMENT for what can
+    be seen without compiling (not JSON, no choices, too long)."""
+    if not request.HasField("response_format"):
+        return None
+    rf = request.response_format
+    kind = rf.WhichOneof("format")
+    if kind is None:
+        return None
+    field = f"response_format.{kind}"
+    text = rf.json_schema if kind == "json_schema" else rf.regex if kind == "regex" else rf.lark_grammar
+    if kind == "choices":
+        values = list(rf.choices.values)
+        if sum(len(v) for v in values) > MAX_GRAMMAR_CHARS:
+            raise _bad(field, f"the choices are longer than {MAX_GRAMMAR_CHARS} characters in all")
+        return GrammarSpec(f"{field}.values", choices_grammar(values, f"{field}.values"))
+    if not text:
+        raise _bad(field, "must not be empty")
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise _bad(field, f"at most {MAX_GRAMMAR_CHARS} characters, got {len(text)}")
+    if kind == "json_schema":
+        return GrammarSpec(field, json_schema_grammar(text, field))
+    if kind == "regex":
+        return GrammarSpec(field, llguidance.LLMatcher.grammar_from_regex(text))
+    return GrammarSpec(field, llguidance.LLMatcher.grammar_from_lark(text))
+
+
+class GrammarCompiler:
+    """One model's grammar compiler: llguidance tokenizer (built once, in the worker), pool, cache, timeout."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_ids: list[int], workers: int = 2) -> None:
+        self.hf_tokenizer = hf_tokenizer
+        self.vocab_size = vocab_size
+        self.eos_ids = eos_ids
+        self.timeout_s = COMPILE_TIMEOUT_S
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="grammar-compile")
+        self._lock = threading.Lock()
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._cache: OrderedDict[str, Future] = OrderedDict()
+
+    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = grammar_tokenizer(self.hf_tokenizer, self.vocab_size, self.eos_ids)
+            return self._tokenizer
+
+    def _compile(self, grammar: str) -> GrammarConstraintFactory:
+        return compile_grammar(self._llg_tokenizer(), grammar, self.vocab_size, self.eos_ids)
+
+    def submit(self, grammar: str) -> Future:
+        """The (cached) compile of `grammar`; failures stay cached like successes."""
+        with self._lock:
+            fut = self._cache.get(grammar)
+            if fut is None:
+                fut = self._pool.submit(self._compile, grammar)
+                self._cache[grammar] = fut
+                while len(self._cache) > CACHE_ENTRIES:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(grammar)
+            return fut
+
+    async def factory(self, spec: GrammarSpec) -> GrammarConstraintFactory:
+        """Wait (without blocking the event loop) for the compiled grammar; INVALID_ARGUMENT naming spec.field when
+        it does not compile or takes longer than the timeout."""
+        fut = asyncio.wrap_future(self.submit(spec.grammar))
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
+        except TimeoutError as exc:
+            raise _bad(spec.field, f"the grammar did not compile within {self.timeout_s:g} s") from exc
+        except GrammarError as exc:
+            raise _bad(spec.field, f"does not compile: {exc}") from exc
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+_COMPILERS: weakref.WeakKeyDictionary[Any, GrammarCompiler] = weakref.WeakKeyDictionary()
+_COMPILERS_LOCK = threading.Lock()
+
+
+def compiler_for(engine: Any) -> GrammarCompiler:
+    """The grammar compiler of a loaded engine (made on first use, dropped with the engine)."""
+    with _COMPILERS_LOCK:
+        compiler = _COMPILERS.get(engine)
+        if compiler is None:
+            eos = list(engine.model_config.eos_token_ids)
+            compiler = GrammarCompiler(engine.tokenizer, engine.model_config.vocab_size, eos)
+            _COMPILERS[engine] = compiler
+        return compiler
+
+
+async def constrain(request: generation_pb2.GenerateRequest, params: Any, engine: Any) -> None:
+    """Set `params.constraint_factory` from the request's response_format (compiled off the loop; cached)."""
+    spec = response_format_spec(request)
+    if spec is not None:
+        params.constraint_factory = await compiler_for(engine).factory(spec)
