@@ -1,0 +1,109 @@
+"""Grammar constraints in the engine (engine/structured.py): batch masks in one call per step, batch invariance with
+unconstrained and TTS-style rows, rollback, and the finished-grammar rules."""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+import llguidance.torch as llg_torch
+import pytest
+import torch
+from engines import tiny_checkpoint, tiny_engine
+
+from omnivox.engine import SamplingParams
+from omnivox.engine.params import shared
+from omnivox.engine.structured import compile_grammar, grammar_tokenizer
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"id": {"type": "integer"}, "tags": {"type": "array", "items": {"enum": ["x", "yy"]}}},
+    "required": ["id", "tags"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory):
+    eng = tiny_engine(tiny_checkpoint(tmp_path_factory.mktemp("structured")))
+    yield eng
+    eng.shutdown()
+
+
+def factory(engine, grammar: str):
+    cfg = engine.model_config
+    tok = grammar_tokenizer(engine.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+    return compile_grammar(tok, grammar, cfg.vocab_size, cfg.eos_token_ids)
+
+
+class _FramePositions:
+    """A TTS-style constraint: only ids 100 + 40k .. 100 + 40k + 39 at frame position k (of 3), named by id."""
+
+    def __init__(self) -> None:
+        self.ids = [torch.arange(100 + 40 * k, 140 + 40 * k) for k in range(3)]
+        self.masks = [torch.zeros(384, dtype=torch.bool).index_fill_(0, ids, True) for ids in self.ids]
+
+    def allowed(self, output_token_ids):
+        return self.masks[len(output_token_ids) % 3]
+
+    def allowed_ids(self, output_token_ids):
+        return self.ids[len(output_token_ids) % 3]
+
+
+def test_mixed_batch_rows_equal_alone(engine, monkeypatch) -> None:
+    """Constrained (JSON, regex with logit bias), unconstrained and TTS rows together give each what it gives alone;
+    in the batch every grammar mask comes from the one parallel fill per step (no single-row fallback)."""
+    json_f = factory(
+        engine, llguidance.LLMatcher.grammar_from_json_schema(SCHEMA, defaults={"whitespace_flexible": False})
+    )
+    regex_f = factory(engine, llguidance.LLMatcher.grammar_from_regex("[a-f]{3,12}!"))
+    params = [
+        SamplingParams(temperature=1.0, seed=1, max_tokens=60, constraint_factory=json_f),
+        SamplingParams(temperature=1.0, seed=2, max_tokens=20),
+        SamplingParams(
+            temperature=1.0, seed=3, max_tokens=12, ignore_eos=True, constraint_factory=shared(_FramePositions())
+        ),
+        SamplingParams(temperature=0.8, seed=4, max_tokens=30, logit_bias={ord("a"): 3.0}, constraint_factory=regex_f),
+        SamplingParams(temperature=1.0, seed=5, max_tokens=60, constraint_factory=json_f),
+    ]
+    prompts = ["Hello there", "The capital of", "def main():", "café naïve", "Hello there"]
+    alone = [engine.generate(p, sp)[0].token_ids for p, sp in zip(prompts, params, strict=True)]
+    singles = []
+    real_single = llg_torch.fill_next_token_bitmask
+    monkeypatch.setattr(llg_torch, "fill_next_token_bitmask", lambda *a: (singles.append(1), real_single(*a)))
+    together = [o.token_ids for o in engine.generate(prompts, params)]
+    assert together == alone
+    assert not singles  # the batch filled every grammar row's mask before sampling
+    texts = [engine.tokenizer.decode(t, skip_special_tokens=True) for t in together]
+    for i in (0, 4):
+        obj = json.loads(texts[i])
+        assert isinstance(obj["id"], int) and set(obj["tags"]) <= {"x", "yy"}
+    assert texts[3].endswith("!") and set(texts[3][:-1]) <= set("abcdef")
+    assert all(100 + 40 * (k % 3) <= t < 140 + 40 * (k % 3) for k, t in enumerate(together[2]))
+    engine.check_integrity()
+
+
+def test_advance_rollback_and_finished_grammar(engine) -> None:
+    f = factory(engine, llguidance.LLMatcher.grammar_from_regex("ab"))
+    c = f()
+    tok = engine.tokenizer
+    a, b = (tok.encode(s, add_special_tokens=False) for s in ("a", "b"))
+    first = c.allowed([]).clone()
+    assert first[a[0]] and not c.must_end
+    c.advance(a)
+    c.advance(b)
+    assert c.must_end  # "ab" is complete: nothing but EOS
+    eos = engine.model_config.eos_token_ids
+    assert set(c.allowed([]).nonzero().flatten().tolist()) == set(eos)
+    c.rollback(2)
+    assert torch.equal(c.allowed([]), first)
+    with pytest.raises(ValueError, match="rejected"):
+        c.advance(b)  # "b" cannot start "ab"
+
+
+def test_finished_grammar_wins_over_min_tokens(engine) -> None:
+    f = factory(engine, llguidance.LLMatcher.grammar_from_regex("(yes|no)"))
+    out = engine.generate(
+        "Hello", SamplingParams(temperature=1.0, seed=0, min_tokens=20, max_tokens=40, constraint_factory=f)
+    )[0]
+    assert out.finish_reason == "stop" and out.text in ("yes", "no")
