@@ -13,6 +13,7 @@ Everything that touches the scheduler happens on the thread that steps; other th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -25,13 +26,7 @@ from omnivox.engine.block_pool import KVUsage
 from omnivox.engine.core import EngineCore, Proposer, StepResult
 from omnivox.engine.errors import InvalidRequest
 from omnivox.engine.intake import Prompt, RequestIntake
-from omnivox.engine.loading import (
-    build_model,
-    cap_max_len,
-    default_device,
-    kv_cache_gib_after_profile,
-    resolve_dtype,
-)
+from omnivox.engine.loading import cap_max_len, default_device, kv_cache_gib_after_profile, load_model, resolve_dtype
 from omnivox.engine.output_processor import OutputCallback, OutputProcessor
 from omnivox.engine.outputs import RequestOutput
 from omnivox.engine.params import SamplingParams
@@ -103,6 +98,10 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.last_step: StepResult | None = None
+        # Run on the stepping thread at the end of each step; must not raise. Metrics read StepResults here.
+        self.step_observers: list[Callable[[StepResult], None]] = []
+        self.failure: Exception | None = None  # what a failed step raised; the engine then stops (crash-only)
+        self.failure_observers: list[Callable[[Exception], None]] = []
 
     # ---- construction -------------------------------------------------------------------------------------------
     @classmethod
@@ -120,20 +119,23 @@ class Engine:
         static_decode: bool | None = None,
         progress: bool = False,
         proposer: Proposer | None = None,
+        speculative: str | None = None,
+        num_speculative_tokens: int = 4,
+        quantization: str | None = None,
+        quantize_lm_head: bool | None = None,
     ) -> Engine:
-        """Load a Hugging Face checkpoint folder (safetensors) or a .gguf file."""
-        from omnivox.models.checkpoint import iter_checkpoint_tensors, load_hf_config, load_tokenizer
+        """Load a Hugging Face checkpoint folder (safetensors) or a .gguf file (engine/loading.py load_model).
+        speculative: `ngram` or `draft:PATH` builds the proposer (engine/draft.py build_proposer)."""
+        from omnivox.models.checkpoint import load_tokenizer
 
         device = torch.device(device) if device is not None else default_device()
         dtype = resolve_dtype(dtype, device)
-        cfg = ModelConfig.from_hf(load_hf_config(path), max_model_len)
-        model = build_model(cfg, device, dtype)
-        tensors = iter_checkpoint_tensors(path)
-        if progress:
-            from tqdm import tqdm
+        model = load_model(path, device, dtype, max_model_len, progress, quantization, quantize_lm_head)
+        if speculative is not None:
+            from omnivox.engine.draft import build_proposer
 
-            tensors = tqdm(tensors, desc=f"loading {Path(path).name}", unit=" tensors", leave=False)
-        model.load_weights(tensors)
+            vocab = model.config.vocab_size
+            proposer = build_proposer(speculative, num_speculative_tokens, vocab, device, dtype)
         return cls(
             model,
             load_tokenizer(path),
@@ -235,6 +237,8 @@ class Engine:
                 self._finish(acc.request, reason, outputs)
             elif out is not None:
                 outputs.append(out)
+        for observe in self.step_observers:  # after the stop rules: requests they finished are gone
+            observe(result)
         return outputs
 
     def _finish(self, req: Request, reason: str, outputs: list[RequestOutput]) -> None:
@@ -305,6 +309,8 @@ class Engine:
 
     # ---- background loop ----------------------------------------------------------------------------------------
     def start(self) -> None:
+        if self.failure is not None:
+            raise RuntimeError(f"the engine stopped after a failed step: {self.failure!r}")
         with self._cond:
             if self._thread is not None and self._thread.is_alive():
                 return
@@ -331,9 +337,25 @@ class Engine:
                     return
             try:
                 self.step()
-            except Exception:
-                log.exception("engine loop step failed")
-                time.sleep(0.01)
+            except Exception as exc:  # crash-only: after a step that raised, no state here can be trusted
+                log.exception("engine step failed: every request fails and the engine stops")
+                self._fail_all(exc)
+                return
+
+    def _fail_all(self, exc: Exception) -> None:
+        """Every request ends with "error" (its consumer hears at once); then the failure observers are told."""
+        with self._cond:
+            self.failure, inbox, self._inbox = exc, self._inbox, []
+        for req, on_output in inbox:
+            self.outputs.add(req, on_output)
+        for req in list(self._requests.values()):
+            with contextlib.suppress(Exception):  # the scheduler may be what broke: the consumer still gets its end
+                self.core.finish(req, "error")
+            req.finish_reason = "error"
+            self._requests.pop(req.request_id, None)
+            self.outputs.finish(req)
+        for observe in self.failure_observers:
+            observe(exc)
 
     def check_integrity(self) -> None:
         """Assert that the block pool and the requests agree (tests call this when the engine is idle)."""

@@ -52,6 +52,38 @@ def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> D
     return model
 
 
+def load_model(
+    path,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_model_len: int | None = None,
+    progress: bool = False,
+    quantization: str | None = None,
+    quantize_lm_head: bool | None = None,
+) -> DecoderModel:
+    """The decoder of a checkpoint folder or .gguf with its weights, streamed tensor by tensor.
+
+    quantization None / "none": float `dtype` (a GGUF dequantised); "int8" / "int4": linear layers quantised at load
+    (models/loading.py load_decoder, which also serves a GGUF's blocks at their own precision with "native")."""
+    from pathlib import Path
+
+    from omnivox.models.checkpoint import iter_checkpoint_tensors, load_hf_config
+
+    if quantization not in (None, "none"):
+        from omnivox.models.loading import load_decoder
+
+        mode = None if quantization == "native" else quantization
+        return load_decoder(path, device, dtype, max_model_len, mode, quantize_lm_head, progress)
+    model = build_model(ModelConfig.from_hf(load_hf_config(path), max_model_len), device, dtype)
+    tensors = iter_checkpoint_tensors(path)
+    if progress:
+        from tqdm import tqdm
+
+        tensors = tqdm(tensors, desc=f"loading {Path(path).name}", unit=" tensors", leave=False)
+    model.load_weights(tensors)
+    return model
+
+
 def cap_max_len(cfg: ModelConfig, n: int) -> ModelConfig:
     return dataclasses.replace(cfg, max_model_len=min(cfg.max_model_len, n))
 
