@@ -17,6 +17,9 @@ from omnivox.engine import RequestOutput
 from omnivox.engine.errors import InvalidRequest
 from omnivox.services import errors, structured, validation
 from omnivox.services.errors import FieldViolation, ServiceError, rpc_method
+from omnivox.services.limits import check_generate_limits
+from omnivox.services.logs import current_call
+from omnivox.services.metrics import Metrics
 from omnivox.services.prompt import Prompt
 from omnivox.services.registry import ModelRegistry, ServedModel
 from omnivox.v1 import generation_pb2, generation_pb2_grpc
@@ -53,13 +56,18 @@ async def build_in_thread(build: Callable[..., Prompt], *args: Any) -> Prompt:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
-    def __init__(self, registry: ModelRegistry) -> None:
+    def __init__(self, registry: ModelRegistry, metrics: Metrics | None = None) -> None:
         self.registry = registry
+        self.metrics = metrics or Metrics()
 
     @rpc_method
     async def Generate(self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         received = time.monotonic()
+        if too_large := check_generate_limits(request):  # sizes first: a huge request costs one length check
+            raise errors.invalid_argument(too_large)
         model = self.registry.get_ready(request.model)
+        call = current_call()
+        call.set(model=model.name)
         checked = validation.validate_generate(request, model)
         # Admitted from here on: counted against the queue bound, and waited for by a drain.
         with model.admit():
@@ -96,6 +104,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             if last.finish_reason == "error":  # the engine failed this request's step and kept serving the others
                 raise errors.internal("the engine failed while computing this request; see the server log")
             final = self._summary(last, model, request.request_id or engine_request_id, received)
+            self.metrics.request_finished(model.name, last)
+            call.set(
+                request_id=final.summary.request_id,
+                prompt_tokens=last.num_prompt_tokens,
+                output_tokens=len(last.token_ids),
+                cached_tokens=last.num_cached_tokens,
+                finish_reason=last.finish_reason,
+                ttft_s=round(final.summary.timing.time_to_first_token.ToNanoseconds() / 1e9, 6),
+            )
             await context.write(final)
         log.debug(
             "Generate %s model=%s prompt=%d output=%d cached=%d finish=%s total=%.3fs",

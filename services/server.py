@@ -24,8 +24,12 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from omnivox.services import loading
+from omnivox.services.auth import AuthInterceptor, Quota, load_api_keys
 from omnivox.services.generation import GenerationServicer
+from omnivox.services.limits import GrpcLimits
 from omnivox.services.loading import EngineOptions, ModelLoadError, ModelSpec
+from omnivox.services.logs import CallInterceptor
+from omnivox.services.metrics import Metrics
 from omnivox.services.model_service import ModelServicer
 from omnivox.services.registry import ModelRegistry, ServedModel
 from omnivox.services.speech import SpeechServicer
@@ -44,6 +48,7 @@ from omnivox.v1 import (
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
+ENGINE_FAILED_EXIT = 3  # `omnivox serve` exit status after an engine failure
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,11 @@ class ServerOptions:
     max_receive_message_bytes: int = 64 * MiB  # images and audio arrive inline
     max_queue: int = 256  # requests admitted at once per model (waiting + running)
     grace_period_s: float = 30.0  # how long in-flight streams may run on after SIGTERM
+    metrics_port: int | None = None  # HTTP /metrics (Prometheus) on host:port; None = not served; 0 = any free port
+    api_keys: Path | None = None  # one key per line (or id:key): omnivox RPCs then need `authorization: Bearer KEY`
+    tls_client_ca: Path | None = None  # mTLS: client certificates signed by this CA are required
+    quota: Quota = Quota()  # per caller (API key id / certificate name)
+    limits: GrpcLimits = GrpcLimits()
 
 
 @dataclass(frozen=True)
@@ -66,13 +76,13 @@ class ServiceBinding:
     servicer: Any
 
 
-def omnivox_services(registry: ModelRegistry) -> list[ServiceBinding]:
+def omnivox_services(registry: ModelRegistry, metrics: Metrics | None = None) -> list[ServiceBinding]:
     """Every omnivox.v1 service this server offers. A new service is one more entry here."""
     bindings = [
         ServiceBinding(
             generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name,
             generation_pb2_grpc.add_GenerationServiceServicer_to_server,
-            GenerationServicer(registry),
+            GenerationServicer(registry, metrics),
         ),
         ServiceBinding(
             model_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name,
@@ -82,12 +92,12 @@ def omnivox_services(registry: ModelRegistry) -> list[ServiceBinding]:
         ServiceBinding(
             speech_pb2.DESCRIPTOR.services_by_name["SpeechService"].full_name,
             speech_pb2_grpc.add_SpeechServiceServicer_to_server,
-            SpeechServicer(registry),
+            SpeechServicer(registry, metrics=metrics),
         ),
         ServiceBinding(
             transcription_pb2.DESCRIPTOR.services_by_name["TranscriptionService"].full_name,
             transcription_pb2_grpc.add_TranscriptionServiceServicer_to_server,
-            TranscriptionServicer(registry),
+            TranscriptionServicer(registry, metrics=metrics),
         ),
     ]
     return bindings
@@ -104,8 +114,11 @@ class OmnivoxServer:
         self.registry = registry
         self.options = options
         self.health = HealthServicer()
-        self.services = omnivox_services(registry)
+        self.metrics = Metrics()
+        self.metrics_port: int | None = None
+        self.services = omnivox_services(registry, self.metrics)
         self.port: int | None = None
+        self.engine_failed = asyncio.Event()  # crash-only: set when an engine's step loop raised
         self._server: grpc.aio.Server | None = None
         self._force_stop = asyncio.Event()
         self.forced = False  # a drain cut short by force_stop()
@@ -126,11 +139,17 @@ class OmnivoxServer:
     async def start(self) -> int:
         """Listen and serve health, reflection and ListModels; return the port. Models are not loaded yet."""
         opts = self.options
+        interceptors: list[grpc.aio.ServerInterceptor] = [CallInterceptor(self.metrics)]  # outermost: sees all ends
+        if opts.api_keys or opts.tls_client_ca or opts.quota != Quota():
+            keys = load_api_keys(opts.api_keys) if opts.api_keys else None
+            interceptors.append(AuthInterceptor(keys, mtls=opts.tls_client_ca is not None, quota=opts.quota))
         self._server = grpc.aio.server(
+            interceptors=interceptors,
             options=[
                 ("grpc.max_receive_message_length", opts.max_receive_message_bytes),
                 ("grpc.max_send_message_length", opts.max_receive_message_bytes),
                 ("grpc.so_reuseport", 0),  # a second server on the same port is an error, not a silent share
+                *opts.limits.channel_options(),
             ],
         )
         for binding in self.services:
@@ -147,8 +166,15 @@ class OmnivoxServer:
             if opts.tls_cert or opts.tls_key:
                 if not (opts.tls_cert and opts.tls_key):
                     raise ValueError("TLS needs both a certificate and a key")
-                credentials = grpc.ssl_server_credentials([(opts.tls_key.read_bytes(), opts.tls_cert.read_bytes())])
+                client_ca = opts.tls_client_ca.read_bytes() if opts.tls_client_ca else None
+                credentials = grpc.ssl_server_credentials(
+                    [(opts.tls_key.read_bytes(), opts.tls_cert.read_bytes())],
+                    root_certificates=client_ca,
+                    require_client_auth=client_ca is not None,
+                )
                 self.port = self._server.add_secure_port(address, credentials)
+            elif opts.tls_client_ca:
+                raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
             else:
                 self.port = self._server.add_insecure_port(address)
         except RuntimeError as exc:
@@ -157,6 +183,9 @@ class OmnivoxServer:
             raise OSError(f"cannot listen on {address}")
         await self._server.start()
         log.info("listening on %s%s", listen_address(opts.host, self.port), " (TLS)" if opts.tls_cert else "")
+        if opts.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(opts.metrics_port, opts.host)
+            log.info("metrics on http://%s/metrics", listen_address(opts.host, self.metrics_port))
         return self.port
 
     async def _set_health(self, status: int) -> None:
@@ -171,8 +200,30 @@ class OmnivoxServer:
                 await asyncio.to_thread(loading.load, model, options)  # the whole bundle, speech codec included
                 log.info("%s ready (context %d tokens)", model.name, model.context_length)
                 self._check_message_limit(model)
+            if model.engine is not None:
+                self._watch_engine(model)
         if not self.registry.draining:
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    def _watch_engine(self, model: ServedModel) -> None:
+        """Metrics from every step; and crash-only: a failed step loop makes health NOT_SERVING and ends the server
+        (`run` exits non-zero) instead of leaving a live server that answers nothing."""
+        engine = model.engine
+        assert engine is not None
+        self.metrics.attach(model.name, engine)
+        loop = asyncio.get_running_loop()
+
+        def failed(exc: Exception) -> None:  # on the engine thread
+            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._on_engine_failure(model, exc)))
+
+        if not engine.failure_observers:
+            engine.failure_observers.append(failed)
+
+    async def _on_engine_failure(self, model: ServedModel, exc: Exception) -> None:
+        log.critical("the engine of %s failed (%r): NOT_SERVING, shutting down", model.name, exc)
+        model.set_failed(f"the engine failed: {exc!r}")
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.engine_failed.set()
 
     def _check_message_limit(self, model: ServedModel) -> None:
         """Audio arrives inline: say so when the gRPC message limit, not the model's audio limit, decides how large
@@ -204,6 +255,7 @@ class OmnivoxServer:
             remaining = max(deadline - asyncio.get_running_loop().time(), 0.0)
             await self._server.stop(0 if self._force_stop.is_set() else min(remaining, 1.0))
         await self.registry.aclose()  # every bundle: its codec worker, then its engine
+        self.metrics.close()
 
     def force_stop(self) -> None:
         """Cut a drain short: in-flight calls are cancelled now instead of finishing."""
@@ -232,7 +284,8 @@ async def run(
     engine_options: EngineOptions,
     on_ready: Callable[[OmnivoxServer], Awaitable[None]] | None = None,
 ) -> int:
-    """Serve until SIGTERM or SIGINT, then drain and return 0 (1 when a second signal cut the drain short).
+    """Serve until SIGTERM or SIGINT, then drain and return 0 (1 when a second signal cut the drain short); return
+    ENGINE_FAILED_EXIT within seconds when an engine's step loop failed (crash-only: let the supervisor restart us).
 
     Raises ModelLoadError / OSError for the CLI to print.
     """
@@ -254,9 +307,15 @@ async def run(
         if not stop_requested.is_set():
             log.info("serving %s on %s", ", ".join(m.name for m in registry), server.address)
             demo = asyncio.create_task(on_ready(server)) if on_ready is not None else None
-            await stop_wait
+            crash_wait = asyncio.create_task(server.engine_failed.wait())
+            await asyncio.wait([stop_wait, crash_wait], return_when=asyncio.FIRST_COMPLETED)
+            crash_wait.cancel()
             if demo is not None and not demo.done():
                 demo.cancel()
+        if server.engine_failed.is_set():
+            await server.stop(1.0)  # the failed engine's calls already ended with INTERNAL; the others get 1 s
+            log.critical("stopped after an engine failure")
+            return ENGINE_FAILED_EXIT
         log.info(
             "shutting down: %d in-flight requests have %.0f s to finish", registry.in_flight(), options.grace_period_s
         )

@@ -32,6 +32,8 @@ from omnivox.services import errors
 from omnivox.services.bundle import SpeechPart
 from omnivox.services.errors import FieldViolation, rpc_method
 from omnivox.services.generation import seconds_to_duration
+from omnivox.services.logs import current_call
+from omnivox.services.metrics import Metrics, SpeechStreamMetrics
 from omnivox.services.registry import AUDIO, ModelRegistry, ServedModel
 from omnivox.services.speech_text import MAX_SEGMENT_CHARS, split_text
 from omnivox.services.speech_validation import SpeechPlan, invalid, language_matches, validate_speech
@@ -69,9 +71,12 @@ class _Segment:
 
 
 class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
-    def __init__(self, registry: ModelRegistry, limits: SpeechLimits | None = None) -> None:
+    def __init__(
+        self, registry: ModelRegistry, limits: SpeechLimits | None = None, metrics: Metrics | None = None
+    ) -> None:
         self.registry = registry
         self.limits = limits or SpeechLimits()
+        self.metrics = metrics or Metrics()
 
     # --- models ---
     @staticmethod
@@ -141,7 +146,7 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
         params = [self._params(plan, model, layout, bundle, text, prompt, i) for i, (text, prompt) in
                   enumerate(zip(plan.segments, prompts, strict=True))]  # fmt: skip
 
-        with model.admit():
+        with model.admit(), SpeechStreamMetrics(self.metrics, model.name, received) as slo:
             encoder = AudioStreamEncoder(plan.encoding, plan.sample_rate, source_rate=bundle.worker.sample_rate)
             segments = [
                 _Segment(i, p, sp, bundle.worker.open()) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
@@ -172,6 +177,7 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
                         data = encoder.encode(item)
                         if data:
                             first_audio = first_audio or time.monotonic()
+                            slo.chunk(encoder.samples_out / plan.sample_rate - slo.meter.sent_s)
                             await context.write(
                                 speech_pb2.SynthesizeSpeechResponse(audio=speech_pb2.AudioChunk(data=data))
                             )
@@ -179,6 +185,7 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
                 tail = encoder.finish()
                 if tail:
                     first_audio = first_audio or time.monotonic()
+                    slo.chunk(encoder.samples_out / plan.sample_rate - slo.meter.sent_s)
                     await context.write(speech_pb2.SynthesizeSpeechResponse(audio=speech_pb2.AudioChunk(data=tail)))
             except InvalidRequest as err:
                 raise invalid(err) from err
@@ -197,6 +204,14 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
             if "error" in reasons:  # the engine failed a segment's step and kept serving the others
                 raise errors.internal("the engine failed while computing this request; see the server log")
             finish = "length" if "length" in reasons else "stop"
+            slo.finish(audio_seconds, done)
+            current_call().set(
+                request_id=request_id,
+                model=model.name,
+                audio_seconds=round(audio_seconds, 3),
+                ttfa_s=round(first_audio - received, 6) if first_audio is not None else None,
+                underruns=slo.meter.count,
+            )
             summary = speech_pb2.SpeechSummary(
                 audio_seconds=audio_seconds,
                 audio_tokens=sum(s.audio_tokens for s in segments),

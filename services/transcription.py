@@ -32,6 +32,8 @@ from omnivox.services import errors
 from omnivox.services.audio_prompt import AudioInputPart
 from omnivox.services.errors import FieldViolation, rpc_method
 from omnivox.services.generation import build_in_thread, seconds_to_duration
+from omnivox.services.logs import current_call
+from omnivox.services.metrics import Metrics
 from omnivox.services.prompt import Prompt
 from omnivox.services.registry import AUDIO, ModelRegistry, ServedModel
 from omnivox.services.transcript_text import SegmentTranscript
@@ -57,8 +59,9 @@ class _Plan:
 
 
 class TranscriptionServicer(transcription_pb2_grpc.TranscriptionServiceServicer):
-    def __init__(self, registry: ModelRegistry) -> None:
+    def __init__(self, registry: ModelRegistry, metrics: Metrics | None = None) -> None:
         self.registry = registry
+        self.metrics = metrics or Metrics()
 
     def _audio_model(self, name: str) -> ServedModel:
         """The model called `name` (it must take audio), or the default model if it does, else the first that does."""
@@ -141,6 +144,15 @@ class TranscriptionServicer(transcription_pb2_grpc.TranscriptionServiceServicer)
             )
             if run.first_token_time is not None:
                 summary.time_to_first_token.CopyFrom(seconds_to_duration(run.first_token_time - received))
+            if seconds > 0:
+                self.metrics.transcription_rtf.labels(model.name).observe(summary.real_time_factor)
+            current_call().set(
+                request_id=request_id,
+                model=model.name,
+                audio_seconds=round(seconds, 3),
+                output_tokens=run.output_tokens,
+                rtf=round(summary.real_time_factor, 4),
+            )
             for (start, end), text in zip(plan.windows, run.texts, strict=True):
                 summary.segments.append(
                     transcription_pb2.TranscriptSegment(

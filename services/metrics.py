@@ -1,0 +1,245 @@
+"""Prometheus metrics: vLLM's names with an `omnivox_` prefix, plus the audio SLOs no peer exports.
+
+Fed by events, never by polling: each engine's step observer reads the `StepResult` of every step (running, waiting,
+KV usage, tokens, preemptions, drafts, queue time at admission, inter-token latency); the servicers report a request's
+end (finish reason, end-to-end, prefill and decode time), a speech stream's chunks (time to first audio, underruns,
+real-time factor) and a transcription's real-time factor; the call interceptor (services/logs.py) counts gRPC
+statuses. Every metric carries a `model` label except the per-RPC status counter.
+
+Each `Metrics` owns its CollectorRegistry, so that servers in one process (tests) never share counts.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from omnivox.engine import Engine, RequestOutput
+from omnivox.engine.core import StepResult
+from omnivox.engine.request import Request
+
+log = logging.getLogger(__name__)
+
+# Latency buckets (seconds) as vLLM's, which cover a CPU's ~3 ms steps and a long request's minutes.
+_TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+_LONG = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 240.0, 480.0)
+_RTF = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0)
+
+
+class Metrics:
+    """Every omnivox metric, in one registry. `serve(port)` exposes it over HTTP at /metrics."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        m = ("model",)
+        # Engine state (gauges) and work (counters), from step results.
+        self.running = Gauge("omnivox_num_requests_running", "Requests in the engine's running set", m, registry=r)
+        self.waiting = Gauge("omnivox_num_requests_waiting", "Requests waiting for admission", m, registry=r)
+        self.kv_usage = Gauge("omnivox_kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1)", m, registry=r)
+        self.prompt_tokens = Counter("omnivox_prompt_tokens", "Prompt tokens of admitted requests", m, registry=r)
+        self.generation_tokens = Counter("omnivox_generation_tokens", "Tokens generated", m, registry=r)
+        self.prefix_queries = Counter(
+            "omnivox_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", m, registry=r
+        )
+        self.prefix_hits = Counter(
+            "omnivox_prefix_cache_hits", "Prompt tokens served by the prefix cache", m, registry=r
+        )
+        self.preemptions = Counter("omnivox_num_preemptions", "Requests preempted (KV cache full)", m, registry=r)
+        self.spec_drafts = Counter("omnivox_spec_decode_num_draft_tokens", "Draft tokens verified", m, registry=r)
+        self.spec_accepted = Counter("omnivox_spec_decode_num_accepted_tokens", "Draft tokens accepted", m, registry=r)
+        self.encoder_hits = Counter(
+            "omnivox_encoder_cache_hits", "Image/audio items served by the encoder cache", m, registry=r
+        )
+        self.encoder_queries = Counter("omnivox_encoder_cache_queries", "Image/audio items looked up", m, registry=r)
+        # Request latencies.
+        self.ttft = Histogram(
+            "omnivox_time_to_first_token_seconds", "Time to first token", m, buckets=_TTFT, registry=r
+        )
+        self.itl = Histogram("omnivox_inter_token_latency_seconds", "Inter-token latency", m, buckets=_ITL, registry=r)
+        self.e2e = Histogram("omnivox_e2e_request_latency_seconds", "End-to-end latency", m, buckets=_LONG, registry=r)
+        self.queue_time = Histogram(
+            "omnivox_request_queue_time_seconds", "Arrival to first admission", m, buckets=_LONG, registry=r
+        )
+        self.prefill_time = Histogram(
+            "omnivox_request_prefill_time_seconds", "First admission to first token", m, buckets=_LONG, registry=r
+        )
+        self.decode_time = Histogram(
+            "omnivox_request_decode_time_seconds", "First token to the end", m, buckets=_LONG, registry=r
+        )
+        self.success = Counter("omnivox_request_success", "Finished requests", ("model", "finished_reason"), registry=r)
+        self.grpc_status = Counter("omnivox_grpc_requests", "Finished RPCs", ("method", "grpc_code"), registry=r)
+        # Audio out.
+        self.ttfa = Histogram(
+            "omnivox_time_to_first_audio_seconds", "Time to first audio", m, buckets=_TTFT, registry=r
+        )
+        self.speech_rtf = Histogram(
+            "omnivox_speech_real_time_factor", "Compute seconds / audio seconds", m, buckets=_RTF, registry=r
+        )
+        self.audio_seconds = Counter("omnivox_audio_seconds", "Audio seconds produced", m, registry=r)
+        self.codec_seconds = Histogram(
+            "omnivox_codec_decode_time_seconds", "Codec decode time per chunk", m, buckets=_ITL, registry=r
+        )
+        self.speech_streams = Gauge("omnivox_speech_streams_active", "Speech streams open", m, registry=r)
+        self.underruns = Counter(
+            "omnivox_audio_underruns", "Chunks that arrived after the client's buffer ran dry", m, registry=r
+        )
+        self.underrun_seconds = Counter(
+            "omnivox_audio_underrun_seconds", "Seconds the client's buffer was dry", m, registry=r
+        )
+        # Audio in.
+        self.transcription_rtf = Histogram(
+            "omnivox_transcription_real_time_factor", "Compute seconds / audio seconds", m, buckets=_RTF, registry=r
+        )
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """HTTP /metrics on host:port (0: any free port); returns the port."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._http = server
+        return server.server_port
+
+    def close(self) -> None:
+        http = getattr(self, "_http", None)
+        if http is not None:
+            http.shutdown()
+            http.server_close()
+
+    # ---- feeding --------------------------------------------------------------------------------------------
+    def attach(self, model: str, engine: Engine) -> None:
+        """Observe every step of `engine` (idempotent per engine)."""
+        if not any(isinstance(o, StepObserver) for o in engine.step_observers):
+            engine.step_observers.append(StepObserver(self, model, engine))
+
+    def request_finished(self, model: str, out: RequestOutput) -> None:
+        """A request's last output (from the servicer): finish reason, end-to-end and decode time."""
+        now = time.monotonic()
+        self.success.labels(model, out.finish_reason or "unknown").inc()
+        self.e2e.labels(model).observe(max(now - out.arrival_time, 0.0))
+        if out.first_token_time is not None:
+            self.decode_time.labels(model).observe(max(now - out.first_token_time, 0.0))
+
+
+@dataclass
+class _Times:
+    scheduled: float  # first admission
+    last_token: float | None = None
+
+
+class StepObserver:
+    """One engine's step observer: runs on the engine thread after every step; never raises into the engine."""
+
+    def __init__(self, metrics: Metrics, model: str, engine: Engine) -> None:
+        self.m, self.model, self.engine = metrics, model, engine
+        self.total_blocks = engine.kv_usage().total_blocks
+        # Keyed by the Request object: an entry goes with its request, so no state outlives one.
+        self.times: weakref.WeakKeyDictionary[Request, _Times] = weakref.WeakKeyDictionary()
+
+    def __call__(self, result: StepResult) -> None:
+        try:
+            self._observe(result)
+        except Exception:  # metrics must never stop the engine
+            log.exception("step observer failed")
+
+    def _observe(self, result: StepResult) -> None:
+        m, model, s = self.m, self.model, result.stats
+        now = time.monotonic()
+        # Gauges from the state at the step's end: StepStats' are taken before the stop rules finish requests,
+        # and an idle engine runs no further step to correct them.
+        scheduler = self.engine.scheduler
+        m.running.labels(model).set(len(scheduler.running))
+        m.waiting.labels(model).set(len(scheduler.waiting))
+        if self.total_blocks:
+            m.kv_usage.labels(model).set(1.0 - self.engine.pool.num_free / self.total_blocks)
+        if s.num_preempted:
+            m.preemptions.labels(model).inc(s.num_preempted)
+        if s.num_drafted:
+            m.spec_drafts.labels(model).inc(s.num_drafted)
+            m.spec_accepted.labels(model).inc(s.num_accepted)
+        for req in result.plan.admitted:
+            if req in self.times:  # re-admitted after a preemption: counted once
+                continue
+            self.times[req] = _Times(now)
+            m.queue_time.labels(model).observe(max(now - req.arrival_time, 0.0))
+            n = len(req.prompt_token_ids)
+            m.prompt_tokens.labels(model).inc(n)
+            m.prefix_queries.labels(model).inc(n)
+            m.prefix_hits.labels(model).inc(max(req.num_cached_tokens, 0))
+        tokens = 0
+        for acc in result.accepted:
+            tokens += len(acc.token_ids)
+            t = self.times.get(acc.request)
+            if t is None:
+                continue
+            if t.last_token is not None:  # one gap per step per request (a multi-token step is one gap)
+                m.itl.labels(model).observe(now - t.last_token)
+            else:
+                m.ttft.labels(model).observe(max(now - acc.request.arrival_time, 0.0))
+                m.prefill_time.labels(model).observe(now - t.scheduled)
+            t.last_token = now
+        if tokens:
+            m.generation_tokens.labels(model).inc(tokens)
+
+
+class UnderrunMeter:
+    """When would a client playing the stream run dry? A model of the client: it starts playing once it holds
+    `buffer_s` seconds of audio (or at the end), plays in real time, and when its buffer runs dry it stalls until the
+    next chunk arrives, then plays on. A chunk arriving after the audio sent so far could have finished playing is
+    an underrun of (arrival - that moment) seconds."""
+
+    def __init__(self, buffer_s: float = 0.2) -> None:
+        self.buffer_s = buffer_s
+        self.sent_s = 0.0  # audio seconds sent so far
+        self.play_start: float | None = None  # when sample 0 would have played (shifted by every stall)
+        self.count = 0
+        self.seconds = 0.0
+
+    def chunk(self, arrival: float, seconds: float) -> float:
+        """A chunk of `seconds` of audio sent at `arrival`; returns the underrun it caused (0.0: none)."""
+        gap = 0.0
+        if self.play_start is not None:
+            dry_at = self.play_start + self.sent_s
+            if arrival > dry_at:
+                gap = arrival - dry_at
+                self.count += 1
+                self.seconds += gap
+                self.play_start += gap
+        self.sent_s += seconds
+        if self.play_start is None and self.sent_s >= self.buffer_s:
+            self.play_start = arrival
+        return gap
+
+
+class SpeechStreamMetrics:
+    """One speech stream's audio SLOs: `chunk()` per chunk sent, `finish()` at the end (or never, if it failed)."""
+
+    def __init__(self, metrics: Metrics, model: str, received: float, buffer_s: float = 0.2) -> None:
+        self.m, self.model, self.received = metrics, model, received
+        self.meter = UnderrunMeter(buffer_s)
+        self.first_audio: float | None = None
+
+    def __enter__(self) -> SpeechStreamMetrics:
+        self.m.speech_streams.labels(self.model).inc()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.m.speech_streams.labels(self.model).dec()
+
+    def chunk(self, seconds: float, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        if self.first_audio is None:
+            self.first_audio = now
+            self.m.ttfa.labels(self.model).observe(now - self.received)
+        gap = self.meter.chunk(now, seconds)
+        if gap > 0:
+            self.m.underruns.labels(self.model).inc()
+            self.m.underrun_seconds.labels(self.model).inc(gap)
+        self.m.audio_seconds.labels(self.model).inc(seconds)
+
+    def finish(self, audio_seconds: float, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        if audio_seconds > 0:
+            self.m.speech_rtf.labels(self.model).observe((now - self.received) / audio_seconds)
