@@ -186,7 +186,11 @@ def load_image_part(
 ) -> ImageInputPart:
     """Encoder, worker and cache of the vision-language checkpoint in `folder` (blocking). ValueError when the
     folder lacks what image input needs (a processor with a chat template)."""
-    encoder = VisionEncoder.from_folder(folder, device=device, dtype=dtype)
+    try:
+        encoder = VisionEncoder.from_folder(folder, device=device, dtype=dtype)
+    except OSError as exc:  # transformers' "Can't load image processor ..." when preprocessor_config.json is missing
+        reason = str(exc).splitlines()[0][:200]
+        raise ValueError(f"{folder}: cannot load its image processor or vision weights ({reason})") from exc
     processor = encoder.processor
     if not getattr(processor, "chat_template", None) or not hasattr(processor, "tokenizer"):
         raise ValueError(f"{folder}: its processor has no chat template; image prompts need one")

@@ -123,20 +123,18 @@ def test_weight_names_route_to_their_part() -> None:
         assert route_weight_name(name) == (part, renamed or name), name
 
 
-def test_a_multimodal_checkpoint_is_served_as_text_only_until_its_encoders_exist(tmp_path: Path) -> None:
+def test_a_vision_checkpoint_without_its_processor_fails_to_load_naming_it(tmp_path: Path) -> None:
+    """Image input needs the checkpoint's own processor (services/image_prompt.py); without one the model is not
+    served as text-only in silence: loading fails with the reason (tests/test_service_images.py serves full ones)."""
     from checkpoints import make_tokenizer
-    from service_harness import ServerThread, user_request
+    from service_harness import ServerThread
 
-    from omnivox.services.loading import EngineOptions, ModelSpec
-    from omnivox.v1 import generation_pb2_grpc, model_pb2, model_pb2_grpc
+    from omnivox.services.loading import EngineOptions, ModelLoadError, ModelSpec
 
     path, _ = _llava(tmp_path / "llava")
     make_tokenizer(path, TEXT["vocab_size"])
-    with ServerThread([ModelSpec(path=path, name="llava")], EngineOptions(kv_cache_gib=0.01, device="cpu")) as srv:
-        [info] = model_pb2_grpc.ModelServiceStub(srv.channel()).ListModels(model_pb2.ListModelsRequest()).models
-        assert list(info.input_modalities) == [model_pb2.MODALITY_TEXT]  # image input: planned (issue 9)
-        assert srv.registry.lookup("llava").manifest.planned_parts == ("projector", "vision")
-        responses = list(generation_pb2_grpc.GenerationServiceStub(srv.channel()).Generate(
-            user_request("Hello", max_output_tokens=3)
-        ))  # fmt: skip
-        assert responses[-1].summary.usage.output_tokens >= 1
+    server = ServerThread([ModelSpec(path=path, name="llava")], EngineOptions(kv_cache_gib=0.01, device="cpu"))
+    with pytest.raises(ModelLoadError, match="image processor"):
+        server.__enter__()
+    assert server.registry.lookup("llava").manifest.planned_parts == ()  # vision and projector are built parts
+    server.stop()

@@ -341,3 +341,27 @@ def test_list_models_shows_image_input(served):
     for family in MAKERS:
         assert model_pb2.MODALITY_IMAGE in models[family].input_modalities
     assert model_pb2.MODALITY_IMAGE not in models["text"].input_modalities
+
+
+def test_cli_ask_with_two_images_streams_the_same_text_as_the_api(served, tmp_path):
+    import subprocess
+    import sys
+
+    files = []
+    for name, im in (("a.png", A), ("b.jpg", B)):
+        (tmp_path / name).write_bytes(_encode(im, "PNG" if name.endswith("png") else "JPEG"))
+        files += ["--image", str(tmp_path / name)]
+    request = ask("qwen2_5_vl", [("user", [A, B, "Compare them."])])
+    request.contents[0].parts[1].image.data = (tmp_path / "b.jpg").read_bytes()
+    request.max_output_tokens = 8
+    request.ignore_eos = False
+    want = "".join(r.delta.text for r in served["stub"].Generate(request) if r.HasField("delta"))
+    args = ["ask", *files, "Compare them.", "--model", "qwen2_5_vl", "--temperature", "0", "--max-tokens", "8"]
+    result = subprocess.run(
+        [sys.executable, "-m", "omnivox.services.cli", *args, "--server", served["server"].address],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == want + "\n"

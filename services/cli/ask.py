@@ -24,6 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--audio", action="append", default=[], type=Path, help="an audio file (repeatable)")
     p.add_argument("--image", action="append", default=[], type=Path, help="an image file (repeatable)")
     p.add_argument("--sample-rate", type=int, default=0, help="sample rate of headerless audio (.raw/.pcm/.ulaw)")
+    p.add_argument("--max-pixels", type=int, help="images: at most this many pixels go into the model (scaled down)")
     _add_request_args(p)
     p.set_defaults(run=run)
 
@@ -57,7 +58,9 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("give at least one --audio or --image file (for text alone use `omnivox generate`)")
     question = sys.stdin.read() if args.question == "-" else args.question
     media = [content_pb2.Part(audio=audio_part(p, args.sample_rate)) for p in args.audio]
-    media += [content_pb2.Part(image=content_pb2.ImagePart(data=read_file(p))) for p in args.image]
+    media += [
+        content_pb2.Part(image=content_pb2.ImagePart(data=read_file(p), max_pixels=args.max_pixels)) for p in args.image
+    ]
     request = build_request(args, [("user", question)])
     turn = request.contents[-1]
     parts = [*media, *turn.parts]  # the files first, then the question, as the processors' examples do
