@@ -1,5 +1,5 @@
-"""Image input over gRPC: GenerationService with image parts, served by a real server on tiny random LLaVA, SmolVLM and
-Qwen2.5-VL checkpoints (saved with processor + chat template), against transformers' processor + `generate`.
+"""Image input over gRPC: GenerationService with image parts, served by a real server on tiny random LLaVA 1.5 and NeXT,
+SmolVLM and Qwen2.5-VL checkpoints (saved with processor + chat template), against transformers' processor + `generate`.
 
 The server runs with 8-token engine steps, so every image below is cut by at least one prefill chunk boundary.
 """
@@ -26,7 +26,12 @@ from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, model_p
 
 STEPS = 16
 CHUNK = 8  # max_num_batched_tokens: smaller than every image's feature rows
-MAKERS = {"llava": make_llava, "smolvlm": make_idefics3, "qwen2_5_vl": make_qwen2_5_vl}
+MAKERS = {
+    "llava": make_llava,
+    "llava_next": lambda out: make_llava(out, next_=True),  # anyres tiles, unpadding, image_newline
+    "smolvlm": make_idefics3,
+    "qwen2_5_vl": make_qwen2_5_vl,
+}
 
 
 @pytest.fixture(scope="module")
