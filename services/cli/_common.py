@@ -23,6 +23,13 @@ def add_connection_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--tls", action="store_true", help="connect with TLS")
     parser.add_argument("--ca-cert", type=Path, help="PEM root certificate to trust (implies --tls)")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("OMNIVOX_API_KEY"),
+        help="sent as `authorization: Bearer KEY` (default: $OMNIVOX_API_KEY)",
+    )
+    parser.add_argument("--client-cert", type=Path, help="PEM client certificate for mTLS (with --client-key)")
+    parser.add_argument("--client-key", type=Path, help="PEM private key of --client-cert")
     parser.add_argument("--timeout", type=float, default=None, help="deadline for the call, in seconds")
     parser.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to wait for the server")
 
@@ -30,9 +37,12 @@ def add_connection_args(parser: argparse.ArgumentParser) -> None:
 def connect(args: argparse.Namespace) -> grpc.Channel:
     """A channel to args.server that is connected, or CliError saying the server cannot be reached."""
     options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
-    if args.tls or args.ca_cert:
+    client_cert, client_key = getattr(args, "client_cert", None), getattr(args, "client_key", None)
+    if args.tls or args.ca_cert or client_cert:
         root = args.ca_cert.read_bytes() if args.ca_cert else None
-        channel = grpc.secure_channel(args.server, grpc.ssl_channel_credentials(root), options=options)
+        chain = (client_key.read_bytes(), client_cert.read_bytes()) if client_cert and client_key else (None, None)
+        credentials = grpc.ssl_channel_credentials(root, *chain)
+        channel = grpc.secure_channel(args.server, credentials, options=options)
     else:
         channel = grpc.insecure_channel(args.server, options=options)
     try:
@@ -42,6 +52,10 @@ def connect(args: argparse.Namespace) -> grpc.Channel:
         raise CliError(
             f"cannot reach an omnivox server at {args.server} (is `omnivox serve` running? see --server)"
         ) from None
+    if getattr(args, "api_key", None):
+        from omnivox.services.auth import BearerKey
+
+        return grpc.intercept_channel(channel, BearerKey(args.api_key))
     return channel
 
 

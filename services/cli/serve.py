@@ -59,6 +59,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queue", type=int, default=256, help="requests admitted at once per model, waiting + running")
     p.add_argument("--max-message-mib", type=int, default=64, help="largest request accepted (images, audio)")
     p.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight streams get after SIGTERM")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at http://HOST:PORT/metrics")
+    p.add_argument("--api-keys", type=Path, help="file of API keys (one per line, or id:key); RPCs then need one")
+    p.add_argument("--tls-client-ca", type=Path, help="PEM CA: require client certificates it signed (mTLS)")
+    p.add_argument("--max-streams-per-key", type=int, default=0, help="concurrent calls per caller (0: no limit)")
+    p.add_argument("--max-rpm-per-key", type=int, default=0, help="calls per minute per caller (0: no limit)")
     p.add_argument("--kv-cache-gib", type=float, help="KV cache size per model (default: the engine decides)")
     p.add_argument("--max-model-len", type=int, help="cap the context length")
     p.add_argument(
@@ -153,10 +158,11 @@ def run(args: argparse.Namespace) -> int:
     except ModelLoadError as err:
         raise CliError(str(err)) from None
     from omnivox.services import server
+    from omnivox.services.auth import Quota
 
     if bool(args.tls_cert) != bool(args.tls_key):
         raise CliError("--tls-cert and --tls-key go together")
-    for path in (args.tls_cert, args.tls_key):
+    for path in (args.tls_cert, args.tls_key, args.api_keys, args.tls_client_ca):
         if path is not None and not path.is_file():
             raise CliError(f"no such file: {path}")
     if args.max_queue < 1:
@@ -176,6 +182,10 @@ def run(args: argparse.Namespace) -> int:
         max_receive_message_bytes=args.max_message_mib << 20,
         max_queue=args.max_queue,
         grace_period_s=args.grace_period,
+        metrics_port=args.metrics_port,
+        api_keys=args.api_keys,
+        tls_client_ca=args.tls_client_ca,
+        quota=Quota(max_concurrent=args.max_streams_per_key, max_per_minute=args.max_rpm_per_key),
     )
     engine_options = EngineOptions(
         device=args.device,
