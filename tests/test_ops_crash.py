@@ -1,0 +1,81 @@
+"""Crash-only: an exception in the engine's step loop fails the in-flight calls with INTERNAL, turns health
+NOT_SERVING, marks the model not ready, and `run()` returns non-zero within seconds (never a live server that
+answers nothing)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from checkpoints import make_checkpoint
+from grpc_health.v1 import health_pb2
+from service_harness import user_request
+
+from omnivox.services import server as server_module
+from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.registry import ModelState
+from omnivox.services.server import ENGINE_FAILED_EXIT, OmnivoxServer, ServerOptions
+from omnivox.v1 import generation_pb2_grpc
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", family="llama", max_position_embeddings=4096)
+
+
+def test_engine_failure_fails_calls_and_exits_nonzero(checkpoint: Path) -> None:
+    seen: dict[str, object] = {}
+
+    async def main() -> int:
+        ready: asyncio.Queue[OmnivoxServer] = asyncio.Queue()
+
+        async def on_ready(srv: OmnivoxServer) -> None:
+            ready.put_nowait(srv)
+
+        run = asyncio.create_task(
+            server_module.run(
+                [ModelSpec(path=checkpoint, name="tiny")],
+                ServerOptions(port=0, grace_period_s=5.0),
+                EngineOptions(kv_cache_gib=0.01, device="cpu", dtype="float32"),
+                on_ready=on_ready,
+            )
+        )
+        srv = await asyncio.wait_for(ready.get(), 120)
+        engine = srv.registry.lookup("tiny").engine
+        assert engine is not None
+        async with grpc.aio.insecure_channel(srv.address) as ch:
+            stream = generation_pb2_grpc.GenerationServiceStub(ch).Generate(
+                user_request("Talk for a long time.", max_output_tokens=4000, ignore_eos=True)
+            )
+            assert (await stream.read()).HasField("delta")  # running
+
+            def broken_step():
+                raise RuntimeError("injected: a CUDA error, a bug, a bad kernel")
+
+            engine.core.step = broken_step  # the next step raises
+            seen["failed_at"] = time.monotonic()
+            try:
+                while await stream.read() is not grpc.aio.EOF:
+                    pass
+            except grpc.aio.AioRpcError as err:
+                seen["code"] = err.code()
+            seen["fail_s"] = time.monotonic() - seen["failed_at"]
+        await asyncio.wait_for(srv.engine_failed.wait(), 5)
+        health = await srv.health.Check(health_pb2.HealthCheckRequest(), None)
+        seen["health"] = health.status
+        seen["state"] = srv.registry.lookup("tiny").state
+        return await run
+
+    started = time.monotonic()
+    rc = asyncio.run(main())
+    ended = time.monotonic()
+    assert seen["code"] == grpc.StatusCode.INTERNAL
+    assert seen["fail_s"] < 2.0
+    assert seen["health"] == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert seen["state"] is ModelState.FAILED  # ListModels reports it not ready; new calls FAILED_PRECONDITION
+    assert rc == ENGINE_FAILED_EXIT
+    assert ended - seen["failed_at"] < 5.0, f"exited {ended - seen['failed_at']:.1f} s after the failure"
+    assert ended - started < 60
