@@ -31,7 +31,7 @@ from omnivox.services.loading import EngineOptions, ModelLoadError, ModelSpec
 from omnivox.services.logs import CallInterceptor
 from omnivox.services.metrics import Metrics
 from omnivox.services.model_service import ModelServicer
-from omnivox.services.registry import ModelRegistry, ServedModel
+from omnivox.services.registry import ModelRegistry, ModelState, ServedModel
 from omnivox.services.speech import SpeechServicer
 from omnivox.services.transcription import TranscriptionServicer
 from omnivox.v1 import (
@@ -193,15 +193,30 @@ class OmnivoxServer:
             await self.health.set(name, status)
 
     async def load_models(self, options: EngineOptions) -> None:
-        """Load every LOADING model in a worker thread, one after another; SERVING once all are ready."""
+        """Load every LOADING model in a worker thread, one after another; SERVING once all are ready.
+
+        A model that fails to load, when others are served, leaves them serving: ListModels reports it not ready,
+        health says NOT_SERVING for `model/NAME`, and its requests get FAILED_PRECONDITION. When every model fails
+        (a single one, say) the first ModelLoadError is raised.
+        """
+        failures: list[ModelLoadError] = []
         for model in self.registry:
-            if model.engine is None:
+            if model.engine is None and model.state is not ModelState.FAILED:
                 log.info("loading %s from %s", model.name, model.source or "the embedded default")
-                await asyncio.to_thread(loading.load, model, options)  # the whole bundle, speech codec included
+                try:
+                    await asyncio.to_thread(loading.load, model, options)  # the whole bundle, speech codec included
+                except ModelLoadError as err:
+                    failures.append(err)
+                    log.error("%s; the other models keep serving", err)
+                    await self.health.set(f"model/{model.name}", health_pb2.HealthCheckResponse.NOT_SERVING)
+                    continue
                 log.info("%s ready (context %d tokens)", model.name, model.context_length)
                 self._check_message_limit(model)
             if model.engine is not None:
                 self._watch_engine(model)
+                await self.health.set(f"model/{model.name}", health_pb2.HealthCheckResponse.SERVING)
+        if failures and len(failures) == len(self.registry):
+            raise failures[0]
         if not self.registry.draining:
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)
 
@@ -222,6 +237,7 @@ class OmnivoxServer:
     async def _on_engine_failure(self, model: ServedModel, exc: Exception) -> None:
         log.critical("the engine of %s failed (%r): NOT_SERVING, shutting down", model.name, exc)
         model.set_failed(f"the engine failed: {exc!r}")
+        await self.health.set(f"model/{model.name}", health_pb2.HealthCheckResponse.NOT_SERVING)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.engine_failed.set()
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 from checkpoints import make_checkpoint
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from service_harness import user_request
 
 from omnivox.services import server as server_module
@@ -79,3 +79,31 @@ def test_engine_failure_fails_calls_and_exits_nonzero(checkpoint: Path) -> None:
     assert rc == ENGINE_FAILED_EXIT
     assert ended - seen["failed_at"] < 5.0, f"exited {ended - seen['failed_at']:.1f} s after the failure"
     assert ended - started < 60
+
+
+def test_a_model_that_fails_to_load_leaves_the_others_serving(checkpoint: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from service_harness import ServerThread
+
+    from omnivox.v1 import model_pb2, model_pb2_grpc
+
+    broken = tmp_path / "broken"
+    shutil.copytree(checkpoint, broken)
+    for f in broken.glob("*.safetensors"):
+        f.write_bytes(b"not a safetensors file")
+    specs = [ModelSpec(path=checkpoint, name="tiny"), ModelSpec(path=broken, name="broken")]
+    with ServerThread(specs, EngineOptions(kv_cache_gib=0.01)) as srv:
+        ch = srv.channel()
+        models = model_pb2_grpc.ModelServiceStub(ch).ListModels(model_pb2.ListModelsRequest()).models
+        assert {m.name: m.ready for m in models} == {"tiny": True, "broken": False}
+        health = health_pb2_grpc.HealthStub(ch)
+        check = lambda name: health.Check(health_pb2.HealthCheckRequest(service=name)).status  # noqa: E731
+        assert check("") == health_pb2.HealthCheckResponse.SERVING
+        assert check("model/tiny") == health_pb2.HealthCheckResponse.SERVING
+        assert check("model/broken") == health_pb2.HealthCheckResponse.NOT_SERVING
+        gen = generation_pb2_grpc.GenerationServiceStub(ch)
+        with pytest.raises(grpc.RpcError) as info:
+            list(gen.Generate(user_request("Hi", model="broken", max_output_tokens=2)))
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert list(gen.Generate(user_request("Hi", model="tiny", max_output_tokens=2)))[-1].HasField("summary")
