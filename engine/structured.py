@@ -18,23 +18,29 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import llguidance
 import llguidance.torch as llg_torch
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
 
-_BIT = torch.arange(32, dtype=torch.int32)  # [32]
+assert sys.byteorder == "little"  # byte k of an int32 word holds its bits 8k..8k+7
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """int32 bitmask [B, ceil(V/32)] (bit j of word w = token 32w+j) -> bool [B, V]."""
-    bits = (bitmask.unsqueeze(-1) >> _BIT) & 1  # [B, W, 32]
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+    """int32 bitmask [B, ceil(V/32)] on the CPU (bit j of word w = token 32w+j) -> bool [B, V].
+
+    numpy's unpackbits: 0.2 ms for 64 rows of SmolLM2's 49 152 tokens, against 3-6 ms for torch uint8 and-masks over
+    [B, 4W, 8] and 8-13 ms for int32 shifts over [B, W, 32] (one busy core)."""
+    octets = bitmask.contiguous().numpy().view(np.uint8)  # [B, 4W]
+    bits = np.unpackbits(octets, axis=1, bitorder="little")  # [B, 32W] uint8 0/1
+    return torch.from_numpy(bits.view(np.bool_))[:, :vocab_size]
 
 
 class GrammarConstraint:
@@ -43,7 +49,7 @@ class GrammarConstraint:
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos_ids: Sequence[int]) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
-        self.eos_ids = torch.tensor(sorted(set(eos_ids)), dtype=torch.long)
+        self.eos_ids = np.array(sorted(set(eos_ids)), dtype=np.int64)
         self.num_consumed = 0  # tokens consumed by the matcher (advance - rollback)
         self._mask: torch.Tensor | None = None  # bool [V] for the state after num_consumed tokens
         self._mask_at = -1
@@ -54,11 +60,12 @@ class GrammarConstraint:
         return self._mask_at != self.num_consumed
 
     def set_mask(self, mask: torch.Tensor) -> None:  # bool [V], filled by the batch
-        if self.eos_ids.numel():
+        if len(self.eos_ids):
             # llguidance admits its own eos when the grammar may end; every eos id of the model ends the request.
-            if bool(mask[self.eos_ids].any()):
-                mask[self.eos_ids] = True
-            self._only_eos = int(mask.sum()) == int(mask[self.eos_ids].sum())
+            m = mask.numpy()  # a view: numpy's per-row calls cost microseconds where torch's cost tens of them
+            if m[self.eos_ids].any():
+                m[self.eos_ids] = True
+            self._only_eos = np.count_nonzero(m) == np.count_nonzero(m[self.eos_ids])
         self._mask, self._mask_at = mask, self.num_consumed
 
     def _check(self) -> None:
@@ -118,6 +125,8 @@ class GrammarMasks:
         self._worker: ThreadPoolExecutor | None = None
 
     def _fill(self, constraints: list[GrammarConstraint]) -> None:
+        if self._executor is None:  # made on first use: engines that never see a grammar start no threads
+            self._executor = llguidance.LLExecutor(self._num_threads)
         bitmask = llg_torch.allocate_token_bitmask(len(constraints), self.vocab_size)  # int32 [B, ceil(V/32)]
         llg_torch.fill_next_token_bitmask_par(
             self._executor, [(c.matcher, i) for i, c in enumerate(constraints)], bitmask
@@ -135,7 +144,6 @@ class GrammarMasks:
         if not rows:
             return None
         if self._worker is None:
-            self._executor = llguidance.LLExecutor(self._num_threads)
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         return self._worker.submit(self._fill, rows)
 
