@@ -220,7 +220,8 @@ def load_decoder(
 ) -> DecoderModel:
     """The decoder of the checkpoint folder or .gguf at `path`, its linear layers at the chosen precision.
 
-    quantization: None = what the checkpoint carries (a GGUF at its own bit widths, a safetensors folder in `dtype`);
+    quantization: None = what the checkpoint carries (on CPU a GGUF at its own bit widths; a safetensors folder, or
+    any checkpoint off CPU, in `dtype`);
     "none" = float `dtype` everywhere (GGUF dequantised); "int8" / "int4" = every decoder-layer projection.
     quantize_lm_head: the output projection as int8 (a tied embedding then reads the same int8 rows). None = as the
     checkpoint carries it: True for a GGUF whose output (or tied embedding) matrix is quantised, unless quantization
@@ -231,7 +232,10 @@ def load_decoder(
         quant.check_mode(quantization)
     is_gguf = path.is_file()
     cfg = ModelConfig.from_hf(load_hf_config(path), max_model_len)
-    mode = quantization if (quantization is not None or is_gguf) else "none"
+    # A GGUF at its own precision by default, on CPU: off CPU the block layers dequantise in every matmul (correct,
+    # not fast), so there the default stays float (bf16 on CUDA) and quantisation is asked for explicitly.
+    native_default = is_gguf and device.type == "cpu"
+    mode = quantization if (quantization is not None or native_default) else "none"
     if quantize_lm_head is None:
         quantize_lm_head = is_gguf and mode != "none" and _gguf_output_quantized(path, cfg.tie_word_embeddings)
     tensors = iter_gguf_blocks(path) if is_gguf and mode != "none" else iter_checkpoint_tensors(path)
