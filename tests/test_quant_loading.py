@@ -193,3 +193,16 @@ def test_default_model_at_own_precision_under_40_percent_of_float32(default_gguf
     # 513 MiB of float32 weights
     assert held < 0.3 * float32_mib
     assert growth < 0.4 * float32_mib, f"loading grew {growth:.0f} MiB; float32 weights are {float32_mib:.0f} MiB"
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_engine_serves_a_quantised_decoder(tiny, mode):
+    """The engine takes a quantised model as it is (what `Engine.from_pretrained(..., quantization=)` will build)."""
+    from omnivox.engine import Engine, SamplingParams
+
+    model = load_decoder(tiny, quantization=mode, quantize_lm_head=True)
+    engine = Engine(model, None, kv_cache_gib=0.01)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = engine.generate(PROMPTS[:3], [params] * 3)
+    for prompt, out in zip(PROMPTS[:3], outs, strict=True):
+        assert list(out.token_ids) == greedy(model, prompt, 8)
