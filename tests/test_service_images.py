@@ -182,6 +182,16 @@ def test_batch_isolation_different_images_same_text(served):
         batched = list(pool.map(lambda im: run(served["stub"], ask(family, [("user", ["Describe it.", im])]))[0], ims))
     assert batched == solo
     assert len({tuple(t) for t in solo}) > 1  # the images matter
+    # One never-seen image asked about by 4 concurrent requests (different questions first, so no prefix hit on it):
+    # encoded once, every answer equal to its solo run.
+    worker = served["server"].registry.lookup(family).bundle.vision.worker
+    shared = sample_image(48, 32, seed=21)
+    questions = ["One?", "Two?", "Three?", "Four?"]
+    encoded = worker.num_encoded
+    with concurrent.futures.ThreadPoolExecutor(len(questions)) as pool:
+        together = list(pool.map(lambda q: run(served["stub"], ask(family, [("user", [q, shared])]))[0], questions))
+    assert worker.num_encoded == encoded + 1
+    assert together == [reference(served, family, [("user", [q, shared])])[1] for q in questions]
     baseline(served, family)
 
 
