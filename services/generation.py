@@ -15,7 +15,7 @@ from google.protobuf import duration_pb2
 
 from omnivox.engine import RequestOutput
 from omnivox.engine.errors import InvalidRequest
-from omnivox.services import errors, structured, validation
+from omnivox.services import errors, structured, tools, validation
 from omnivox.services.errors import FieldViolation, ServiceError, rpc_method
 from omnivox.services.limits import check_generate_limits
 from omnivox.services.logs import current_call
@@ -73,7 +73,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         with model.admit():
             assert model.engine is not None
             await structured.constrain(request, checked.params, model.engine)  # compiled off the loop, cached
-            prompt = await self._build_prompt(model, request)
+            tool_plan = tools.plan(request, model.engine.tokenizer)  # None: no tools and no tool turns
+            await tools.constrain(tool_plan, checked.params, model.engine)
+            tool_output = tools.ToolOutput(tool_plan) if tool_plan is not None and tool_plan.parses_calls else None
+            prompt = await self._build_prompt(model, request, tool_plan)
             try:
                 validation.check_prompt_fits(len(prompt.token_ids), checked.params, model)
             except ServiceError:
@@ -96,7 +99,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     async for out in stream:
                         last = out
                         if out.new_token_ids or out.new_text:
-                            await context.write(self._delta(out, model))
+                            response = self._delta(out, model)
+                            if tool_output is not None:  # content and tool_calls re-read from the text so far
+                                tool_output.rewrite(response, out.text)
+                            await context.write(response)
                 except InvalidRequest as err:  # raised by add_request, before the engine queued anything
                     prompt.release()
                     raise validation.from_invalid_request(err) from err
@@ -104,6 +110,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             if last.finish_reason == "error":  # the engine failed this request's step and kept serving the others
                 raise errors.internal("the engine failed while computing this request; see the server log")
             final = self._summary(last, model, request.request_id or engine_request_id, received)
+            if tool_output is not None:
+                if (tail := tool_output.flush(last.text)) is not None:
+                    await context.write(tail)
+                tool_output.complete(final, last.text)
             self.metrics.request_finished(model.name, last)
             call.set(
                 request_id=final.summary.request_id,
@@ -126,9 +136,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         )
 
     @staticmethod
-    async def _build_prompt(model: ServedModel, request: generation_pb2.GenerateRequest) -> Prompt:
+    async def _build_prompt(
+        model: ServedModel, request: generation_pb2.GenerateRequest, tool_plan: tools.ToolPlan | None = None
+    ) -> Prompt:
         assert model.prompt_builder is not None
         try:  # in a worker thread: a long prompt (or decoding audio and images) must not stall the other streams
+            if tool_plan is not None:  # tools and tool turns through the tokenizer's chat template (text turns)
+                assert model.engine is not None
+                ids = await asyncio.to_thread(tools.prompt_ids, model.engine.tokenizer, request.contents, tool_plan)
+                return Prompt(token_ids=ids)
             return await build_in_thread(model.prompt_builder.build, request.contents)
         except ServiceError:
             raise

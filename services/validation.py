@@ -18,7 +18,7 @@ from omnivox.services.errors import FieldViolation
 from omnivox.services.registry import AUDIO, IMAGE, TEXT, ServedModel
 from omnivox.v1 import generation_pb2, sampling_pb2
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")  # tool: a tool call's result (services/tools.py)
 MAX_STOP_SEQUENCES = 16
 MAX_REQUEST_ID_CHARS = 256
 
@@ -74,7 +74,7 @@ def check_contents(request: generation_pb2.GenerateRequest, model: ServedModel, 
     for i, content in enumerate(request.contents):
         if content.role and content.role not in ROLES:
             v.add(f"contents[{i}].role", f"unknown role {content.role!r}; expected one of {', '.join(ROLES)}")
-        if not content.parts:
+        if not content.parts and not content.tool_calls:  # an assistant turn may be tool calls alone
             v.add(f"contents[{i}].parts", "must hold at least one part")
         for j, part in enumerate(content.parts):
             path = f"contents[{i}].parts[{j}]"

@@ -1,0 +1,380 @@
+"""Tool calls for Generate: validation, the prompt (the model's chat template renders tools and tool turns), the
+grammar that constrains the model's own tool-call format, and the parser that streams calls out of the text.
+
+Formats (chosen from the chat template's text):
+- Hermes / Qwen: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, calls separated by a newline.
+- Llama 3 JSON: `{"name": ..., "parameters": {...}}` (optionally after `<|python_tag|>`), calls separated by `; `.
+
+Grammars (llguidance Lark, the call object as an embedded `%json` schema per tool):
+- `required` / a named function: the output is one (or, with parallel_tool_calls, several) calls from the first token.
+- `auto`: free text that never contains the opening tag, or free text up to the tag (a lazy lexeme) and then calls:
+  the grammar is armed only by the tag. Llama's `auto` arms on a `{` (or the python tag) at the start of the output.
+- `none`: free text that never contains the opening tag (Hermes), so a call can never appear.
+
+Parsing re-reads the whole text so far on every update (a pure function of the text), so deltas are the same however
+the text arrived in chunks; argument fragments hold back only a suffix that might close the call object.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from omnivox.services import errors
+from omnivox.services.errors import FieldViolation
+from omnivox.services.structured import GrammarSpec
+from omnivox.v1 import content_pb2, generation_pb2
+
+NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+MAX_TOOLS = 128
+AUTO, NONE, REQUIRED = "auto", "none", "required"
+# Separators as the chat templates' tojson writes them, with no other whitespace: what the model saw, and bounded.
+_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    name: str
+    open_tag: str  # text that starts a call ("" for Llama's bare JSON)
+    close_tag: str
+    separator: str  # between calls
+    args_key: str
+
+
+HERMES = ToolFormat("hermes", "<tool_call>\n", "\n</tool_call>", "\n", "arguments")
+LLAMA3 = ToolFormat("llama3", "", "", "; ", "parameters")
+
+
+def format_of(tokenizer: Any) -> ToolFormat:
+    template = str(getattr(tokenizer, "chat_template", "") or "")
+    if "<tool_call>" not in template and ("<|python_tag|>" in template or "ipython" in template):
+        return LLAMA3
+    return HERMES
+
+
+@dataclass
+class ToolPlan:
+    """What a request's tools ask for: the chat template's `tools`, the choice and the grammar (None: unconstrained)."""
+
+    tools: list[dict]  # [{"type": "function", "function": {name, description, parameters}}]
+    choice: str  # auto | none | required | a function name
+    parallel: bool
+    fmt: ToolFormat
+    grammar: GrammarSpec | None = None
+
+    @property
+    def parses_calls(self) -> bool:
+        return bool(self.tools) and self.choice != NONE
+
+
+def _schema(tool: generation_pb2.Tool, i: int, v: list[FieldViolation]) -> dict:
+    if not tool.parameters_json_schema:
+        return {"type": "object"}
+    try:
+        schema = json.loads(tool.parameters_json_schema)
+    except json.JSONDecodeError as exc:
+        v.append(FieldViolation(f"tools[{i}].parameters_json_schema", f"not valid JSON: {exc}"))
+        return {}
+    if not isinstance(schema, dict):
+        v.append(FieldViolation(f"tools[{i}].parameters_json_schema", "must be a JSON object (a schema)"))
+    return schema if isinstance(schema, dict) else {}
+
+
+def _call_schema(fmt: ToolFormat, name: str, params: dict, strict: bool) -> dict:
+    return {
+        "type": "object",
+        "properties": {"name": {"const": name}, fmt.args_key: params if strict else {"type": "object"}},
+        "required": ["name", fmt.args_key],
+        "additionalProperties": False,
+    }
+
+
+def _grammar(fmt: ToolFormat, calls: list[dict], choice: str, parallel: bool) -> str:
+    """A Lark grammar (llguidance) for the choice; `calls` are the allowed call-object schemas."""
+    schema = dict(calls[0]) if len(calls) == 1 else {"anyOf": calls}
+    schema["x-guidance"] = _JSON_STYLE
+    body = f"%json {json.dumps(schema)}"
+    call = f"{json.dumps(fmt.open_tag)} {body} {json.dumps(fmt.close_tag)}" if fmt.open_tag else body
+    calls_rule = f"calls: call ({json.dumps(fmt.separator)} call)*" if parallel else "calls: call"
+    lines = [calls_rule, f"call: {call}"]
+    tag = fmt.open_tag.strip() or "{"
+    free = f"FREE: /(?s:.*)/ & ~/(?s:.*{re.escape(tag)}.*)/"
+    if choice == AUTO and fmt.open_tag:
+        lines += ["start: FREE | lz calls_after_tag", free, f"lz[lazy]: /(?s:.*){re.escape(tag)}/"]
+        rest = fmt.open_tag[len(tag) :]
+        after = (
+            f"{json.dumps(rest)} {body} {json.dumps(fmt.close_tag)}" if rest else f"{body} {json.dumps(fmt.close_tag)}"
+        )
+        lines.append(f"calls_after_tag: {after}" + (f" ({json.dumps(fmt.separator)} call)*" if parallel else ""))
+    elif choice == AUTO:  # Llama: plain text that does not start with a call, or calls
+        lines += ["start: TEXT | calls", r"TEXT: /(?s:.*)/ & ~/(?s:\s*\{.*)/"]
+    elif choice == NONE:
+        lines += ["start: FREE", free]
+    else:
+        lines.append("start: calls")
+    import llguidance
+
+    return llguidance.LLMatcher.grammar_from_lark("\n".join(lines))
+
+
+def plan(request: generation_pb2.GenerateRequest, tokenizer: Any) -> ToolPlan | None:
+    """Validate tools / tool_choice / tool turns; None when the request uses none of them."""
+    has_turns = any(c.role == "tool" or c.tool_calls for c in request.contents)
+    if not request.tools and not request.HasField("tool_choice") and not has_turns:
+        return None
+    v: list[FieldViolation] = []
+    if len(request.tools) > MAX_TOOLS:
+        v.append(FieldViolation("tools", f"at most {MAX_TOOLS} tools, got {len(request.tools)}"))
+    fmt = format_of(tokenizer)
+    tools, calls, names = [], {}, set()
+    for i, tool in enumerate(request.tools):
+        if not NAME.match(tool.name):
+            v.append(FieldViolation(f"tools[{i}].name", "must match [a-zA-Z0-9_-]{1,64}"))
+        elif tool.name in names:
+            v.append(FieldViolation(f"tools[{i}].name", f"{tool.name!r} appears twice"))
+        names.add(tool.name)
+        params = _schema(tool, i, v)
+        fn = {"name": tool.name, "description": tool.description, "parameters": params}
+        tools.append({"type": "function", "function": fn})
+        calls[tool.name] = _call_schema(fmt, tool.name, params, tool.strict)
+    choice = AUTO if request.tools else NONE
+    tc = request.tool_choice
+    kind = tc.WhichOneof("choice") if request.HasField("tool_choice") else None
+    if kind == "mode" and tc.mode != generation_pb2.TOOL_CHOICE_MODE_UNSPECIFIED:
+        choice = {
+            generation_pb2.TOOL_CHOICE_MODE_AUTO: AUTO,
+            generation_pb2.TOOL_CHOICE_MODE_NONE: NONE,
+            generation_pb2.TOOL_CHOICE_MODE_REQUIRED: REQUIRED,
+        }.get(tc.mode, AUTO)
+    elif kind == "function_name":
+        choice = tc.function_name
+        if choice not in calls:
+            v.append(FieldViolation("tool_choice.function_name", f"no tool named {choice!r} in tools"))
+    if choice in (AUTO, REQUIRED) and kind is not None and not request.tools:
+        v.append(FieldViolation("tool_choice", "needs tools"))
+    if request.tools and request.HasField("response_format") and choice != NONE:
+        v.append(FieldViolation("response_format", "cannot be combined with tools unless tool_choice is NONE"))
+    for i, c in enumerate(request.contents):
+        if c.role == "tool" and not c.tool_call_id:
+            v.append(FieldViolation(f"contents[{i}].tool_call_id", "a tool turn names the call it answers"))
+        if c.tool_calls and c.role != "assistant":
+            v.append(FieldViolation(f"contents[{i}].tool_calls", "only an assistant turn carries tool calls"))
+        for j, part in enumerate(c.parts):
+            if part.WhichOneof("kind") not in ("text", None):
+                v.append(FieldViolation(f"contents[{i}].parts[{j}]", "with tools, turns take text parts only"))
+        for j, call in enumerate(c.tool_calls):
+            try:
+                json.loads(call.arguments or "{}")
+            except json.JSONDecodeError as exc:
+                v.append(FieldViolation(f"contents[{i}].tool_calls[{j}].arguments", f"not valid JSON: {exc}"))
+    if v:
+        raise errors.invalid_argument(v)
+    parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
+    result = ToolPlan(tools, choice, parallel, fmt)
+    if request.tools and request.HasField("response_format") and choice == NONE:
+        return result  # the response_format constrains the output
+    if request.tools:
+        allowed = [calls[choice]] if choice in calls else list(calls.values())
+        text = _grammar(fmt, allowed, choice if choice in (AUTO, NONE) else REQUIRED, parallel and choice not in calls)
+        result.grammar = GrammarSpec("tools", text)
+    return result
+
+
+def messages(contents: list[content_pb2.Content]) -> list[dict]:
+    """The conversation as chat-template messages, with assistant tool calls and tool results."""
+    out = []
+    for c in contents:
+        text = "\n".join(p.text for p in c.parts if p.WhichOneof("kind") == "text")
+        message: dict[str, Any] = {"role": c.role or "user", "content": text}
+        if c.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": json.loads(call.arguments or "{}")},
+                }
+                for call in c.tool_calls
+            ]
+        if c.role == "tool":
+            message["tool_call_id"] = c.tool_call_id
+        out.append(message)
+    return out
+
+
+def prompt_ids(tokenizer: Any, contents: list[content_pb2.Content], tool_plan: ToolPlan) -> list[int]:
+    text = tokenizer.apply_chat_template(
+        messages(contents), tools=tool_plan.tools or None, tokenize=False, add_generation_prompt=True
+    )
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+@dataclass
+class ParsedCall:
+    name: str | None
+    arguments: str  # what may be streamed so far (complete: the whole arguments JSON text)
+    complete: bool
+
+
+def _args_start(body: str, key: str) -> int | None:
+    m = re.search(r'"' + key + r'"\s*:\s*', body)
+    return m.end() if m else None
+
+
+def _parse_body(body: str, fmt: ToolFormat, complete: bool) -> ParsedCall:
+    m = re.search(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"', body)
+    name = json.loads(f'"{m.group(1)}"') if m else None
+    start = _args_start(body, fmt.args_key)
+    if start is None:
+        return ParsedCall(name, "", complete)
+    raw = body[start:]
+    if complete:
+        end = raw.rstrip().rfind("}")  # the call object's own closing brace
+        return ParsedCall(name, raw[:end].rstrip() if end >= 0 else raw, True)
+    return ParsedCall(name, raw.rstrip("} \n\t\r"), False)  # hold back what may close the call object
+
+
+def parse(text: str, fmt: ToolFormat) -> tuple[str, list[ParsedCall]]:
+    """(content text safe to show, the calls so far) — a pure function of the text."""
+    if fmt.open_tag:
+        tag, close = fmt.open_tag.strip(), fmt.close_tag.strip()
+        first = text.find(tag)
+        if first < 0:
+            k = _partial_suffix(text, tag)  # hold back a tag that may be starting
+            return text[: len(text) - k], []
+        calls = []
+        for piece in text[first + len(tag) :].split(tag):
+            end = piece.find(close)
+            body = piece if end < 0 else piece[:end]
+            if end < 0:  # hold back a closing tag that may be starting
+                body = body[: len(body) - _partial_suffix(body, close)]
+            calls.append(_parse_body(body, fmt, end >= 0))
+        return text[:first], calls
+    body = text.lstrip()
+    if body.startswith("<|python_tag|>"):
+        body = body[len("<|python_tag|>") :]
+    if not body.lstrip().startswith("{"):
+        return (text, []) if body else ("", [])
+    calls = []
+    pieces = _split_top_level(body, fmt.separator)
+    for k, piece in enumerate(pieces):
+        done = k < len(pieces) - 1 or _balanced(piece)
+        if not done:  # hold back a separator that may be starting
+            piece = piece[: len(piece) - _partial_suffix(piece, fmt.separator)]
+        calls.append(_parse_body(piece, fmt, done))
+    return "", calls
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest proper prefix of `tag` that `text` ends with."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+def _balanced(s: str) -> bool:
+    try:
+        json.loads(s)
+        return True
+    except json.JSONDecodeError:
+        return False
+
+
+def _split_top_level(s: str, sep: str) -> list[str]:
+    out, depth, in_str, esc, last = [], 0, False, False, 0
+    for i, ch in enumerate(s):
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+            continue
+        if ch == '"':
+            in_str = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+        elif depth == 0 and s.startswith(sep, i):
+            out.append(s[last:i])
+            last = i + len(sep)
+    out.append(s[last:])
+    return [p for p in out if p.strip()]
+
+
+@dataclass
+class ToolCallStream:
+    """Turns the growing output text into content deltas and tool_calls deltas (chunking-independent)."""
+
+    fmt: ToolFormat
+    ids: list[str] = field(default_factory=list)
+    sent_content: int = 0
+    sent_args: list[int] = field(default_factory=list)
+
+    def update(self, text: str, final: bool = False) -> tuple[str, list[generation_pb2.ToolCallDelta]]:
+        content, calls = parse(text, self.fmt)
+        if final and not calls:
+            content = text
+        new_content = content[self.sent_content :]
+        self.sent_content = max(self.sent_content, len(content))
+        deltas = []
+        for i, call in enumerate(calls):
+            if i == len(self.ids):
+                if call.name is None:
+                    break  # its name is not complete yet: the call starts in a later delta
+                self.ids.append("call_" + uuid.uuid4().hex[:24])
+                self.sent_args.append(0)
+                deltas.append(generation_pb2.ToolCallDelta(index=i, id=self.ids[i], name=call.name))
+            fragment = call.arguments[self.sent_args[i] :]
+            if fragment:
+                if deltas and deltas[-1].index == i:
+                    deltas[-1].arguments = fragment
+                else:
+                    deltas.append(generation_pb2.ToolCallDelta(index=i, arguments=fragment))
+                self.sent_args[i] = len(call.arguments)
+        return new_content, deltas
+
+    def complete_calls(self, text: str) -> list[content_pb2.ToolCall]:
+        _, calls = parse(text, self.fmt)
+        return [
+            content_pb2.ToolCall(id=self.ids[i], name=c.name or "", arguments=c.arguments)
+            for i, c in enumerate(calls)
+            if c.complete and i < len(self.ids)
+        ]
+
+
+async def constrain(tool_plan: ToolPlan | None, params: Any, engine: Any) -> None:
+    """Set params.constraint_factory from the tool grammar (compiled off the loop by the model's grammar worker)."""
+    if tool_plan is not None and tool_plan.grammar is not None:
+        from omnivox.services.structured import compiler_for
+
+        params.constraint_factory = await compiler_for(engine).factory(tool_plan.grammar)
+
+
+class ToolOutput:
+    """Generate's view of a tool-calling response: rewrites deltas, flushes the tail, completes the summary."""
+
+    def __init__(self, tool_plan: ToolPlan) -> None:
+        self.stream = ToolCallStream(tool_plan.fmt)
+
+    def rewrite(self, response: generation_pb2.GenerateResponse, text_so_far: str) -> None:
+        content, calls = self.stream.update(text_so_far)
+        response.delta.text = content
+        response.delta.tool_calls.extend(calls)
+
+    def flush(self, text: str) -> generation_pb2.GenerateResponse | None:
+        content, calls = self.stream.update(text, final=True)
+        if not content and not calls:
+            return None
+        return generation_pb2.GenerateResponse(delta=generation_pb2.GenerateDelta(text=content, tool_calls=calls))
+
+    def complete(self, response: generation_pb2.GenerateResponse, text: str) -> None:
+        calls = self.stream.complete_calls(text)
+        response.summary.tool_calls.extend(calls)
+        if calls and response.summary.finish_reason == generation_pb2.FINISH_REASON_STOP:
+            response.summary.finish_reason = generation_pb2.FINISH_REASON_TOOL_CALLS
