@@ -142,15 +142,23 @@ class ImageInputPart:
         except ValueError as exc:
             raise errors.invalid_argument([FieldViolation(field, f"the image markers do not match: {exc}")]) from exc
         rope = enc.rope_positions(ids, items)
-        segments = []
-        for (item, key), image_runs in zip(images, runs, strict=True):
-            offset = 0
-            for start, n in image_runs:
-                source = SlicedSource(self.worker.handle(key, item), offset, n)
-                # The run's own key: two runs of one image are different content for the prefix cache.
-                run_key = key if len(image_runs) == 1 else f"{key}:{offset}"
-                segments.append(EmbeddingSegment(start, n, key=run_key, source=source))
-                offset += n
+        segments: list[EmbeddingSegment] = []
+        try:
+            for (item, key), image_runs in zip(images, runs, strict=True):
+                offset = 0
+                for start, n in image_runs:
+                    source = SlicedSource(self.worker.handle(key, item), offset, n)
+                    # The run's own key: two runs of one image are different content for the prefix cache.
+                    run_key = key if len(image_runs) == 1 else f"{key}:{offset}"
+                    try:
+                        segments.append(EmbeddingSegment(start, n, key=run_key, source=source))
+                    except BaseException:
+                        source.release()
+                        raise
+                    offset += n
+        except BaseException:  # no reference may outlive a prompt that was never returned
+            Prompt(token_ids=ids, segments=segments).release()
+            raise
         return Prompt(token_ids=ids, segments=segments, rope_positions=rope)
 
     def reserved_texts(self) -> tuple[str, ...]:
