@@ -125,7 +125,8 @@ class Engine:
         quantize_lm_head: bool | None = None,
     ) -> Engine:
         """Load a Hugging Face checkpoint folder (safetensors) or a .gguf file (engine/loading.py load_model).
-        speculative: `ngram` or `draft:PATH` builds the proposer (engine/draft.py build_proposer)."""
+        speculative: `ngram` or `draft:PATH` builds the proposer (engine/draft.py build_proposer).
+        quantization: None / "none" float, "auto" the checkpoint's own (GGUF blocks on CPU), "int8", "int4"."""
         from omnivox.models.checkpoint import load_tokenizer
 
         device = torch.device(device) if device is not None else default_device()

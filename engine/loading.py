@@ -63,8 +63,8 @@ def load_model(
 ) -> DecoderModel:
     """The decoder of a checkpoint folder or .gguf with its weights, streamed tensor by tensor.
 
-    quantization None / "none": float `dtype` (a GGUF dequantised); "int8" / "int4": linear layers quantised at load
-    (models/loading.py load_decoder, which also serves a GGUF's blocks at their own precision with "native")."""
+    quantization None / "none": float `dtype` (a GGUF dequantised); "auto": what the checkpoint carries (a GGUF's
+    blocks at their own precision on CPU); "int8" / "int4": linear layers quantised at load (models/loading.py)."""
     from pathlib import Path
 
     from omnivox.models.checkpoint import iter_checkpoint_tensors, load_hf_config
@@ -72,7 +72,7 @@ def load_model(
     if quantization not in (None, "none"):
         from omnivox.models.loading import load_decoder
 
-        mode = None if quantization == "native" else quantization
+        mode = None if quantization == "auto" else quantization
         return load_decoder(path, device, dtype, max_model_len, mode, quantize_lm_head, progress)
     model = build_model(ModelConfig.from_hf(load_hf_config(path), max_model_len), device, dtype)
     tensors = iter_checkpoint_tensors(path)

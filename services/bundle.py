@@ -94,6 +94,7 @@ class BundleManifest:
     # Weights of parts no bundle builds (a tower or projector of a family without an encoder here), left unloaded.
     planned_parts: tuple[str, ...] = ()
     overrides: dict[str, Any] = field(default_factory=dict)  # the operator's `--sampling-default`s
+    engine_overrides: dict[str, Any] = field(default_factory=dict)  # EngineOptions for this model alone
     audio: bool = False  # an audio-LLM checkpoint (models.audio.audio_family): audio input
     vision: bool = False  # a vision-language checkpoint (services.image_prompt.vision_family): image input
 
@@ -123,6 +124,7 @@ def probe(spec: ModelSpec) -> BundleManifest:
             untrained_components=default.untrained_components,
             file_defaults=read_generation_config(default.generation_config()),
             overrides=overrides,
+            engine_overrides=dict(spec.engine_overrides),
         )
     path = Path(spec.path)
     folder = path if path.is_dir() else None
@@ -142,6 +144,7 @@ def probe(spec: ModelSpec) -> BundleManifest:
         untrained_components=_read_untrained(folder),
         file_defaults=read_generation_config(folder / "generation_config.json" if folder else None),
         overrides=overrides,
+        engine_overrides=dict(spec.engine_overrides),
     )
 
 
@@ -262,10 +265,13 @@ def load_manifest(manifest: BundleManifest, options: EngineOptions) -> ModelBund
     Raises ValueError with a one-line reason when the checkpoint cannot be served; the engine is shut down again if
     a later part fails.
     """
+    import dataclasses
+
     from omnivox.engine import Engine
     from omnivox.services.prompt import ChatPromptBuilder
 
     source = manifest.source or manifest.embedded.ensure()  # type: ignore[union-attr]
+    options = dataclasses.replace(options, **manifest.engine_overrides)
     engine = Engine.from_pretrained(
         str(source),
         device=options.device,
@@ -275,6 +281,10 @@ def load_manifest(manifest: BundleManifest, options: EngineOptions) -> ModelBund
         max_num_batched_tokens=options.max_num_batched_tokens,
         max_model_len=options.max_model_len,
         progress=options.progress,
+        quantization=options.quantization,
+        quantize_lm_head=options.quantize_lm_head,
+        speculative=options.speculative,
+        num_speculative_tokens=options.num_speculative_tokens,
     )
     audio: AudioInputPart | None = None
     vision: ImageInputPart | None = None

@@ -78,6 +78,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="tokens one engine step may compute (decodes + prefill chunks): lower bounds inter-token latency, "
         "higher gives faster time to first token (default: 128 on CPU, 2048 on CUDA)",
     )
+    p.add_argument(
+        "--quantization",
+        metavar="[NAME=]MODE",
+        action="append",
+        default=[],
+        help="weights: none (default: float), auto (what the checkpoint carries: a GGUF at its own bit widths on "
+        "CPU, ~3.8x faster batch-1 steps), int8 or int4 (linear layers quantised at load); with NAME= for one model, "
+        "else for every model",
+    )
+    p.add_argument(
+        "--quantize-lm-head", action="store_true", default=None, help="also quantise the output projection (int8)"
+    )
+    p.add_argument(
+        "--speculative",
+        metavar="[NAME=]KIND",
+        action="append",
+        default=[],
+        help="speculative decoding: ngram (prompt lookup) or draft:PATH (a small checkpoint with the same "
+        "tokenizer); with NAME= for one model, else for every model",
+    )
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens proposed per step (default 4)")
     p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when present)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="weights and activations dtype")
     p.add_argument(
@@ -122,7 +143,34 @@ def parse_sampling_default(text: str) -> tuple[str | None, str, float | int]:
     return (target.strip() or None) if sep else None, key, value
 
 
-def model_specs(models: list[Path], names: list[str], sampling_defaults: list[str] = ()) -> list[ModelSpec]:
+QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
+
+
+def engine_overrides(served: list[str], quantization: list[str], speculative: list[str]) -> list[dict[str, str]]:
+    """Per served model, the EngineOptions fields `--quantization` / `--speculative` ([NAME=]VALUE) set for it."""
+    out: list[dict[str, str]] = [{} for _ in served]
+    for flag, field, values in (("--quantization", "quantization", quantization), ("--speculative", "speculative", speculative)):
+        for text in values:
+            name, sep, value = text.rpartition("=") if "=" in text else ("", "", text)
+            if field == "quantization" and value not in QUANTIZATION_MODES:
+                raise CliError(f"{flag} {text!r}: the mode must be one of {', '.join(QUANTIZATION_MODES)}")
+            if field == "speculative" and value != "ngram" and not (value.startswith("draft:") and len(value) > 6):
+                raise CliError(f"{flag} {text!r}: expected ngram or draft:PATH")
+            if name and name not in served:
+                raise CliError(f"{flag} {text!r}: no model is served as {name!r} (served: {', '.join(served)})")
+            for i, model in enumerate(served):
+                if not name or name == model:
+                    out[i][field] = value
+    return out
+
+
+def model_specs(
+    models: list[Path],
+    names: list[str],
+    sampling_defaults: list[str] = (),
+    quantization: list[str] = (),
+    speculative: list[str] = (),
+) -> list[ModelSpec]:
     """One ModelSpec per --model (the embedded defaults without any), each with its --sampling-default overrides."""
     from omnivox.services.defaults import DEFAULT_MODEL_NAME, DEFAULT_SPEECH_MODEL_NAME
     from omnivox.services.loading import ModelSpec, model_name_for
@@ -143,9 +191,10 @@ def model_specs(models: list[Path], names: list[str], sampling_defaults: list[st
                 f"--sampling-default {text!r}: no model is served as {target!r} (served: {', '.join(served)})"
             )
         overrides[served.index(target) if target is not None else 0][key] = value
+    engine = engine_overrides(served, list(quantization), list(speculative))
     return [
-        ModelSpec(path=s.path, name=s.name, speech=s.speech, sampling_overrides=o)
-        for s, o in zip(specs, overrides, strict=True)
+        ModelSpec(path=s.path, name=s.name, speech=s.speech, sampling_overrides=o, engine_overrides=e)
+        for s, o, e in zip(specs, overrides, engine, strict=True)
     ]
 
 
@@ -169,6 +218,8 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--max-queue must be at least 1")
     if args.max_batched_tokens is not None and args.max_batched_tokens < 1:
         raise CliError("--max-batched-tokens must be at least 1")
+    if args.num_speculative_tokens < 1:
+        raise CliError("--num-speculative-tokens must be at least 1")
     if args.threads is not None and args.threads < 1:
         raise CliError("--threads must be at least 1")
     import torch
@@ -194,10 +245,12 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_batched_tokens,
         image_cache_mib=args.image_cache_mib,
+        quantize_lm_head=args.quantize_lm_head,
+        num_speculative_tokens=args.num_speculative_tokens,
         progress=True,
     )
     try:
-        specs = model_specs(args.models, args.names, args.sampling_defaults)
+        specs = model_specs(args.models, args.names, args.sampling_defaults, args.quantization, args.speculative)
         return asyncio.run(server.run(specs, options, engine_options, on_ready=demo if args.demo else None))
     except (ModelLoadError, OSError) as err:
         raise CliError(str(err)) from None
