@@ -380,3 +380,15 @@ def test_cli_ask_with_two_images_streams_the_same_text_as_the_api(served, tmp_pa
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout == want + "\n"
+
+
+@pytest.mark.parametrize("family", ["llava_next", "qwen2_5_vl"])
+def test_max_pixels_gives_fewer_image_tokens(served, family):
+    """A part's max_pixels scales the image down before the processor: fewer placeholders, still a full answer."""
+    big = sample_image(56, 56, seed=31)
+    small = content_pb2.ImagePart(data=png_bytes(big), max_pixels=28 * 28)
+    full = run(served["stub"], ask(family, [("user", [big, "Size?"])]))[2]
+    less = run(served["stub"], ask(family, [("user", [small, "Size?"])]))
+    assert less[2].usage.prompt_tokens < full.usage.prompt_tokens
+    assert len(less[0]) == STEPS
+    baseline(served, family)
