@@ -111,8 +111,10 @@ def _grammar(fmt: ToolFormat, calls: list[dict], choice: str, parallel: bool) ->
         lines.append(f"calls_after_tag: {after}" + (f" ({json.dumps(fmt.separator)} call)*" if parallel else ""))
     elif choice == AUTO:  # Llama: plain text that does not start with a call, or calls
         lines += ["start: TEXT | calls", r"TEXT: /(?s:.*)/ & ~/(?s:\s*\{.*)/"]
-    elif choice == NONE:
+    elif choice == NONE and fmt.open_tag:
         lines += ["start: FREE", free]
+    elif choice == NONE:  # Llama: a call is a whole message starting with "{"; braces later in the text are fine
+        lines += ["start: TEXT", r"TEXT: /(?s:.*)/ & ~/(?s:\s*\{.*)/"]
     else:
         lines.append("start: calls")
     import llguidance

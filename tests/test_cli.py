@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -186,6 +187,28 @@ def test_generate_reports_invalid_argument(serve: ServeProcess) -> None:
     assert_one_line_error(result, "INVALID_ARGUMENT", "sampling.temperature")
     result = omnivox("generate", "Hello", "--server", serve.address, "--model", "nope")
     assert_one_line_error(result, "NOT_FOUND", "nope")
+
+
+def test_generate_structured_output_flags(serve: ServeProcess, tmp_path: Path) -> None:
+    """--choice, --regex and --json-schema constrain the answer (sampled at temperature 1); a bad schema is one line."""
+    base = ("--server", serve.address, "--temperature", "1", "--seed", "3", "--max-tokens", "60", "-q")
+    result = omnivox("generate", "Pick one", *base, "--choice", "yes,no")
+    assert result.returncode == 0 and result.stdout in ("yes\n", "no\n"), result
+    schema = tmp_path / "schema.json"
+    schema.write_text(
+        '{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": false}'
+    )
+    result = omnivox("generate", "Count", *base, "--json-schema", str(schema))
+    assert result.returncode == 0, result
+    assert isinstance(json.loads(result.stdout)["n"], int), repr(result.stdout)
+    result = omnivox("generate", "Code", *base, "--regex", "[A-Z]{2}-[0-9]{3}")
+    assert result.returncode == 0 and re.fullmatch(r"[A-Z]{2}-[0-9]{3}\n", result.stdout), result
+    schema.write_text("{not json")
+    assert_one_line_error(
+        omnivox("generate", "Hi", *base, "--json-schema", str(schema)),
+        "INVALID_ARGUMENT",
+        "response_format.json_schema",
+    )
 
 
 def test_chat_keeps_the_conversation(serve: ServeProcess) -> None:

@@ -31,6 +31,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g = subparsers.add_parser("generate", help="send one prompt and stream the answer")
     g.add_argument("prompt", help="the prompt; - reads it from stdin")
     _add_request_args(g)
+    fmt = g.add_mutually_exclusive_group()  # structured output: the answer is constrained to one of these
+    fmt.add_argument("--json-schema", metavar="FILE", help="answer with JSON valid under this JSON Schema file")
+    fmt.add_argument("--regex", help="answer with text matching this regular expression")
+    fmt.add_argument("--grammar", metavar="FILE", help="answer with text matching this Lark grammar file")
+    fmt.add_argument("--choice", help="answer with exactly one of these comma-separated strings")
     g.set_defaults(run=run_generate)
 
     c = subparsers.add_parser("chat", help="a conversation: one user turn per line of input, answers streamed")
@@ -57,7 +62,27 @@ def build_request(args: argparse.Namespace, turns: list[tuple[str, str]]) -> gen
     )
     if args.max_tokens is not None:
         request.max_output_tokens = args.max_tokens
+    _set_response_format(request, args)
     return request
+
+
+def _set_response_format(request: generation_pb2.GenerateRequest, args: argparse.Namespace) -> None:
+    """--json-schema / --grammar (files), --regex, --choice (generate only) as the request's response_format."""
+    from omnivox.v1 import generation_pb2
+
+    rf = request.response_format
+    for flag, field in (("json_schema", "json_schema"), ("grammar", "lark_grammar")):
+        path = getattr(args, flag, None)
+        if path is not None:
+            try:
+                with open(path, encoding="utf-8") as f:
+                    setattr(rf, field, f.read())
+            except OSError as exc:
+                raise CliError(f"--{flag.replace('_', '-')}: cannot read {path}: {exc.strerror}") from None
+    if getattr(args, "regex", None) is not None:
+        rf.regex = args.regex
+    if getattr(args, "choice", None) is not None:
+        rf.choices.CopyFrom(generation_pb2.Choices(values=[c for c in args.choice.split(",") if c]))
 
 
 def stream_answer(
