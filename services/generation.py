@@ -115,6 +115,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     await context.write(tail)
                 tool_output.complete(final, last.text)
             self.metrics.request_finished(model.name, last)
+            scheduled = self.metrics.admission(model.name, engine_request_id)
+            if scheduled is not None and last.first_token_time is not None:  # tracing's spans (services/tracing.py)
+                scheduled = min(max(scheduled, last.arrival_time), last.first_token_time)
+                call.phase("queue", last.arrival_time, scheduled)
+                call.phase("prefill", scheduled, last.first_token_time)
+                call.phase("decode", last.first_token_time, time.monotonic())
             call.set(
                 request_id=final.summary.request_id,
                 prompt_tokens=last.num_prompt_tokens,

@@ -41,9 +41,15 @@ class CallRecord:
     started: float = field(default_factory=time.monotonic)
     caller: str = ""  # the API key's id or the client certificate's name; "" when the server has no auth
     fields: dict[str, Any] = field(default_factory=dict)  # numbers and ids only: never request or response content
+    # Named spans of the call's life, time.monotonic() start and end: queue, prefill, decode, ... (tracing's spans)
+    phases: list[tuple[str, float, float]] = field(default_factory=list)
 
     def set(self, **values: str | int | float | None) -> None:
         self.fields.update(values)
+
+    def phase(self, name: str, start: float, end: float) -> None:
+        if end >= start:
+            self.phases.append((name, start, end))
 
 
 def current_call() -> CallRecord:

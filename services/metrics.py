@@ -24,6 +24,8 @@ from omnivox.engine.request import Request
 
 log = logging.getLogger(__name__)
 
+MAX_REMEMBERED = 4096  # admission times kept for servicers (one per request that has its first token)
+
 # Latency buckets (seconds) as vLLM's, which cover a CPU's ~3 ms steps and a long request's minutes.
 _TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _ITL = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
@@ -36,6 +38,7 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
+        self.observers: dict[str, StepObserver] = {}
         m = ("model",)
         # Engine state (gauges) and work (counters), from step results.
         self.running = Gauge("omnivox_num_requests_running", "Requests in the engine's running set", m, registry=r)
@@ -112,7 +115,13 @@ class Metrics:
     def attach(self, model: str, engine: Engine) -> None:
         """Observe every step of `engine` (idempotent per engine)."""
         if not any(isinstance(o, StepObserver) for o in engine.step_observers):
-            engine.step_observers.append(StepObserver(self, model, engine))
+            self.observers[model] = StepObserver(self, model, engine)
+            engine.step_observers.append(self.observers[model])
+
+    def admission(self, model: str, request_id: str) -> float | None:
+        """When the engine first admitted `request_id` (time.monotonic()), once its first token came; then forgotten."""
+        observer = self.observers.get(model)
+        return observer.scheduled.pop(request_id, None) if observer is not None else None
 
     def request_finished(self, model: str, out: RequestOutput) -> None:
         """A request's last output (from the servicer): finish reason, end-to-end and decode time."""
@@ -137,6 +146,9 @@ class StepObserver:
         self.total_blocks = engine.kv_usage().total_blocks
         # Keyed by the Request object: an entry goes with its request, so no state outlives one.
         self.times: weakref.WeakKeyDictionary[Request, _Times] = weakref.WeakKeyDictionary()
+        # request id -> first admission, from its first token until the servicer asks (tracing's queue span).
+        # Bounded: entries of calls that never ask (cancelled ones) go oldest first.
+        self.scheduled: dict[str, float] = {}
 
     def __call__(self, result: StepResult) -> None:
         try:
@@ -159,11 +171,13 @@ class StepObserver:
         if s.num_drafted:
             m.spec_drafts.labels(model).inc(s.num_drafted)
             m.spec_accepted.labels(model).inc(s.num_accepted)
+        # This observer runs after the step's outputs: the step (and so the admission) began `seconds` earlier.
+        step_start = now - s.seconds
         for req in result.plan.admitted:
             if req in self.times:  # re-admitted after a preemption: counted once
                 continue
-            self.times[req] = _Times(now)
-            m.queue_time.labels(model).observe(max(now - req.arrival_time, 0.0))
+            self.times[req] = _Times(step_start)
+            m.queue_time.labels(model).observe(max(step_start - req.arrival_time, 0.0))
             n = len(req.prompt_token_ids)
             m.prompt_tokens.labels(model).inc(n)
             m.prefix_queries.labels(model).inc(n)
@@ -179,6 +193,9 @@ class StepObserver:
             else:
                 m.ttft.labels(model).observe(max(now - acc.request.arrival_time, 0.0))
                 m.prefill_time.labels(model).observe(now - t.scheduled)
+                self.scheduled[acc.request.request_id] = t.scheduled
+                if len(self.scheduled) > MAX_REMEMBERED:
+                    del self.scheduled[next(iter(self.scheduled))]
             t.last_token = now
         if tokens:
             m.generation_tokens.labels(model).inc(tokens)

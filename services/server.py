@@ -65,6 +65,7 @@ class ServerOptions:
     tls_client_ca: Path | None = None  # mTLS: client certificates signed by this CA are required
     quota: Quota = Quota()  # per caller (API key id / certificate name)
     limits: GrpcLimits = GrpcLimits()
+    trace_exporter: Any = None  # an OpenTelemetry SpanExporter: tracing on (services/tracing.py); None = off
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,7 @@ class OmnivoxServer:
         self.services = omnivox_services(registry, self.metrics)
         self.port: int | None = None
         self.engine_failed = asyncio.Event()  # crash-only: set when an engine's step loop raised
+        self.tracing: Any = None
         self._server: grpc.aio.Server | None = None
         self._force_stop = asyncio.Event()
         self.forced = False  # a drain cut short by force_stop()
@@ -140,6 +142,11 @@ class OmnivoxServer:
         """Listen and serve health, reflection and ListModels; return the port. Models are not loaded yet."""
         opts = self.options
         interceptors: list[grpc.aio.ServerInterceptor] = [CallInterceptor(self.metrics)]  # outermost: sees all ends
+        if opts.trace_exporter is not None:
+            from omnivox.services.tracing import TracingInterceptor
+
+            self.tracing = TracingInterceptor(opts.trace_exporter)
+            interceptors.append(self.tracing)
         if opts.api_keys or opts.tls_client_ca or opts.quota != Quota():
             keys = load_api_keys(opts.api_keys) if opts.api_keys else None
             interceptors.append(AuthInterceptor(keys, mtls=opts.tls_client_ca is not None, quota=opts.quota))
@@ -272,6 +279,8 @@ class OmnivoxServer:
             await self._server.stop(0 if self._force_stop.is_set() else min(remaining, 1.0))
         await self.registry.aclose()  # every bundle: its codec worker, then its engine
         self.metrics.close()
+        if self.tracing is not None:
+            self.tracing.shutdown()  # flushes the spans still batched
 
     def force_stop(self) -> None:
         """Cut a drain short: in-flight calls are cancelled now instead of finishing."""

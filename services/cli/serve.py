@@ -64,6 +64,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-client-ca", type=Path, help="PEM CA: require client certificates it signed (mTLS)")
     p.add_argument("--max-streams-per-key", type=int, default=0, help="concurrent calls per caller (0: no limit)")
     p.add_argument("--max-rpm-per-key", type=int, default=0, help="calls per minute per caller (0: no limit)")
+    p.add_argument("--trace-console", action="store_true", help="OpenTelemetry spans to stdout (omnivox[tracing])")
+    p.add_argument("--otlp-endpoint", help="OpenTelemetry spans to this OTLP/gRPC collector (tracing is off without)")
     p.add_argument("--kv-cache-gib", type=float, help="KV cache size per model (default: the engine decides)")
     p.add_argument("--max-model-len", type=int, help="cap the context length")
     p.add_argument(
@@ -149,7 +151,10 @@ QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
 def engine_overrides(served: list[str], quantization: list[str], speculative: list[str]) -> list[dict[str, str]]:
     """Per served model, the EngineOptions fields `--quantization` / `--speculative` ([NAME=]VALUE) set for it."""
     out: list[dict[str, str]] = [{} for _ in served]
-    for flag, field, values in (("--quantization", "quantization", quantization), ("--speculative", "speculative", speculative)):
+    for flag, field, values in (
+        ("--quantization", "quantization", quantization),
+        ("--speculative", "speculative", speculative),
+    ):
         for text in values:
             name, sep, value = text.rpartition("=") if "=" in text else ("", "", text)
             if field == "quantization" and value not in QUANTIZATION_MODES:
@@ -237,6 +242,7 @@ def run(args: argparse.Namespace) -> int:
         api_keys=args.api_keys,
         tls_client_ca=args.tls_client_ca,
         quota=Quota(max_concurrent=args.max_streams_per_key, max_per_minute=args.max_rpm_per_key),
+        trace_exporter=trace_exporter(args),
     )
     engine_options = EngineOptions(
         device=args.device,
@@ -254,6 +260,17 @@ def run(args: argparse.Namespace) -> int:
         return asyncio.run(server.run(specs, options, engine_options, on_ready=demo if args.demo else None))
     except (ModelLoadError, OSError) as err:
         raise CliError(str(err)) from None
+
+
+def trace_exporter(args: argparse.Namespace):
+    if not (args.trace_console or args.otlp_endpoint):
+        return None
+    from omnivox.services.tracing import exporter_for
+
+    try:
+        return exporter_for(args.trace_console, args.otlp_endpoint)
+    except (ImportError, ValueError) as err:
+        raise CliError(f"tracing: {err} (pip install 'omnivox[tracing]')") from None
 
 
 async def demo(srv: OmnivoxServer) -> None:
