@@ -14,9 +14,12 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily
 
 from omnivox.engine import Engine, RequestOutput
 from omnivox.engine.core import StepResult
@@ -55,10 +58,8 @@ class Metrics:
         self.preemptions = Counter("omnivox_num_preemptions", "Requests preempted (KV cache full)", m, registry=r)
         self.spec_drafts = Counter("omnivox_spec_decode_num_draft_tokens", "Draft tokens verified", m, registry=r)
         self.spec_accepted = Counter("omnivox_spec_decode_num_accepted_tokens", "Draft tokens accepted", m, registry=r)
-        self.encoder_hits = Counter(
-            "omnivox_encoder_cache_hits", "Image/audio items served by the encoder cache", m, registry=r
-        )
-        self.encoder_queries = Counter("omnivox_encoder_cache_queries", "Image/audio items looked up", m, registry=r)
+        self.encoder_caches: list[tuple[str, str, Any]] = []  # (model, modality, EncoderCache): counted by the cache
+        r.register(_EncoderCacheCollector(self.encoder_caches))
         # Request latencies.
         self.ttft = Histogram(
             "omnivox_time_to_first_token_seconds", "Time to first token", m, buckets=_TTFT, registry=r
@@ -84,9 +85,6 @@ class Metrics:
             "omnivox_speech_real_time_factor", "Compute seconds / audio seconds", m, buckets=_RTF, registry=r
         )
         self.audio_seconds = Counter("omnivox_audio_seconds", "Audio seconds produced", m, registry=r)
-        self.codec_seconds = Histogram(
-            "omnivox_codec_decode_time_seconds", "Codec decode time per chunk", m, buckets=_ITL, registry=r
-        )
         self.speech_streams = Gauge("omnivox_speech_streams_active", "Speech streams open", m, registry=r)
         self.underruns = Counter(
             "omnivox_audio_underruns", "Chunks that arrived after the client's buffer ran dry", m, registry=r
@@ -118,6 +116,10 @@ class Metrics:
             self.observers[model] = StepObserver(self, model, engine)
             engine.step_observers.append(self.observers[model])
 
+    def watch_encoder_cache(self, model: str, modality: str, cache: Any) -> None:
+        if not any(c is cache for _, _, c in self.encoder_caches):
+            self.encoder_caches.append((model, modality, cache))
+
     def admission(self, model: str, request_id: str) -> float | None:
         """When the engine first admitted `request_id` (time.monotonic()), once its first token came; then forgotten."""
         observer = self.observers.get(model)
@@ -136,6 +138,23 @@ class Metrics:
 class _Times:
     scheduled: float  # first admission
     last_token: float | None = None
+
+
+class _EncoderCacheCollector:
+    """omnivox_encoder_cache_{queries,hits}_total from the caches' own counters, read when scraped."""
+
+    def __init__(self, caches: list[tuple[str, str, Any]]) -> None:
+        self.caches = caches
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        labels = ["model", "modality"]
+        queries = CounterMetricFamily("omnivox_encoder_cache_queries", "Image/audio items looked up", labels=labels)
+        hits = CounterMetricFamily("omnivox_encoder_cache_hits", "Items served by the encoder cache", labels=labels)
+        for model, modality, cache in self.caches:
+            queries.add_metric([model, modality], cache.hits + cache.misses)
+            hits.add_metric([model, modality], cache.hits)
+        yield queries
+        yield hits
 
 
 class StepObserver:

@@ -233,6 +233,9 @@ class OmnivoxServer:
         engine = model.engine
         assert engine is not None
         self.metrics.attach(model.name, engine)
+        for modality, part in (("audio", model.bundle.audio), ("image", model.bundle.vision)) if model.bundle else ():
+            if part is not None:
+                self.metrics.watch_encoder_cache(model.name, modality, part.worker.cache)
         loop = asyncio.get_running_loop()
 
         def failed(exc: Exception) -> None:  # on the engine thread

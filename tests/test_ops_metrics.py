@@ -140,3 +140,18 @@ def test_underruns_agree_with_scripted_send_times() -> None:
     assert get("omnivox_audio_underrun_seconds_total", {"model": "speech"}) == pytest.approx(0.3)
     assert get("omnivox_speech_real_time_factor_sum", {"model": "speech"}) == pytest.approx(2.0)
     assert get("omnivox_speech_streams_active", {"model": "speech"}) == 0
+
+
+def test_encoder_cache_counters_come_from_the_cache() -> None:
+    class FakeCache:
+        hits, misses = 3, 2
+
+    m = Metrics()
+    cache = FakeCache()
+    m.watch_encoder_cache("vlm", "image", cache)
+    m.watch_encoder_cache("vlm", "image", cache)  # once per cache
+    get = m.registry.get_sample_value
+    assert get("omnivox_encoder_cache_queries_total", {"model": "vlm", "modality": "image"}) == 5
+    assert get("omnivox_encoder_cache_hits_total", {"model": "vlm", "modality": "image"}) == 3
+    cache.hits += 1
+    assert get("omnivox_encoder_cache_hits_total", {"model": "vlm", "modality": "image"}) == 4
