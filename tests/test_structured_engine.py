@@ -107,3 +107,58 @@ def test_finished_grammar_wins_over_min_tokens(engine) -> None:
         "Hello", SamplingParams(temperature=1.0, seed=0, min_tokens=20, max_tokens=40, constraint_factory=f)
     )[0]
     assert out.finish_reason == "stop" and out.text in ("yes", "no")
+
+
+def test_realistic_tokenizer_json_and_tool_calls(default_gguf, tmp_path) -> None:
+    """SmolLM2's 49 152-token BPE (multi-character tokens, special tokens) under a tiny random decoder: sampled JSON
+    validates and a required tool call parses, with the Hermes grammar services/tools.py builds."""
+    from checkpoints import make_checkpoint
+
+    from omnivox.models.checkpoint import load_tokenizer
+    from omnivox.services import tools
+
+    hf = load_tokenizer(default_gguf)
+    ckpt = make_checkpoint(
+        tmp_path / "smol-tok",
+        vocab_size=len(hf),
+        hidden_size=32,
+        intermediate_size=64,
+        with_tokenizer=False,
+        bos_token_id=hf.bos_token_id,
+        eos_token_id=hf.eos_token_id,
+        pad_token_id=hf.eos_token_id,
+    )
+    hf.save_pretrained(ckpt)
+    engine = tiny_engine(ckpt)
+    try:
+        schema = {**SCHEMA, "properties": {**SCHEMA["properties"], "name": {"type": "string", "maxLength": 12}}}
+        json_f = factory(
+            engine, llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+        )
+        call = tools._call_schema(
+            tools.HERMES,
+            "lookup",
+            {
+                "type": "object",
+                "properties": {"q": {"type": "string", "maxLength": 20}},
+                "required": ["q"],
+                "additionalProperties": False,
+            },
+            True,
+        )
+        tool_f = factory(engine, tools._grammar(tools.HERMES, [call], tools.REQUIRED, parallel=False))
+        params = [SamplingParams(temperature=1.0, seed=s, max_tokens=80, constraint_factory=json_f) for s in range(12)]
+        params += [SamplingParams(temperature=1.0, seed=s, max_tokens=80, constraint_factory=tool_f) for s in range(8)]
+        outs = engine.generate(["Hello"] * len(params), params)
+        for out in outs[:12]:
+            assert out.finish_reason == "stop", out.text
+            obj = json.loads(out.text)
+            assert isinstance(obj["id"], int) and set(obj["tags"]) <= {"x", "yy"}
+        for out in outs[12:]:
+            assert out.finish_reason == "stop", out.text
+            content, calls = tools.parse(out.text, tools.HERMES)
+            assert content == "" and len(calls) == 1 and calls[0].complete and calls[0].name == "lookup", out.text
+            assert isinstance(json.loads(calls[0].arguments)["q"], str)
+        engine.check_integrity()
+    finally:
+        engine.shutdown()
