@@ -92,11 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {
         "model": args.model,
         "k": args.k,
-        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "commit": subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
         ).stdout.strip(),
-        "load_average": os.getloadavg()[0],
+        "load_average_at_start": list(os.getloadavg()),
         "machine": platform.processor() or platform.machine(),
         "threads": 1,
         "batch1": {},
