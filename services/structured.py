@@ -80,6 +80,8 @@ def response_format_spec(request: generation_pb2.GenerateRequest) -> GrammarSpec
     if kind is None:
         return None
     field = f"response_format.{kind}"
+    if request.ignore_eos:  # a finished grammar admits only end-of-sequence: there is nothing to generate past it
+        raise _bad("ignore_eos", "cannot be combined with response_format")
     text = rf.json_schema if kind == "json_schema" else rf.regex if kind == "regex" else rf.lark_grammar
     if kind == "choices":
         values = list(rf.choices.values)

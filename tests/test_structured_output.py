@@ -219,3 +219,10 @@ def test_compile_timeout_is_invalid_argument(stub, server: ServerThread, monkeyp
         run(stub, sampled(generation_pb2.ResponseFormat(regex="too slow [a-z]+"), 0))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "did not compile within 0.3 s" in violations(info.value)["response_format.regex"]
+
+
+def test_ignore_eos_with_response_format_is_invalid_argument(stub) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        run(stub, sampled(generation_pb2.ResponseFormat(regex="a+"), 0, ignore_eos=True))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "response_format" in violations(info.value)["ignore_eos"]
