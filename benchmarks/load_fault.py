@@ -253,10 +253,22 @@ def wait_idle(engine, registry, timeout_s: float = 2.0) -> tuple[bool, dict, flo
         time.sleep(0.01)
 
 
+class _Keyed:
+    """A GenerationService stub that sends `authorization: Bearer KEY` on every call."""
+
+    def __init__(self, stub, key: str) -> None:
+        self.stub, self.metadata = stub, (("authorization", f"Bearer {key}"),)
+
+    def Generate(self, request, **kwargs):  # noqa: N802 - the RPC's name
+        return self.stub.Generate(request, metadata=self.metadata, **kwargs)
+
+
 # ---- CLI ----------------------------------------------------------------------------------------------------------
 async def _main(args: argparse.Namespace) -> dict:
     async with grpc.aio.insecure_channel(args.server) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
+        if args.api_key:
+            stub = _Keyed(stub, args.api_key)
         if args.cmd == "overload":
             return await overload(stub, args.requests, args.max_tokens, args.ramp)
         if args.cmd == "cancels":
@@ -276,6 +288,7 @@ async def _main(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m omnivox.benchmarks.load_fault")
     p.add_argument("--server", required=True)
+    p.add_argument("--api-key", default=os.environ.get("OMNIVOX_API_KEY"))
     sub = p.add_subparsers(dest="cmd", required=True)
     o = sub.add_parser("overload")
     o.add_argument("--requests", type=int, default=300)

@@ -1,0 +1,66 @@
+"""`omnivox serve` in a child process with the operations flags (API keys, metrics port, limits), a load client in
+another, and SIGTERM under load: the server drains and exits 0, no call ever ends UNKNOWN or INTERNAL."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from checkpoints import make_checkpoint
+from test_cli import ServeProcess, omnivox, wait_for_log
+
+from omnivox.v1 import model_pb2, model_pb2_grpc
+
+KEY = "sk-serve-test-123456"
+
+
+@pytest.mark.slow
+def test_sigterm_under_load_with_keys_and_metrics(tmp_path: Path) -> None:
+    ckpt = make_checkpoint(tmp_path / "tiny", family="llama", max_position_embeddings=4096)
+    keys = tmp_path / "keys"
+    keys.write_text(f"load:{KEY}\n")
+    serve = ServeProcess(
+        "--model", str(ckpt), "--max-queue", "32", "--kv-cache-gib", "0.02", "--threads", "1",
+        "--api-keys", str(keys), "--metrics-port", "0", "--grace-period", "10",
+    )  # fmt: skip
+    try:
+        address = serve.wait_ready()
+        [metrics_url] = [m.group(1) for line in serve.log if (m := re.search(r"metrics on (\S+)", line))]
+        with grpc.insecure_channel(address) as channel:  # without the key: refused; with it: served
+            stub = model_pb2_grpc.ModelServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as info:
+                stub.ListModels(model_pb2.ListModelsRequest())
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        listed = omnivox("models", "--server", address, "--api-key", KEY)
+        assert listed.returncode == 0 and "tiny" in listed.stdout, listed.stderr
+        load = subprocess.Popen(
+            [sys.executable, "-m", "omnivox.benchmarks.load_fault", "--server", address, "--api-key", KEY,
+             "soak", "--seconds", "6", "--concurrency", "12"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+        )  # fmt: skip
+        time.sleep(3.0)  # under load
+        scrape = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+        assert 'omnivox_grpc_requests_total{grpc_code="OK",method="Generate"}' in scrape
+        signaled = time.monotonic()
+        os.kill(serve.proc.pid, signal.SIGTERM)
+        wait_for_log(serve, "shutting down")
+        assert serve.proc.wait(timeout=30) == 0, "".join(serve.log)
+        drained_s = time.monotonic() - signaled
+        out, err = load.communicate(timeout=60)
+        assert load.returncode == 0, err[-2000:]
+        codes = json.loads(out.strip().splitlines()[-1])["codes"]
+        assert not {"UNKNOWN", "INTERNAL", "UNAUTHENTICATED"} & set(codes), codes
+        assert codes.get("OK") and codes.get("UNAVAILABLE"), codes  # served, then refused by the drain / gone
+        assert drained_s < 12, drained_s
+        assert "Traceback" not in "".join(serve.log)
+    finally:
+        serve.stop()
