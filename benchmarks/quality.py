@@ -176,7 +176,7 @@ def run(model_path: str, modes: list[str], threads: int, speed: bool) -> dict:
         "threads": threads,
         "machine": platform.processor() or platform.machine(),
         "commit": _commit(),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "modes": {},
     }
     reference = None
