@@ -24,11 +24,11 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from omnivox.services import loading
-from omnivox.services.auth import AuthInterceptor, Quota, load_api_keys
+from omnivox.services.auth import Quota
 from omnivox.services.generation import GenerationServicer
+from omnivox.services.interceptors import server_interceptors
 from omnivox.services.limits import GrpcLimits
 from omnivox.services.loading import EngineOptions, ModelLoadError, ModelSpec
-from omnivox.services.logs import CallInterceptor
 from omnivox.services.metrics import Metrics
 from omnivox.services.model_service import ModelServicer
 from omnivox.services.registry import ModelRegistry, ModelState, ServedModel
@@ -141,15 +141,7 @@ class OmnivoxServer:
     async def start(self) -> int:
         """Listen and serve health, reflection and ListModels; return the port. Models are not loaded yet."""
         opts = self.options
-        interceptors: list[grpc.aio.ServerInterceptor] = [CallInterceptor(self.metrics)]  # outermost: sees all ends
-        if opts.trace_exporter is not None:
-            from omnivox.services.tracing import TracingInterceptor
-
-            self.tracing = TracingInterceptor(opts.trace_exporter)
-            interceptors.append(self.tracing)
-        if opts.api_keys or opts.tls_client_ca or opts.quota != Quota():
-            keys = load_api_keys(opts.api_keys) if opts.api_keys else None
-            interceptors.append(AuthInterceptor(keys, mtls=opts.tls_client_ca is not None, quota=opts.quota))
+        interceptors, self.tracing = server_interceptors(self.metrics, opts)  # calls, tracing, auth
         self._server = grpc.aio.server(
             interceptors=interceptors,
             options=[
