@@ -26,7 +26,7 @@ from omnivox.engine.block_pool import KVUsage
 from omnivox.engine.core import EngineCore, Proposer, StepResult
 from omnivox.engine.errors import InvalidRequest
 from omnivox.engine.intake import Prompt, RequestIntake
-from omnivox.engine.loading import cap_max_len, default_device, kv_cache_gib_after_profile, load_model, resolve_dtype
+from omnivox.engine.loading import cap_max_len, default_device, default_kv_gib, load_model, resolve_dtype
 from omnivox.engine.output_processor import OutputCallback, OutputProcessor
 from omnivox.engine.outputs import RequestOutput
 from omnivox.engine.params import SamplingParams
@@ -61,7 +61,7 @@ class Engine:
         self.tokenizer = tokenizer
         cfg = model.config
         if kv_cache_gib is None:
-            kv_cache_gib = self._default_kv_gib(max_num_batched_tokens, max_num_seqs, block_size)
+            kv_cache_gib = default_kv_gib(model, max_num_batched_tokens, max_num_seqs, block_size)
         bytes_per_block = cfg.kv_bytes_per_token(param.element_size()) * block_size
         num_blocks = int(kv_cache_gib * 2**30 // bytes_per_block)
         if num_blocks < 2:
@@ -88,6 +88,7 @@ class Engine:
             proposer,
             cfg.max_model_len,
         )
+        self.scheduler, self.pool, self.runner = self.core.scheduler, self.core.pool, self.core.runner  # for tools
         self.core.runner.prepare()  # every decode graph captured now, before anything can serve (none while serving)
         self.intake = RequestIntake(cfg, tokenizer, self.device)
         self.outputs = OutputProcessor(tokenizer, cfg.max_model_len)
@@ -149,26 +150,7 @@ class Engine:
             proposer=proposer,
         )
 
-    def _default_kv_gib(self, max_num_batched_tokens: int | None, max_num_seqs: int, block_size: int) -> float:
-        """On CUDA: sized after a profiling step (its activation peak) and leaving room for the decode graphs."""
-        if self.device.type == "cuda":
-            with torch.cuda.device(self.device):
-                return kv_cache_gib_after_profile(self.model, max_num_batched_tokens or 2048, max_num_seqs, block_size)
-        return 1.0
-
     # ---- the core's parts, for tests and tools ------------------------------------------------------------------
-    @property
-    def scheduler(self):
-        return self.core.scheduler
-
-    @property
-    def pool(self):
-        return self.core.pool
-
-    @property
-    def runner(self):
-        return self.core.runner
-
     @property
     def num_steps(self) -> int:
         return self.core.num_steps

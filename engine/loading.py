@@ -153,3 +153,15 @@ def kv_cache_gib_after_profile(model: DecoderModel, num_tokens: int, num_logit_r
         num_tokens,
     )
     return gib
+
+
+def default_kv_gib(
+    model: DecoderModel, max_num_batched_tokens: int | None, max_num_seqs: int, block_size: int
+) -> float:
+    """KV cache size when none is given: on CUDA sized after a profiling step (its activation peak) and leaving room
+    for the decode graphs; 1 GiB on CPU."""
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            return kv_cache_gib_after_profile(model, max_num_batched_tokens or 2048, max_num_seqs, block_size)
+    return 1.0
