@@ -76,7 +76,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             tool_plan = tools.plan(request, model.engine.tokenizer)  # None: no tools and no tool turns
             await tools.constrain(tool_plan, checked.params, model.engine)
             tool_output = tools.ToolOutput(tool_plan) if tool_plan is not None and tool_plan.parses_calls else None
+            built = time.monotonic()
             prompt = await self._build_prompt(model, request, tool_plan)
+            call.phase("prompt", built, time.monotonic())  # tokenise; decode and preprocess images and audio
             try:
                 validation.check_prompt_fits(len(prompt.token_ids), checked.params, model)
             except ServiceError:

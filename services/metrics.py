@@ -214,7 +214,7 @@ class StepObserver:
                 m.prefill_time.labels(model).observe(now - t.scheduled)
                 self.scheduled[acc.request.request_id] = t.scheduled
                 if len(self.scheduled) > MAX_REMEMBERED:
-                    del self.scheduled[next(iter(self.scheduled))]
+                    self.scheduled.pop(next(iter(self.scheduled)), None)  # the servicer may pop it too
             t.last_token = now
         if tokens:
             m.generation_tokens.labels(model).inc(tokens)

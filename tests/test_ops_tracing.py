@@ -36,7 +36,7 @@ def test_spans_continue_the_clients_trace(tmp_path) -> None:
     assert traced.attributes["omnivox.output_tokens"] == 4 and traced.attributes["rpc.grpc.status_code"] == 0
     children = sorted((s for s in spans if s.parent is not None and s.parent.span_id == traced.context.span_id),
                       key=lambda s: s.start_time)  # fmt: skip
-    assert [c.name for c in children] == ["queue", "prefill", "decode"]
+    assert [c.name for c in children] == ["prompt", "queue", "prefill", "decode"]
     for a, b in zip(children, children[1:], strict=False):
         assert a.end_time <= b.start_time + 1000  # one after the other (1 µs of clock conversion)
     assert traced.start_time <= children[0].start_time and children[-1].end_time <= traced.end_time + 10**6
