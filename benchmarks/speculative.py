@@ -54,18 +54,21 @@ def chat_ids(engine: Engine, text: str) -> list[int]:
     return tok.encode(rendered, add_special_tokens=False)
 
 
-def timed_solo(engine: Engine, prompt: list[int], max_tokens: int) -> tuple[float, float, int]:
-    """(mean ITL s, per-user TPS, tokens) of one request stepped alone."""
-    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens), request_id="solo")
+def timed_solo(engine: Engine, prompt: list[int], max_tokens: int) -> tuple[float, float, int, int]:
+    """(mean ITL s, per-user TPS, drafted, accepted) of one request stepped alone."""
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
     stamps: list[tuple[float, int]] = []
+    drafted = accepted = 0
     while engine.has_unfinished():
         for out in engine.step():
             if out.new_token_ids:
                 stamps.append((time.perf_counter(), len(out.new_token_ids)))
+        drafted += engine.last_step.stats.num_drafted
+        accepted += engine.last_step.stats.num_accepted
     tokens = sum(n for _, n in stamps)
     span = stamps[-1][0] - stamps[0][0]
     gaps = tokens - stamps[0][1]
-    return (span / gaps if gaps else float("nan")), (gaps / span if span else float("nan")), tokens
+    return (span / gaps if gaps else float("nan")), (gaps / span if span else float("nan")), drafted, accepted
 
 
 def total_tps(engine: Engine, prompts: list[list[int]], max_tokens: int) -> float:
@@ -109,14 +112,17 @@ def main(argv: list[str] | None = None) -> int:
     }
     for wname, prompts in workloads.items():
         for mode, engine in engines.items():  # the two modes alternate per prompt: same machine conditions
-            itl, tps = [], []
+            itl, tps, drafted, accepted = [], [], 0, 0
             for p in prompts:
-                a, b, _ = timed_solo(engine, p, 96)
+                a, b, d, acc = timed_solo(engine, p, 96)
                 itl.append(a)
                 tps.append(b)
+                drafted, accepted = drafted + d, accepted + acc
             results["batch1"].setdefault(wname, {})[mode] = {
                 "itl_ms": 1000 * statistics.median(itl),
                 "per_user_tps": statistics.median(tps),
+                "drafted": drafted,
+                "accepted": accepted,
             }
             print(wname, mode, results["batch1"][wname][mode], flush=True)
     chat = [chat_ids(base, p) for p in CHAT]
