@@ -51,13 +51,17 @@ class GrammarConstraint:
         self.vocab_size = vocab_size
         self.eos_ids = np.array(sorted(set(eos_ids)), dtype=np.int64)
         self.num_consumed = 0  # tokens consumed by the matcher (advance - rollback)
-        self._mask: torch.Tensor | None = None  # bool [V] for the state after num_consumed tokens
+        self._mask: torch.Tensor | None = None  # bool [V] for the matcher state numbered _mask_at
         self._mask_at = -1
+        # Numbers every matcher state: advance and rollback each make a new one. Not num_consumed, which comes back
+        # to the same value along another path (drafts advanced, rolled back, then a different token advanced).
+        self._state = 0
+        self._skipped = 0  # tokens advanced past a stopped matcher (it never saw them)
         self._only_eos = False
 
     @property
     def needs_mask(self) -> bool:
-        return self._mask_at != self.num_consumed
+        return self._mask_at != self._state
 
     def set_mask(self, mask: torch.Tensor) -> None:  # bool [V], filled by the batch
         if len(self.eos_ids):
@@ -66,7 +70,7 @@ class GrammarConstraint:
             if m[self.eos_ids].any():
                 m[self.eos_ids] = True
             self._only_eos = np.count_nonzero(m) == np.count_nonzero(m[self.eos_ids])
-        self._mask, self._mask_at = mask, self.num_consumed
+        self._mask, self._mask_at = mask, self._state
 
     def _check(self) -> None:
         if self.matcher.is_error():
@@ -89,9 +93,11 @@ class GrammarConstraint:
         return self._only_eos
 
     def advance(self, token_ids: list[int]) -> None:
+        self._state += 1
         for t in token_ids:
             if self.matcher.is_stopped():  # the eos that ended the grammar, or tokens after it: nothing to match
                 self.num_consumed += 1
+                self._skipped += 1
                 continue
             if not self.matcher.consume_token(t):
                 raise ValueError(f"token {t} rejected by the grammar: {self.matcher.get_error()}")
@@ -99,8 +105,12 @@ class GrammarConstraint:
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens:
-            self.matcher.rollback(num_tokens)
+            skipped = min(num_tokens, self._skipped)  # the skipped tokens are the last ones
+            self._skipped -= skipped
+            if num_tokens > skipped:
+                self.matcher.rollback(num_tokens - skipped)
             self.num_consumed -= num_tokens
+            self._state += 1
 
 
 class GrammarConstraintFactory:

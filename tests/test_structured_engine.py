@@ -101,6 +101,23 @@ def test_advance_rollback_and_finished_grammar(engine) -> None:
         c.advance(b)  # "b" cannot start "ab"
 
 
+def test_mask_after_rollback_and_another_token(engine) -> None:
+    """Speculative verification's path: a draft advanced (its mask computed), rolled back, then a different token
+    accepted — the mask is the new state's, not the draft's (same token count, different state)."""
+    f = factory(engine, llguidance.LLMatcher.grammar_from_regex("(ab|cd)e"))
+    tok = engine.tokenizer
+    a, c = (tok.encode(s, add_special_tokens=False) for s in ("a", "c"))
+    spec, fresh = f(), f()
+    spec.allowed([])
+    spec.advance(a)
+    draft_mask = spec.allowed([]).clone()
+    spec.rollback(1)
+    spec.advance(c)
+    fresh.advance(c)
+    assert torch.equal(spec.allowed([]), fresh.allowed([]))
+    assert not torch.equal(spec.allowed([]), draft_mask)
+
+
 def test_finished_grammar_wins_over_min_tokens(engine) -> None:
     f = factory(engine, llguidance.LLMatcher.grammar_from_regex("(yes|no)"))
     out = engine.generate(
