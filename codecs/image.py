@@ -3,7 +3,8 @@
 The format is sniffed from the bytes (magic numbers); a `mime_type` from the client is only a hint and never decides.
 Everything that can be checked from the header is checked before any pixel is decoded: Pillow's `Image.open` reads
 only the header, so a 30000x30000 PNG is refused with its size known and nothing allocated. Only the first frame of a
-GIF is decoded; the frame count is never asked for (`n_frames` would walk every frame of a 10,000-frame GIF).
+GIF or animated WebP is decoded; the frame count is never asked for (`n_frames` would walk every frame of a
+10,000-frame GIF): an animation is refused once it shows a frame past `max_frames`, found by seeking that far only.
 
 Transparency is composited on white, as transformers' `convert_to_rgb` does before every image processor of the
 families we serve, so that an RGBA image preprocesses the same here as in the reference.
@@ -48,6 +49,9 @@ class ImageLimits:
     max_aspect_ratio: float = 200.0  # longer side / shorter side; Qwen2.5-VL's processor refuses more than 200
     min_side: int = 2  # a 1x1 image carries nothing and breaks some resizers
     max_images: int = 16  # per request; counted by the service before decoding any of them
+    # An animation with more frames is refused (a question about a picture is about one frame; a 10,000-frame GIF
+    # is an attack on the decoder): at most this many frames are parsed to find out.
+    max_frames: int = 100
     formats: frozenset[str] = field(default=SUPPORTED_FORMATS)
 
     def __post_init__(self) -> None:
@@ -109,7 +113,14 @@ def decode_image(data: bytes, limits: ImageLimits = ImageLimits(), mime_type: st
     width, height = im.size
     _check_size(width, height, limits)
     try:
-        im.seek(0)  # GIF / animated WebP: the first frame only; later frames are never read
+        if getattr(im, "is_animated", False):  # GIF / WebP: read up to frame max_frames, never all of them
+            try:
+                im.seek(limits.max_frames)
+            except EOFError:
+                pass
+            else:
+                raise ImageDecodeError(f"the animation has more than {limits.max_frames} frames; send one image")
+        im.seek(0)  # the first frame is the image
         im.load()
     except Image.DecompressionBombError:
         raise ImageDecodeError(f"the image has too many pixels; the limit is {limits.max_pixels}") from None

@@ -80,21 +80,32 @@ def test_exif_orientation_is_applied():
     assert all(abs(a - b) < 12 for a, b in zip(out.image.getpixel((29, 39)), ref.getpixel((29, 39)), strict=True))
 
 
-def test_gif_first_frame_only_and_fast():
+def _animation(n: int) -> bytes:
     # Frame 0 is red; frame i > 0 is black with one white pixel moving, so no two neighbours merge on save.
     frames = [Image.new("RGB", (4, 4), (255, 0, 0))]
-    for i in range(1, 10_000):
+    for i in range(1, n):
         f = Image.new("RGB", (4, 4))
         f.putpixel((i % 4, (i // 4) % 4), (255, 255, 255))
         frames.append(f)
     data = _encode(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=10)
-    assert data.count(b"\x21\xf9\x04") >= 10_000  # one graphic control block per frame: 10,000 frames stored
-    t0 = time.perf_counter()
-    out = decode_image(data)
-    elapsed = time.perf_counter() - t0
+    assert data.count(b"\x21\xf9\x04") >= n  # one graphic control block per frame: n frames stored
+    return data
+
+
+def test_gif_first_frame_of_a_short_animation():
+    out = decode_image(_animation(100))  # exactly max_frames: accepted
     assert out.format == "GIF" and out.image.size == (4, 4)
     assert out.image.getpixel((1, 1)) == (255, 0, 0)
-    assert elapsed < 0.2, f"decoding the first frame took {elapsed:.2f} s: later frames were read"
+
+
+def test_gif_of_10000_frames_is_refused_fast():
+    data = _animation(10_000)
+    t0 = time.perf_counter()
+    with pytest.raises(ImageDecodeError, match="more than 100 frames"):
+        decode_image(data)
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 0.2, f"refusing took {elapsed:.2f} s: more frames were read than the limit"
+    assert decode_image(data, ImageLimits(max_frames=10_000)).image.getpixel((1, 1)) == (255, 0, 0)
 
 
 def _png_with_header(width: int, height: int) -> bytes:

@@ -283,6 +283,7 @@ def test_bad_images_are_invalid_argument_and_the_server_keeps_serving(served):
         "1x1": _encode(Image.new("RGB", (1, 1)), "PNG"),
         "250:1": _encode(Image.new("RGB", (500, 2)), "PNG"),
         "png bomb": _png_bomb(),
+        "gif of 10,000 frames": _gif_10000_frames(),
     }
     for name, data in bad.items():
         with pytest.raises(grpc.RpcError) as info:
@@ -290,10 +291,6 @@ def test_bad_images_are_invalid_argument_and_the_server_keeps_serving(served):
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
         fields = _violations(info.value)
         assert len(fields) == 1 and fields[0].startswith("contents[0].parts[1].image"), (name, fields)
-    # A GIF of 10,000 frames is answered from its first frame, without reading the others (GIFs are accepted).
-    t0 = time.monotonic()
-    got, _, _ = run(stub, ask(family, [("user", ["Look:", content_pb2.ImagePart(data=_gif_10000_frames())])]))
-    assert len(got) == STEPS and time.monotonic() - t0 < 10
     # Every problem of a request at once; the good image in it takes no cache reference.
     with pytest.raises(grpc.RpcError) as info:
         run(stub, ask(family, [("user", [A, content_pb2.ImagePart(data=bad["tiff"]), bad_max_pixels()])]))
