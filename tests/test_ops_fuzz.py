@@ -17,9 +17,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from service_harness import ServerThread
 
+from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
 from omnivox.services import validation
+from omnivox.services.defaults import save_random_speech_model
 from omnivox.services.errors import ServiceError
 from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.speech import SpeechServicer
 from omnivox.v1 import (
     generation_pb2,
     generation_pb2_grpc,
@@ -171,8 +174,16 @@ def test_from_string_raises_only_decode_error(cls) -> None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    ckpt = make_checkpoint(tmp_path_factory.mktemp("fuzz") / "tiny", family="llama")
-    with ServerThread([ModelSpec(path=ckpt, name="tiny")], EngineOptions(kv_cache_gib=0.01)) as srv:
+    root = tmp_path_factory.mktemp("fuzz")
+    ckpt = make_checkpoint(root / "tiny", family="llama")
+    speech = save_random_speech_model(
+        root / "speech", snac_config=dict(SNAC_24KHZ_CONFIG, encoder_dim=8, decoder_dim=64)
+    )
+    specs = [ModelSpec(path=ckpt, name="tiny"), ModelSpec(path=speech, name="speech")]
+    with ServerThread(specs, EngineOptions(kv_cache_gib=0.01)) as srv:
+        for b in srv.server.services:
+            if isinstance(b.servicer, SpeechServicer):  # the random decoder speaks for its whole budget: keep it short
+                b.servicer.limits.audio_seconds_base, b.servicer.limits.audio_seconds_per_char = 0.1, 0.0
         yield srv
 
 
@@ -185,7 +196,7 @@ def _small(req: generation_pb2.GenerateRequest) -> generation_pb2.GenerateReques
 
 def _named(req: Message) -> Message:
     if "model" in req.DESCRIPTOR.fields_by_name:
-        req.model = "tiny"
+        req.model = "speech" if req.DESCRIPTOR.name in ("SynthesizeSpeechRequest", "ListVoicesRequest") else "tiny"
     return req
 
 
@@ -242,5 +253,6 @@ def test_generated_requests_never_get_unknown_or_internal(server: ServerThread) 
     check()
     print("fuzz status codes:", codes)
     assert codes.get("OK") and codes.get("INVALID_ARGUMENT"), codes
-    free, total = server.wait_kv_free("tiny", timeout=5.0)
-    assert free == total
+    for name in ("tiny", "speech"):
+        free, total = server.wait_kv_free(name, timeout=5.0)
+        assert free == total, name
