@@ -23,6 +23,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import llguidance
+
 from omnivox.services import errors
 from omnivox.services.errors import FieldViolation
 from omnivox.services.structured import GrammarSpec
@@ -92,8 +94,9 @@ def _call_schema(fmt: ToolFormat, name: str, params: dict, strict: bool) -> dict
     }
 
 
-def _grammar(fmt: ToolFormat, calls: list[dict], choice: str, parallel: bool) -> str:
-    """A Lark grammar (llguidance) for the choice; `calls` are the allowed call-object schemas."""
+def _grammar(fmt: ToolFormat, calls: list[dict], choice: str, parallel: bool, python_tag: bool = False) -> str:
+    """A Lark grammar (llguidance) for the choice; `calls` are the allowed call-object schemas. `python_tag`: the
+    tokenizer has Llama 3's `<|python_tag|>` special token, which may open the calls."""
     schema = dict(calls[0]) if len(calls) == 1 else {"anyOf": calls}
     schema["x-guidance"] = _JSON_STYLE
     body = f"%json {json.dumps(schema)}"
@@ -110,15 +113,15 @@ def _grammar(fmt: ToolFormat, calls: list[dict], choice: str, parallel: bool) ->
         )
         lines.append(f"calls_after_tag: {after}" + (f" ({json.dumps(fmt.separator)} call)*" if parallel else ""))
     elif choice == AUTO:  # Llama: plain text that does not start with a call, or calls
-        lines += ["start: TEXT | calls", r"TEXT: /(?s:.*)/ & ~/(?s:\s*\{.*)/"]
+        lines += ["start: TEXT | tagged", r"TEXT: /(?s:.*)/ & ~/(?s:\s*\{.*)/"]
     elif choice == NONE and fmt.open_tag:
         lines += ["start: FREE", free]
     elif choice == NONE:  # Llama: a call is a whole message starting with "{"; braces later in the text are fine
         lines += ["start: TEXT", r"TEXT: /(?s:.*)/ & ~/(?s:\s*\{.*)/"]
     else:
-        lines.append("start: calls")
-    import llguidance
-
+        lines.append("start: tagged" if not fmt.open_tag else "start: calls")
+    if not fmt.open_tag:
+        lines.append("tagged: <|python_tag|>? calls" if python_tag else "tagged: calls")
     return llguidance.LLMatcher.grammar_from_lark("\n".join(lines))
 
 
@@ -180,7 +183,9 @@ def plan(request: generation_pb2.GenerateRequest, tokenizer: Any) -> ToolPlan | 
         return result  # the response_format constrains the output
     if request.tools:
         allowed = [calls[choice]] if choice in calls else list(calls.values())
-        text = _grammar(fmt, allowed, choice if choice in (AUTO, NONE) else REQUIRED, parallel and choice not in calls)
+        mode = choice if choice in (AUTO, NONE) else REQUIRED
+        python_tag = fmt is LLAMA3 and "<|python_tag|>" in tokenizer.get_vocab()
+        text = _grammar(fmt, allowed, mode, parallel and choice not in calls, python_tag)
         result.grammar = GrammarSpec("tools", text)
     return result
 

@@ -91,6 +91,36 @@ def test_parsing_is_chunking_independent(fmt, text) -> None:
         assert done == [("get_weather", '{"city": "a; b}", "unit": "f"}'), ("get_time", "{}")]
 
 
+def test_llama3_grammar_with_python_tag(tmp_path) -> None:
+    """Llama 3 JSON calls, with or without the <|python_tag|> special token first; auto lets plain text through,
+    none refuses a leading call, required refuses text."""
+    import llguidance
+    import llguidance.hf
+
+    ckpt = make_checkpoint(tmp_path / "t", family="llama", num_hidden_layers=1, hidden_size=32, intermediate_size=64)
+    tok = transformers.AutoTokenizer.from_pretrained(ckpt)
+    tok.add_special_tokens({"additional_special_tokens": ["<|python_tag|>"]})
+    tag = tok.convert_tokens_to_ids("<|python_tag|>")
+    llg = llguidance.hf.from_tokenizer(tok, n_vocab=len(tok))
+    calls = [tools._call_schema(tools.LLAMA3, "get_time", TIME, True)]
+    call_text = '{"name": "get_time", "parameters": {"zone": 3}}'
+
+    def accepts(mode: str, ids: list[int]) -> bool:
+        grammar = tools._grammar(tools.LLAMA3, calls, mode, parallel=True, python_tag=True)
+        m = llguidance.LLMatcher(llg, grammar, log_level=0)
+        assert not m.is_error(), m.get_error()
+        return m.consume_tokens(ids) and m.is_accepting()
+
+    def ids(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    for mode in (tools.REQUIRED, tools.AUTO):
+        assert accepts(mode, [tag, *ids(call_text)]) and accepts(mode, ids(call_text + "; " + call_text))
+    assert accepts(tools.AUTO, ids("It is noon {roughly}.")) and not accepts(tools.REQUIRED, ids("It is noon."))
+    assert accepts(tools.NONE, ids("It is noon {roughly}.")) and not accepts(tools.NONE, ids(call_text))
+    assert not accepts(tools.NONE, [tag, *ids(call_text)])
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
     ckpt = make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-tools", family="qwen2", max_position_embeddings=2048)
