@@ -132,7 +132,7 @@ def test_realistic_tokenizer_json_and_tool_calls(default_gguf, tmp_path) -> None
     from checkpoints import make_checkpoint
 
     from omnivox.models.checkpoint import load_tokenizer
-    from omnivox.services import tools
+    from omnivox.services import tool_parser, tools
 
     hf = load_tokenizer(default_gguf)
     ckpt = make_checkpoint(
@@ -173,7 +173,7 @@ def test_realistic_tokenizer_json_and_tool_calls(default_gguf, tmp_path) -> None
             assert isinstance(obj["id"], int) and set(obj["tags"]) <= {"x", "yy"}
         for out in outs[12:]:
             assert out.finish_reason == "stop", out.text
-            content, calls = tools.parse(out.text, tools.HERMES)
+            content, calls = tool_parser.parse(out.text, tools.HERMES)
             assert content == "" and len(calls) == 1 and calls[0].complete and calls[0].name == "lookup", out.text
             assert isinstance(json.loads(calls[0].arguments)["q"], str)
         engine.check_integrity()

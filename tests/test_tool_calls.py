@@ -13,7 +13,7 @@ from checkpoints import make_checkpoint
 from google.rpc import error_details_pb2
 from service_harness import ServerThread, user_request
 
-from omnivox.services import tools
+from omnivox.services import tool_parser, tools
 from omnivox.services.errors import status_details
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2
@@ -59,8 +59,8 @@ CANNED_LLAMA = (
 )
 
 
-def feed(fmt: tools.ToolFormat, text: str, chunk: int) -> tuple[str, dict[int, tuple[str, str]], list]:
-    stream = tools.ToolCallStream(fmt)
+def feed(fmt: tool_parser.ToolFormat, text: str, chunk: int) -> tuple[str, dict[int, tuple[str, str]], list]:
+    stream = tool_parser.ToolCallStream(fmt)
     content, calls = "", {}
     for end in [*range(chunk, len(text), chunk), len(text)]:
         c, deltas = stream.update(text[:end])

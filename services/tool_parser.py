@@ -1,0 +1,165 @@
+"""The tool-call parser: the calls in a model's output text, re-read from the whole text on every update.
+
+`parse` is a pure function of the text, so `ToolCallStream`'s deltas are the same however the text arrived in chunks.
+What may still change is held back: a tag that may be starting, and a suffix that may close the call object (its
+`}`s, whitespace, a partial closing tag or separator).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+from omnivox.v1 import content_pb2, generation_pb2
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    name: str
+    open_tag: str  # text that starts a call ("" for Llama's bare JSON)
+    close_tag: str
+    separator: str  # between calls
+    args_key: str
+
+
+HERMES = ToolFormat("hermes", "<tool_call>\n", "\n</tool_call>", "\n", "arguments")
+LLAMA3 = ToolFormat("llama3", "", "", "; ", "parameters")
+
+
+@dataclass
+class ParsedCall:
+    name: str | None
+    arguments: str  # what may be streamed so far (complete: the whole arguments JSON text)
+    complete: bool
+
+
+def _args_start(body: str, key: str) -> int | None:
+    m = re.search(r'"' + key + r'"\s*:\s*', body)
+    return m.end() if m else None
+
+
+def _parse_body(body: str, fmt: ToolFormat, complete: bool) -> ParsedCall:
+    m = re.search(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"', body)
+    name = json.loads(f'"{m.group(1)}"') if m else None
+    start = _args_start(body, fmt.args_key)
+    if start is None:
+        return ParsedCall(name, "", complete)
+    raw = body[start:]
+    if complete:
+        end = raw.rstrip().rfind("}")  # the call object's own closing brace
+        return ParsedCall(name, raw[:end].rstrip() if end >= 0 else raw, True)
+    return ParsedCall(name, raw.rstrip("} \n\t\r"), False)  # hold back what may close the call object
+
+
+def parse(text: str, fmt: ToolFormat) -> tuple[str, list[ParsedCall]]:
+    """(content text safe to show, the calls so far) — a pure function of the text."""
+    if fmt.open_tag:
+        tag, close = fmt.open_tag.strip(), fmt.close_tag.strip()
+        first = text.find(tag)
+        if first < 0:
+            k = _partial_suffix(text, tag)  # hold back a tag that may be starting
+            return text[: len(text) - k], []
+        calls = []
+        for piece in text[first + len(tag) :].split(tag):
+            end = piece.find(close)
+            body = piece if end < 0 else piece[:end]
+            if end < 0:  # hold back a closing tag that may be starting
+                body = body[: len(body) - _partial_suffix(body, close)]
+            calls.append(_parse_body(body, fmt, end >= 0))
+        return text[:first], calls
+    body = text.lstrip()
+    if body.startswith("<|python_tag|>"):
+        body = body[len("<|python_tag|>") :]
+    if not body.lstrip().startswith("{"):
+        return (text, []) if body else ("", [])
+    calls = []
+    pieces = _split_top_level(body, fmt.separator)
+    for k, piece in enumerate(pieces):
+        done = k < len(pieces) - 1 or _balanced(piece)
+        if not done:  # hold back a separator that may be starting
+            piece = piece[: len(piece) - _partial_suffix(piece, fmt.separator)]
+        calls.append(_parse_body(piece, fmt, done))
+    return "", calls
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest proper prefix of `tag` that `text` ends with."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+def _balanced(s: str) -> bool:
+    try:
+        json.loads(s)
+        return True
+    except json.JSONDecodeError:
+        return False
+
+
+def _split_top_level(s: str, sep: str) -> list[str]:
+    out, depth, in_str, esc, last = [], 0, False, False, 0
+    for i, ch in enumerate(s):
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+            continue
+        if ch == '"':
+            in_str = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+        elif depth == 0 and s.startswith(sep, i):
+            out.append(s[last:i])
+            last = i + len(sep)
+    out.append(s[last:])
+    return [p for p in out if p.strip()]
+
+
+@dataclass
+class ToolCallStream:
+    """Turns the growing output text into content deltas and tool_calls deltas (chunking-independent)."""
+
+    fmt: ToolFormat
+    ids: list[str] = field(default_factory=list)
+    sent_content: int = 0
+    sent_args: list[int] = field(default_factory=list)
+
+    def update(self, text: str, final: bool = False) -> tuple[str, list[generation_pb2.ToolCallDelta]]:
+        content, calls = parse(text, self.fmt)
+        if final and not calls:
+            content = text
+        new_content = content[self.sent_content :]
+        self.sent_content = max(self.sent_content, len(content))
+        deltas = []
+        for i, call in enumerate(calls):
+            if i == len(self.ids):
+                if call.name is None:
+                    break  # its name is not complete yet: the call starts in a later delta
+                self.ids.append("call_" + uuid.uuid4().hex[:24])
+                self.sent_args.append(0)
+                deltas.append(generation_pb2.ToolCallDelta(index=i, id=self.ids[i], name=call.name))
+            fragment = call.arguments[self.sent_args[i] :]
+            if fragment:
+                if deltas and deltas[-1].index == i:
+                    deltas[-1].arguments = fragment
+                else:
+                    deltas.append(generation_pb2.ToolCallDelta(index=i, arguments=fragment))
+                self.sent_args[i] = len(call.arguments)
+        return new_content, deltas
+
+    def complete_calls(self, text: str) -> list[content_pb2.ToolCall]:
+        _, calls = parse(text, self.fmt)
+        return [
+            content_pb2.ToolCall(id=self.ids[i], name=c.name or "", arguments=c.arguments)
+            for i, c in enumerate(calls)
+            if c.complete and i < len(self.ids)
+        ]
