@@ -273,6 +273,15 @@ def trace_exporter(args: argparse.Namespace):
         raise CliError(f"tracing: {err} (pip install 'omnivox[tracing]')") from None
 
 
+def demo_metadata(api_keys: Path | None) -> tuple[tuple[str, str], ...]:
+    """The demo request's key: the first in --api-keys (the server asks its own callers for one too)."""
+    for line in api_keys.read_text().splitlines() if api_keys else ():
+        if line.strip() and not line.strip().startswith("#"):
+            key_id, sep, key = line.strip().partition(":")
+            return (("authorization", f"Bearer {(key if sep else key_id).strip()}"),)
+    return ()
+
+
 async def demo(srv: OmnivoxServer) -> None:
     """Send one chat request through the real gRPC API to this server and print the answer as it streams."""
     import grpc
@@ -296,7 +305,10 @@ async def demo(srv: OmnivoxServer) -> None:
     print("assistant> ", end="", file=out, flush=True)
     async with channel:
         try:
-            async for response in generation_pb2_grpc.GenerationServiceStub(channel).Generate(request, timeout=300):
+            calls = generation_pb2_grpc.GenerationServiceStub(channel).Generate(
+                request, timeout=300, metadata=demo_metadata(srv.options.api_keys)
+            )
+            async for response in calls:
                 if response.HasField("delta"):
                     print(response.delta.text, end="", file=out, flush=True)
                 else:
