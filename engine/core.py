@@ -241,9 +241,10 @@ class EngineCore:
         if drafted:
             result.stats.num_drafted += drafted
             result.stats.num_accepted += num_accepted_drafts
-            # K/V is valid for the old last token and the accepted drafts; the last new token is not computed yet.
-            self.kv.rollback(req, before + num_accepted_drafts)
-            self.kv.commit_computed(req)
+        # K/V is valid for the old last token and the accepted drafts; the last new token is not computed yet. Blocks
+        # past that held rejected drafts, or drafts a constraint cut before verification: freed (a no-op otherwise).
+        self.kv.rollback(req, before + num_accepted_drafts)
+        self.kv.commit_computed(req)
         advance = getattr(req.constraint, "advance", None)  # optional: stateless constraints have none
         if advance is not None:
             advance(tokens)

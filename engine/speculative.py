@@ -140,10 +140,12 @@ def verify(
 
 
 class _FixedMask:
-    """A constraint stand-in that answers with one precomputed mask (a verification row's)."""
+    """A constraint stand-in that answers with one precomputed mask (a verification row's), and whether the grammar
+    was finished at that row (`must_end`: only EOS may follow, which wins over min_tokens)."""
 
-    def __init__(self, mask: torch.Tensor | None) -> None:
+    def __init__(self, mask: torch.Tensor | None, must_end: bool = False) -> None:
         self.mask = mask
+        self.must_end = must_end
 
     def allowed(self, output_token_ids: list[int]) -> torch.Tensor | None:
         return self.mask
@@ -152,34 +154,36 @@ class _FixedMask:
 class _RowView:
     """What the sampler reads of a request, as it stands after `extra` drafts were accepted (verification row j)."""
 
-    def __init__(self, req: Request, extra: list[int], mask: torch.Tensor | None) -> None:
+    def __init__(self, req: Request, extra: list[int], mask: torch.Tensor | None, must_end: bool = False) -> None:
         self.request_id = req.request_id
         self.params = req.params
         self.prompt_token_ids = req.prompt_token_ids
         self.eos_token_ids = req.eos_token_ids
         self.generator = req.generator
         self.output_token_ids = req.output_token_ids + extra
-        self.constraint = _FixedMask(mask) if req.constraint is not None else None
+        self.constraint = _FixedMask(mask, must_end) if req.constraint is not None else None
 
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
 
-def constraint_masks(req: Request, drafts: list[int]) -> tuple[list[int], list[torch.Tensor | None]]:
-    """The request's constraint masks for rows 0..len(drafts) (its state advanced over the drafts, then rolled back),
-    with the drafts cut at the first one the constraint rejects."""
+def constraint_masks(req: Request, drafts: list[int]) -> tuple[list[int], list[torch.Tensor | None], list[bool]]:
+    """The request's constraint masks and finished flags for rows 0..len(drafts) (its state advanced over the drafts,
+    then rolled back), with the drafts cut at the first one the constraint rejects."""
     c = req.constraint
     if c is None:
-        return drafts, [None] * (len(drafts) + 1)
+        return drafts, [None] * (len(drafts) + 1), [False] * (len(drafts) + 1)
     advance, rollback = getattr(c, "advance", None), getattr(c, "rollback", None)
     masks: list[torch.Tensor | None] = []
+    ends: list[bool] = []
     out = list(req.output_token_ids)
     advanced = 0
     try:
         for j in range(len(drafts) + 1):
             mask = c.allowed(out)
             masks.append(mask)
+            ends.append(bool(getattr(c, "must_end", False)))
             if j == len(drafts):
                 break
             if mask is not None and not bool(mask[drafts[j]]):
@@ -192,7 +196,7 @@ def constraint_masks(req: Request, drafts: list[int]) -> tuple[list[int], list[t
     finally:
         if advanced and rollback is not None:
             rollback(advanced)
-    return drafts, masks
+    return drafts, masks, ends
 
 
 def verify_requests(
@@ -203,13 +207,13 @@ def verify_requests(
     views, spans, cut = [], [], []
     for req, logits in zip(reqs, rows, strict=True):
         try:
-            drafts, masks = constraint_masks(req, list(req.draft_token_ids))
+            drafts, masks, ends = constraint_masks(req, list(req.draft_token_ids))
         except Exception:
             cut.append(None)
             continue
         req.draft_token_ids = drafts
         start = len(views)
-        views += [_RowView(req, drafts[:j], masks[j]) for j in range(len(drafts) + 1)]
+        views += [_RowView(req, drafts[:j], masks[j], ends[j]) for j in range(len(drafts) + 1)]
         spans.append((start, len(drafts) + 1))
         cut.append(logits[: len(drafts) + 1])
     if not views:

@@ -115,6 +115,42 @@ def test_greedy_output_identical_with_every_proposer(family):
             assert proposer.pool.num_free == proposer.pool.usage().total_blocks  # shadows freed at finish
 
 
+def test_json_schema_request_identical_with_speculation(family):
+    """A grammar-constrained request (llguidance JSON schema): drafts are cut at the first token the grammar
+    rejects, every verification row is masked by the grammar advanced over the drafts, output unchanged."""
+    import llguidance
+
+    from omnivox.engine.structured import compile_grammar, grammar_tokenizer
+
+    target, _ = family
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "yy"]}},
+        "required": ["a", "b"],
+    }
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+
+    def run(engine):
+        cfg = engine.model_config
+        factory = compile_grammar(
+            grammar_tokenizer(engine.tokenizer, cfg.vocab_size, cfg.eos_token_ids),
+            grammar,
+            cfg.vocab_size,
+            cfg.eos_token_ids,
+        )
+        params = [SamplingParams(temperature=0, max_tokens=40, constraint_factory=factory), GREEDY]
+        return run_all(engine, PROMPTS[:2], params), engine
+
+    expected, _ = run(tiny_engine(target))
+    for proposer in (
+        DraftModelProposer.from_pretrained(target, device="cpu", k=3, kv_cache_gib=0.01),
+        NgramProposer(k=3, min_n=1, max_n=3),
+    ):
+        got, engine = run(tiny_engine(target, proposer=proposer))
+        assert got == expected
+        engine.check_integrity()
+
+
 def test_ngram_proposes_what_followed_the_last_match():
     from omnivox.engine.request import Request
 
