@@ -205,6 +205,8 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
                 raise errors.internal("the engine failed while computing this request; see the server log")
             finish = "length" if "length" in reasons else "stop"
             slo.finish(audio_seconds, done)
+            self.metrics.success.labels(model.name, finish).inc()
+            self.metrics.e2e.labels(model.name).observe(done - received)
             current_call().set(
                 request_id=request_id,
                 model=model.name,
