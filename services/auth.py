@@ -95,7 +95,8 @@ class QuotaBook:
                     retry_after_s=wait,
                 )
             u.in_flight += 1
-            u.started.append(now)
+            if q.max_per_minute:  # kept only when a rate is enforced (at most max_per_minute entries per caller)
+                u.started.append(now)
 
     def give_back(self, caller: str) -> None:
         with self._lock:
