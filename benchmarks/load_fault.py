@@ -86,6 +86,7 @@ async def overload(stub, requests: int, max_tokens: int, ramp_s: float) -> dict:
         "rejected_with_retry_info": sum(r[2] for r in rejected),
         "rejection_p50_ms": 1e3 * percentile([r[1] for r in rejected], 0.5),
         "rejection_p99_ms": 1e3 * percentile([r[1] for r in rejected], 0.99),
+        "served_p50_ms": 1e3 * percentile([r[1] for r in results if r[0] == "OK"], 0.5),
     }
 
 

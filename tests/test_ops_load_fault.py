@@ -57,7 +57,9 @@ def test_overload_is_refused_fast_with_retry_info(server: ServerThread) -> None:
     assert codes.get("OK", 0) >= 32 and codes.get("RESOURCE_EXHAUSTED", 0) > 0, codes
     assert out["rejected_with_retry_info"] == codes["RESOURCE_EXHAUSTED"]
     print(f"overload: {codes}, rejection p50 {out['rejection_p50_ms']:.1f} ms p99 {out['rejection_p99_ms']:.1f} ms")
-    assert out["rejection_p99_ms"] < 50, out
+    # Refused without waiting for work: faster than a quarter of a served call (50 ms at least; measured on a quiet
+    # machine: p99 26 ms against served calls of hundreds of ms; relative, because a busy machine slows both).
+    assert out["rejection_p99_ms"] < max(50.0, 0.25 * out["served_p50_ms"]), out
     assert_idle(server)
 
 
