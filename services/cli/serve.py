@@ -59,6 +59,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queue", type=int, default=256, help="requests admitted at once per model, waiting + running")
     p.add_argument("--max-message-mib", type=int, default=64, help="largest request accepted (images, audio)")
     p.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight streams get after SIGTERM")
+    p.add_argument(
+        "--max-connection-age",
+        type=float,
+        default=1800.0,
+        help="seconds before a client connection is closed gracefully (GOAWAY), so clients rebalance onto new replicas",
+    )
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at http://HOST:PORT/metrics")
     p.add_argument("--api-keys", type=Path, help="file of API keys (one per line, or id:key); RPCs then need one")
     p.add_argument("--tls-client-ca", type=Path, help="PEM CA: require client certificates it signed (mTLS)")
@@ -213,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(str(err)) from None
     from omnivox.services import server
     from omnivox.services.auth import Quota
+    from omnivox.services.limits import GrpcLimits
 
     if bool(args.tls_cert) != bool(args.tls_key):
         raise CliError("--tls-cert and --tls-key go together")
@@ -225,6 +232,8 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--max-batched-tokens must be at least 1")
     if args.num_speculative_tokens < 1:
         raise CliError("--num-speculative-tokens must be at least 1")
+    if args.max_connection_age <= 0:
+        raise CliError("--max-connection-age must be positive")
     if args.threads is not None and args.threads < 1:
         raise CliError("--threads must be at least 1")
     import torch
@@ -243,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
         tls_client_ca=args.tls_client_ca,
         quota=Quota(max_concurrent=args.max_streams_per_key, max_per_minute=args.max_rpm_per_key),
         trace_exporter=trace_exporter(args),
+        limits=GrpcLimits(max_connection_age_s=args.max_connection_age),
     )
     engine_options = EngineOptions(
         device=args.device,
