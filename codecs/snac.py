@@ -30,6 +30,8 @@ from snac.layers import DecoderBlock, NoiseBlock, Snake1d
 from torch import nn
 from torch.nn.utils import parametrize
 
+from omnivox.codecs.snac_fast import speed_up_convs
+
 # hubertsiuzdak/snac_24khz config.json: the codec of Orpheus.
 SNAC_24KHZ_CONFIG: dict = {
     "sampling_rate": 24000,
@@ -180,6 +182,7 @@ class SnacDecoder:
         dtype: torch.dtype | None = None,
         noise: str | NoiseSource | None = "positional",
         noise_seed: int = 0,
+        fast_convs: bool = True,
     ) -> None:
         self.config = dict(config)
         self.shape = snac_config_shape(config)
@@ -214,6 +217,8 @@ class SnacDecoder:
                         block.block[i] = _InjectedNoise(sub, layer, self)
                         self._steps_per_latent.append(rate)
                         layer += 1
+        if fast_convs:  # the same convolutions in faster CPU forms (codecs/snac_fast.py: measured there)
+            speed_up_convs(model.decoder)
         self.model = model.to(device=self.device, dtype=self.dtype)
         self._call_start_latent = torch.zeros(1, dtype=torch.int64)
         self._lock = threading.Lock()
@@ -226,6 +231,7 @@ class SnacDecoder:
         dtype: torch.dtype | None = None,
         noise: str | NoiseSource | None = "positional",
         noise_seed: int = 0,
+        fast_convs: bool = True,
     ) -> SnacDecoder:
         """Load `config.json` + `pytorch_model.bin` (the published SNAC format) from a local folder."""
         path = Path(path)
@@ -236,7 +242,7 @@ class SnacDecoder:
         model = SNAC(**config)
         state = torch.load(weights_path, map_location="cpu", weights_only=True)
         model.load_state_dict(state)  # the legacy weight_g/weight_v names are converted by torch's weight_norm hook
-        return cls(model, config, device=device, dtype=dtype, noise=noise, noise_seed=noise_seed)
+        return cls(model, config, device=device, dtype=dtype, noise=noise, noise_seed=noise_seed, fast_convs=fast_convs)
 
     @property
     def sample_rate(self) -> int:
