@@ -71,6 +71,22 @@ def timed_solo(engine: Engine, prompt: list[int], max_tokens: int) -> tuple[floa
     return (span / gaps if gaps else float("nan")), (gaps / span if span else float("nan")), drafted, accepted
 
 
+def step_ms(model: str, k: int) -> float:
+    """Median engine step (ms) of one decoding request: a plain one-token step (k = 0) or a verify step of the last
+    token plus k drafts (always proposed, whatever their acceptance)."""
+    proposer = (lambda req: [5] * k) if k else None
+    engine = Engine.from_pretrained(model, device="cpu", kv_cache_gib=0.5, proposer=proposer)
+    if k:
+        engine.core.gate.min_acceptance = 0.0
+    engine.add_request(list(range(100, 180)), SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    times = []
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times[5:])
+
+
 def total_tps(engine: Engine, prompts: list[list[int]], max_tokens: int) -> float:
     start = time.perf_counter()
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
@@ -125,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
                 "accepted": accepted,
             }
             print(wname, mode, results["batch1"][wname][mode], flush=True)
+    results["step_ms"] = {"plain": step_ms(args.model, 0), f"verify_1+{args.k}": step_ms(args.model, args.k)}
+    print("steps", results["step_ms"], flush=True)
     chat = [chat_ids(base, p) for p in CHAT]
     for n in (16, 64):
         prompts = [chat[i % len(chat)] for i in range(n)]
