@@ -159,3 +159,16 @@ class AudioPromptBuilder:
         if bad:
             raise errors.invalid_argument(bad)
         return audio.prompt(audio.render(messages), clips)
+
+
+def log_message_limit(model, limit: int) -> None:
+    """Audio arrives inline: say so when the gRPC message limit, not the model's audio limit, decides how large a
+    clip may be (a larger request gets RESOURCE_EXHAUSTED from gRPC itself, before any handler runs)."""
+    audio = model.bundle.audio if model.bundle is not None else None
+    if audio is not None and audio.limits.max_bytes >= limit:
+        log.info(
+            "%s accepts audio parts of up to %d MiB; requests are limited to %d MiB (--max-message-mib)",
+            model.name,
+            audio.limits.max_bytes >> 20,
+            limit >> 20,
+        )

@@ -24,6 +24,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from omnivox.services import loading
+from omnivox.services.audio_prompt import log_message_limit
 from omnivox.services.auth import Quota
 from omnivox.services.generation import GenerationServicer
 from omnivox.services.interceptors import server_interceptors
@@ -210,7 +211,7 @@ class OmnivoxServer:
                     await self.health.set(f"model/{model.name}", health_pb2.HealthCheckResponse.NOT_SERVING)
                     continue
                 log.info("%s ready (context %d tokens)", model.name, model.context_length)
-                self._check_message_limit(model)
+                log_message_limit(model, self.options.max_receive_message_bytes)
             if model.engine is not None:
                 self._watch_engine(model)
                 await self.health.set(f"model/{model.name}", health_pb2.HealthCheckResponse.SERVING)
@@ -242,19 +243,6 @@ class OmnivoxServer:
         await self.health.set(f"model/{model.name}", health_pb2.HealthCheckResponse.NOT_SERVING)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.engine_failed.set()
-
-    def _check_message_limit(self, model: ServedModel) -> None:
-        """Audio arrives inline: say so when the gRPC message limit, not the model's audio limit, decides how large
-        a clip may be (a larger request gets RESOURCE_EXHAUSTED from gRPC itself, before any handler runs)."""
-        audio = model.bundle.audio if model.bundle is not None else None
-        limit = self.options.max_receive_message_bytes
-        if audio is not None and audio.limits.max_bytes >= limit:
-            log.info(
-                "%s accepts audio parts of up to %d MiB; requests are limited to %d MiB (--max-message-mib)",
-                model.name,
-                audio.limits.max_bytes >> 20,
-                limit >> 20,
-            )
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Drain: NOT_SERVING, refuse new calls, let in-flight calls finish within the grace period; stop engines."""
