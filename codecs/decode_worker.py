@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,6 +37,7 @@ class DecodeStats:
     passes: int = 0  # decode_windows calls
     windows: int = 0  # windows decoded
     max_batch: int = 0  # most windows in one call
+    decode_seconds: float = 0.0  # wall time of the codec passes
 
 
 class DecodeWorker:
@@ -120,7 +122,9 @@ class DecodeWorker:
             if windows:
                 involved = list({id(s): s for w in windows if (s := self._streams.get(w.stream))}.values())
                 try:
+                    started = time.perf_counter()
                     audio = await asyncio.to_thread(self.decoder.decode_windows, windows)
+                    self.stats.decode_seconds += time.perf_counter() - started
                     self.stats.passes += 1
                     self.stats.windows += len(windows)
                     self.stats.max_batch = max(self.stats.max_batch, len(windows))

@@ -59,7 +59,8 @@ class Metrics:
         self.spec_drafts = Counter("omnivox_spec_decode_num_draft_tokens", "Draft tokens verified", m, registry=r)
         self.spec_accepted = Counter("omnivox_spec_decode_num_accepted_tokens", "Draft tokens accepted", m, registry=r)
         self.encoder_caches: list[tuple[str, str, Any]] = []  # (model, modality, EncoderCache): counted by the cache
-        r.register(_EncoderCacheCollector(self.encoder_caches))
+        self.codecs: list[tuple[str, Any]] = []  # (model, DecodeWorker): timed by the worker
+        r.register(_EncoderCacheCollector(self.encoder_caches, self.codecs))
         # Request latencies.
         self.ttft = Histogram(
             "omnivox_time_to_first_token_seconds", "Time to first token", m, buckets=_TTFT, registry=r
@@ -116,6 +117,10 @@ class Metrics:
             self.observers[model] = StepObserver(self, model, engine)
             engine.step_observers.append(self.observers[model])
 
+    def watch_codec(self, model: str, worker: Any) -> None:
+        if not any(w is worker for _, w in self.codecs):
+            self.codecs.append((model, worker))
+
     def watch_encoder_cache(self, model: str, modality: str, cache: Any) -> None:
         if not any(c is cache for _, _, c in self.encoder_caches):
             self.encoder_caches.append((model, modality, cache))
@@ -141,10 +146,13 @@ class _Times:
 
 
 class _EncoderCacheCollector:
-    """omnivox_encoder_cache_{queries,hits}_total from the caches' own counters, read when scraped."""
+    """omnivox_encoder_cache_{queries,hits}_total from the caches' own counters, and
+    omnivox_codec_decode_seconds_total / omnivox_codec_decode_passes_total from the speech codec workers' own timers,
+    read when scraped."""
 
-    def __init__(self, caches: list[tuple[str, str, Any]]) -> None:
+    def __init__(self, caches: list[tuple[str, str, Any]], codecs: list[tuple[str, Any]]) -> None:
         self.caches = caches
+        self.codecs = codecs
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         labels = ["model", "modality"]
@@ -155,6 +163,17 @@ class _EncoderCacheCollector:
             hits.add_metric([model, modality], cache.hits)
         yield queries
         yield hits
+        seconds = CounterMetricFamily(
+            "omnivox_codec_decode_seconds", "Wall time of speech codec passes", labels=["model"]
+        )
+        passes = CounterMetricFamily(
+            "omnivox_codec_decode_passes", "Speech codec passes (windows of all streams)", labels=["model"]
+        )
+        for model, worker in self.codecs:
+            seconds.add_metric([model], worker.stats.decode_seconds)
+            passes.add_metric([model], worker.stats.passes)
+        yield seconds
+        yield passes
 
 
 class StepObserver:

@@ -35,6 +35,7 @@ from omnivox.services.model_service import ModelServicer
 from omnivox.services.registry import ModelRegistry, ModelState, ServedModel
 from omnivox.services.speech import SpeechServicer
 from omnivox.services.transcription import TranscriptionServicer
+from omnivox.services.voices import VoiceStore
 from omnivox.v1 import (
     generation_pb2,
     generation_pb2_grpc,
@@ -67,6 +68,7 @@ class ServerOptions:
     quota: Quota = Quota()  # per caller (API key id / certificate name)
     limits: GrpcLimits = GrpcLimits()
     trace_exporter: Any = None  # an OpenTelemetry SpanExporter: tracing on (services/tracing.py); None = off
+    data_dir: Path | None = None  # created voices live here (services/voices.py); None = $OMNIVOX_DATA_DIR or XDG
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,9 @@ class ServiceBinding:
     servicer: Any
 
 
-def omnivox_services(registry: ModelRegistry, metrics: Metrics | None = None) -> list[ServiceBinding]:
+def omnivox_services(
+    registry: ModelRegistry, metrics: Metrics | None = None, data_dir: Path | None = None
+) -> list[ServiceBinding]:
     """Every omnivox.v1 service this server offers. A new service is one more entry here."""
     bindings = [
         ServiceBinding(
@@ -94,7 +98,7 @@ def omnivox_services(registry: ModelRegistry, metrics: Metrics | None = None) ->
         ServiceBinding(
             speech_pb2.DESCRIPTOR.services_by_name["SpeechService"].full_name,
             speech_pb2_grpc.add_SpeechServiceServicer_to_server,
-            SpeechServicer(registry, metrics=metrics),
+            SpeechServicer(registry, metrics=metrics, voices=VoiceStore(data_dir)),
         ),
         ServiceBinding(
             transcription_pb2.DESCRIPTOR.services_by_name["TranscriptionService"].full_name,
@@ -118,7 +122,7 @@ class OmnivoxServer:
         self.health = HealthServicer()
         self.metrics = Metrics()
         self.metrics_port: int | None = None
-        self.services = omnivox_services(registry, self.metrics)
+        self.services = omnivox_services(registry, self.metrics, options.data_dir)
         self.port: int | None = None
         self.engine_failed = asyncio.Event()  # crash-only: set when an engine's step loop raised
         self.tracing: Any = None
@@ -229,6 +233,8 @@ class OmnivoxServer:
         for modality, part in (("audio", model.bundle.audio), ("image", model.bundle.vision)) if model.bundle else ():
             if part is not None:
                 self.metrics.watch_encoder_cache(model.name, modality, part.worker.cache)
+        if model.bundle is not None and model.bundle.speech is not None:
+            self.metrics.watch_codec(model.name, model.bundle.speech.worker)
         loop = asyncio.get_running_loop()
 
         def failed(exc: Exception) -> None:  # on the engine thread

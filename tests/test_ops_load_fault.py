@@ -98,7 +98,7 @@ FD_SLOPE_LIMIT_PER_MIN = 5.0
 @pytest.mark.slow
 def test_soak_memory_and_descriptors_stay_flat(server: ServerThread) -> None:
     client(server, "soak", "--seconds", "3", "--concurrency", "12")  # warm up: allocator pools, grpc threads
-    out, rss_slope, fd_slope = _soak(server, 12)  # 12 s in CI; the benchmark runs 30 min
+    out, rss_slope, fd_slope = _soak(server, 180)  # 3 minutes in CI (issue 15); the benchmark runs 30 min
     codes = out["codes"]
     assert set(codes) <= {"OK", "CANCELLED", "DEADLINE_EXCEEDED", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}, codes
     assert codes.get("INVALID_ARGUMENT") and codes.get("CANCELLED"), codes

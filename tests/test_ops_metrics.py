@@ -84,6 +84,7 @@ def test_scrape_after_text_and_speech_requests(server: ServerThread, caplog: pyt
         "omnivox_audio_seconds": "counter",
         "omnivox_speech_streams_active": "gauge",
         "omnivox_audio_underruns": "counter",
+        "omnivox_codec_decode_seconds": "counter",
     }
     for name, kind in types.items():
         assert f[name].type == kind, name
@@ -107,6 +108,8 @@ def test_scrape_after_text_and_speech_requests(server: ServerThread, caplog: pyt
     assert value(f, "omnivox_time_to_first_audio_seconds", "omnivox_time_to_first_audio_seconds_count", **sp) == 1
     assert value(f, "omnivox_speech_real_time_factor", "omnivox_speech_real_time_factor_count", **sp) == 1
     assert value(f, "omnivox_speech_streams_active", "omnivox_speech_streams_active", **sp) == 0
+    assert value(f, "omnivox_codec_decode_passes", "omnivox_codec_decode_passes_total", **sp) >= 1
+    assert 0 < value(f, "omnivox_codec_decode_seconds", "omnivox_codec_decode_seconds_total", **sp) < 60
     assert value(f, "omnivox_request_success", "omnivox_request_success_total", finished_reason="length", **sp) == 1
     assert value(f, "omnivox_e2e_request_latency_seconds", "omnivox_e2e_request_latency_seconds_count", **sp) == 1
     assert value(f, "omnivox_generation_tokens", "omnivox_generation_tokens_total", **sp) >= summary.audio_tokens
