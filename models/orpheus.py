@@ -39,6 +39,7 @@ class SpeechLayout:
     add_special_tokens: bool = True  # tokenize the text with the tokenizer's own BOS (Orpheus: <|begin_of_text|>)
     start_of_speech: int = 128257  # the prompt's last token
     end_of_speech: int = 128258
+    end_of_ai: int = 128262  # closes a prior turn's answer (a created voice's reference turn)
     audio_token_base: int = 128266  # id of code 0 at frame position 0 (<custom_token_10>)
     codebook_size: int = 4096  # codes per frame position; position k's ids follow position k-1's
     frame_levels: tuple[tuple[int, ...], ...] = ((0,), (1, 4), (2, 3, 5, 6))  # frame positions of each codec level
@@ -142,6 +143,17 @@ class SpeechLayout:
             voice = self.default_voice
         ids = tokenizer(self.prompt_text(text, voice), add_special_tokens=self.add_special_tokens)["input_ids"]
         return [*self.prompt_prefix, *ids, *self.prompt_suffix]
+
+    def build_reference_prompt(
+        self, tokenizer: Any, reference_text: str, reference_frames: Sequence[Sequence[int]], text: str
+    ) -> list[int]:
+        """The prompt for `text` in a voice cloned from a reference: the reference as a prior turn (its transcript as
+        the human turn, its codes as the answer, closed by end-of-speech and end-of-AI), then `text` without a voice
+        name. This is the zero-shot cloning prompt of Orpheus' pretrained checkpoints; the reference turn comes first,
+        so every request in that voice shares it as a prompt prefix (the prefix cache computes it once)."""
+        reference = self.build_prompt(tokenizer, reference_text, voice="")
+        answer = self.frames_to_tokens(reference_frames)
+        return [*reference, *answer, self.end_of_speech, self.end_of_ai, *self.build_prompt(tokenizer, text, voice="")]
 
     # --- persistence ---------------------------------------------------------------------------------------------
     def to_json(self) -> str:

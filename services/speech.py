@@ -37,6 +37,7 @@ from omnivox.services.metrics import Metrics, SpeechStreamMetrics
 from omnivox.services.registry import AUDIO, ModelRegistry, ServedModel
 from omnivox.services.speech_text import MAX_SEGMENT_CHARS, split_text
 from omnivox.services.speech_validation import SpeechPlan, invalid, language_matches, validate_speech
+from omnivox.services.voices import VoiceStore
 from omnivox.v1 import content_pb2, generation_pb2, speech_pb2, speech_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -68,13 +69,19 @@ class _Segment:
     stream: AudioStream
     audio_tokens: int = 0
     finish_reason: str | None = None
+    cached_tokens: int = 0  # prompt tokens the prefix cache served
 
 
 class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
     def __init__(
-        self, registry: ModelRegistry, limits: SpeechLimits | None = None, metrics: Metrics | None = None
+        self,
+        registry: ModelRegistry,
+        limits: SpeechLimits | None = None,
+        metrics: Metrics | None = None,
+        voices: VoiceStore | None = None,
     ) -> None:
         self.registry = registry
+        self.voices = voices or VoiceStore()  # created voices, under the server's data folder
         self.limits = limits or SpeechLimits()
         self.metrics = metrics or Metrics()
 
@@ -125,9 +132,24 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
                 continue
             if request.language_code and not language_matches(request.language_code, layout.language_code):
                 continue
-            voices += [speech_pb2.Voice(name=n, language_codes=[layout.language_code], model=model.name)
-                       for n in layout.voices]  # fmt: skip
+            voices += [speech_pb2.Voice(name=n, language_codes=[layout.language_code], model=model.name,
+                                        kind=speech_pb2.VOICE_KIND_BUILT_IN) for n in layout.voices]  # fmt: skip
+            voices += [v.to_proto(model.name, layout.language_code) for v in self.voices.list(model.name)]
         return speech_pb2.ListVoicesResponse(voices=voices)
+
+    @rpc_method
+    async def CreateVoice(self, request: speech_pb2.CreateVoiceRequest, context: grpc.aio.ServicerContext):
+        model = self._speech_model(request.model)
+        assert model.bundle is not None and model.bundle.speech is not None
+        layout = model.bundle.speech.layout
+        voice = await self.voices.create(model.name, layout, model.bundle.source / layout.codec_folder, request)
+        return voice.to_proto(model.name, layout.language_code)
+
+    @rpc_method
+    async def DeleteVoice(self, request: speech_pb2.DeleteVoiceRequest, context: grpc.aio.ServicerContext):
+        model = self._speech_model(request.model)
+        self.voices.delete(model.name, request.name)
+        return speech_pb2.DeleteVoiceResponse()
 
     @rpc_method
     async def SynthesizeSpeech(
@@ -139,10 +161,15 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
         bundle = model.bundle.speech
         layout, engine = bundle.layout, model.engine
         assert engine is not None
-        plan = validate_speech(request, model, layout, self.limits.max_text_chars)
+        created = {v.name: v for v in self.voices.list(model.name)}
+        plan = validate_speech(request, model, layout, self.limits.max_text_chars, created)
         plan.segments = split_text(plan.text, self.limits.max_segment_chars)
         request_id = request.request_id or uuid.uuid4().hex
-        prompts = [layout.build_prompt(engine.tokenizer, s, plan.voice) for s in plan.segments]
+        if (ref := created.get(plan.voice)) is not None and plan.voice not in layout.voices:
+            prompts = [layout.build_reference_prompt(engine.tokenizer, ref.transcript, ref.frames, s)
+                       for s in plan.segments]  # fmt: skip
+        else:
+            prompts = [layout.build_prompt(engine.tokenizer, s, plan.voice) for s in plan.segments]
         params = [self._params(plan, model, layout, bundle, text, prompt, i) for i, (text, prompt) in
                   enumerate(zip(plan.segments, prompts, strict=True))]  # fmt: skip
 
@@ -222,6 +249,8 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
                 finish_reason=FINISH_REASONS[finish],
                 request_id=request_id,
                 model=model.name,
+                cached_prompt_tokens=sum(s.cached_tokens for s in segments),
+                prompt_tokens=sum(len(s.prompt) for s in segments),
             )
             if first_audio is not None:
                 summary.time_to_first_audio.CopyFrom(seconds_to_duration(first_audio - received))
@@ -274,6 +303,7 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
                 stream = engine.stream(seg.prompt, seg.params, request_id=request_id)
                 async with contextlib.aclosing(stream):
                     async for out in stream:
+                        seg.cached_tokens = max(seg.cached_tokens, out.num_cached_tokens)
                         frames: list[list[int]] = []
                         for token in out.new_token_ids:
                             if token == layout.end_of_speech:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 from omnivox.codecs.audio_format import AudioEncoding, AudioFormatError, check_output_format
@@ -54,9 +55,14 @@ def language_matches(requested: str, offered: str) -> bool:
 
 
 def validate_speech(
-    request: speech_pb2.SynthesizeSpeechRequest, model: ServedModel, layout: SpeechLayout, max_text_chars: int
+    request: speech_pb2.SynthesizeSpeechRequest,
+    model: ServedModel,
+    layout: SpeechLayout,
+    max_text_chars: int,
+    created: Container[str] = (),
 ) -> SpeechPlan:
-    """INVALID_ARGUMENT listing every bad field, then NOT_FOUND for an unknown voice."""
+    """INVALID_ARGUMENT listing every bad field, then NOT_FOUND for an unknown voice (`created`: the model's voices
+    created from reference audio, besides the layout's own)."""
     v = validation.Violations()
     text = request.text.strip()
     if not text:
@@ -78,7 +84,7 @@ def validate_speech(
     v.raise_if_any()
 
     voice = request.voice.name or layout.default_voice
-    if voice and layout.voices and voice not in layout.voices:
+    if voice and (layout.voices or created) and voice not in layout.voices and voice not in created:
         raise errors.not_found(
             "voice", voice, f"model {model.name!r} has no voice {voice!r} (voices: {', '.join(layout.voices)})"
         )

@@ -52,6 +52,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         f"{', '.join(SAMPLING_DEFAULT_KEYS)}. With NAME: for the model served under that name; without: for the "
         "default model (the first --model, or the embedded default). Requests that set the field still win",
     )
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        help="where created voices are kept (default: $OMNIVOX_DATA_DIR or ~/.local/share/omnivox)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=50051, help="port to listen on (0 = any free port)")
     p.add_argument("--tls-cert", type=Path, help="PEM certificate chain; with --tls-key, serve TLS")
@@ -253,6 +258,7 @@ def run(args: argparse.Namespace) -> int:
         quota=Quota(max_concurrent=args.max_streams_per_key, max_per_minute=args.max_rpm_per_key),
         trace_exporter=trace_exporter(args),
         limits=GrpcLimits(max_connection_age_s=args.max_connection_age),
+        data_dir=args.data_dir,
     )
     engine_options = EngineOptions(
         device=args.device,

@@ -45,6 +45,16 @@ class SpeechServiceStub:
                 request_serializer=omnivox_dot_v1_dot_speech__pb2.ListVoicesRequest.SerializeToString,
                 response_deserializer=omnivox_dot_v1_dot_speech__pb2.ListVoicesResponse.FromString,
                 _registered_method=True)
+        self.CreateVoice = channel.unary_unary(
+                '/omnivox.v1.SpeechService/CreateVoice',
+                request_serializer=omnivox_dot_v1_dot_speech__pb2.CreateVoiceRequest.SerializeToString,
+                response_deserializer=omnivox_dot_v1_dot_speech__pb2.Voice.FromString,
+                _registered_method=True)
+        self.DeleteVoice = channel.unary_unary(
+                '/omnivox.v1.SpeechService/DeleteVoice',
+                request_serializer=omnivox_dot_v1_dot_speech__pb2.DeleteVoiceRequest.SerializeToString,
+                response_deserializer=omnivox_dot_v1_dot_speech__pb2.DeleteVoiceResponse.FromString,
+                _registered_method=True)
 
 
 class SpeechServiceServicer:
@@ -60,7 +70,23 @@ class SpeechServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListVoices(self, request, context):
-        """The voices a model offers.
+        """The voices a model offers: its built-in voices and the voices created from reference audio.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateVoice(self, request, context):
+        """A voice from a short reference recording and its transcript, kept under the server's data folder (it survives
+        restarts). Synthesis with it puts the reference (transcript + audio codes) before the text as a prior turn.
+        INVALID_ARGUMENT for a bad name, audio or transcript; ALREADY_EXISTS when the model has a voice of that name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteVoice(self, request, context):
+        """Deletes a created voice (built-in voices cannot be deleted). NOT_FOUND when there is none of that name.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -78,6 +104,16 @@ def add_SpeechServiceServicer_to_server(servicer, server):
                     servicer.ListVoices,
                     request_deserializer=omnivox_dot_v1_dot_speech__pb2.ListVoicesRequest.FromString,
                     response_serializer=omnivox_dot_v1_dot_speech__pb2.ListVoicesResponse.SerializeToString,
+            ),
+            'CreateVoice': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateVoice,
+                    request_deserializer=omnivox_dot_v1_dot_speech__pb2.CreateVoiceRequest.FromString,
+                    response_serializer=omnivox_dot_v1_dot_speech__pb2.Voice.SerializeToString,
+            ),
+            'DeleteVoice': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteVoice,
+                    request_deserializer=omnivox_dot_v1_dot_speech__pb2.DeleteVoiceRequest.FromString,
+                    response_serializer=omnivox_dot_v1_dot_speech__pb2.DeleteVoiceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -135,6 +171,60 @@ class SpeechService:
             '/omnivox.v1.SpeechService/ListVoices',
             omnivox_dot_v1_dot_speech__pb2.ListVoicesRequest.SerializeToString,
             omnivox_dot_v1_dot_speech__pb2.ListVoicesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateVoice(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/omnivox.v1.SpeechService/CreateVoice',
+            omnivox_dot_v1_dot_speech__pb2.CreateVoiceRequest.SerializeToString,
+            omnivox_dot_v1_dot_speech__pb2.Voice.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteVoice(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/omnivox.v1.SpeechService/DeleteVoice',
+            omnivox_dot_v1_dot_speech__pb2.DeleteVoiceRequest.SerializeToString,
+            omnivox_dot_v1_dot_speech__pb2.DeleteVoiceResponse.FromString,
             options,
             channel_credentials,
             insecure,
