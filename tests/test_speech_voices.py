@@ -118,3 +118,29 @@ def test_created_voice_is_cached_survives_restart_and_deletes(model_path, tmp_pa
         assert not list((data_dir / "voices").rglob("*.json"))
     finally:
         srv.stop()
+
+
+def test_cli_voices_and_speak_voice_from(model_path, tmp_path, capsys):
+    from omnivox.services.cli import main
+
+    ref = tmp_path / "ref.wav"
+    ref.write_bytes(reference_wav(tmp_path))
+    srv = start(model_path, tmp_path / "data")
+    try:
+        server = ["--server", srv.address]
+        assert main(["voices", "create", "bob", "--audio", str(ref), "--transcript", TRANSCRIPT, *server]) == 0
+        assert main(["voices", "list", *server]) == 0
+        out = capsys.readouterr().out
+        assert "bob\tcreated" in out and "tara\tbuilt-in" in out
+        wav = tmp_path / "out.wav"
+        args = ["speak", "Hi there.", "-o", str(wav), "--voice-from", str(ref), "--transcript", TRANSCRIPT, "-q"]
+        assert main([*args, *server]) == 0
+        assert main([*args, *server]) == 0  # the same reference again: the voice is reused
+        assert sf.read(wav)[0].size > 0
+        capsys.readouterr()
+        assert main(["voices", "list", *server]) == 0
+        assert sum(line.startswith("ref-") for line in capsys.readouterr().out.splitlines()) == 1
+        assert main(["voices", "delete", "bob", *server]) == 0
+        assert main(["voices", "delete", "bob", *server]) != 0  # NOT_FOUND now
+    finally:
+        srv.stop()

@@ -29,6 +29,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float)
     p.add_argument("--repetition-penalty", type=float)
     p.add_argument("--seed", type=int)
+    p.add_argument("--voice-from", type=Path, help="speak in the voice of this reference recording (with --transcript)")
+    p.add_argument("--transcript", help="what the --voice-from recording says")
     p.add_argument("--list-voices", action="store_true", help="print the voices the server offers and exit")
     p.add_argument("--quiet", "-q", action="store_true", help="no summary line on stderr")
     add_connection_args(p)
@@ -71,6 +73,28 @@ def summary_line(summary) -> str:
     )
 
 
+def _voice_from(stub, args: argparse.Namespace) -> str:
+    """Create (or reuse) a voice named after the reference's content: the same recording and transcript give the same
+    voice, so the server's prefix cache keeps serving its reference turn."""
+    import hashlib
+
+    import grpc
+
+    from omnivox.services.cli.voices import create_request
+
+    if not args.transcript:
+        raise CliError("--voice-from needs --transcript (what the recording says)")
+    request = create_request(args.model, "", args.voice_from, args.transcript)
+    digest = hashlib.sha256(request.reference_audio.data + b"\0" + args.transcript.encode()).hexdigest()
+    request.name = f"ref-{digest[:16]}"
+    try:
+        stub.CreateVoice(request, timeout=args.timeout)
+    except grpc.RpcError as err:
+        if err.code() != grpc.StatusCode.ALREADY_EXISTS:
+            raise CliError(rpc_error_line(err, args.server)) from None
+    return request.name
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
@@ -96,6 +120,8 @@ def _run(args: argparse.Namespace) -> int:
             for voice in response.voices:
                 print(f"{voice.name}\t{','.join(voice.language_codes)}\t{voice.model}")
             return 0
+        if args.voice_from is not None:
+            args.voice = _voice_from(stub, args)
         text = sys.stdin.read() if args.text in (None, "-") else args.text
         request = build_request(args, text)
         out = sys.stdout.buffer if args.output == "-" else open(args.output, "wb")  # noqa: SIM115
