@@ -145,15 +145,27 @@ class SpeechLayout:
         return [*self.prompt_prefix, *ids, *self.prompt_suffix]
 
     def build_reference_prompt(
-        self, tokenizer: Any, reference_text: str, reference_frames: Sequence[Sequence[int]], text: str
+        self,
+        tokenizer: Any,
+        reference_text: str,
+        reference_frames: Sequence[Sequence[int]],
+        text: str,
+        voice: str = "",
     ) -> list[int]:
         """The prompt for `text` in a voice cloned from a reference: the reference as a prior turn (its transcript as
         the human turn, its codes as the answer, closed by end-of-speech and end-of-AI), then `text` without a voice
         name. This is the zero-shot cloning prompt of Orpheus' pretrained checkpoints; the reference turn comes first,
-        so every request in that voice shares it as a prompt prefix (the prefix cache computes it once)."""
-        reference = self.build_prompt(tokenizer, reference_text, voice="")
+        so every request in that voice shares it as a prompt prefix (the prefix cache computes it once). `voice`
+        names a built-in voice in both turns (streamed text: the previous clause as context), "" for none."""
+        reference = self.build_prompt(tokenizer, reference_text, voice=voice)
         answer = self.frames_to_tokens(reference_frames)
-        return [*reference, *answer, self.end_of_speech, self.end_of_ai, *self.build_prompt(tokenizer, text, voice="")]
+        return [
+            *reference,
+            *answer,
+            self.end_of_speech,
+            self.end_of_ai,
+            *self.build_prompt(tokenizer, text, voice=voice),
+        ]
 
     # --- persistence ---------------------------------------------------------------------------------------------
     def to_json(self) -> str:

@@ -35,6 +35,7 @@ from omnivox.services.generation import seconds_to_duration
 from omnivox.services.logs import current_call
 from omnivox.services.metrics import Metrics, SpeechStreamMetrics
 from omnivox.services.registry import AUDIO, ModelRegistry, ServedModel
+from omnivox.services.speech_stream import streaming_synthesize
 from omnivox.services.speech_text import MAX_SEGMENT_CHARS, split_text
 from omnivox.services.speech_validation import SpeechPlan, invalid, language_matches, validate_speech
 from omnivox.services.voices import VoiceStore
@@ -136,6 +137,10 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
                                         kind=speech_pb2.VOICE_KIND_BUILT_IN) for n in layout.voices]  # fmt: skip
             voices += [v.to_proto(model.name, layout.language_code) for v in self.voices.list(model.name)]
         return speech_pb2.ListVoicesResponse(voices=voices)
+
+    @rpc_method
+    async def StreamingSynthesizeSpeech(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
+        await streaming_synthesize(self, request_iterator, context)
 
     @rpc_method
     async def CreateVoice(self, request: speech_pb2.CreateVoiceRequest, context: grpc.aio.ServicerContext):

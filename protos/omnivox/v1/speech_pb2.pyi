@@ -38,6 +38,32 @@ class SynthesizeSpeechRequest(_message.Message):
     request_id: str
     def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., voice: _Optional[_Union[VoiceSelection, _Mapping]] = ..., audio_config: _Optional[_Union[AudioConfig, _Mapping]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingConfig, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
+class StreamingSynthesizeSpeechRequest(_message.Message):
+    __slots__ = ("config", "text", "end")
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    config: StreamingSpeechConfig
+    text: str
+    end: bool
+    def __init__(self, config: _Optional[_Union[StreamingSpeechConfig, _Mapping]] = ..., text: _Optional[str] = ..., end: _Optional[bool] = ...) -> None: ...
+
+class StreamingSpeechConfig(_message.Message):
+    __slots__ = ("model", "voice", "audio_config", "sampling", "request_id", "max_clause_chars")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VOICE_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_CLAUSE_CHARS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    voice: VoiceSelection
+    audio_config: AudioConfig
+    sampling: _sampling_pb2.SamplingConfig
+    request_id: str
+    max_clause_chars: int
+    def __init__(self, model: _Optional[str] = ..., voice: _Optional[_Union[VoiceSelection, _Mapping]] = ..., audio_config: _Optional[_Union[AudioConfig, _Mapping]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingConfig, _Mapping]] = ..., request_id: _Optional[str] = ..., max_clause_chars: _Optional[int] = ...) -> None: ...
+
 class VoiceSelection(_message.Message):
     __slots__ = ("name", "language_code")
     NAME_FIELD_NUMBER: _ClassVar[int]

@@ -40,6 +40,11 @@ class SpeechServiceStub:
                 request_serializer=omnivox_dot_v1_dot_speech__pb2.SynthesizeSpeechRequest.SerializeToString,
                 response_deserializer=omnivox_dot_v1_dot_speech__pb2.SynthesizeSpeechResponse.FromString,
                 _registered_method=True)
+        self.StreamingSynthesizeSpeech = channel.stream_stream(
+                '/omnivox.v1.SpeechService/StreamingSynthesizeSpeech',
+                request_serializer=omnivox_dot_v1_dot_speech__pb2.StreamingSynthesizeSpeechRequest.SerializeToString,
+                response_deserializer=omnivox_dot_v1_dot_speech__pb2.SynthesizeSpeechResponse.FromString,
+                _registered_method=True)
         self.ListVoices = channel.unary_unary(
                 '/omnivox.v1.SpeechService/ListVoices',
                 request_serializer=omnivox_dot_v1_dot_speech__pb2.ListVoicesRequest.SerializeToString,
@@ -64,6 +69,16 @@ class SpeechServiceServicer:
     def SynthesizeSpeech(self, request, context):
         """Streams one `format` message, then audio chunks as they are produced, then exactly one summary.
         Concatenating the chunks' data gives a complete file of the requested encoding (headerless for LINEAR16/MULAW).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StreamingSynthesizeSpeech(self, request_iterator, context):
+        """Text streamed in (e.g. as an LLM writes it), audio streamed out. Send one `config` message, then `text` chunks,
+        then `end` (or close the stream). The server cuts the text at clause boundaries (or after
+        StreamingSpeechConfig.max_clause_chars) and synthesises each clause with the previous clause's text and last
+        ~2 s of audio codes as context, into one continuous audio stream. The responses are those of SynthesizeSpeech.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -98,6 +113,11 @@ def add_SpeechServiceServicer_to_server(servicer, server):
             'SynthesizeSpeech': grpc.unary_stream_rpc_method_handler(
                     servicer.SynthesizeSpeech,
                     request_deserializer=omnivox_dot_v1_dot_speech__pb2.SynthesizeSpeechRequest.FromString,
+                    response_serializer=omnivox_dot_v1_dot_speech__pb2.SynthesizeSpeechResponse.SerializeToString,
+            ),
+            'StreamingSynthesizeSpeech': grpc.stream_stream_rpc_method_handler(
+                    servicer.StreamingSynthesizeSpeech,
+                    request_deserializer=omnivox_dot_v1_dot_speech__pb2.StreamingSynthesizeSpeechRequest.FromString,
                     response_serializer=omnivox_dot_v1_dot_speech__pb2.SynthesizeSpeechResponse.SerializeToString,
             ),
             'ListVoices': grpc.unary_unary_rpc_method_handler(
@@ -143,6 +163,33 @@ class SpeechService:
             target,
             '/omnivox.v1.SpeechService/SynthesizeSpeech',
             omnivox_dot_v1_dot_speech__pb2.SynthesizeSpeechRequest.SerializeToString,
+            omnivox_dot_v1_dot_speech__pb2.SynthesizeSpeechResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamingSynthesizeSpeech(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/omnivox.v1.SpeechService/StreamingSynthesizeSpeech',
+            omnivox_dot_v1_dot_speech__pb2.StreamingSynthesizeSpeechRequest.SerializeToString,
             omnivox_dot_v1_dot_speech__pb2.SynthesizeSpeechResponse.FromString,
             options,
             channel_credentials,

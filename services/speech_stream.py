@@ -1,0 +1,235 @@
+"""StreamingSynthesizeSpeech: text streamed in (as an LLM writes it), audio streamed out.
+
+    config -> text chunks -> end      (client)
+    format -> audio chunks -> summary (server, as SynthesizeSpeech)
+
+Text is cut into clauses as it arrives (`ClauseCutter`: after , ; : . ! ? followed by a space, or at a space once a
+clause reaches max_clause_chars). Clauses are synthesised one after another, each with the previous clause's text and
+its last CONTEXT_FRAMES of codes as a prior turn (`SpeechLayout.build_reference_prompt`), so the voice and prosody
+carry over. All clauses' frames go into ONE codec stream: the streaming decoder's windows and crossfade run across
+clause joins exactly as within a clause, so the joins have no seam of their own.
+
+Latency trade-off: a clause starts synthesising when it is complete, so first audio comes roughly one clause (plus a
+few frames of generation) after its first word; a shorter max_clause_chars means earlier first audio but less text
+per prompt (the model sees less of the sentence it is speaking).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import grpc
+
+from omnivox.codecs.audio_format import AudioStreamEncoder
+from omnivox.codecs.decode_worker import END
+from omnivox.engine import InvalidRequest
+from omnivox.services import errors
+from omnivox.services.errors import FieldViolation
+from omnivox.services.generation import seconds_to_duration
+from omnivox.services.speech_validation import invalid, validate_speech
+from omnivox.v1 import content_pb2, generation_pb2, speech_pb2
+
+if TYPE_CHECKING:
+    from omnivox.services.speech import SpeechServicer
+
+DEFAULT_MAX_CLAUSE_CHARS = 120
+CONTEXT_SECONDS = 2.0  # of the previous clause's audio codes in the next clause's prompt
+
+_BOUNDARY = re.compile(r"[,;:.!?…。！？][\"')\]]*(?=\s)")
+
+
+class ClauseCutter:
+    """Text chunks in, complete clauses out (`feed`), the rest at the end (`flush`)."""
+
+    def __init__(self, max_chars: int = DEFAULT_MAX_CLAUSE_CHARS) -> None:
+        self.max_chars = max_chars
+        self.buffer = ""
+
+    def feed(self, text: str) -> list[str]:
+        self.buffer += text
+        clauses = []
+        while True:
+            m = _BOUNDARY.search(self.buffer)
+            if m is not None and m.end() <= self.max_chars:
+                cut = m.end()
+            elif len(self.buffer) > self.max_chars:
+                space = self.buffer.rfind(" ", 0, self.max_chars)
+                cut = space if space > 0 else self.max_chars
+            else:
+                break
+            clause, self.buffer = self.buffer[:cut].strip(), self.buffer[cut:].lstrip()
+            if clause:
+                clauses.append(clause)
+        return clauses
+
+    def flush(self) -> list[str]:
+        rest, self.buffer = self.buffer.strip(), ""
+        return [rest] if rest else []
+
+
+async def streaming_synthesize(
+    servicer: SpeechServicer,
+    requests: AsyncIterator[speech_pb2.StreamingSynthesizeSpeechRequest],
+    context: grpc.aio.ServicerContext,
+) -> None:
+    received = time.monotonic()
+    try:
+        first = await anext(aiter(requests))
+    except StopAsyncIteration:
+        raise errors.invalid_argument(
+            [FieldViolation("config", "the stream ended before the config message")]
+        ) from None
+    if first.WhichOneof("request") != "config":
+        raise errors.invalid_argument([FieldViolation("config", "the first message must be the config")])
+    cfg = first.config
+    if cfg.max_clause_chars < 0 or cfg.max_clause_chars > servicer.limits.max_segment_chars:
+        raise errors.invalid_argument(
+            [FieldViolation("config.max_clause_chars", f"must be in [0, {servicer.limits.max_segment_chars}]")]
+        )
+    model = servicer._speech_model(cfg.model)
+    assert model.bundle is not None and model.bundle.speech is not None and model.engine is not None
+    bundle, engine = model.bundle.speech, model.engine
+    layout = bundle.layout
+    created = {v.name: v for v in servicer.voices.list(model.name)}
+    probe = speech_pb2.SynthesizeSpeechRequest(
+        model=cfg.model, text=".", voice=cfg.voice, audio_config=cfg.audio_config, sampling=cfg.sampling
+    )
+    plan = validate_speech(probe, model, layout, servicer.limits.max_text_chars, created)
+    ref = created.get(plan.voice) if plan.voice not in layout.voices else None
+    builtin_voice = "" if ref is not None else plan.voice
+    cutter = ClauseCutter(cfg.max_clause_chars or DEFAULT_MAX_CLAUSE_CHARS)
+    context_frames = math.ceil(CONTEXT_SECONDS * layout.sample_rate / bundle.codec.frame_samples)
+    request_id = cfg.request_id or uuid.uuid4().hex
+    clauses: asyncio.Queue[str | None] = asyncio.Queue()
+    stats = {"tokens": 0, "cached": 0, "prompt": 0, "length": False}
+
+    async def read() -> None:
+        total = 0
+        async for req in requests:
+            kind = req.WhichOneof("request")
+            if kind == "end":
+                break
+            if kind != "text":
+                raise errors.invalid_argument([FieldViolation("config", "only the first message may be a config")])
+            total += len(req.text)
+            if total > servicer.limits.max_text_chars:
+                raise errors.invalid_argument(
+                    [FieldViolation("text", f"more than {servicer.limits.max_text_chars} characters in all")]
+                )
+            for clause in cutter.feed(req.text):
+                clauses.put_nowait(clause)
+        for clause in cutter.flush():
+            clauses.put_nowait(clause)
+        clauses.put_nowait(None)
+
+    async def produce() -> None:
+        prev_text, prev_frames = (ref.transcript, list(ref.frames)) if ref is not None else (None, [])
+        index = 0
+        while (clause := await clauses.get()) is not None:
+            if prev_text is None:
+                prompt = layout.build_prompt(engine.tokenizer, clause, builtin_voice)
+            else:
+                tail = prev_frames if index == 0 else prev_frames[-context_frames:]  # a created voice: all of it
+                prompt = layout.build_reference_prompt(engine.tokenizer, prev_text, tail, clause, builtin_voice)
+            params = servicer._params(plan, model, layout, bundle, clause, prompt, index)
+            frames: list[list[int]] = []
+            frame: list[int] = []
+            count = 0
+            gen = engine.stream(prompt, params, request_id=f"{request_id}-{index}")
+            async with contextlib.aclosing(gen):
+                async for out in gen:
+                    new: list[list[int]] = []
+                    for token in out.new_token_ids:
+                        if token == layout.end_of_speech:
+                            break
+                        frame.append(layout.code_of(token, count))
+                        count += 1
+                        if len(frame) == layout.frame_size:
+                            new.append(frame)
+                            frame = []
+                    bundle.worker.push(stream, new)
+                    frames += new
+                    if out.finished:
+                        stats["cached"] += out.num_cached_tokens
+                        stats["length"] = stats["length"] or out.finish_reason == "length"
+                        if out.finish_reason == "error":
+                            raise errors.internal("the engine failed while computing this request")
+            stats["tokens"] += count
+            stats["prompt"] += len(prompt)
+            prev_text, prev_frames = clause, frames
+            index += 1
+        bundle.worker.finish(stream)
+
+    encoder = AudioStreamEncoder(plan.encoding, plan.sample_rate, source_rate=bundle.worker.sample_rate)
+    stream = bundle.worker.open()
+    tasks: list[asyncio.Task] = []
+    first_audio: float | None = None
+    with model.admit():
+        try:
+            await context.write(
+                speech_pb2.SynthesizeSpeechResponse(
+                    format=speech_pb2.AudioFormat(
+                        encoding=content_pb2.AudioEncoding.Value(f"AUDIO_ENCODING_{plan.encoding.value}"),
+                        sample_rate_hertz=plan.sample_rate,
+                        channels=encoder.channels,
+                    )
+                )
+            )
+            tasks = [asyncio.create_task(read()), asyncio.create_task(produce())]
+
+            async def next_chunk():
+                """The next item of the audio queue; a failed reader or producer ends the call with its error."""
+                getter = asyncio.ensure_future(stream.chunks.get())
+                try:
+                    while True:
+                        pending = [t for t in tasks if not t.done()]
+                        await asyncio.wait([getter, *pending], return_when=asyncio.FIRST_COMPLETED)
+                        for t in tasks:
+                            if t.done() and not t.cancelled() and t.exception() is not None:
+                                raise t.exception()  # type: ignore[misc]
+                        if getter.done():
+                            return getter.result()
+                finally:
+                    if not getter.done():
+                        getter.cancel()
+
+            while (item := await next_chunk()) is not END:
+                if isinstance(item, BaseException):
+                    raise item
+                if data := encoder.encode(item):
+                    first_audio = first_audio or time.monotonic()
+                    await context.write(speech_pb2.SynthesizeSpeechResponse(audio=speech_pb2.AudioChunk(data=data)))
+            if tail := encoder.finish():
+                first_audio = first_audio or time.monotonic()
+                await context.write(speech_pb2.SynthesizeSpeechResponse(audio=speech_pb2.AudioChunk(data=tail)))
+        except InvalidRequest as err:
+            raise invalid(err) from err
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            bundle.worker.close(stream)
+            encoder.close()
+    done_t = time.monotonic()
+    audio_seconds = encoder.samples_out / plan.sample_rate
+    summary = speech_pb2.SpeechSummary(
+        audio_seconds=audio_seconds,
+        audio_tokens=stats["tokens"],
+        real_time_factor=(done_t - received) / audio_seconds if audio_seconds > 0 else 0.0,
+        total=seconds_to_duration(done_t - received),
+        finish_reason=generation_pb2.FINISH_REASON_LENGTH if stats["length"] else generation_pb2.FINISH_REASON_STOP,
+        request_id=request_id,
+        model=model.name,
+        cached_prompt_tokens=stats["cached"],
+        prompt_tokens=stats["prompt"],
+    )
+    if first_audio is not None:
+        summary.time_to_first_audio.CopyFrom(seconds_to_duration(first_audio - received))
+    await context.write(speech_pb2.SynthesizeSpeechResponse(summary=summary))

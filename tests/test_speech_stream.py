@@ -1,0 +1,83 @@
+"""StreamingSynthesizeSpeech over real gRPC: text chunks in 300 ms apart, audio out before the text is complete."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+from service_harness import ServerThread
+
+from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
+from omnivox.services.defaults import save_random_speech_model
+from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.speech import SpeechServicer
+from omnivox.services.speech_stream import ClauseCutter
+from omnivox.v1 import content_pb2, speech_pb2, speech_pb2_grpc
+
+SMALL_SNAC = dict(SNAC_24KHZ_CONFIG, encoder_dim=8, decoder_dim=64)
+CHUNKS = ["Hello there, this ", "is the first clause. And ", "here is a second one, ", "streamed in slowly; ", "done"]
+
+
+def test_clause_cutter():
+    cut = ClauseCutter(max_chars=20)
+    assert cut.feed("Hello there, th") == ["Hello there,"]
+    assert cut.feed("is is a long clause without any stop") == ["this is a long", "clause without any"]
+    assert cut.feed(".") == []  # "stop." waits for the space after the period (it may be "3.5")
+    assert cut.feed(" Next one") == ["stop."]
+    assert cut.flush() == ["Next one"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = save_random_speech_model(tmp_path_factory.mktemp("stream") / "orpheus-random", snac_config=SMALL_SNAC)
+    spec = ModelSpec(path=path, name="speech")
+    with ServerThread([spec], EngineOptions(kv_cache_gib=0.02), data_dir=tmp_path_factory.mktemp("data")) as srv:
+        servicer = next(b.servicer for b in srv.server.services if isinstance(b.servicer, SpeechServicer))
+        servicer.limits.audio_seconds_base = 0.3  # the random decoder speaks its whole budget
+        servicer.limits.audio_seconds_per_char = 0.01
+        yield srv
+
+
+def test_first_audio_before_the_last_chunk_and_one_continuous_stream(server):
+    last_sent = threading.Event()
+    sent_at: list[float] = []
+
+    def requests():
+        config = speech_pb2.StreamingSpeechConfig(
+            audio_config=speech_pb2.AudioConfig(encoding=content_pb2.AUDIO_ENCODING_LINEAR16)
+        )
+        yield speech_pb2.StreamingSynthesizeSpeechRequest(config=config)
+        for i, chunk in enumerate(CHUNKS):
+            if i:
+                time.sleep(0.3)
+            sent_at.append(time.monotonic())
+            yield speech_pb2.StreamingSynthesizeSpeechRequest(text=chunk)
+        last_sent.set()
+        yield speech_pb2.StreamingSynthesizeSpeechRequest(end=True)
+
+    stub = speech_pb2_grpc.SpeechServiceStub(server.channel())
+    first_audio = None
+    data = b""
+    summary = None
+    for response in stub.StreamingSynthesizeSpeech(requests(), timeout=120):
+        kind = response.WhichOneof("response")
+        if kind == "audio" and response.audio.data:
+            first_audio = first_audio or time.monotonic()
+            data += response.audio.data
+        elif kind == "summary":
+            summary = response.summary
+    assert summary is not None and first_audio is not None
+    assert first_audio < sent_at[-1], "first audio must come before the last text chunk is sent"
+    # All clauses' frames went through one codec stream: exactly 2048 samples per frame, none lost or doubled at joins.
+    assert summary.audio_tokens % 7 == 0
+    assert len(data) // 2 == summary.audio_tokens // 7 * 2048
+    assert summary.prompt_tokens > 0
+
+
+def test_config_must_come_first(server):
+    stub = speech_pb2_grpc.SpeechServiceStub(server.channel())
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.StreamingSynthesizeSpeech(iter([speech_pb2.StreamingSynthesizeSpeechRequest(text="hi")]), timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
