@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     folder = save_random_snac(Path(tempfile.mkdtemp()) / "snac", seed=0)
     decoders = {
         "float32 (before)": SnacDecoder.from_folder(folder, fast_convs=False),
@@ -83,7 +83,7 @@ def main() -> None:
             print(f"{r['decoder']:20s} {r['mode']:16s} streams={r['streams']}  {r['s_per_audio_s']:.3f} s per audio s")
     report = {
         "started": started,
-        "load_average": os.getloadavg(),
+        "load_average_at_end": os.getloadavg(),
         "threads": args.threads,
         "frames": args.frames,
         "audio_s_per_stream": audio_s,
