@@ -30,6 +30,7 @@ class AudioStream:
     state: StreamDecoderState
     chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
     ended: bool = False
+    codec_span: tuple[float, float] | None = None  # time.monotonic() of its first pass's start, last pass's end
 
 
 @dataclass
@@ -122,9 +123,11 @@ class DecodeWorker:
             if windows:
                 involved = list({id(s): s for w in windows if (s := self._streams.get(w.stream))}.values())
                 try:
-                    started = time.perf_counter()
+                    started, mono = time.perf_counter(), time.monotonic()
                     audio = await asyncio.to_thread(self.decoder.decode_windows, windows)
                     self.stats.decode_seconds += time.perf_counter() - started
+                    for s in involved:
+                        s.codec_span = (s.codec_span[0] if s.codec_span else mono, time.monotonic())
                     self.stats.passes += 1
                     self.stats.windows += len(windows)
                     self.stats.max_batch = max(self.stats.max_batch, len(windows))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ class _Entry:
     error: BaseException | None = None
     refs: int = 0
     done: threading.Event = field(default_factory=threading.Event)
+    encoded: tuple[float, float] | None = None  # time.monotonic() start and end of its encoder pass (tracing)
 
     @property
     def nbytes(self) -> int:
@@ -149,6 +151,11 @@ class EncodeHandle:
         assert self._entry.features is not None
         return self._entry.features
 
+    @property
+    def encoded(self) -> tuple[float, float] | None:
+        """When its encoder pass ran (time.monotonic() start, end); None for a cache hit encoded before."""
+        return self._entry.encoded
+
     def release(self) -> None:
         if not self._released:
             self._released = True
@@ -200,6 +207,7 @@ class EncoderWorker:
             self._encode(batch)
 
     def _encode(self, batch: list[tuple[_Entry, Any]]) -> None:
+        started = time.monotonic()
         try:
             with torch.inference_mode():
                 features = list(self.encode_batch([payload for _, payload in batch]))
@@ -216,5 +224,7 @@ class EncoderWorker:
             return
         self.num_batches += 1
         self.num_encoded += len(batch)
+        ended = time.monotonic()
         for (entry, _), f in zip(batch, features, strict=True):
+            entry.encoded = (started, ended)
             self.cache._fill(entry, f.detach(), None)

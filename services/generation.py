@@ -123,6 +123,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 call.phase("queue", last.arrival_time, scheduled)
                 call.phase("prefill", scheduled, last.first_token_time)
                 call.phase("decode", last.first_token_time, time.monotonic())
+            if (encoded := prompt.encode_span()) is not None:
+                call.phase("encode", *encoded)  # the encoder worker's pass(es) for this request's images / audio
             call.set(
                 request_id=final.summary.request_id,
                 prompt_tokens=last.num_prompt_tokens,

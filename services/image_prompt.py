@@ -59,6 +59,10 @@ class SlicedSource:
     def failed(self) -> bool:
         return self._handle.failed()
 
+    @property
+    def encoded(self) -> tuple[float, float] | None:
+        return self._handle.encoded
+
     def result(self) -> torch.Tensor:
         features = self._handle.result()  # [num_features, hidden]
         if self._offset == 0 and self._n == features.shape[0]:

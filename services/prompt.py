@@ -25,6 +25,12 @@ class Prompt:
     # M-RoPE (Qwen2.5-VL): ([3, len(token_ids)] positions, generated-token delta) for `engine.stream`; None: 1-D.
     rope_positions: tuple[torch.Tensor, int] | None = None
 
+    def encode_span(self) -> tuple[float, float] | None:
+        """When this prompt's images / audio were encoded (time.monotonic() first start, last end), for tracing;
+        None when every one came from a cache."""
+        spans = [e for seg in self.segments if (e := getattr(seg.source, "encoded", None)) is not None]
+        return (min(a for a, _ in spans), max(b for _, b in spans)) if spans else None
+
     def release(self) -> None:
         """Drop the segments' encoder-cache references: for a prompt the engine never queued (a queued request's
         segments are released by the engine when it ends). Releasing twice is harmless."""

@@ -239,6 +239,9 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
             slo.finish(audio_seconds, done)
             self.metrics.success.labels(model.name, finish).inc()
             self.metrics.e2e.labels(model.name).observe(done - received)
+            spans = [seg.stream.codec_span for seg in segments if seg.stream.codec_span is not None]
+            if spans:  # tracing: the codec's passes for this request, first start to last end
+                current_call().phase("codec", min(a for a, _ in spans), max(b for _, b in spans))
             current_call().set(
                 request_id=request_id,
                 model=model.name,

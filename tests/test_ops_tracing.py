@@ -48,3 +48,41 @@ def test_tracing_is_off_by_default(tmp_path) -> None:
     ckpt = make_checkpoint(tmp_path / "tiny", family="llama")
     with ServerThread([ModelSpec(path=ckpt, name="tiny")], load=False) as srv:
         assert srv.server.tracing is None
+
+
+def test_encode_and_codec_spans(tmp_path) -> None:
+    """An audio question gets an `encode` span (the encoder worker's pass for its clip); a synthesis a `codec` span."""
+    from audio_checkpoints import encode, make_qwen2_audio, tone
+
+    from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
+    from omnivox.services.defaults import save_random_speech_model
+    from omnivox.services.speech import SpeechServicer
+    from omnivox.v1 import content_pb2, generation_pb2, speech_pb2, speech_pb2_grpc
+
+    audio_model = make_qwen2_audio(tmp_path / "qwen2_audio", seed=1)
+    speech_model = save_random_speech_model(
+        tmp_path / "speech", snac_config=dict(SNAC_24KHZ_CONFIG, encoder_dim=8, decoder_dim=64)
+    )
+    exporter = InMemorySpanExporter()
+    specs = [ModelSpec(path=audio_model, name="audio"), ModelSpec(path=speech_model, name="speech")]
+    with ServerThread(specs, EngineOptions(kv_cache_gib=0.01), trace_exporter=exporter) as srv:
+        servicer = next(b.servicer for b in srv.server.services if isinstance(b.servicer, SpeechServicer))
+        servicer.limits.audio_seconds_base, servicer.limits.audio_seconds_per_char = 0.3, 0.0
+        part = content_pb2.AudioPart(data=encode(tone(1.0), 16000, "WAV"), encoding=content_pb2.AUDIO_ENCODING_WAV)
+        request = generation_pb2.GenerateRequest(
+            model="audio",
+            contents=[content_pb2.Content(parts=[content_pb2.Part(audio=part), content_pb2.Part(text="What?")])],
+            max_output_tokens=2,
+        )
+        list(generation_pb2_grpc.GenerationServiceStub(srv.channel()).Generate(request))
+        speech = speech_pb2.SynthesizeSpeechRequest(model="speech", text="Hi.")
+        list(speech_pb2_grpc.SpeechServiceStub(srv.channel()).SynthesizeSpeech(speech, timeout=120))
+        srv.server.tracing.provider.force_flush()
+        spans = exporter.get_finished_spans()
+
+    def children(rpc_name: str) -> list[str]:
+        rpc = next(s for s in spans if s.name == rpc_name)
+        return [s.name for s in spans if s.parent is not None and s.parent.span_id == rpc.context.span_id]
+
+    assert "encode" in children("omnivox.v1.GenerationService/Generate")
+    assert "codec" in children("omnivox.v1.SpeechService/SynthesizeSpeech")
