@@ -148,7 +148,7 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
         assert model.bundle is not None and model.bundle.speech is not None
         layout = model.bundle.speech.layout
         voice = await self.voices.create(model.name, layout, model.bundle.source / layout.codec_folder, request)
-        return voice.to_proto(model.name, layout.language_code)
+        return speech_pb2.CreateVoiceResponse(voice=voice.to_proto(model.name, layout.language_code))
 
     @rpc_method
     async def DeleteVoice(self, request: speech_pb2.DeleteVoiceRequest, context: grpc.aio.ServicerContext):

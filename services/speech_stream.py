@@ -174,7 +174,7 @@ async def streaming_synthesize(
     with model.admit():
         try:
             await context.write(
-                speech_pb2.SynthesizeSpeechResponse(
+                speech_pb2.StreamingSynthesizeSpeechResponse(
                     format=speech_pb2.AudioFormat(
                         encoding=content_pb2.AudioEncoding.Value(f"AUDIO_ENCODING_{plan.encoding.value}"),
                         sample_rate_hertz=plan.sample_rate,
@@ -205,10 +205,10 @@ async def streaming_synthesize(
                     raise item
                 if data := encoder.encode(item):
                     first_audio = first_audio or time.monotonic()
-                    await context.write(speech_pb2.SynthesizeSpeechResponse(audio=speech_pb2.AudioChunk(data=data)))
+                    await context.write(speech_pb2.StreamingSynthesizeSpeechResponse(audio=speech_pb2.AudioChunk(data=data)))
             if tail := encoder.finish():
                 first_audio = first_audio or time.monotonic()
-                await context.write(speech_pb2.SynthesizeSpeechResponse(audio=speech_pb2.AudioChunk(data=tail)))
+                await context.write(speech_pb2.StreamingSynthesizeSpeechResponse(audio=speech_pb2.AudioChunk(data=tail)))
         except InvalidRequest as err:
             raise invalid(err) from err
         finally:
@@ -232,4 +232,4 @@ async def streaming_synthesize(
     )
     if first_audio is not None:
         summary.time_to_first_audio.CopyFrom(seconds_to_duration(first_audio - received))
-    await context.write(speech_pb2.SynthesizeSpeechResponse(summary=summary))
+    await context.write(speech_pb2.StreamingSynthesizeSpeechResponse(summary=summary))

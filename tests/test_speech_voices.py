@@ -84,7 +84,7 @@ def test_created_voice_is_cached_survives_restart_and_deletes(model_path, tmp_pa
     srv = start(model_path, data_dir)
     try:
         stub = speech_pb2_grpc.SpeechServiceStub(srv.channel())
-        voice = stub.CreateVoice(create_request(wav, description="test speaker"), timeout=120)
+        voice = stub.CreateVoice(create_request(wav, description="test speaker"), timeout=120).voice
         assert voice.kind == speech_pb2.VOICE_KIND_CREATED and voice.reference_seconds > 0.5
         listed = {v.name: v.kind for v in stub.ListVoices(speech_pb2.ListVoicesRequest(), timeout=30).voices}
         assert listed["alice"] == speech_pb2.VOICE_KIND_CREATED and listed["tara"] == speech_pb2.VOICE_KIND_BUILT_IN

@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             if args.action == "create":
                 request = create_request(args.model, args.name, args.audio, args.transcript, args.description)
-                voice = stub.CreateVoice(request, timeout=args.timeout)
+                voice = stub.CreateVoice(request, timeout=args.timeout).voice
                 print(f"{voice.name}\t{KINDS.get(voice.kind)}\t{voice.reference_seconds:.2f} s\t{voice.model}")
             elif args.action == "list":
                 response = stub.ListVoices(speech_pb2.ListVoicesRequest(model=args.model), timeout=args.timeout)

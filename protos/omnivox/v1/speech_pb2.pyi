@@ -90,6 +90,22 @@ class SynthesizeSpeechResponse(_message.Message):
     summary: SpeechSummary
     def __init__(self, format: _Optional[_Union[AudioFormat, _Mapping]] = ..., audio: _Optional[_Union[AudioChunk, _Mapping]] = ..., summary: _Optional[_Union[SpeechSummary, _Mapping]] = ...) -> None: ...
 
+class StreamingSynthesizeSpeechResponse(_message.Message):
+    __slots__ = ("format", "audio", "summary")
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    format: AudioFormat
+    audio: AudioChunk
+    summary: SpeechSummary
+    def __init__(self, format: _Optional[_Union[AudioFormat, _Mapping]] = ..., audio: _Optional[_Union[AudioChunk, _Mapping]] = ..., summary: _Optional[_Union[SpeechSummary, _Mapping]] = ...) -> None: ...
+
+class CreateVoiceResponse(_message.Message):
+    __slots__ = ("voice",)
+    VOICE_FIELD_NUMBER: _ClassVar[int]
+    voice: Voice
+    def __init__(self, voice: _Optional[_Union[Voice, _Mapping]] = ...) -> None: ...
+
 class AudioFormat(_message.Message):
     __slots__ = ("encoding", "sample_rate_hertz", "channels")
     ENCODING_FIELD_NUMBER: _ClassVar[int]

@@ -43,7 +43,7 @@ class SpeechServiceStub:
         self.StreamingSynthesizeSpeech = channel.stream_stream(
                 '/omnivox.v1.SpeechService/StreamingSynthesizeSpeech',
                 request_serializer=omnivox_dot_v1_dot_speech__pb2.StreamingSynthesizeSpeechRequest.SerializeToString,
-                response_deserializer=omnivox_dot_v1_dot_speech__pb2.SynthesizeSpeechResponse.FromString,
+                response_deserializer=omnivox_dot_v1_dot_speech__pb2.StreamingSynthesizeSpeechResponse.FromString,
                 _registered_method=True)
         self.ListVoices = channel.unary_unary(
                 '/omnivox.v1.SpeechService/ListVoices',
@@ -53,7 +53,7 @@ class SpeechServiceStub:
         self.CreateVoice = channel.unary_unary(
                 '/omnivox.v1.SpeechService/CreateVoice',
                 request_serializer=omnivox_dot_v1_dot_speech__pb2.CreateVoiceRequest.SerializeToString,
-                response_deserializer=omnivox_dot_v1_dot_speech__pb2.Voice.FromString,
+                response_deserializer=omnivox_dot_v1_dot_speech__pb2.CreateVoiceResponse.FromString,
                 _registered_method=True)
         self.DeleteVoice = channel.unary_unary(
                 '/omnivox.v1.SpeechService/DeleteVoice',
@@ -78,7 +78,8 @@ class SpeechServiceServicer:
         """Text streamed in (e.g. as an LLM writes it), audio streamed out. Send one `config` message, then `text` chunks,
         then `end` (or close the stream). The server cuts the text at clause boundaries (or after
         StreamingSpeechConfig.max_clause_chars) and synthesises each clause with the previous clause's text and last
-        ~2 s of audio codes as context, into one continuous audio stream. The responses are those of SynthesizeSpeech.
+        ~2 s of audio codes as context, into one continuous audio stream. The responses are those of SynthesizeSpeech:
+        one format, audio chunks, one summary.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -118,7 +119,7 @@ def add_SpeechServiceServicer_to_server(servicer, server):
             'StreamingSynthesizeSpeech': grpc.stream_stream_rpc_method_handler(
                     servicer.StreamingSynthesizeSpeech,
                     request_deserializer=omnivox_dot_v1_dot_speech__pb2.StreamingSynthesizeSpeechRequest.FromString,
-                    response_serializer=omnivox_dot_v1_dot_speech__pb2.SynthesizeSpeechResponse.SerializeToString,
+                    response_serializer=omnivox_dot_v1_dot_speech__pb2.StreamingSynthesizeSpeechResponse.SerializeToString,
             ),
             'ListVoices': grpc.unary_unary_rpc_method_handler(
                     servicer.ListVoices,
@@ -128,7 +129,7 @@ def add_SpeechServiceServicer_to_server(servicer, server):
             'CreateVoice': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateVoice,
                     request_deserializer=omnivox_dot_v1_dot_speech__pb2.CreateVoiceRequest.FromString,
-                    response_serializer=omnivox_dot_v1_dot_speech__pb2.Voice.SerializeToString,
+                    response_serializer=omnivox_dot_v1_dot_speech__pb2.CreateVoiceResponse.SerializeToString,
             ),
             'DeleteVoice': grpc.unary_unary_rpc_method_handler(
                     servicer.DeleteVoice,
@@ -190,7 +191,7 @@ class SpeechService:
             target,
             '/omnivox.v1.SpeechService/StreamingSynthesizeSpeech',
             omnivox_dot_v1_dot_speech__pb2.StreamingSynthesizeSpeechRequest.SerializeToString,
-            omnivox_dot_v1_dot_speech__pb2.SynthesizeSpeechResponse.FromString,
+            omnivox_dot_v1_dot_speech__pb2.StreamingSynthesizeSpeechResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -244,7 +245,7 @@ class SpeechService:
             target,
             '/omnivox.v1.SpeechService/CreateVoice',
             omnivox_dot_v1_dot_speech__pb2.CreateVoiceRequest.SerializeToString,
-            omnivox_dot_v1_dot_speech__pb2.Voice.FromString,
+            omnivox_dot_v1_dot_speech__pb2.CreateVoiceResponse.FromString,
             options,
             channel_credentials,
             insecure,
