@@ -58,7 +58,8 @@ def test_preemption_picks_the_newest_and_recomputes_it_identically(ckpt):
     # 16 tokens per block; 4 blocks hold both prompts (1 block each) but not both full answers (3 blocks each).
     small = tiny_engine(ckpt, kv_cache_gib=4 * 16 * small_kv_bytes(roomy) / 2**30, enable_prefix_caching=False)
     assert small.pool.usage().total_blocks == 4
-    ids = [small.add_request(p, params, request_id=f"r{i}") for i, p in enumerate(prompts)]
+    for i, p in enumerate(prompts):
+        small.add_request(p, params, request_id=f"r{i}")
     victims = []
     while small.has_unfinished():
         small.step()
@@ -67,7 +68,6 @@ def test_preemption_picks_the_newest_and_recomputes_it_identically(ckpt):
         if plan.preempted:
             assert plan.admitted == []  # never admits in a step that preempted
     assert victims and set(victims) == {"r1"}  # always the newest
-    del ids
     small.check_integrity()
     assert [o.token_ids for o in small.generate(prompts, params)] == expected
 
