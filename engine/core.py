@@ -109,6 +109,8 @@ class EngineCore:
         self.scheduler.finish(req, reason)
         for seg in req.segments:  # encoder-cache references go with the request, whatever ended it
             seg.release()
+        if req.encoder_input is not None:
+            req.encoder_input.release()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -154,7 +156,10 @@ class EngineCore:
         """A chunk whose embeddings can never come (its encoder failed) fails its request, not the step."""
         for chunks in (plan.decodes, plan.prefills):
             for c in list(chunks):
-                if any(s.failed() and s.end > c.start and s.start < c.end for s in c.request.segments):
+                enc = c.request.encoder_input
+                if (enc is not None and enc.failed()) or any(
+                    s.failed() and s.end > c.start and s.start < c.end for s in c.request.segments
+                ):
                     chunks.remove(c)
                     result.failed.append(c.request)
 

@@ -30,7 +30,7 @@ from omnivox.engine.loading import cap_max_len, default_device, default_kv_gib, 
 from omnivox.engine.output_processor import OutputCallback, OutputProcessor
 from omnivox.engine.outputs import RequestOutput
 from omnivox.engine.params import SamplingParams
-from omnivox.engine.request import EmbeddingSegment, Request
+from omnivox.engine.request import EmbeddingSegment, EncoderInput, Request
 from omnivox.models.config import ModelConfig
 from omnivox.models.decoder import DecoderModel
 
@@ -90,7 +90,7 @@ class Engine:
         )
         self.scheduler, self.pool, self.runner = self.core.scheduler, self.core.pool, self.core.runner  # for tools
         self.core.runner.prepare()  # every decode graph captured now, before anything can serve (none while serving)
-        self.intake = RequestIntake(cfg, tokenizer, self.device)
+        self.intake = RequestIntake(cfg, tokenizer, self.device, getattr(model, "is_encoder_decoder", False))
         self.outputs = OutputProcessor(tokenizer, cfg.max_model_len)
         self._requests: dict[str, Request] = {}
         self._cond = threading.Condition()
@@ -164,10 +164,12 @@ class Engine:
         segments: Sequence[EmbeddingSegment] | None = None,
         on_output: Callable[[RequestOutput], None] | None = None,
         rope_positions: tuple[torch.Tensor, int] | None = None,
+        encoder_input: EncoderInput | None = None,
     ) -> str:
         """Validate and queue a request (thread-safe); raises InvalidRequest before anything is queued.
-        rope_positions: ([3, len(prompt)] M-RoPE positions, generated-token delta) for Qwen2.5-VL-style models."""
-        req = self.intake.build(prompt, params, request_id, segments, rope_positions)
+        rope_positions: ([3, len(prompt)] M-RoPE positions, generated-token delta) for Qwen2.5-VL-style models.
+        encoder_input: what an encoder-decoder model (Whisper) cross-attends to (engine/request.py EncoderInput)."""
+        req = self.intake.build(prompt, params, request_id, segments, rope_positions, encoder_input)
         with self._cond:
             if req.request_id in self._requests:
                 raise InvalidRequest("request_id", f"{req.request_id!r} is already in use")
@@ -236,6 +238,7 @@ class Engine:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         segments: Sequence[Sequence[EmbeddingSegment] | None] | None = None,
+        encoder_inputs: Sequence[EncoderInput | None] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion and return their final outputs, in order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -244,6 +247,7 @@ class Engine:
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
         segs = list(segments) if segments is not None else [None] * len(prompts)
+        encs = list(encoder_inputs) if encoder_inputs is not None else [None] * len(prompts)
         finals: dict[str, RequestOutput] = {}
         done = threading.Event()
         ids: list[str] = []
@@ -254,8 +258,8 @@ class Engine:
                 if len(finals) == len(ids):
                     done.set()
 
-        for prompt, p, s in zip(prompts, params_list, segs, strict=True):
-            ids.append(self.add_request(prompt, p, segments=s, on_output=collect))
+        for prompt, p, s, e in zip(prompts, params_list, segs, encs, strict=True):
+            ids.append(self.add_request(prompt, p, segments=s, on_output=collect, encoder_input=e))
         if self._thread is not None and self._thread.is_alive():
             done.wait()
         else:
@@ -270,6 +274,7 @@ class Engine:
         request_id: str | None = None,
         segments: Sequence[EmbeddingSegment] | None = None,
         rope_positions: tuple[torch.Tensor, int] | None = None,
+        encoder_input: EncoderInput | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield incremental outputs of one request. Leaving early (break, cancellation) aborts it."""
         loop = asyncio.get_running_loop()
@@ -279,7 +284,7 @@ class Engine:
             loop.call_soon_threadsafe(queue.put_nowait, out)
 
         self.start()
-        rid = self.add_request(prompt, params, request_id, segments, on_output=deliver, rope_positions=rope_positions)
+        rid = self.add_request(prompt, params, request_id, segments, deliver, rope_positions, encoder_input)
         finished = False
         try:
             while not finished:

@@ -14,15 +14,16 @@ import torch
 
 from omnivox.engine.errors import InvalidRequest
 from omnivox.engine.params import SamplingParams
-from omnivox.engine.request import EmbeddingSegment, Request
+from omnivox.engine.request import EmbeddingSegment, EncoderInput, Request
 from omnivox.models.config import ModelConfig
 
 Prompt = str | Sequence[int]
 
 
 class RequestIntake:
-    def __init__(self, config: ModelConfig, tokenizer: Any, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, tokenizer: Any, device: torch.device, encoder_decoder: bool = False):
         self.config = config
+        self.is_encoder_decoder = encoder_decoder
         self.tokenizer = tokenizer
         self.device = device
         self._ids = itertools.count()
@@ -63,8 +64,10 @@ class RequestIntake:
         request_id: str | None,
         segments: Sequence[EmbeddingSegment] | None,
         rope_positions: tuple[torch.Tensor, int] | None = None,
+        encoder_input: EncoderInput | None = None,
     ) -> Request:
-        """rope_positions: M-RoPE ([3, len(prompt)] positions, delta of generated tokens), for models that use it."""
+        """rope_positions: M-RoPE ([3, len(prompt)] positions, delta of generated tokens), for models that use it.
+        encoder_input: what an encoder-decoder model's decoder cross-attends to (required there, refused elsewhere)."""
         cfg = self.config
         params = params or SamplingParams()
         ids = self.tokenize(prompt)
@@ -81,6 +84,11 @@ class RequestIntake:
                 "max_tokens", f"{params.max_tokens} exceeds the {room} tokens left in the context after the prompt"
             )
         segs = self.check_segments(segments or [], len(ids))
+        if self.is_encoder_decoder != (encoder_input is not None):
+            need = "needs" if self.is_encoder_decoder else "takes no"
+            raise InvalidRequest("encoder_input", f"this {cfg.family} model {need} an encoder input (audio)")
+        if encoder_input is not None and not isinstance(encoder_input, EncoderInput):
+            raise InvalidRequest("encoder_input", f"expected EncoderInput, got {type(encoder_input).__name__}")
         positions, delta = rope_positions if rope_positions is not None else (None, 0)
         if positions is not None and tuple(positions.shape) != (3, len(ids)):
             raise InvalidRequest("rope_positions", f"must be [3, {len(ids)}], got {tuple(positions.shape)}")
@@ -101,4 +109,5 @@ class RequestIntake:
             generator=generator,
             rope_positions=positions,
             rope_delta=int(delta),
+            encoder_input=encoder_input,
         )

@@ -12,9 +12,13 @@ class KVCacheManager:
         self.block_size = pool.block_size
 
     def _block_extra(self, req: Request, index: int) -> tuple:
-        """Content hashes of the embedding segments that overlap block `index` (part of the block's identity)."""
+        """Content hashes of the embedding segments that overlap block `index` (part of the block's identity); the
+        first block also carries an encoder-decoder request's encoder input (every later hash chains from it)."""
         lo, hi = index * self.block_size, (index + 1) * self.block_size
-        return tuple((s.key, s.start - lo) for s in req.segments if s.start < hi and s.end > lo)
+        extra = tuple((s.key, s.start - lo) for s in req.segments if s.start < hi and s.end > lo)
+        if index == 0 and req.encoder_input is not None:
+            extra += (("encoder", req.encoder_input.key),)
+        return extra
 
     def _hash_of(self, req: Request, index: int) -> bytes:
         parent = req.block_hashes[index - 1] if index else None

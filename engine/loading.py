@@ -69,12 +69,21 @@ def load_model(
 
     from omnivox.models.checkpoint import iter_checkpoint_tensors, load_hf_config
 
+    hf_config = load_hf_config(path)
+    if getattr(hf_config, "model_type", "") == "whisper":  # encoder-decoder: the encoder rides along (on rank 0)
+        from omnivox.models.audio.whisper import build_whisper
+
+        if quantization not in (None, "none", "auto"):
+            raise ValueError(f"quantization {quantization!r} is not supported for Whisper models (float only)")
+        model = build_whisper(hf_config, device, dtype, max_model_len)
+        model.load_weights(iter_checkpoint_tensors(path))
+        return model
     if quantization not in (None, "none"):
         from omnivox.models.loading import load_decoder
 
         mode = None if quantization == "auto" else quantization
         return load_decoder(path, device, dtype, max_model_len, mode, quantize_lm_head, progress)
-    model = build_model(ModelConfig.from_hf(load_hf_config(path), max_model_len), device, dtype)
+    model = build_model(ModelConfig.from_hf(hf_config, max_model_len), device, dtype)
     tensors = iter_checkpoint_tensors(path)
     if progress:
         from tqdm import tqdm
@@ -122,7 +131,11 @@ def profile_activation_bytes(model: DecoderModel, num_tokens: int, num_logit_row
         prefills=[PrefillChunk(0, num_tokens, num_tokens, table)],
     )
     ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
-    hidden = model(ids, torch.arange(num_tokens, device=dev), caches, meta)
+    extra = {}
+    if getattr(model, "is_encoder_decoder", False):  # one request's cross K/V, as a served step reads it
+        kv = torch.zeros(cfg.num_layers, 2, cfg.num_heads, model.encoder_len, cfg.head_dim, dtype=param.dtype)
+        extra["cross"] = [(0, num_tokens, kv.to(dev))]
+    hidden = model(ids, torch.arange(num_tokens, device=dev), caches, meta, **extra)
     model.compute_logits(hidden[: max(1, min(num_logit_rows, num_tokens))])
     if dev.type != "cuda":
         return 0

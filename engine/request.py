@@ -124,6 +124,56 @@ class EmbeddingSegment:
         return self._embeds
 
 
+class EncoderInput:
+    """What an encoder-decoder request's decoder cross-attends to (Whisper's audio): one tensor per request, produced
+    off the engine thread like a segment's embeddings ([num_layers, 2, heads, T_enc, head_dim]: every decoder layer's
+    cross-attention keys and values, computed once per input by the encoder worker and shared through the encoder
+    cache, never per step). `key` names the input (audio bytes + preprocessing + model): the decoder states of every
+    position depend on it, so it salts the request's first KV block hash (prefix caching of the decoder prompt stays
+    exact: two requests share decoder blocks only for the same audio and the same prompt tokens).
+
+    Design choice (vLLM and SGLang keep a separate cross-attention KV cache with prefix caching off, and a chunked
+    prefill can split a 1,500-frame encoder prefix): here the encoder output is not in the decoder's token sequence at
+    all, so the paged cache and chunked prefill see only the short decoder prompt, prefix caching stays on (salted),
+    and the cross K/V lives as long as some request references it (released on finish, abort or error)."""
+
+    def __init__(self, key: str, source: EmbeddingSource | None = None, tensor: torch.Tensor | None = None) -> None:
+        if (source is None) == (tensor is None):
+            raise ValueError("an encoder input needs exactly one of source or tensor")
+        if not key:
+            raise ValueError("an encoder input needs a content key")
+        self.key, self.source, self._tensor = key, source, tensor
+
+    @classmethod
+    def from_tensor(cls, tensor: torch.Tensor, key: str | None = None) -> EncoderInput:
+        if key is None:
+            data = tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+            key = "tensor:" + hashlib.sha256(data).hexdigest()
+        return cls(key, tensor=tensor)
+
+    def request(self) -> None:
+        if self.source is not None:
+            self.source.start()
+
+    def ready(self) -> bool:
+        return self.source is None or self.source.ready() or self.source.failed()
+
+    def failed(self) -> bool:
+        return self.source is not None and self.source.failed()
+
+    def result(self) -> torch.Tensor:
+        if self._tensor is None:
+            assert self.source is not None
+            self._tensor = self.source.result()
+        return self._tensor
+
+    def release(self) -> None:
+        """The request is done (finish, abort, error): drop its cross K/V and its encoder-cache reference."""
+        if self.source is not None:
+            self._tensor = None
+            self.source.release()
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -144,6 +194,7 @@ class Request:
     rope_positions: torch.Tensor | None = None
     rope_delta: int = 0
     generator: torch.Generator | None = None  # per-request sampling stream when seeded
+    encoder_input: EncoderInput | None = None  # encoder-decoder models (Whisper): what the decoder cross-attends to
 
     output_token_ids: list[int] = field(default_factory=list)
     # Proposed tokens after the committed ones, computed by the next step and verified by it; never hashed into the

@@ -57,8 +57,8 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
             for _ in range(cfg.num_layers)
         ]
-        if static_decode is None:
-            static_decode = self.device.type == "cuda"
+        if static_decode is None:  # not for encoder-decoder models: the static buffers hold no cross-attention state
+            static_decode = self.device.type == "cuda" and not getattr(model, "is_encoder_decoder", False)
         self.static: StaticDecoder | None = None
         if static_decode:
             self.static = StaticDecoder(
@@ -133,8 +133,10 @@ class ModelRunner:
         singles = [c for c in plan.decodes if c.num_tokens == 1]  # one token each: the decode attention path
         multis = [c for c in plan.decodes if c.num_tokens > 1] + plan.prefills  # chunks over a cached context
         mrope = any(c.request.rope_positions is not None for c in plan.chunks)
+        cross_attends = getattr(self.model, "is_encoder_decoder", False)
         if (
             self.static is not None
+            and not cross_attends  # the static buffers carry no per-request cross-attention state
             and not multis
             and not mrope  # static buffers hold 1-D positions that double as KV slots
             and self.static.fits(len(singles), max(c.end for c in singles))
@@ -153,9 +155,13 @@ class ModelRunner:
         embed_rows: list[torch.Tensor] = []
         embed_vals: list[torch.Tensor] = []
         prefills: list[PrefillChunk] = []
+        cross: list[tuple[int, int, torch.Tensor]] = []  # encoder-decoder: (first row, rows, cross K/V) per chunk
         row = 0
         for k, c in enumerate(chunks):
             req = c.request
+            if cross_attends:
+                assert req.encoder_input is not None, "an encoder-decoder request without its encoder input"
+                cross.append((row, c.num_tokens, req.encoder_input.result()))
             ids.extend(req.token_slice(c.start, c.end))
             span = req.rope_span(c.start, c.end)
             pos.append(span.expand(3, -1) if mrope and span.dim() == 1 else span)  # a mixed step: all [3, n]
@@ -204,7 +210,10 @@ class ModelRunner:
         positions = torch.cat(pos, dim=-1).to(dev)
         rows = torch.cat(embed_rows).to(dev) if embed_rows else None
         vals = torch.cat([v.to(dev) for v in embed_vals]) if embed_vals else None
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, rows, vals)
+        if cross_attends:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, rows, vals, cross=cross)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, rows, vals)
 
         sampling = [c for c in chunks if c.samples]
         logit_rows: list[int] = []

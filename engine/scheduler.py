@@ -61,7 +61,10 @@ class SchedulePlan:
 
 def computable(req: Request, start: int, n: int) -> int:
     """How many of the n tokens from `start` can be computed now: a chunk stops before an embedding segment whose
-    encoder has not finished (its positions need the embeddings)."""
+    encoder has not finished (its positions need the embeddings); an encoder-decoder request computes nothing until
+    its encoder input (the cross-attention K/V every position reads) is ready."""
+    if req.encoder_input is not None and not req.encoder_input.ready():
+        return 0
     for seg in req.segments:  # sorted by start
         if seg.end > start and seg.start < start + n and not seg.ready():
             return max(0, seg.start - start)
@@ -120,6 +123,8 @@ class Scheduler:
             for seg in req.segments:  # a segment the prefix cache covers whole is never encoded
                 if seg.end > cached:
                     seg.request()
+            if req.encoder_input is not None:  # decode steps read it even when the cache covers the whole prompt
+                req.encoder_input.request()
             n = computable(req, cached, min(req.num_tokens - cached, budget))
             if not self.kv.allocate(req, n):
                 self.kv.free(req)
