@@ -81,3 +81,53 @@ def test_config_must_come_first(server):
     with pytest.raises(grpc.RpcError) as info:
         list(stub.StreamingSynthesizeSpeech(iter([speech_pb2.StreamingSynthesizeSpeechRequest(text="hi")]), timeout=30))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_clause_joins_have_no_seam(server):
+    """The seam test of tests/test_codec_streaming.py applied where clauses meet in StreamingSynthesizeSpeech's audio:
+    the served audio equals the one-shot decode of every clause's frames together (to LINEAR16 rounding), and the step
+    across each clause join is no larger than the signal's own steps just before it."""
+    import numpy as np
+    import torch
+
+    servicer = next(b.servicer for b in server.server.services if isinstance(b.servicer, SpeechServicer))
+    model = servicer.registry.get_ready("speech")
+    bundle, engine = model.bundle.speech, model.engine
+    frames: list[list[int]] = []
+    clause_starts: list[int] = []  # frame index where each clause's audio begins
+    real_push, real_stream = bundle.worker.push, engine.stream
+
+    def recording_push(stream, new):
+        frames.extend(new)
+        real_push(stream, new)
+
+    def marking_stream(*args, **kwargs):
+        clause_starts.append(len(frames))
+        return real_stream(*args, **kwargs)
+
+    def requests():
+        config = speech_pb2.StreamingSpeechConfig(
+            audio_config=speech_pb2.AudioConfig(encoding=content_pb2.AUDIO_ENCODING_LINEAR16)
+        )
+        yield speech_pb2.StreamingSynthesizeSpeechRequest(config=config)
+        for chunk in CHUNKS:
+            yield speech_pb2.StreamingSynthesizeSpeechRequest(text=chunk)
+        yield speech_pb2.StreamingSynthesizeSpeechRequest(end=True)
+
+    bundle.worker.push, engine.stream = recording_push, marking_stream
+    try:
+        stub = speech_pb2_grpc.SpeechServiceStub(server.channel())
+        data = b"".join(r.audio.data for r in stub.StreamingSynthesizeSpeech(requests(), timeout=120))
+    finally:
+        del bundle.worker.push, engine.stream
+    assert len(clause_starts) == 5  # five clauses ("done" is the last), four joins
+    served = np.frombuffer(data, dtype="<i2").astype(np.float32) / 32767.0
+    one_shot = bundle.codec.decode_frames(torch.tensor(frames)[None], bundle.layout.frame_levels)[0].numpy()
+    assert len(served) == len(one_shot) == len(frames) * 2048
+    # Exact up to LINEAR16 rounding (half a step, 1.5e-5) plus the streamed-vs-one-shot difference (< 1e-5).
+    np.testing.assert_allclose(served, np.clip(one_shot, -1, 1), atol=3e-5, rtol=0)
+    joins = np.array([s * 2048 for s in clause_starts[1:] if 0 < s < len(frames)])
+    assert len(joins) >= 3
+    jumps = np.abs(served[joins] - served[joins - 1])
+    local = np.array([np.abs(np.diff(served[j - 64 : j])).max() for j in joins])
+    assert np.all(jumps <= local), (jumps, local)
