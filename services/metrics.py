@@ -34,6 +34,7 @@ _TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 
 _ITL = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 _LONG = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 240.0, 480.0)
 _RTF = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0)
+_COUNT = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class Metrics:
@@ -93,6 +94,25 @@ class Metrics:
         self.underrun_seconds = Counter(
             "omnivox_audio_underrun_seconds", "Seconds the client's buffer was dry", m, registry=r
         )
+        # Text streamed in (StreamingSynthesizeSpeech): per clause and per stream.
+        self.stream_clauses = Histogram(
+            "omnivox_speech_stream_clauses", "Clauses per streamed-text synthesis", m, buckets=_COUNT, registry=r
+        )
+        self.clause_first_audio = Histogram(
+            "omnivox_speech_clause_first_audio_seconds",
+            "Text chunk that completed a clause arrived -> that clause's first audio sent",
+            m, buckets=_TTFT, registry=r,
+        )  # fmt: skip
+        self.text_end_lag = Histogram(
+            "omnivox_speech_text_end_to_last_audio_seconds",
+            "End of the streamed text -> the last audio sent (text-in to audio-out lag at the end)",
+            m, buckets=_LONG, registry=r,
+        )  # fmt: skip
+        self.text_wait_seconds = Counter(
+            "omnivox_speech_text_wait_seconds",
+            "Seconds a streamed-text client's buffer was dry waiting for the text, not for the server",
+            m, registry=r,
+        )  # fmt: skip
         # Audio in.
         self.transcription_rtf = Histogram(
             "omnivox_transcription_real_time_factor", "Compute seconds / audio seconds", m, buckets=_RTF, registry=r
@@ -243,7 +263,8 @@ class UnderrunMeter:
     """When would a client playing the stream run dry? A model of the client: it starts playing once it holds
     `buffer_s` seconds of audio (or at the end), plays in real time, and when its buffer runs dry it stalls until the
     next chunk arrives, then plays on. A chunk arriving after the audio sent so far could have finished playing is
-    an underrun of (arrival - that moment) seconds."""
+    an underrun of (arrival - that moment) seconds, unless the chunk's text itself arrived after that moment (text
+    streamed in: `ready`), when the client was waiting for its own text (counted as `text_wait_s`, not an underrun)."""
 
     def __init__(self, buffer_s: float = 0.2) -> None:
         self.buffer_s = buffer_s
@@ -251,17 +272,23 @@ class UnderrunMeter:
         self.play_start: float | None = None  # when sample 0 would have played (shifted by every stall)
         self.count = 0
         self.seconds = 0.0
+        self.text_wait_s = 0.0
 
-    def chunk(self, arrival: float, seconds: float) -> float:
-        """A chunk of `seconds` of audio sent at `arrival`; returns the underrun it caused (0.0: none)."""
+    def chunk(self, arrival: float, seconds: float, ready: float | None = None) -> float:
+        """A chunk of `seconds` of audio sent at `arrival`, whose text was complete at `ready` (None: from the start);
+        returns the underrun it caused (0.0: none)."""
         gap = 0.0
         if self.play_start is not None:
             dry_at = self.play_start + self.sent_s
             if arrival > dry_at:
                 gap = arrival - dry_at
-                self.count += 1
-                self.seconds += gap
                 self.play_start += gap
+                if ready is not None and ready > dry_at:
+                    self.text_wait_s += gap
+                    gap = 0.0
+                else:
+                    self.count += 1
+                    self.seconds += gap
         self.sent_s += seconds
         if self.play_start is None and self.sent_s >= self.buffer_s:
             self.play_start = arrival
@@ -275,6 +302,7 @@ class SpeechStreamMetrics:
         self.m, self.model, self.received = metrics, model, received
         self.meter = UnderrunMeter(buffer_s)
         self.first_audio: float | None = None
+        self.last_audio: float | None = None
 
     def __enter__(self) -> SpeechStreamMetrics:
         self.m.speech_streams.labels(self.model).inc()
@@ -283,15 +311,20 @@ class SpeechStreamMetrics:
     def __exit__(self, *exc: object) -> None:
         self.m.speech_streams.labels(self.model).dec()
 
-    def chunk(self, seconds: float, now: float | None = None) -> None:
+    def chunk(self, seconds: float, now: float | None = None, ready: float | None = None) -> None:
+        """`seconds` of audio sent at `now`; `ready`: when its text was complete (text streamed in), else None."""
         now = time.monotonic() if now is None else now
+        self.last_audio = now
         if self.first_audio is None:
             self.first_audio = now
             self.m.ttfa.labels(self.model).observe(now - self.received)
-        gap = self.meter.chunk(now, seconds)
+        waited = self.meter.text_wait_s
+        gap = self.meter.chunk(now, seconds, ready)
         if gap > 0:
             self.m.underruns.labels(self.model).inc()
             self.m.underrun_seconds.labels(self.model).inc(gap)
+        if self.meter.text_wait_s > waited:
+            self.m.text_wait_seconds.labels(self.model).inc(self.meter.text_wait_s - waited)
         self.m.audio_seconds.labels(self.model).inc(seconds)
 
     def finish(self, audio_seconds: float, now: float | None = None) -> None:

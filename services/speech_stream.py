@@ -33,6 +33,7 @@ from omnivox.engine import InvalidRequest
 from omnivox.services import errors
 from omnivox.services.errors import FieldViolation
 from omnivox.services.generation import seconds_to_duration
+from omnivox.services.metrics import SpeechStreamMetrics
 from omnivox.services.speech_validation import invalid, validate_speech
 from omnivox.v1 import content_pb2, generation_pb2, speech_pb2
 
@@ -107,8 +108,12 @@ async def streaming_synthesize(
     cutter = ClauseCutter(cfg.max_clause_chars or DEFAULT_MAX_CLAUSE_CHARS)
     context_frames = math.ceil(CONTEXT_SECONDS * layout.sample_rate / bundle.codec.frame_samples)
     request_id = cfg.request_id or uuid.uuid4().hex
-    clauses: asyncio.Queue[str | None] = asyncio.Queue()
+    clauses: asyncio.Queue[tuple[str, float] | None] = asyncio.Queue()  # (clause, when its text was complete)
     stats = {"tokens": 0, "cached": 0, "prompt": 0, "length": False}
+    # Where each clause's audio starts on the codec stream's timeline (samples at the codec rate) and when its text was
+    # complete, in order: the writer turns them into per-clause first-audio latencies and text-aware underruns.
+    marks: list[tuple[int, float]] = []
+    text_end: list[float] = []  # when the end of the text was read
 
     async def read() -> None:
         total = 0
@@ -123,16 +128,21 @@ async def streaming_synthesize(
                 raise errors.invalid_argument(
                     [FieldViolation("text", f"more than {servicer.limits.max_text_chars} characters in all")]
                 )
+            now = time.monotonic()
             for clause in cutter.feed(req.text):
-                clauses.put_nowait(clause)
+                clauses.put_nowait((clause, now))
+        text_end.append(time.monotonic())
         for clause in cutter.flush():
-            clauses.put_nowait(clause)
+            clauses.put_nowait((clause, text_end[0]))
         clauses.put_nowait(None)
 
     async def produce() -> None:
         prev_text, prev_frames = (ref.transcript, list(ref.frames)) if ref is not None else (None, [])
         index = 0
-        while (clause := await clauses.get()) is not None:
+        pushed = 0  # frames pushed to the codec stream, all clauses
+        while (item := await clauses.get()) is not None:
+            clause, complete_at = item
+            marks.append((pushed * bundle.codec.frame_samples, complete_at))
             if prev_text is None:
                 prompt = layout.build_prompt(engine.tokenizer, clause, builtin_voice)
             else:
@@ -156,6 +166,7 @@ async def streaming_synthesize(
                             frame = []
                     bundle.worker.push(stream, new)
                     frames += new
+                    pushed += len(new)
                     if out.finished:
                         stats["cached"] += out.num_cached_tokens
                         stats["length"] = stats["length"] or out.finish_reason == "length"
@@ -171,7 +182,8 @@ async def streaming_synthesize(
     stream = bundle.worker.open()
     tasks: list[asyncio.Task] = []
     first_audio: float | None = None
-    with model.admit():
+    m = servicer.metrics
+    with model.admit(), SpeechStreamMetrics(m, model.name, received) as slo:
         try:
             await context.write(
                 speech_pb2.StreamingSynthesizeSpeechResponse(
@@ -200,15 +212,30 @@ async def streaming_synthesize(
                     if not getter.done():
                         getter.cancel()
 
+            codec_samples = 0  # handed to the encoder so far (codec rate)
+            started = 0  # clauses whose first audio was sent
+
+            async def send(data: bytes) -> None:
+                nonlocal first_audio, started
+                now = time.monotonic()
+                first_audio = first_audio or now
+                while started < len(marks) and marks[started][0] < codec_samples:
+                    m.clause_first_audio.labels(model.name).observe(max(now - marks[started][1], 0.0))
+                    started += 1
+                ready = marks[started - 1][1] if started else None  # the text of this chunk's last clause
+                slo.chunk(encoder.samples_out / plan.sample_rate - slo.meter.sent_s, now, ready)
+                await context.write(
+                    speech_pb2.StreamingSynthesizeSpeechResponse(audio=speech_pb2.AudioChunk(data=data))
+                )
+
             while (item := await next_chunk()) is not END:
                 if isinstance(item, BaseException):
                     raise item
+                codec_samples += len(item)
                 if data := encoder.encode(item):
-                    first_audio = first_audio or time.monotonic()
-                    await context.write(speech_pb2.StreamingSynthesizeSpeechResponse(audio=speech_pb2.AudioChunk(data=data)))
+                    await send(data)
             if tail := encoder.finish():
-                first_audio = first_audio or time.monotonic()
-                await context.write(speech_pb2.StreamingSynthesizeSpeechResponse(audio=speech_pb2.AudioChunk(data=tail)))
+                await send(tail)
         except InvalidRequest as err:
             raise invalid(err) from err
         finally:
@@ -217,8 +244,14 @@ async def streaming_synthesize(
             await asyncio.gather(*tasks, return_exceptions=True)
             bundle.worker.close(stream)
             encoder.close()
-    done_t = time.monotonic()
-    audio_seconds = encoder.samples_out / plan.sample_rate
+        done_t = time.monotonic()
+        audio_seconds = encoder.samples_out / plan.sample_rate
+        slo.finish(audio_seconds, done_t)
+        m.stream_clauses.labels(model.name).observe(len(marks))
+        if text_end and first_audio is not None:
+            m.text_end_lag.labels(model.name).observe(max(slo.last_audio - text_end[0], 0.0))
+        m.success.labels(model.name, "length" if stats["length"] else "stop").inc()
+        m.e2e.labels(model.name).observe(done_t - received)
     summary = speech_pb2.SpeechSummary(
         audio_seconds=audio_seconds,
         audio_tokens=stats["tokens"],

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.request
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from service_harness import ServerThread
 
 from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
 from omnivox.services.defaults import save_random_speech_model
 from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.metrics import UnderrunMeter
 from omnivox.services.speech import SpeechServicer
 from omnivox.services.speech_stream import ClauseCutter
 from omnivox.v1 import content_pb2, speech_pb2, speech_pb2_grpc
@@ -33,7 +36,8 @@ def test_clause_cutter():
 def server(tmp_path_factory):
     path = save_random_speech_model(tmp_path_factory.mktemp("stream") / "orpheus-random", snac_config=SMALL_SNAC)
     spec = ModelSpec(path=path, name="speech")
-    with ServerThread([spec], EngineOptions(kv_cache_gib=0.02), data_dir=tmp_path_factory.mktemp("data")) as srv:
+    data_dir = tmp_path_factory.mktemp("data")
+    with ServerThread([spec], EngineOptions(kv_cache_gib=0.02), data_dir=data_dir, metrics_port=0) as srv:
         servicer = next(b.servicer for b in srv.server.services if isinstance(b.servicer, SpeechServicer))
         servicer.limits.audio_seconds_base = 0.3  # the random decoder speaks its whole budget
         servicer.limits.audio_seconds_per_char = 0.01
@@ -131,3 +135,52 @@ def test_clause_joins_have_no_seam(server):
     jumps = np.abs(served[joins] - served[joins - 1])
     local = np.array([np.abs(np.diff(served[j - 64 : j])).max() for j in joins])
     assert np.all(jumps <= local), (jumps, local)
+
+
+def scrape(srv: ServerThread) -> dict[str, float]:
+    """Every sample of the speech model on the server's /metrics endpoint, by sample name."""
+    body = urllib.request.urlopen(f"http://127.0.0.1:{srv.server.metrics_port}/metrics", timeout=10).read().decode()
+    return {s.name: s.value for f in text_string_to_metric_families(body) for s in f.samples
+            if s.labels.get("model") == "speech" and "le" not in s.labels}  # fmt: skip
+
+
+def test_streaming_metrics_after_a_stream(server):
+    before = scrape(server)
+
+    def requests():
+        yield speech_pb2.StreamingSynthesizeSpeechRequest(config=speech_pb2.StreamingSpeechConfig())
+        for chunk in CHUNKS:
+            yield speech_pb2.StreamingSynthesizeSpeechRequest(text=chunk)
+        yield speech_pb2.StreamingSynthesizeSpeechRequest(end=True)
+
+    stub = speech_pb2_grpc.SpeechServiceStub(server.channel())
+    summary = list(stub.StreamingSynthesizeSpeech(requests(), timeout=120))[-1].summary
+    after = scrape(server)
+
+    def grew(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert grew("omnivox_speech_stream_clauses_count") == 1 and grew("omnivox_speech_stream_clauses_sum") == 5
+    assert grew("omnivox_speech_clause_first_audio_seconds_count") == 5  # one per clause
+    assert 0 < grew("omnivox_speech_clause_first_audio_seconds_sum") < 5 * summary.total.seconds + 5
+    assert grew("omnivox_speech_text_end_to_last_audio_seconds_count") == 1
+    assert grew("omnivox_time_to_first_audio_seconds_count") == 1
+    assert grew("omnivox_speech_real_time_factor_count") == 1
+    assert grew("omnivox_audio_seconds_total") == pytest.approx(summary.audio_seconds, abs=1e-6)
+    assert grew("omnivox_e2e_request_latency_seconds_count") == 1
+    assert after["omnivox_speech_streams_active"] == 0
+    # Waits for text and underruns are counted apart (a labelled counter shows a sample once it has counted).
+    body = urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics", timeout=10).read().decode()
+    assert "# TYPE omnivox_speech_text_wait_seconds_total counter" in body
+    assert "# TYPE omnivox_audio_underruns_total counter" in body
+
+
+def test_underrun_meter_tells_waiting_for_text_from_underruns():
+    """Text streamed in: a chunk whose own text arrived after the client's buffer ran dry is a wait for text, not an
+    underrun of the server; a chunk whose text was there in time and still came late is an underrun."""
+    meter = UnderrunMeter(buffer_s=0.2)
+    assert meter.chunk(0.0, 0.2, ready=0.0) == 0.0  # playback starts, dry at 0.2
+    assert meter.chunk(1.0, 0.2, ready=0.8) == 0.0  # its text came at 0.8, after the buffer ran dry: waiting for text
+    assert (meter.count, meter.text_wait_s) == (0, pytest.approx(0.8))
+    assert meter.chunk(1.5, 0.2, ready=0.9) == pytest.approx(0.3)  # text there since 0.9, dry at 1.2: an underrun
+    assert (meter.count, meter.seconds) == (1, pytest.approx(0.3))
