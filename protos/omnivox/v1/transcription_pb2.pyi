@@ -3,12 +3,22 @@ import datetime
 from google.protobuf import duration_pb2 as _duration_pb2
 from omnivox.v1 import content_pb2 as _content_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class SpeechEventType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SPEECH_EVENT_TYPE_UNSPECIFIED: _ClassVar[SpeechEventType]
+    SPEECH_EVENT_TYPE_SPEECH_START: _ClassVar[SpeechEventType]
+    SPEECH_EVENT_TYPE_SPEECH_END: _ClassVar[SpeechEventType]
+SPEECH_EVENT_TYPE_UNSPECIFIED: SpeechEventType
+SPEECH_EVENT_TYPE_SPEECH_START: SpeechEventType
+SPEECH_EVENT_TYPE_SPEECH_END: SpeechEventType
 
 class TranscribeRequest(_message.Message):
     __slots__ = ("model", "audio", "language", "prompt", "timestamps", "request_id")
@@ -75,3 +85,91 @@ class TranscriptionSummary(_message.Message):
     request_id: str
     model: str
     def __init__(self, text: _Optional[str] = ..., language: _Optional[str] = ..., audio_seconds: _Optional[float] = ..., real_time_factor: _Optional[float] = ..., segments: _Optional[_Iterable[_Union[TranscriptSegment, _Mapping]]] = ..., output_tokens: _Optional[int] = ..., time_to_first_token: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., total: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., request_id: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+
+class StreamingTranscribeRequest(_message.Message):
+    __slots__ = ("config", "audio", "finalize")
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    FINALIZE_FIELD_NUMBER: _ClassVar[int]
+    config: StreamingTranscriptionConfig
+    audio: bytes
+    finalize: bool
+    def __init__(self, config: _Optional[_Union[StreamingTranscriptionConfig, _Mapping]] = ..., audio: _Optional[bytes] = ..., finalize: _Optional[bool] = ...) -> None: ...
+
+class StreamingTranscriptionConfig(_message.Message):
+    __slots__ = ("model", "encoding", "sample_rate_hertz", "language", "interim_results", "task", "prompt", "endpoint_silence_ms", "request_id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_HERTZ_FIELD_NUMBER: _ClassVar[int]
+    LANGUAGE_FIELD_NUMBER: _ClassVar[int]
+    INTERIM_RESULTS_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_SILENCE_MS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    encoding: _content_pb2.AudioEncoding
+    sample_rate_hertz: int
+    language: str
+    interim_results: bool
+    task: str
+    prompt: str
+    endpoint_silence_ms: int
+    request_id: str
+    def __init__(self, model: _Optional[str] = ..., encoding: _Optional[_Union[_content_pb2.AudioEncoding, str]] = ..., sample_rate_hertz: _Optional[int] = ..., language: _Optional[str] = ..., interim_results: _Optional[bool] = ..., task: _Optional[str] = ..., prompt: _Optional[str] = ..., endpoint_silence_ms: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class StreamingTranscribeResponse(_message.Message):
+    __slots__ = ("speech_event", "result", "summary")
+    SPEECH_EVENT_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    speech_event: SpeechEvent
+    result: StreamingTranscriptionResult
+    summary: StreamingTranscriptionSummary
+    def __init__(self, speech_event: _Optional[_Union[SpeechEvent, _Mapping]] = ..., result: _Optional[_Union[StreamingTranscriptionResult, _Mapping]] = ..., summary: _Optional[_Union[StreamingTranscriptionSummary, _Mapping]] = ...) -> None: ...
+
+class SpeechEvent(_message.Message):
+    __slots__ = ("type", "offset", "utterance_index")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    UTTERANCE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    type: SpeechEventType
+    offset: _duration_pb2.Duration
+    utterance_index: int
+    def __init__(self, type: _Optional[_Union[SpeechEventType, str]] = ..., offset: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., utterance_index: _Optional[int] = ...) -> None: ...
+
+class StreamingTranscriptionResult(_message.Message):
+    __slots__ = ("text", "is_final", "stability", "start_offset", "end_offset", "language", "utterance_index")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    IS_FINAL_FIELD_NUMBER: _ClassVar[int]
+    STABILITY_FIELD_NUMBER: _ClassVar[int]
+    START_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    END_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LANGUAGE_FIELD_NUMBER: _ClassVar[int]
+    UTTERANCE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    is_final: bool
+    stability: float
+    start_offset: _duration_pb2.Duration
+    end_offset: _duration_pb2.Duration
+    language: str
+    utterance_index: int
+    def __init__(self, text: _Optional[str] = ..., is_final: _Optional[bool] = ..., stability: _Optional[float] = ..., start_offset: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., end_offset: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., language: _Optional[str] = ..., utterance_index: _Optional[int] = ...) -> None: ...
+
+class StreamingTranscriptionSummary(_message.Message):
+    __slots__ = ("text", "utterances", "audio_seconds", "real_time_factor", "time_to_first_result", "request_id", "model")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    UTTERANCES_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REAL_TIME_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    TIME_TO_FIRST_RESULT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    utterances: int
+    audio_seconds: float
+    real_time_factor: float
+    time_to_first_result: _duration_pb2.Duration
+    request_id: str
+    model: str
+    def __init__(self, text: _Optional[str] = ..., utterances: _Optional[int] = ..., audio_seconds: _Optional[float] = ..., real_time_factor: _Optional[float] = ..., time_to_first_result: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., request_id: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...

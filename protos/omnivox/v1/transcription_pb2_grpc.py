@@ -40,6 +40,11 @@ class TranscriptionServiceStub:
                 request_serializer=omnivox_dot_v1_dot_transcription__pb2.TranscribeRequest.SerializeToString,
                 response_deserializer=omnivox_dot_v1_dot_transcription__pb2.TranscribeResponse.FromString,
                 _registered_method=True)
+        self.StreamingTranscribe = channel.stream_stream(
+                '/omnivox.v1.TranscriptionService/StreamingTranscribe',
+                request_serializer=omnivox_dot_v1_dot_transcription__pb2.StreamingTranscribeRequest.SerializeToString,
+                response_deserializer=omnivox_dot_v1_dot_transcription__pb2.StreamingTranscribeResponse.FromString,
+                _registered_method=True)
 
 
 class TranscriptionServiceServicer:
@@ -55,6 +60,17 @@ class TranscriptionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StreamingTranscribe(self, request_iterator, context):
+        """Live speech recognition (Whisper models). Send one `config` message, then `audio` chunks as they are captured
+        (any size; real-time pace or faster), optionally `finalize`, then close the stream. A voice activity detector
+        cuts the audio into utterances and the server answers with speech-start / speech-end events, interim results for
+        the open utterance (when asked for), one final result per utterance, and one summary, last. The final text of an
+        utterance is what Transcribe returns for the same span of audio (the result's offsets).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TranscriptionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -62,6 +78,11 @@ def add_TranscriptionServiceServicer_to_server(servicer, server):
                     servicer.Transcribe,
                     request_deserializer=omnivox_dot_v1_dot_transcription__pb2.TranscribeRequest.FromString,
                     response_serializer=omnivox_dot_v1_dot_transcription__pb2.TranscribeResponse.SerializeToString,
+            ),
+            'StreamingTranscribe': grpc.stream_stream_rpc_method_handler(
+                    servicer.StreamingTranscribe,
+                    request_deserializer=omnivox_dot_v1_dot_transcription__pb2.StreamingTranscribeRequest.FromString,
+                    response_serializer=omnivox_dot_v1_dot_transcription__pb2.StreamingTranscribeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -92,6 +113,33 @@ class TranscriptionService:
             '/omnivox.v1.TranscriptionService/Transcribe',
             omnivox_dot_v1_dot_transcription__pb2.TranscribeRequest.SerializeToString,
             omnivox_dot_v1_dot_transcription__pb2.TranscribeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamingTranscribe(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/omnivox.v1.TranscriptionService/StreamingTranscribe',
+            omnivox_dot_v1_dot_transcription__pb2.StreamingTranscribeRequest.SerializeToString,
+            omnivox_dot_v1_dot_transcription__pb2.StreamingTranscribeResponse.FromString,
             options,
             channel_credentials,
             insecure,
