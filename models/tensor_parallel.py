@@ -10,12 +10,15 @@
 So each layer costs two all-reduces of [T, hidden] (docs/scaling.md works out what that costs on NVLink).
 Each rank's KV cache holds its own `num_kv_heads / world` heads: allocate it from `local_kv_heads`.
 
-What is not here yet (issue 16): the engine side (rank 0 schedules and broadcasts each step's plan, the others run
-it), `omnivox serve --tensor-parallel N`, and loading only this rank's slice of the checkpoint (today every rank
-loads the whole model, then drops what it does not own).
+`load_shard(path, rank, world)` builds the same shard straight from a checkpoint: the model is allocated at the
+shard's sizes and each checkpoint tensor is sliced as it streams in, so a rank holds its shard plus one tensor, never
+the whole model. The engine side (rank 0 schedules, the other ranks run each step) is engine/tensor_parallel.py.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -47,12 +50,21 @@ def local_kv_heads(cfg: ModelConfig, world: int) -> int:
 class RowParallelLinear(nn.Module):
     """y = all_reduce(x_local @ W[:, cols]^T) + b: the input arrives split by columns (this rank's heads/slice)."""
 
-    def __init__(self, full: nn.Linear, rank: int, world: int, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, local: nn.Linear, group: dist.ProcessGroup | None) -> None:
+        """local: the layer whose weight [out, in/world] is already this rank's columns (its bias is the full one)."""
         super().__init__()
-        cols = full.in_features // world
-        self.weight = nn.Parameter(full.weight.detach()[:, rank * cols : (rank + 1) * cols].contiguous())
-        self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone())
+        self.weight = local.weight
+        self.bias = local.bias
         self.group = group
+
+    @classmethod
+    def from_full(cls, full: nn.Linear, rank: int, world: int, group: dist.ProcessGroup | None) -> RowParallelLinear:
+        cols = full.in_features // world
+        local = nn.Linear(cols, full.out_features, bias=full.bias is not None, device="meta")
+        local.weight = nn.Parameter(full.weight.detach()[:, rank * cols : (rank + 1) * cols].contiguous())
+        if full.bias is not None:
+            local.bias = nn.Parameter(full.bias.detach().clone())
+        return cls(local, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in/world] -> [T, out]
         y = linear(x, self.weight)
@@ -63,15 +75,12 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """This rank's rows [start, start + rows) of the embedding; tokens outside them contribute zeros."""
 
-    def __init__(self, full: torch.Tensor, rank: int, world: int, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, shard: torch.Tensor, vocab: int, rank: int, group: dist.ProcessGroup | None) -> None:
+        """shard: [ceil(vocab / world), hidden], this rank's rows (`vocab_rows` slices them from the full matrix)."""
         super().__init__()
-        vocab = full.shape[0]
-        self.rows = -(-vocab // world)  # ceil: the last shard is padded with zero rows
+        self.rows = shard.shape[0]
         self.start = rank * self.rows
-        shard = torch.zeros(self.rows, full.shape[1], dtype=full.dtype, device=full.device)
-        mine = full.detach()[self.start : self.start + self.rows]
-        shard[: mine.shape[0]] = mine
-        self.weight = nn.Parameter(shard)
+        self.weight = shard if isinstance(shard, nn.Parameter) else nn.Parameter(shard)
         self.vocab = vocab
         self.group = group
 
@@ -123,17 +132,95 @@ def shard_decoder(model: DecoderModel, group: dist.ProcessGroup | None = None) -
         if not isinstance(attn.o_proj, Linear) or not isinstance(mlp.down_proj, Linear):
             raise ValueError("tensor parallelism needs float layers (quantised layers are not sharded yet)")
         attn.qkv_proj = _column_shard(attn.qkv_proj, rank, world)
-        attn.o_proj = RowParallelLinear(attn.o_proj, rank, world, group)
+        attn.o_proj = RowParallelLinear.from_full(attn.o_proj, rank, world, group)
         attn.num_heads //= world
         attn.num_kv_heads //= world
         mlp.gate_up_proj = _column_shard(mlp.gate_up_proj, rank, world)
-        mlp.down_proj = RowParallelLinear(mlp.down_proj, rank, world, group)
+        mlp.down_proj = RowParallelLinear.from_full(mlp.down_proj, rank, world, group)
         mlp.inter //= world
-    full_embedding = model.embed_tokens.weight
-    model.embed_tokens = VocabParallelEmbedding(full_embedding, rank, world, group)
-    if model.lm_head is None:  # tied: the head reads the same vocabulary shard as the embedding
-        model.lm_head = VocabParallelHead(model.embed_tokens.weight, cfg.vocab_size, world, group)
-    else:
-        rows = VocabParallelEmbedding(model.lm_head.weight, rank, world, group).weight  # same padded slicing
-        model.lm_head = VocabParallelHead(rows, cfg.vocab_size, world, group)
+    embedding = vocab_rows(model.embed_tokens.weight.detach(), rank, world)
+    head = None if model.lm_head is None else vocab_rows(model.lm_head.weight.detach(), rank, world)
+    return _vocab_parallel(model, embedding, head, rank, world, group)
+
+
+def vocab_rows(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """This rank's rows of a [vocab, hidden] matrix: ceil(vocab / world) of them, the last shard padded with zeros."""
+    rows = -(-full.shape[0] // world)
+    shard = torch.zeros(rows, *full.shape[1:], dtype=full.dtype, device=full.device)
+    mine = full[rank * rows : (rank + 1) * rows]
+    shard[: mine.shape[0]] = mine
+    return shard
+
+
+def _vocab_parallel(
+    model: DecoderModel,
+    embedding: torch.Tensor,
+    head: torch.Tensor | None,
+    rank: int,
+    world: int,
+    group: dist.ProcessGroup | None,
+) -> DecoderModel:
+    """Install the vocabulary-parallel embedding and head (head None: tied, it reads the embedding's shard)."""
+    vocab = model.config.vocab_size
+    model.embed_tokens = VocabParallelEmbedding(embedding, vocab, rank, group)
+    model.lm_head = VocabParallelHead(model.embed_tokens.weight if head is None else head, vocab, world, group)
     return model
+
+
+def _slice_for_rank(
+    tensors: Iterable[tuple[str, torch.Tensor]], rank: int, world: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint tensors cut to this rank's part, as they stream in (the same cuts shard_decoder makes)."""
+    for name, tensor in tensors:
+        parts = name.split(".")
+        module = parts[-2] if len(parts) >= 2 else ""
+        if module in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):  # column-parallel: output rows
+            rows = tensor.shape[0] // world
+            tensor = tensor[rank * rows : (rank + 1) * rows]
+        elif module in ("o_proj", "down_proj") and parts[-1] == "weight":  # row-parallel: input columns
+            cols = tensor.shape[1] // world
+            tensor = tensor[:, rank * cols : (rank + 1) * cols]
+        elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            tensor = vocab_rows(tensor, rank, world)
+        yield name, tensor.contiguous()
+
+
+@torch.no_grad()
+def load_shard(
+    path,
+    rank: int,
+    world: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_model_len: int | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> DecoderModel:
+    """This rank's shard of the checkpoint at `path` (the model shard_decoder makes from the whole one), allocated at
+    the shard's sizes and filled tensor by tensor: peak memory is the shard plus the largest checkpoint tensor.
+    No collective runs here: the process group need not exist yet (it must by the first forward)."""
+    from omnivox.models.checkpoint import iter_checkpoint_tensors, load_hf_config
+
+    cfg = ModelConfig.from_hf(load_hf_config(path), max_model_len)
+    check_divisible(cfg, world)
+    local = dataclasses.replace(
+        cfg,
+        num_heads=cfg.num_heads // world,
+        num_kv_heads=cfg.num_kv_heads // world,
+        intermediate_size=cfg.intermediate_size // world,
+        vocab_size=-(-cfg.vocab_size // world),  # the embedding and head rows of this rank
+    )
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):  # allocated in place at its dtype: no float32 copy of the shard
+            model = DecoderModel(local)
+    finally:
+        torch.set_default_dtype(prev)
+    model.rotary.to(torch.float32)
+    model.load_weights(_slice_for_rank(iter_checkpoint_tensors(path), rank, world))
+    for layer in model.layers:
+        layer.self_attn.o_proj = RowParallelLinear(layer.self_attn.o_proj, group)
+        layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj, group)
+    model.config = cfg  # the whole model's: vocabulary, context, heads as the checkpoint has them
+    head = None if model.lm_head is None else model.lm_head.weight
+    return _vocab_parallel(model, model.embed_tokens.weight, head, rank, world, group)

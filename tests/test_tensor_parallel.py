@@ -1,10 +1,10 @@
 """Tensor parallelism (models/tensor_parallel.py): 2 processes over gloo on CPU give the logits of one process
 within 1e-5 and the same 32 greedy tokens, on tiny random Llama (untied, and tied with an odd vocabulary), Qwen2
 (q/k/v biases) and Qwen3 (q/k norms) — two requests batched, one of them cancelled mid-way. Each rank's KV cache
-holds half the KV heads.
+holds half the KV heads. `load_shard` (each tensor sliced as it is read) gives the same shard as `shard_decoder`.
 
-The model is driven directly (prefill chunks over the paged cache, one token per request per step): the engine does
-not run tensor-parallel yet.
+The model is driven directly (prefill chunks over the paged cache, one token per request per step); the engine over
+tensor-parallel ranks is tested in tests/test_tensor_parallel_engine.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from checkpoints import make_checkpoint
 from omnivox.models.attention import AttentionMetadata, PrefillChunk
 from omnivox.models.config import ModelConfig
 from omnivox.models.loading import load_decoder
-from omnivox.models.tensor_parallel import check_divisible, local_kv_heads, shard_decoder
+from omnivox.models.tensor_parallel import check_divisible, load_shard, local_kv_heads, shard_decoder
 
 # Name -> (family, config overrides). "llama-tied": tied embeddings and an odd vocabulary (the last shard is padded).
 MODELS = {
@@ -83,6 +83,12 @@ def _worker(rank: int, root: str, init_file: str) -> None:
                     (model.config.num_heads + 2 * model.config.num_kv_heads) * model.config.head_dim
                 )
                 out = greedy(model, local_kv_heads(model.config, WORLD))
+                # Loading only this rank's slice gives the same shard, tensor for tensor.
+                sliced = load_shard(Path(root) / family, rank, WORLD, torch.device("cpu"), torch.float32)
+                want = model.state_dict()
+                assert sliced.state_dict().keys() == want.keys()
+                for name, value in sliced.state_dict().items():
+                    assert torch.equal(value, want[name]), (family, name)
             if rank == 0:
                 torch.save(out, Path(root) / f"{family}-tp.pt")
     finally:
