@@ -1,0 +1,123 @@
+"""Headerless audio arriving in chunks (a live stream) -> mono float32 at the model's rate, as it comes.
+
+`StreamingAudioDecoder.feed(bytes)` returns the new samples at the target rate; `flush()` the rest at the end.
+Chunks may split a sample (an odd LINEAR16 byte waits for the next chunk). Samples are scaled as
+codecs/audio_input.py scales them (LINEAR16 / 32768, MULAW through the G.711 table), and the rate is changed with
+the same torchaudio windowed-sinc resampler, run block by block so that the streamed output equals the one-shot
+`resample` of the whole stream (within float rounding): see `StreamingResampler`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torchaudio.functional as AF
+
+from omnivox.codecs.audio_format import AudioEncoding
+from omnivox.codecs.audio_input import AudioInputError, AudioLimits, mulaw_to_int16
+
+STREAM_ENCODINGS = (AudioEncoding.LINEAR16, AudioEncoding.MULAW)
+LOWPASS_FILTER_WIDTH, ROLLOFF = 6, 0.99  # torchaudio's resample defaults (what audio_input.resample uses)
+
+
+class StreamingResampler:
+    """torchaudio's sinc resampler over a stream, exact block by block.
+
+    With both rates divided by their gcd (orig, new), torchaudio's resample produces output block k (`new` samples)
+    from the inputs [k*orig - width, (k+1)*orig + width), zero beyond the ends. So block k is final once those inputs
+    have arrived; it is computed by resampling a stretch that starts `ceil(width / orig)` blocks earlier (whose first
+    blocks see a zero-padded edge and are dropped), or at sample 0, where the one-shot pads with zeros too.
+    """
+
+    def __init__(self, orig_rate: int, new_rate: int) -> None:
+        g = math.gcd(orig_rate, new_rate)
+        self.orig_rate, self.new_rate = orig_rate, new_rate
+        self.orig, self.new = orig_rate // g, new_rate // g
+        self.width = math.ceil(LOWPASS_FILTER_WIDTH * self.orig / (min(self.orig, self.new) * ROLLOFF))
+        self.context_blocks = math.ceil(self.width / self.orig)
+        self._buffer = np.zeros(0, np.float32)  # inputs from sample `_buffer_start` on
+        self._buffer_start = 0  # a multiple of `orig`
+        self._received = 0
+        self._next_block = 0  # the first block not yet returned
+
+    def _resample_from(self, first_block: int, last_block: int | None) -> np.ndarray:
+        """Blocks [first_block, last_block) (None: to the end of what arrived, zero-padded) of the whole output."""
+        start_block = max(0, first_block - self.context_blocks)
+        a = start_block * self.orig - self._buffer_start
+        stretch = torch.from_numpy(np.ascontiguousarray(self._buffer[a:]))
+        out = AF.resample(stretch, self.orig_rate, self.new_rate).numpy()
+        lo = (first_block - start_block) * self.new
+        hi = None if last_block is None else (last_block - start_block) * self.new
+        return out[lo:hi]
+
+    def feed(self, samples: np.ndarray) -> np.ndarray:
+        if self.orig == self.new:
+            return samples
+        self._buffer = np.concatenate([self._buffer, samples.astype(np.float32, copy=False)])
+        self._received += len(samples)
+        complete = (self._received - self.width) // self.orig  # blocks whose inputs have all arrived
+        if complete <= self._next_block:
+            return np.zeros(0, np.float32)
+        out = self._resample_from(self._next_block, complete)
+        self._next_block = complete
+        keep = max(0, complete - self.context_blocks) * self.orig  # inputs the next blocks may still need
+        self._buffer = self._buffer[keep - self._buffer_start :]
+        self._buffer_start = keep
+        return out
+
+    def flush(self) -> np.ndarray:
+        """The remaining output, the stream's end zero-padded as the one-shot resample pads it."""
+        if self.orig == self.new or self._received == 0:
+            return np.zeros(0, np.float32)
+        total = math.ceil(self.new * self._received / self.orig)
+        out = self._resample_from(self._next_block, None)[: max(0, total - self._next_block * self.new)]
+        self._next_block = math.ceil(total / self.new)
+        return out
+
+
+class StreamingAudioDecoder:
+    """LINEAR16 / MULAW bytes in chunks -> float32 samples at `target_rate`. Bad settings raise AudioInputError."""
+
+    def __init__(
+        self,
+        encoding: AudioEncoding | None,
+        sample_rate: int,
+        target_rate: int = 16000,
+        limits: AudioLimits = AudioLimits(),
+    ) -> None:
+        encoding = encoding or AudioEncoding.LINEAR16
+        if encoding not in STREAM_ENCODINGS:
+            raise AudioInputError(
+                "encoding", f"a stream takes headerless LINEAR16 or MULAW audio, not {encoding.value}"
+            )
+        if not limits.min_sample_rate <= sample_rate <= limits.max_sample_rate:
+            raise AudioInputError(
+                "sample_rate_hertz",
+                f"{sample_rate} Hz is outside [{limits.min_sample_rate}, {limits.max_sample_rate}]",
+            )
+        self.encoding, self.sample_rate, self.target_rate = encoding, sample_rate, target_rate
+        self.resampler = StreamingResampler(sample_rate, target_rate)
+        self._carry = b""  # an odd LINEAR16 byte
+        self.samples_in = 0  # at the source rate
+
+    def feed(self, data: bytes) -> np.ndarray:
+        if self.encoding is AudioEncoding.LINEAR16:
+            data = self._carry + data
+            even = len(data) - len(data) % 2
+            self._carry = data[even:]
+            pcm = np.frombuffer(data[:even], dtype="<i2")
+        else:
+            pcm = mulaw_to_int16(np.frombuffer(data, dtype=np.uint8))
+        self.samples_in += len(pcm)
+        return self.resampler.feed(pcm.astype(np.float32) / 32768.0)
+
+    def flush(self) -> np.ndarray:
+        """The rest at the end of the stream (a dangling odd byte is dropped)."""
+        self._carry = b""
+        return self.resampler.flush()
+
+    @property
+    def seconds_in(self) -> float:
+        return self.samples_in / self.sample_rate
