@@ -137,13 +137,19 @@ class VoiceActivityDetector:
             self._step(float(energy), events)
         return events
 
+    def end_now(self) -> list[SpeechEvent]:
+        """Close an open utterance here, at its last voiced frame (push-to-talk released); the stream goes on, and
+        speech that continues opens a new utterance after START_MS."""
+        self._run = 0
+        if not self.in_speech:
+            return []
+        self.in_speech, self.speech_start, self._silent = False, None, 0
+        return [SpeechEvent(SpeechEventKind.END, self._last_voiced_end, self.position)]
+
     def flush(self) -> list[SpeechEvent]:
         """End of stream: close an open utterance at its last voiced frame (a partial last frame is ignored)."""
         self._pending = np.zeros(0, np.float32)
-        if not self.in_speech:
-            return []
-        self.in_speech, self.speech_start = False, None
-        return [SpeechEvent(SpeechEventKind.END, self._last_voiced_end, self.position)]
+        return self.end_now()
 
     def _step(self, energy: float, events: list[SpeechEvent]) -> None:
         c = self.config

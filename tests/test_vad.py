@@ -115,6 +115,15 @@ def test_long_utterance_is_cut_and_speech_at_sample_zero_is_heard():
     assert 7 * RATE - FRAME <= got[-1][1] <= 7 * RATE
 
 
+def test_end_now_closes_the_utterance_and_speech_reopens():
+    vad = VoiceActivityDetector()
+    audio = concat(quiet(1.0), tone(2.0, amp=0.2))
+    events = vad.feed(audio[:24000]) + vad.end_now() + vad.feed(audio[24000:])
+    assert [e.kind for e in events] == [START, END, START]
+    assert events[1].offset == events[1].decided_at == 24000 and events[2].offset == 24000
+    assert vad.end_now()[0].offset == 48000 and vad.end_now() == []
+
+
 def test_config_checks():
     with pytest.raises(ValueError):
         VadConfig(continue_margin_db=20.0)
