@@ -21,20 +21,22 @@ SPEECH_EVENT_TYPE_SPEECH_START: SpeechEventType
 SPEECH_EVENT_TYPE_SPEECH_END: SpeechEventType
 
 class TranscribeRequest(_message.Message):
-    __slots__ = ("model", "audio", "language", "prompt", "timestamps", "request_id")
+    __slots__ = ("model", "audio", "language", "prompt", "timestamps", "request_id", "task")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FIELD_NUMBER: _ClassVar[int]
     LANGUAGE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMPS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
     model: str
     audio: _content_pb2.AudioPart
     language: str
     prompt: str
     timestamps: bool
     request_id: str
-    def __init__(self, model: _Optional[str] = ..., audio: _Optional[_Union[_content_pb2.AudioPart, _Mapping]] = ..., language: _Optional[str] = ..., prompt: _Optional[str] = ..., timestamps: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
+    task: str
+    def __init__(self, model: _Optional[str] = ..., audio: _Optional[_Union[_content_pb2.AudioPart, _Mapping]] = ..., language: _Optional[str] = ..., prompt: _Optional[str] = ..., timestamps: _Optional[bool] = ..., request_id: _Optional[str] = ..., task: _Optional[str] = ...) -> None: ...
 
 class TranscribeResponse(_message.Message):
     __slots__ = ("delta", "summary")
