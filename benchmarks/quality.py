@@ -3,7 +3,7 @@
 - **Perplexity** of each quantisation on a fixed English text shipped here (`data/pride_and_prejudice.txt`: the first
   chapters of Jane Austen's *Pride and Prejudice*, 1813, public domain, written out for this benchmark; ~3 900 SmolLM2
   tokens), every token predicted from all before it through the model's own paged KV cache. Twice: in steps of 16
-  rows (`perplexity`: the quantised kernels with int8 activations, as decode runs them) and in prefill chunks of 256
+  rows (`perplexity`: the quantised kernels with int16 activations, as decode runs them) and in prefill chunks of 256
   rows (`perplexity_prefill`: layers dequantised for float GEMM, i.e. the weights' quantisation alone).
 - **Greedy agreement** with float32 over 64 tokens on 20 fixed prompts (chat template applied): the mean share of
   the 64 tokens before the first divergence, how many of the 20 continuations are identical, and the teacher-forced

@@ -111,16 +111,27 @@ void gemv_f32(const float *W, const float *x, const float *b, float *y, int N, i
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
-// 4-bit weights in groups of 32 (GGUF's Q4_1 block, byte for byte): {fp16 d, fp16 m, 16 bytes of nibbles}, weight =
-// d * q + m with q in 0..15; byte j holds element j (low nibble) and element j + 16 (high nibble). Q4_0 converts with
-// m = -8 d. As in llama.cpp's Q4_1 x Q8_1 dot product, activations are quantised per group of 32 to int8 (scale dx,
-// and s = dx * sum(qx) for the m term) and the inner products are integer: sum(d q * dx qx) + m * s per group.
-// A row of weights is unpacked once per group and used against every activation row (batch-1 GEMV and small batches).
+// Weights in groups of 32, in GGUF's own blocks byte for byte:
+// - Q4_1 {fp16 d, fp16 m, 16 bytes of nibbles}: weight = d * q + m, q in 0..15; byte j holds element j (low nibble)
+//   and element j + 16 (high nibble). Q4_0 converts with m = -8 d.
+// - Q8_0 {fp16 d, 32 x int8}: weight = d * q.
+// Activations are quantised per group of 32 to int16 (scale dx = max|x| / 32767) and the inner products are integer
+// (int16 x int16 -> int32, exact), accumulated in float32 per group: y = sum_g d dx dot(q, qx) (+ m * sum_g x).
+// llama.cpp uses int8 activations (Q8_0 / Q8_1) here; on SmolLM2-135M those flipped the first token of "What is the
+// capital of France?" (a 0.08-logit tie between "The" and "L" at the lm_head) and 3 % of teacher-forced tokens;
+// int16 activations are within ~1e-5 of float activations and cost about the same (the loop is bound by unpacking).
+// A row of weights is unpacked once per group and used against up to 4 activation rows (batch-1 GEMV and small
+// batches).
 
 typedef struct {
     uint16_t d, m;  // fp16
     uint8_t qs[16];
 } block_q4_1;
+
+typedef struct {
+    uint16_t d;  // fp16
+    int8_t qs[32];
+} block_q8_0;
 
 static inline float fp16_to_f32(uint16_t h) {
 #if defined(__F16C__)
@@ -148,38 +159,26 @@ static inline float fp16_to_f32(uint16_t h) {
 #endif
 }
 
-// x [M, K] float -> qx [M, K] int8, dx and sx [M, K/32]: per group of 32, dx = max|x| / 127, qx = round(x / dx).
-void quantize_rows_q8(const float *x, int8_t *qx, float *dx, float *sx, int M, int K) {
+// x [M, K] float -> qx [M, K] int16, dx and sx [M, K/32]: per group of 32, dx = max|x| / 32767, qx = round(x / dx),
+// sx = the group's float sum of x (for the Q4_1 offset term).
+void quantize_rows_q16(const float *x, int16_t *qx, float *dx, float *sx, int M, int K) {
     const int G = K / 32;
     for (int r = 0; r < M; r++) {
         for (int g = 0; g < G; g++) {
             const float *xs = x + (size_t)r * K + g * 32;
-            float amax = 0.f;
-            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xs[i]));
-            const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-            int8_t *q = qx + (size_t)r * K + g * 32;
-            int sum = 0;
+            float amax = 0.f, sum = 0.f;
             for (int i = 0; i < 32; i++) {
-                q[i] = (int8_t)lrintf(xs[i] * id);
-                sum += q[i];
+                amax = fmaxf(amax, fabsf(xs[i]));
+                sum += xs[i];
             }
+            const float d = amax / 32767.f, id = d > 0.f ? 1.f / d : 0.f;
+            int16_t *q = qx + (size_t)r * K + g * 32;
+            for (int i = 0; i < 32; i++) q[i] = (int16_t)lrintf(xs[i] * id);
             dx[(size_t)r * G + g] = d;
-            sx[(size_t)r * G + g] = d * (float)sum;
+            sx[(size_t)r * G + g] = sum;
         }
     }
 }
-
-#if defined(__AVX2__) && defined(__FMA__)
-static inline __m256 dot_q4_q8(__m256i wq, const int8_t *xq) {
-    const __m256i x = _mm256_loadu_si256((const __m256i *)xq);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), wq, x));  // u8 x s8 -> 8 x int32
-#else
-    const __m256i p16 = _mm256_maddubs_epi16(wq, x);  // 16 x int16, |.| <= 2 * 15 * 127: no saturation
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
-#endif
-}
-#endif
 
 #if defined(__AVX2__) && defined(__FMA__)
 static inline float hsum256(__m256 v) {
@@ -188,51 +187,95 @@ static inline float hsum256(__m256 v) {
     lo = _mm_hadd_ps(lo, lo);
     return _mm_cvtss_f32(lo);
 }
+
+// 32 int16 weights (w0: elements 0..15, w1: 16..31) . 32 int16 activations -> 8 int32 partial sums, as floats.
+static inline __m256 dot16(__m256i w0, __m256i w1, const int16_t *x) {
+    const __m256i x0 = _mm256_loadu_si256((const __m256i *)x), x1 = _mm256_loadu_si256((const __m256i *)(x + 16));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_cvtepi32_ps(_mm256_dpwssd_epi32(_mm256_madd_epi16(w0, x0), w1, x1));
+#else
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1)));
+#endif
+}
+
+static inline void unpack_q4(const block_q4_1 *b, __m256i *w0, __m256i *w1) {
+    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)b->qs));  // 16 bytes -> 16 x int16
+    *w0 = _mm256_and_si256(v, _mm256_set1_epi16(0x0f));  // low nibbles: elements 0..15
+    *w1 = _mm256_srli_epi16(v, 4);                        // high nibbles: elements 16..31
+}
+
+static inline void unpack_q8(const block_q8_0 *b, __m256i *w0, __m256i *w1) {
+    *w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b->qs));
+    *w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b->qs + 16)));
+}
 #endif
 
-// One weight row against R <= 4 quantised activation rows; out[r] = sum over groups of d dx dot + m sx.
-static inline void q4_row(const block_q4_1 *row, const int8_t *qx, const float *dx, const float *sx, int R, int K,
-                          int G, float *out) {
+// One weight row against R <= 4 activation rows: out[r] = sum over groups of d dx dot (+ m sx for Q4_1).
+// IS_Q4 is a compile-time constant at each call, so each format gets its own loop.
+static inline void block_row(const void *row_ptr, int is_q4, const int16_t *qx, const float *dx, const float *sx,
+                             int R, int K, int G, float *out) {
+    const block_q4_1 *r4 = (const block_q4_1 *)row_ptr;
+    const block_q8_0 *r8 = (const block_q8_0 *)row_ptr;
 #if defined(__AVX2__) && defined(__FMA__)
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    __m256i w0, w1;
     if (R == 1) {  // batch-1 decode: two accumulators so consecutive groups do not wait on one another
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
         float mt = 0.f;
         int g = 0;
         for (; g + 2 <= G; g += 2) {
-            const __m128i p0 = _mm_loadu_si128((const __m128i *)row[g].qs);
-            const __m128i p1 = _mm_loadu_si128((const __m128i *)row[g + 1].qs);
-            const __m256i w0 = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(p0, 4), p0), low4);
-            const __m256i w1 = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(p1, 4), p1), low4);
-            a0 = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(row[g].d) * dx[g]), dot_q4_q8(w0, qx + g * 32), a0);
-            a1 = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(row[g + 1].d) * dx[g + 1]),
-                                 dot_q4_q8(w1, qx + (g + 1) * 32), a1);
-            mt += fp16_to_f32(row[g].m) * sx[g] + fp16_to_f32(row[g + 1].m) * sx[g + 1];
+            for (int h = 0; h < 2; h++) {
+                float d;
+                if (is_q4) {
+                    unpack_q4(r4 + g + h, &w0, &w1);
+                    d = fp16_to_f32(r4[g + h].d);
+                    mt += fp16_to_f32(r4[g + h].m) * sx[g + h];
+                } else {
+                    unpack_q8(r8 + g + h, &w0, &w1);
+                    d = fp16_to_f32(r8[g + h].d);
+                }
+                const __m256 p = dot16(w0, w1, qx + (g + h) * 32);
+                if (h == 0)
+                    a0 = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[g + h]), p, a0);
+                else
+                    a1 = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[g + h]), p, a1);
+            }
         }
         for (; g < G; g++) {
-            const __m128i p0 = _mm_loadu_si128((const __m128i *)row[g].qs);
-            const __m256i w0 = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(p0, 4), p0), low4);
-            a0 = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(row[g].d) * dx[g]), dot_q4_q8(w0, qx + g * 32), a0);
-            mt += fp16_to_f32(row[g].m) * sx[g];
+            float d;
+            if (is_q4) {
+                unpack_q4(r4 + g, &w0, &w1);
+                d = fp16_to_f32(r4[g].d);
+                mt += fp16_to_f32(r4[g].m) * sx[g];
+            } else {
+                unpack_q8(r8 + g, &w0, &w1);
+                d = fp16_to_f32(r8[g].d);
+            }
+            a0 = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[g]), dot16(w0, w1, qx + g * 32), a0);
         }
         out[0] = hsum256(_mm256_add_ps(a0, a1)) + mt;
         return;
     }
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
     float m0 = 0.f, m1 = 0.f, m2 = 0.f, m3 = 0.f;
-    for (int g = 0; g < G; g++) {  // rows past R read row 0's activations again and are dropped
-        const float d = fp16_to_f32(row[g].d), m = fp16_to_f32(row[g].m);
-        const __m128i p = _mm_loadu_si128((const __m128i *)row[g].qs);
-        const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(p, 4), p), low4);
-        const size_t r1 = R > 1 ? 1 : 0, r2 = R > 2 ? 2 : 0, r3 = R > 3 ? 3 : 0;
-        a0 = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[g]), dot_q4_q8(w, qx + g * 32), a0);
-        a1 = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[r1 * G + g]), dot_q4_q8(w, qx + r1 * K + g * 32), a1);
-        a2 = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[r2 * G + g]), dot_q4_q8(w, qx + r2 * K + g * 32), a2);
-        a3 = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[r3 * G + g]), dot_q4_q8(w, qx + r3 * K + g * 32), a3);
-        m0 += m * sx[g];
-        m1 += m * sx[r1 * G + g];
-        m2 += m * sx[r2 * G + g];
-        m3 += m * sx[r3 * G + g];
+    const size_t r1 = R > 1 ? 1 : 0, r2 = R > 2 ? 2 : 0, r3 = R > 3 ? 3 : 0;  // rows past R repeat row 0, dropped
+    for (int g = 0; g < G; g++) {
+        float d;
+        if (is_q4) {
+            unpack_q4(r4 + g, &w0, &w1);
+            d = fp16_to_f32(r4[g].d);
+            const float m = fp16_to_f32(r4[g].m);
+            m0 += m * sx[g];
+            m1 += m * sx[r1 * G + g];
+            m2 += m * sx[r2 * G + g];
+            m3 += m * sx[r3 * G + g];
+        } else {
+            unpack_q8(r8 + g, &w0, &w1);
+            d = fp16_to_f32(r8[g].d);
+        }
+        a0 = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[g]), dot16(w0, w1, qx + g * 32), a0);
+        a1 = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[r1 * G + g]), dot16(w0, w1, qx + r1 * K + g * 32), a1);
+        a2 = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[r2 * G + g]), dot16(w0, w1, qx + r2 * K + g * 32), a2);
+        a3 = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[r3 * G + g]), dot16(w0, w1, qx + r3 * K + g * 32), a3);
     }
     const float res[4] = {hsum256(a0) + m0, hsum256(a1) + m1, hsum256(a2) + m2, hsum256(a3) + m3};
     for (int r = 0; r < R; r++) out[r] = res[r];
@@ -240,37 +283,64 @@ static inline void q4_row(const block_q4_1 *row, const int8_t *qx, const float *
     for (int r = 0; r < R; r++) {
         float acc = 0.f, mt = 0.f;
         for (int g = 0; g < G; g++) {
-            const int8_t *q = qx + (size_t)r * K + g * 32;
+            const int16_t *q = qx + (size_t)r * K + g * 32;
             int dot = 0;
-            for (int j = 0; j < 16; j++) dot += (row[g].qs[j] & 15) * q[j] + (row[g].qs[j] >> 4) * q[j + 16];
-            acc += fp16_to_f32(row[g].d) * dx[(size_t)r * G + g] * (float)dot;
-            mt += fp16_to_f32(row[g].m) * sx[(size_t)r * G + g];
+            float d;
+            if (is_q4) {
+                for (int j = 0; j < 16; j++) dot += (r4[g].qs[j] & 15) * q[j] + (r4[g].qs[j] >> 4) * q[j + 16];
+                d = fp16_to_f32(r4[g].d);
+                mt += fp16_to_f32(r4[g].m) * sx[(size_t)r * G + g];
+            } else {
+                for (int j = 0; j < 32; j++) dot += r8[g].qs[j] * q[j];
+                d = fp16_to_f32(r8[g].d);
+            }
+            acc += d * dx[(size_t)r * G + g] * (float)dot;
         }
         out[r] = acc + mt;
     }
 #endif
 }
 
-// y[M, N] = x[M, K] . W[N, K]^T (+ b): W as N rows of K/32 blocks; K a multiple of 32. Rows of W split over threads.
-void q4_matmul_f32(const block_q4_1 *W, const float *x, const float *b, float *y, int M, int N, int K, int num_threads) {
+// y[M, N] = x[M, K] . W[N, K]^T (+ b) for W as N rows of K/32 blocks (K a multiple of 32), activations already
+// quantised (quantize_rows_q16). Rows of W split over threads.
+static void block_matmul_q16(const uint8_t *W, int is_q4, const int16_t *qx, const float *dx, const float *sx,
+                             const float *b, float *y, int M, int N, int K, int num_threads) {
     const int G = K / 32;
-    int8_t *qx = (int8_t *)malloc((size_t)M * K);
-    float *dx = (float *)malloc(sizeof(float) * (size_t)M * G);
-    float *sx = (float *)malloc(sizeof(float) * (size_t)M * G);
-    quantize_rows_q8(x, qx, dx, sx, M, K);
+    const size_t row_bytes = (size_t)G * (is_q4 ? sizeof(block_q4_1) : sizeof(block_q8_0));
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int n = 0; n < N; n++) {
-        const block_q4_1 *row = W + (size_t)n * G;
+        const uint8_t *row = W + (size_t)n * row_bytes;
         for (int r0 = 0; r0 < M; r0 += 4) {
             const int R = M - r0 < 4 ? M - r0 : 4;
             float out[4];
-            q4_row(row, qx + (size_t)r0 * K, dx + (size_t)r0 * G, sx + (size_t)r0 * G, R, K, G, out);
+            if (is_q4)
+                block_row(row, 1, qx + (size_t)r0 * K, dx + (size_t)r0 * G, sx + (size_t)r0 * G, R, K, G, out);
+            else
+                block_row(row, 0, qx + (size_t)r0 * K, dx + (size_t)r0 * G, sx + (size_t)r0 * G, R, K, G, out);
             for (int r = 0; r < R; r++) y[(size_t)(r0 + r) * N + n] = out[r] + (b ? b[n] : 0.f);
         }
     }
+}
+
+static void block_matmul_f32(const uint8_t *W, int is_q4, const float *x, const float *b, float *y, int M, int N,
+                             int K, int num_threads) {
+    const int G = K / 32;
+    int16_t *qx = (int16_t *)malloc(sizeof(int16_t) * (size_t)M * K);
+    float *dx = (float *)malloc(sizeof(float) * (size_t)M * G);
+    float *sx = (float *)malloc(sizeof(float) * (size_t)M * G);
+    quantize_rows_q16(x, qx, dx, sx, M, K);
+    block_matmul_q16(W, is_q4, qx, dx, sx, b, y, M, N, K, num_threads);
     free(qx);
     free(dx);
     free(sx);
+}
+
+void q4_matmul_f32(const block_q4_1 *W, const float *x, const float *b, float *y, int M, int N, int K, int num_threads) {
+    block_matmul_f32((const uint8_t *)W, 1, x, b, y, M, N, K, num_threads);
+}
+
+void q8_matmul_f32(const block_q8_0 *W, const float *x, const float *b, float *y, int M, int N, int K, int num_threads) {
+    block_matmul_f32((const uint8_t *)W, 0, x, b, y, M, N, K, num_threads);
 }
 
 // Q4_1 blocks [N, K/32] -> float32 W [N, K] (the large-batch path dequantises a layer and calls float GEMM).
@@ -288,100 +358,6 @@ void q4_dequantize_f32(const block_q4_1 *W, float *out, int N, int K, int num_th
             }
         }
     }
-}
-
-// ---------------------------------------------------------------------------------------------------------------------
-// 8-bit weights in groups of 32 (GGUF's Q8_0 block, byte for byte): {fp16 d, 32 x int8}, weight = d * q. Activations
-// are quantised per group of 32 as above (llama.cpp's Q8_0 x Q8_0 dot product). Per-group scales on both sides keep
-// the error at ~0.5 % per layer; torch's fbgemm dynamic int8 linear (one activation scale per call, 7 bits) measured
-// +58 % perplexity on SmolLM2-135M, +15 % with 8-bit activations.
-typedef struct {
-    uint16_t d;  // fp16
-    int8_t qs[32];
-} block_q8_0;
-
-#if defined(__AVX2__) && defined(__FMA__)
-static inline __m256 dot_q8_q8(const int8_t *wq, const int8_t *xq) {
-    const __m256i w = _mm256_loadu_si256((const __m256i *)wq);
-    const __m256i x = _mm256_loadu_si256((const __m256i *)xq);
-    const __m256i aw = _mm256_sign_epi8(w, w), sx = _mm256_sign_epi8(x, w);  // |w| * (x * sign w) = w * x
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, sx));
-#else
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1)));
-#endif
-}
-#endif
-
-static inline void q8_row(const block_q8_0 *row, const int8_t *qx, const float *dx, int R, int K, int G, float *out) {
-#if defined(__AVX2__) && defined(__FMA__)
-    if (R == 1) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-        int g = 0;
-        for (; g + 2 <= G; g += 2) {
-            a0 = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(row[g].d) * dx[g]), dot_q8_q8(row[g].qs, qx + g * 32), a0);
-            a1 = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(row[g + 1].d) * dx[g + 1]),
-                                 dot_q8_q8(row[g + 1].qs, qx + (g + 1) * 32), a1);
-        }
-        for (; g < G; g++)
-            a0 = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(row[g].d) * dx[g]), dot_q8_q8(row[g].qs, qx + g * 32), a0);
-        out[0] = hsum256(_mm256_add_ps(a0, a1));
-        return;
-    }
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-    const size_t r1 = R > 1 ? 1 : 0, r2 = R > 2 ? 2 : 0, r3 = R > 3 ? 3 : 0;
-    for (int g = 0; g < G; g++) {
-        const float d = fp16_to_f32(row[g].d);
-        const __m256i w = _mm256_loadu_si256((const __m256i *)row[g].qs);
-        const __m256i aw = _mm256_sign_epi8(w, w);
-#define Q8_ACC(acc, r)                                                                                  \
-    {                                                                                                   \
-        const __m256i x = _mm256_loadu_si256((const __m256i *)(qx + (r) * K + g * 32));                 \
-        const __m256i sx = _mm256_sign_epi8(x, w);                                                      \
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1));        \
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[(r) * G + g]), _mm256_cvtepi32_ps(p), acc);         \
-    }
-        Q8_ACC(a0, 0)
-        Q8_ACC(a1, r1)
-        Q8_ACC(a2, r2)
-        Q8_ACC(a3, r3)
-#undef Q8_ACC
-    }
-    const float res[4] = {hsum256(a0), hsum256(a1), hsum256(a2), hsum256(a3)};
-    for (int r = 0; r < R; r++) out[r] = res[r];
-#else
-    for (int r = 0; r < R; r++) {
-        float acc = 0.f;
-        for (int g = 0; g < G; g++) {
-            const int8_t *q = qx + (size_t)r * K + g * 32;
-            int dot = 0;
-            for (int j = 0; j < 32; j++) dot += row[g].qs[j] * q[j];
-            acc += fp16_to_f32(row[g].d) * dx[(size_t)r * G + g] * (float)dot;
-        }
-        out[r] = acc;
-    }
-#endif
-}
-
-void q8_matmul_f32(const block_q8_0 *W, const float *x, const float *b, float *y, int M, int N, int K, int num_threads) {
-    const int G = K / 32;
-    int8_t *qx = (int8_t *)malloc((size_t)M * K);
-    float *dx = (float *)malloc(sizeof(float) * (size_t)M * G);
-    float *sx = (float *)malloc(sizeof(float) * (size_t)M * G);
-    quantize_rows_q8(x, qx, dx, sx, M, K);
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int n = 0; n < N; n++) {
-        const block_q8_0 *row = W + (size_t)n * G;
-        for (int r0 = 0; r0 < M; r0 += 4) {
-            const int R = M - r0 < 4 ? M - r0 : 4;
-            float out[4];
-            q8_row(row, qx + (size_t)r0 * K, dx + (size_t)r0 * G, R, K, G, out);
-            for (int r = 0; r < R; r++) y[(size_t)(r0 + r) * N + n] = out[r] + (b ? b[n] : 0.f);
-        }
-    }
-    free(qx);
-    free(dx);
-    free(sx);
 }
 
 void q8_dequantize_f32(const block_q8_0 *W, float *out, int N, int K, int num_threads) {

@@ -4,8 +4,12 @@ Both keep GGUF's own block layouts byte for byte, so a GGUF's Q8_0 / Q4_1 tensor
 - **int8**: Q8_0 blocks (fp16 scale d, 32 x int8; 8.5 bits per weight), weight = d * q.
 - **int4**: Q4_1 blocks (fp16 scale d, fp16 offset m, 16 bytes of nibbles; 5 bits per weight), weight = d * q + m.
   Q4_0 converts exactly (m = -8 d), Q4_K to within half a level.
-On CPU, below LARGE_BATCH rows, the C kernels in models/cpu_kernels.c compute as llama.cpp's Q8_0/Q4_1 x Q8 dot
-products do: activations quantised to int8 per group of 32, integer dot products, one float multiply-add per group.
+On CPU, below LARGE_BATCH rows, the C kernels in models/cpu_kernels.c compute integer dot products against
+activations quantised per group of 32 to **int16**, accumulated in float32 per group. llama.cpp quantises activations
+to int8 here (Q8_0 / Q8_1); on the embedded SmolLM2-135M that flipped the first answer token of "What is the capital
+of France?" ("The" and "L" 0.08 logits apart in float; int8 activations at the lm_head put "L" first, and the engine
+answered "L'Étoile, ...") and 3 % of teacher-forced tokens. int16 activations are within ~1e-5 of float ones at the
+same speed (the loops are bound by unpacking weights, not by the activation width).
 From LARGE_BATCH rows (prefill) the layer is dequantised into a transient float32 matrix for torch's float GEMM,
 which is faster there than integer group dots. The portable torch path does the kernels' arithmetic and is tested
 equal to them. Off CPU (CUDA) a layer is dequantised inside each matmul (correct; not a speed path).
@@ -28,7 +32,8 @@ from omnivox.models import cpu_kernels
 from omnivox.models.layers import Linear, PackedLinear
 
 MODES = ("none", "int8", "int4")
-GROUP = 32  # weights per group (and activations per int8 group in the kernels)
+GROUP = 32  # weights per group (and activations per int16 group in the kernels)
+ACT_LEVELS = 32767.0  # activations: int16 per group of 32 (see the module docstring for why not int8)
 Q4_BLOCK_BYTES = 20  # fp16 d + fp16 m + 16 bytes of nibbles
 Q8_BLOCK_BYTES = 34  # fp16 d + 32 x int8
 LARGE_BATCH = 32  # rows from which a layer is dequantised for float GEMM (measured crossover, see BENCHMARKS)
@@ -100,27 +105,27 @@ def dequantize_q4(blocks: torch.Tensor, in_features: int) -> torch.Tensor:
     return (q.float() * d[..., None] + m[..., None]).reshape(blocks.shape[0], -1)[:, :in_features]
 
 
-def quantize_activations_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] (K % 32 == 0) -> (qx [M, G, 32] float holding ints, dx [M, G], sx [M, G]), as the C kernels do."""
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] (K % 32 == 0) -> (qx [M, G, 32] float holding int16 values, dx [M, G], sx [M, G]), as the C kernels
+    do: per group of 32, dx = max|x| / 32767, qx = round(x / dx), sx = the group's sum of x (the Q4_1 offset term)."""
     xs = x.float().view(x.shape[0], -1, GROUP)
-    dx = xs.abs().amax(-1) / 127.0
+    dx = xs.abs().amax(-1) / ACT_LEVELS
     inv = torch.where(dx > 0, 1.0 / dx, torch.zeros_like(dx))
-    qx = torch.round(xs * inv[..., None])
-    return qx, dx, dx * qx.sum(-1)
+    return torch.round(xs * inv[..., None]), dx, xs.sum(-1)
 
 
 def block_matmul_portable(kind: str, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The C kernels' arithmetic in torch: int8 activations per group, exact integer group dots (in float32)."""
-    qx, dx, sx = quantize_activations_q8(x)  # [M, G, 32], [M, G], [M, G]
+    """The C kernels' arithmetic in torch: int16 activations per group, exact integer group dots (in float64)."""
+    qx, dx, sx = quantize_activations(x)  # [M, G, 32], [M, G], [M, G]
     if kind == "q4":
         d, m, q = q4_parts(blocks)  # [N, G], [N, G], [N, G, 32]
         y = sx @ m.T  # [M, N]: the offset term
     else:
         d, q = q8_parts(blocks)
         y = torch.zeros(x.shape[0], blocks.shape[0])
-    qw = q.float()
-    for g in range(qw.shape[1]):  # integer dot of each group (sums < 2^24: exact in float32)
-        y += (qx[:, g] @ qw[:, g].T) * (dx[:, g, None] * d[None, :, g])
+    qw, qx = q.double(), qx.double()
+    for g in range(qw.shape[1]):  # integer dot of each group (up to 127 * 32767 * 32 > 2^24: exact in float64)
+        y += (qx[:, g] @ qw[:, g].T).float() * (dx[:, g, None] * d[None, :, g])
     return y if bias is None else y + bias
 
 

@@ -64,9 +64,9 @@ def test_q4_round_trip_is_within_half_a_level():
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize(
     ("kind", "tolerance"),
-    # Measured on these shapes (random normal weights and inputs): int8 0.5-0.9 % relative error (weights and
-    # activations both in groups of 32), 4-bit groups 7-8.5 % (16 levels per group of 32).
-    [("int8", 0.015), ("int4", 0.12)],
+    # Measured on these shapes (random normal weights and inputs): int8 weights 0.6 % relative error at most,
+    # 4-bit groups 9.5 % (16 levels per group of 32); int16 activations add ~1e-4 at most.
+    [("int8", 0.01), ("int4", 0.12)],
 )
 def test_quantised_linear_close_to_float(kind, tolerance, n, k, m):
     torch.manual_seed(n + k + m)
@@ -77,8 +77,9 @@ def test_quantised_linear_close_to_float(kind, tolerance, n, k, m):
     assert y.shape == (m, n)
     ref = F.linear(x, w, b)
     assert _rel_err(y, ref) < tolerance
-    # and against the layer's own dequantised weights, the error left is the activations' quantisation only
-    assert _rel_err(y, F.linear(x, layer.dequantize(), b)) < 0.012
+    # and against the layer's own dequantised weights, the error left is the activations' int16 quantisation only
+    # (measured 3e-5 int8, 8e-5 int4 at most; int8 activations, as llama.cpp uses, measured 0.5-1.2 %)
+    assert _rel_err(y, F.linear(x, layer.dequantize(), b)) < 3e-4
 
 
 @pytest.mark.parametrize("kind", ["q8", "q4"])
