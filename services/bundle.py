@@ -6,6 +6,9 @@ A bundle's parts are declared by its checkpoint and decide what it accepts and p
   worker, token constraint), output modality audio instead of text;
 - audio in: an audio-LLM checkpoint (Qwen2-Audio, Qwen3-ASR: `models.audio.audio_family`) -> an AudioInputPart
   (services/audio_prompt.py: encoder, encoder worker + cache, the processor's chat template), input modality audio;
+- speech recognition: a Whisper checkpoint (config model_type "whisper"; a CTranslate2 folder is converted into the
+  cache first) -> a WhisperPart (services/whisper.py: special tokens, mel extractor, encoder worker + cache), input
+  modality audio only (TranscriptionService, and Generate's cascade), output text;
 - image in: a vision-language checkpoint (LLaVA 1.5/NeXT, SmolVLM/Idefics3, Qwen2.5-VL: `models.vision.FAMILIES`)
   -> an ImageInputPart (services/image_prompt.py: vision encoder + the checkpoint's processor, encoder worker +
   cache), input modality image.
@@ -35,6 +38,7 @@ if TYPE_CHECKING:
     from omnivox.services.image_prompt import ImageInputPart
     from omnivox.services.loading import EngineOptions, ModelSpec
     from omnivox.services.prompt import PromptBuilder
+    from omnivox.services.whisper_part import WhisperPart
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +48,12 @@ TEXT, IMAGE, AUDIO = "text", "image", "audio"
 GENERATION_CONFIG_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 
 
-def modalities(speech: bool, vision: bool = False, audio: bool = False) -> tuple[frozenset[str], frozenset[str]]:
+def modalities(
+    speech: bool, vision: bool = False, audio: bool = False, whisper: bool = False
+) -> tuple[frozenset[str], frozenset[str]]:
     """(input, output) modalities of a bundle holding these parts: the one rule, for probes and loaded bundles."""
+    if whisper:  # speech recognition: audio in, text out
+        return frozenset({AUDIO}), frozenset({TEXT})
     inputs = {TEXT} | ({IMAGE} if vision else set()) | ({AUDIO} if audio else set())
     return frozenset(inputs), frozenset({AUDIO} if speech else {TEXT})
 
@@ -97,10 +105,11 @@ class BundleManifest:
     engine_overrides: dict[str, Any] = field(default_factory=dict)  # EngineOptions for this model alone
     audio: bool = False  # an audio-LLM checkpoint (models.audio.audio_family): audio input
     vision: bool = False  # a vision-language checkpoint (services.image_prompt.vision_family): image input
+    whisper: bool = False  # a Whisper checkpoint (services/whisper.py): audio in, text out
 
     @property
     def input_modalities(self) -> frozenset[str]:
-        return modalities(self.speech, vision=self.vision, audio=self.audio)[0]
+        return modalities(self.speech, vision=self.vision, audio=self.audio, whisper=self.whisper)[0]
 
     @property
     def output_modalities(self) -> frozenset[str]:
@@ -116,11 +125,12 @@ def probe(spec: ModelSpec) -> BundleManifest:
     """The manifest of a spec whose path was checked (services/loading.check_model_path); reads small files only."""
     overrides = dict(spec.sampling_overrides)
     if spec.path is None:
-        default = embedded_default(spec.speech)
+        default = embedded_default(spec.speech, spec.asr)
         return BundleManifest(
             source=None,
             embedded=default,
             speech=default.speech,
+            whisper=default.asr,
             untrained_components=default.untrained_components,
             file_defaults=read_generation_config(default.generation_config()),
             overrides=overrides,
@@ -135,9 +145,12 @@ def probe(spec: ModelSpec) -> BundleManifest:
     vision = folder is not None and _vision_family(folder) is not None
     if vision:  # the vision tower and projector are built (services/image_prompt.py)
         planned = tuple(p for p in planned if p not in ("vision", "projector"))
+    from omnivox.services.whisper_part import is_whisper_folder
+
     return BundleManifest(
         source=path,
         speech=is_speech_checkpoint(path),
+        whisper=folder is not None and is_whisper_folder(folder),
         audio=audio,
         vision=vision,
         planned_parts=planned,
@@ -224,10 +237,12 @@ class ModelBundle:
     speech: SpeechPart | None = None
     vision: ImageInputPart | None = None  # image input: encoder + worker + cache (services/image_prompt.py)
     audio: AudioInputPart | None = None  # audio input: encoder + worker + chat template (services/audio_prompt.py)
+    whisper: WhisperPart | None = None  # speech recognition (services/whisper.py)
 
     @property
     def input_modalities(self) -> frozenset[str]:
-        return modalities(self.speech is not None, self.vision is not None, self.audio is not None)[0]
+        return modalities(self.speech is not None, self.vision is not None, self.audio is not None,
+                          self.whisper is not None)[0]  # fmt: skip
 
     @property
     def output_modalities(self) -> frozenset[str]:
@@ -247,8 +262,9 @@ class ModelBundle:
         """Stop the parts with background work (the codec worker), then the engine."""
         if self.speech is not None:
             await self.speech.worker.shutdown()
-        if self.audio is not None:
-            await asyncio.to_thread(self.audio.close)  # joins the encoder thread
+        for part in (self.audio, self.whisper):
+            if part is not None:
+                await asyncio.to_thread(part.close)  # joins the encoder thread
         if self.vision is not None:
             await asyncio.to_thread(self.vision.close)  # joins the encoder thread
         await asyncio.to_thread(self.engine.shutdown)  # joins the engine thread: off the event loop
@@ -271,6 +287,10 @@ def load_manifest(manifest: BundleManifest, options: EngineOptions) -> ModelBund
     from omnivox.services.prompt import ChatPromptBuilder
 
     source = manifest.source or manifest.embedded.ensure()  # type: ignore[union-attr]
+    if manifest.whisper:
+        from omnivox.services.whisper_part import whisper_checkpoint
+
+        source = whisper_checkpoint(source)  # a CTranslate2 folder: its converted copy in the cache
     options = dataclasses.replace(options, **manifest.engine_overrides)
     engine = Engine.from_pretrained(
         str(source),
@@ -288,6 +308,7 @@ def load_manifest(manifest: BundleManifest, options: EngineOptions) -> ModelBund
     )
     audio: AudioInputPart | None = None
     vision: ImageInputPart | None = None
+    whisper: WhisperPart | None = None
     try:
         if engine.tokenizer is None:
             raise ValueError(f"{source} has no tokenizer; the text API needs one")
@@ -296,6 +317,10 @@ def load_manifest(manifest: BundleManifest, options: EngineOptions) -> ModelBund
             speech = load_speech_part(
                 source, engine.model_config.vocab_size, device=str(engine.device), options=options.speech_streaming
             )
+        if manifest.whisper:
+            from omnivox.services.whisper_part import load_whisper_part
+
+            whisper = load_whisper_part(source, engine, model_key=str(source))
         if manifest.audio:
             from omnivox.services.audio_prompt import load_audio_part
 
@@ -307,8 +332,9 @@ def load_manifest(manifest: BundleManifest, options: EngineOptions) -> ModelBund
                 source, engine.device, engine.dtype, model_key=str(source), cache_bytes=options.image_cache_mib << 20
             )
     except BaseException:
-        if audio is not None:
-            audio.close()
+        for part in (audio, whisper):
+            if part is not None:
+                part.close()
         engine.shutdown()
         raise
     if manifest.planned_parts:
@@ -318,6 +344,10 @@ def load_manifest(manifest: BundleManifest, options: EngineOptions) -> ModelBund
             " and ".join(manifest.planned_parts),
         )
     prompt_builder: PromptBuilder = ChatPromptBuilder(engine.tokenizer)
+    if whisper is not None:
+        from omnivox.services.whisper_part import WhisperPromptBuilder
+
+        prompt_builder = WhisperPromptBuilder()
     if audio is not None:
         from omnivox.services.audio_prompt import AudioPromptBuilder
 
@@ -334,4 +364,5 @@ def load_manifest(manifest: BundleManifest, options: EngineOptions) -> ModelBund
         speech=speech,
         audio=audio,
         vision=vision,
+        whisper=whisper,
     )

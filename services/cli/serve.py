@@ -188,14 +188,15 @@ def model_specs(
     speculative: list[str] = (),
 ) -> list[ModelSpec]:
     """One ModelSpec per --model (the embedded defaults without any), each with its --sampling-default overrides."""
-    from omnivox.services.defaults import DEFAULT_MODEL_NAME, DEFAULT_SPEECH_MODEL_NAME
+    from omnivox.services.defaults import DEFAULT_ASR_MODEL_NAME, DEFAULT_MODEL_NAME, DEFAULT_SPEECH_MODEL_NAME
     from omnivox.services.loading import ModelSpec, model_name_for
 
     if len(names) > max(len(models), 1):
         raise CliError(f"{len(names)} --name given for {len(models)} --model")
-    if not models:  # the embedded defaults: the text model, and the random speech model for SpeechService
+    if not models:  # the embedded defaults: the text model, the random speech model, whisper-base
         specs = [ModelSpec(path=None, name=names[0] if names else None), ModelSpec(path=None, speech=True)]
-        served = [specs[0].name or DEFAULT_MODEL_NAME, DEFAULT_SPEECH_MODEL_NAME]
+        specs.append(ModelSpec(path=None, asr=True))
+        served = [specs[0].name or DEFAULT_MODEL_NAME, DEFAULT_SPEECH_MODEL_NAME, DEFAULT_ASR_MODEL_NAME]
     else:
         specs = [ModelSpec(path=path, name=names[i] if i < len(names) else None) for i, path in enumerate(models)]
         served = [spec.name or model_name_for(path.expanduser()) for spec, path in zip(specs, models, strict=True)]
@@ -209,7 +210,7 @@ def model_specs(
         overrides[served.index(target) if target is not None else 0][key] = value
     engine = engine_overrides(served, list(quantization), list(speculative))
     return [
-        ModelSpec(path=s.path, name=s.name, speech=s.speech, sampling_overrides=o, engine_overrides=e)
+        ModelSpec(path=s.path, name=s.name, speech=s.speech, asr=s.asr, sampling_overrides=o, engine_overrides=e)
         for s, o, e in zip(specs, overrides, engine, strict=True)
     ]
 

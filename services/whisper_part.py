@@ -1,0 +1,198 @@
+"""The Whisper part of a bundle: which folders are Whisper, its special tokens, feature extractor, encoder worker and
+cache, and the checks and prompt of one transcription request (services/whisper.py runs them).
+
+A CTranslate2 folder (`model.bin` + `config.json` + `tokenizer.json`, as faster-whisper uses) is converted once into
+a transformers folder in the model cache (models/ctranslate2.py), keyed by the folder's path and its model.bin's size
+and modification time, under the cache's lock (models/cache.py); the engine loads the converted folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from omnivox.codecs.audio_input import AudioInputError, AudioLimits, DecodedAudio, content_key, decode_audio
+from omnivox.codecs.mel import LogMelExtractor, MelSettings
+from omnivox.engine.encoder_cache import EncoderCache, EncoderWorker
+from omnivox.engine.request import EncoderInput
+from omnivox.models.audio.transcription import TranscriptionRequestError
+from omnivox.services import errors
+from omnivox.services.errors import FieldViolation
+from omnivox.services.whisper_rules import WhisperVocab
+from omnivox.v1 import content_pb2
+
+SAMPLE_RATE = 16000
+# One window's cross K/V: layers x 2 x d_model x 1500 frames; whisper-base in float32 is 6 x 2 x 512 x 1500 x 4 B =
+# 37 MB, so 512 MiB keeps ~14 windows for reuse (StreamingTranscribe's passes, repeated requests). Entries in use are
+# never evicted, whatever their size (large-v3's is 245 MB in bf16).
+WHISPER_CACHE_BYTES = 512 << 20
+TRANSCRIBE_MAX_SECONDS = 3600.0
+TASKS = ("transcribe", "translate")
+
+
+def is_whisper_folder(folder: Path) -> bool:
+    """A transformers Whisper checkpoint (config model_type "whisper") or a CTranslate2 Whisper folder (model.bin and
+    a config.json with Whisper's alignment heads / language ids)."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    if config.get("model_type") == "whisper":
+        return True
+    return (folder / "model.bin").is_file() and ("lang_ids" in config or "alignment_heads" in config)
+
+
+def whisper_checkpoint(source: Path) -> Path:
+    """`source` itself for a transformers folder; for a CTranslate2 folder, its converted copy in the model cache."""
+    from omnivox.models.cache import build_cached, omnivox_cache_dir
+    from omnivox.models.ctranslate2 import convert_ct2_whisper_folder
+
+    source = Path(source)
+    model_bin = source / "model.bin"
+    if not model_bin.is_file():
+        return source
+    stat = model_bin.stat()
+    tag = hashlib.sha256(f"{source.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = omnivox_cache_dir() / "models" / f"ct2-{source.name}-{tag}"
+    return build_cached(
+        target, lambda staged: convert_ct2_whisper_folder(source, staged), lambda t: (t / "config.json").is_file()
+    )
+
+
+class WhisperPromptBuilder:
+    """Generate on a Whisper model: refused with a pointer (it transcribes; it does not chat)."""
+
+    def build(self, contents: Sequence[content_pb2.Content]):
+        raise errors.invalid_argument(
+            [FieldViolation("model", "a Whisper model transcribes: use TranscriptionService/Transcribe, or serve a text "
+                                     "model with --asr-model for a spoken question (the cascade)")]
+        )  # fmt: skip
+
+
+@dataclass
+class WhisperPart:
+    """The Whisper side of a bundle: its engine, special tokens, feature extractor and encoder worker + cache."""
+
+    engine: Any  # omnivox.engine.Engine, serving the WhisperModel
+    tokenizer: Any
+    vocab: WhisperVocab
+    mel: LogMelExtractor
+    worker: EncoderWorker
+    model_key: str  # names the model in content keys
+    limits: AudioLimits = field(default_factory=lambda: AudioLimits(max_seconds=TRANSCRIBE_MAX_SECONDS))
+
+    @property
+    def cache(self) -> EncoderCache:
+        return self.worker.cache
+
+    def decode(self, part: content_pb2.AudioPart, path: str) -> DecodedAudio:
+        """Decode one AudioPart to 16 kHz mono (any length up to the limit); INVALID_ARGUMENT on `<path>.<field>`."""
+        try:
+            return decode_audio(
+                part.data, content_pb2.AudioEncoding.Name(part.encoding), part.sample_rate_hertz, SAMPLE_RATE,
+                self.limits,
+            )  # fmt: skip
+        except AudioInputError as err:
+            raise errors.invalid_argument([FieldViolation(f"{path}.{err.field}", err.description)]) from err
+
+    def features(self, clip: np.ndarray) -> torch.Tensor:  # [N] float32 (N <= 30 s) -> [n_mels, 3000] float32 CPU
+        return self.mel.extract([torch.from_numpy(np.ascontiguousarray(clip, np.float32))]).features[0].cpu()
+
+    def window_key(self, clip: np.ndarray) -> str:
+        return content_key(clip, SAMPLE_RATE, self.mel.settings.key(), self.model_key)
+
+    def encoder_input(self, key: str, features: torch.Tensor) -> EncoderInput:
+        """A new reference to the window's cross K/V (encoded when the engine first admits a request holding it)."""
+        return EncoderInput(key, source=self.worker.handle(key, features))
+
+    def language_id(self, language: str | None) -> int | None:
+        """The `<|xx|>` token of a BCP-47 code or English name; None for "detect". TranscriptionRequestError when
+        the model does not know it."""
+        if not language:
+            return None
+        from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
+
+        code = language.strip().replace("_", "-").split("-")[0].lower()
+        code = TO_LANGUAGE_CODE.get(language.strip().lower(), code)
+        if not self.vocab.multilingual:
+            if code != "en":
+                raise TranscriptionRequestError("language", f"{language!r}: this model transcribes English only")
+            return None
+        if code not in self.vocab.languages:
+            known = ", ".join(sorted(self.vocab.languages))
+            raise TranscriptionRequestError(
+                "language", f"{language!r} is not a language this model knows; known: {known}"
+            )
+        return self.vocab.languages[code]
+
+    def check(self, language: str | None, task: str, timestamps: bool) -> int | None:
+        """Validate a request's settings (TranscriptionRequestError naming the field); the language token or None."""
+        lang = self.language_id(language)
+        if task not in TASKS:
+            raise TranscriptionRequestError("task", f"must be one of {', '.join(TASKS)}, got {task!r}")
+        if task == "translate" and (not self.vocab.multilingual or self.vocab.translate is None):
+            raise TranscriptionRequestError("task", "this model cannot translate (it is English-only)")
+        if timestamps and self.vocab.timestamp_begin is None:
+            raise TranscriptionRequestError("timestamps", "this model has no timestamp tokens")
+        return lang
+
+    def task_prompt(self, lang: int | None, task: str, timestamps: bool) -> list[int]:
+        """`<|startoftranscript|>` [language] [task] [`<|notimestamps|>`]: what follows the previous-text prompt."""
+        v = self.vocab
+        ids = [v.sot]
+        if v.multilingual:
+            assert lang is not None, "a multilingual prompt needs its language (detect first)"
+            ids.append(lang)
+            ids.append(v.translate if task == "translate" else v.transcribe)  # type: ignore[arg-type]
+        if not timestamps and v.no_timestamps is not None:
+            ids.append(v.no_timestamps)
+        return ids
+
+    def prompt_tokens(self, text: str) -> list[int]:
+        """A user prompt's tokens, as openai-whisper's initial_prompt (" " + text) and transformers' get_prompt_ids."""
+        return list(self.tokenizer(" " + text.strip(), add_special_tokens=False).input_ids)
+
+    def close(self) -> None:
+        self.worker.shutdown()
+
+
+def load_whisper_part(folder: Path, engine: Any, model_key: str) -> WhisperPart:
+    """Special tokens, feature extractor and encoder worker of the Whisper folder `engine` was loaded from."""
+    from transformers import WhisperFeatureExtractor
+
+    model = engine.model
+    try:
+        extractor = WhisperFeatureExtractor.from_pretrained(folder)
+    except Exception as exc:
+        raise ValueError(f"{folder}: cannot load its feature extractor (preprocessor_config.json): {exc}") from exc
+    settings = MelSettings.from_feature_extractor(extractor, "max_length")
+    if settings.n_mels != model.num_mel_bins:
+        raise ValueError(
+            f"{folder}: the extractor gives {settings.n_mels} mel bins, the model takes {model.num_mel_bins}"
+        )
+    vocab = WhisperVocab.from_folder(folder, engine.tokenizer, model.config.vocab_size)
+    device, dtype = engine.device, engine.dtype
+
+    def encode(batch: Sequence[torch.Tensor]) -> list[torch.Tensor]:  # [n_mels, 3000] each -> cross K/V each
+        return model.encode_cross([f.to(device, dtype) for f in batch])
+
+    worker = EncoderWorker(encode, EncoderCache(WHISPER_CACHE_BYTES), name="whisper")
+    return WhisperPart(engine, engine.tokenizer, vocab, LogMelExtractor(settings), worker, model_key)
+
+
+def whisper_part_of(model: Any) -> WhisperPart:
+    """A WhisperPart, or the part of a ServedModel / ModelBundle that serves Whisper."""
+    if isinstance(model, WhisperPart):
+        return model
+    bundle = getattr(model, "bundle", model)
+    part = getattr(bundle, "whisper", None)
+    if part is None:
+        raise TypeError(f"{model!r} is not a Whisper model")
+    return part

@@ -1,0 +1,89 @@
+"""A tiny random Whisper checkpoint saved with its processor, for the service tests (Transcribe, streaming, cascade).
+
+The tokenizer is the embedded SmolLM2 GGUF's plus Whisper's special tokens in Whisper's order (<|endoftext|>,
+<|startoftranscript|>, the language tokens, <|translate|>, <|transcribe|>, <|startoflm|>, <|startofprev|>,
+<|nospeech|>, <|notimestamps|>, then the timestamps <|0.00|> ... <|30.00|>); generation_config.json carries what
+transformers' Whisper generate reads (lang_to_id, task_to_id, no_timestamps_token_id, suppress_tokens, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import GenerationConfig, WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+from omnivox.models.checkpoint import load_tokenizer
+from omnivox.services.defaults import ensure_default_model
+
+N_MELS = 16
+LANGUAGES = ("en", "de", "fr", "es")
+SPECIALS = (
+    ["<|endoftext|>", "<|startoftranscript|>"]
+    + [f"<|{c}|>" for c in LANGUAGES]
+    + ["<|translate|>", "<|transcribe|>", "<|startoflm|>", "<|startofprev|>", "<|nospeech|>", "<|notimestamps|>"]
+)
+TIMESTAMPS = [f"<|{i * 0.02:.2f}|>" for i in range(1501)]
+
+
+def whisper_tokenizer() -> transformers.PreTrainedTokenizerBase:
+    tok = load_tokenizer(ensure_default_model(progress=False))
+    tok.add_special_tokens({"additional_special_tokens": SPECIALS})
+    tok.add_tokens(TIMESTAMPS)  # as Whisper's tokenizer: plain added tokens after the specials
+    with tempfile.TemporaryDirectory() as d:
+        tok.save_pretrained(d)
+        return transformers.AutoTokenizer.from_pretrained(d)
+
+
+def make_whisper(out: Path, seed: int = 0, **config) -> Path:
+    """A random multilingual Whisper (d_model 64, 2 + 2 layers, 16 mel bins) with its tokenizer and processor files."""
+    tok = whisper_tokenizer()
+    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIALS}
+    vocab = len(tok)
+    kw = dict(
+        vocab_size=vocab,
+        num_mel_bins=N_MELS,
+        d_model=64,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        max_source_positions=1500,
+        max_target_positions=448,
+        pad_token_id=ids["<|endoftext|>"],
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|endoftext|>"],
+        decoder_start_token_id=ids["<|startoftranscript|>"],
+        suppress_tokens=None,
+        begin_suppress_tokens=None,
+        init_std=0.1,  # large enough that greedy choices are far from ties
+    )
+    kw.update(config)
+    torch.manual_seed(seed)
+    model = WhisperForConditionalGeneration(WhisperConfig(**kw)).eval()
+    gen = GenerationConfig(
+        decoder_start_token_id=ids["<|startoftranscript|>"],
+        eos_token_id=ids["<|endoftext|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        is_multilingual=True,
+        lang_to_id={f"<|{c}|>": ids[f"<|{c}|>"] for c in LANGUAGES},
+        task_to_id={"transcribe": ids["<|transcribe|>"], "translate": ids["<|translate|>"]},
+        no_timestamps_token_id=ids["<|notimestamps|>"],
+        prev_sot_token_id=ids["<|startofprev|>"],
+        max_initial_timestamp_index=50,
+        # A few text tokens and the task tokens, as a real checkpoint's list; " " and end-of-text at the start.
+        suppress_tokens=[5, 7, 11, ids["<|translate|>"], ids["<|transcribe|>"], ids["<|startofprev|>"]],
+        begin_suppress_tokens=[tok.convert_tokens_to_ids("Ġ"), ids["<|endoftext|>"]],
+    )
+    model.generation_config = gen
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    WhisperFeatureExtractor(feature_size=N_MELS).save_pretrained(out)
+    assert json.loads((out / "config.json").read_text())["model_type"] == "whisper"
+    return out
