@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import time
+
+import grpc
 import numpy as np
 import pytest
+from audio_checkpoints import chirp, noise, tone
+from checkpoints import make_checkpoint
+from google.rpc import error_details_pb2
+from service_harness import ServerThread
+from whisper_checkpoints import make_whisper
 
 from omnivox.codecs.audio_format import AudioEncoding, float_to_int16, int16_to_mulaw
 from omnivox.codecs.audio_input import AudioInputError, decode_audio, resample
 from omnivox.codecs.audio_stream_input import StreamingAudioDecoder, StreamingResampler
+from omnivox.services.errors import status_details
+from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.v1 import content_pb2, transcription_pb2, transcription_pb2_grpc
 
 
 def _chunked(feed, flush, data, sizes) -> np.ndarray:
@@ -48,3 +59,170 @@ def test_chunk_decoder_refuses_containers_and_bad_rates():
     with pytest.raises(AudioInputError) as err:
         StreamingAudioDecoder(AudioEncoding.LINEAR16, 1000)
     assert err.value.field == "sample_rate_hertz"
+
+
+# --- the service over real gRPC, on a tiny random Whisper ------------------------------------------------------------
+RATE = 16000
+
+
+def quiet(seconds: float, seed: int = 1) -> np.ndarray:
+    return noise(seconds, amp=10 ** (-60 / 20), seed=seed)  # room noise at about -60 dBFS
+
+
+def two_utterances() -> np.ndarray:
+    """0.5 s quiet, 1.2 s tone, 1.5 s quiet, 1.5 s chirp, 1 s quiet: two utterances for the detector."""
+    parts = [quiet(0.5), tone(1.2, amp=0.2), quiet(1.5, 2), chirp(1.5, amp=0.2), quiet(1.0, 3)]
+    return np.concatenate(parts).astype(np.float32)
+
+
+def linear16(samples: np.ndarray) -> bytes:
+    return float_to_int16(samples).astype("<i2").tobytes()
+
+
+def requests(samples: np.ndarray, chunk_s: float = 0.1, pace_s: float = 0.0, finalize_at: float | None = None,
+             **config):  # fmt: skip
+    config.setdefault("model", "whisper")
+    config.setdefault("sample_rate_hertz", RATE)
+    yield transcription_pb2.StreamingTranscribeRequest(config=transcription_pb2.StreamingTranscriptionConfig(**config))
+    data, step = linear16(samples), 2 * round(chunk_s * RATE)
+    for at in range(0, len(data), step):
+        yield transcription_pb2.StreamingTranscribeRequest(audio=data[at : at + step])
+        if finalize_at is not None and at <= finalize_at * RATE * 2 < at + step:
+            yield transcription_pb2.StreamingTranscribeRequest(finalize=True)
+        if pace_s:
+            time.sleep(pace_s)
+
+
+def seconds(d) -> float:
+    return d.ToNanoseconds() / 1e9
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    path = make_whisper(tmp_path_factory.mktemp("whisper") / "whisper", seed=3)
+    text = make_checkpoint(tmp_path_factory.mktemp("text") / "tiny-text", family="llama")
+    specs = [ModelSpec(path=text, name="text"), ModelSpec(path=path, name="whisper")]
+    with ServerThread(specs, EngineOptions(kv_cache_gib=0.02)) as server:
+        yield {
+            "server": server,
+            "stub": transcription_pb2_grpc.TranscriptionServiceStub(server.channel()),
+            "part": server.registry.lookup("whisper").bundle.whisper,
+        }
+
+
+def baseline(s) -> None:
+    free, total = s["server"].wait_kv_free("whisper", timeout=5.0)
+    assert free == total
+    assert s["part"].cache.total_refs() == 0
+
+
+def transcribe_span(s, samples: np.ndarray, result, language: str = "") -> str:
+    a, b = round(seconds(result.start_offset) * RATE), round(seconds(result.end_offset) * RATE)
+    audio = content_pb2.AudioPart(
+        data=linear16(samples[a:b]), encoding=content_pb2.AUDIO_ENCODING_LINEAR16, sample_rate_hertz=RATE
+    )
+    responses = list(s["stub"].Transcribe(
+        transcription_pb2.TranscribeRequest(model="whisper", audio=audio, language=language), timeout=120
+    ))  # fmt: skip
+    return responses[-1].summary.text
+
+
+@pytest.mark.parametrize("language", ["en", ""])
+def test_finals_equal_transcribe_of_their_spans_with_events(served, language):
+    samples = two_utterances()
+    responses = list(served["stub"].StreamingTranscribe(requests(samples, language=language), timeout=120))
+    kinds = [r.WhichOneof("response") for r in responses]
+    assert kinds[-1] == "summary" and kinds.count("summary") == 1
+    events = [r.speech_event for r in responses if r.HasField("speech_event")]
+    finals = [r.result for r in responses if r.HasField("result") and r.result.is_final]
+    start, end = transcription_pb2.SPEECH_EVENT_TYPE_SPEECH_START, transcription_pb2.SPEECH_EVENT_TYPE_SPEECH_END
+    assert [(e.type, e.utterance_index) for e in events] == [(start, 0), (end, 0), (start, 1), (end, 1)]
+    truth = [(0.5, 1.7), (3.2, 4.7)]
+    for i, (a, b) in enumerate(truth):
+        assert abs(seconds(events[2 * i].offset) - a) <= 0.03 and abs(seconds(events[2 * i + 1].offset) - b) <= 0.03
+    assert [f.utterance_index for f in finals] == [0, 1]
+    for f, (a, b) in zip(finals, truth, strict=True):
+        # The span transcribed: the voiced part with 0.2 s of padding each side.
+        assert abs(seconds(f.start_offset) - (a - 0.2)) <= 0.03 and abs(seconds(f.end_offset) - (b + 0.2)) <= 0.03
+        assert f.stability == 1.0 and f.language == (language or f.language) and f.language
+        assert f.text == transcribe_span(served, samples, f, language)
+    summary = responses[-1].summary
+    assert summary.text == " ".join(f.text for f in finals if f.text)
+    assert summary.utterances == 2 and abs(summary.audio_seconds - len(samples) / RATE) < 1e-6
+    assert summary.model == "whisper" and summary.real_time_factor > 0
+    baseline(served)
+
+
+def test_interim_results_and_finalize(served):
+    samples = np.concatenate([quiet(0.5), chirp(4.0, amp=0.2), quiet(1.0, 2)]).astype(np.float32)
+    # Paced at ~2x real time so interim passes run while audio arrives; finalize 2 s into the speech.
+    stream = requests(samples, pace_s=0.05, interim_results=True, language="en", finalize_at=2.5)
+    responses = list(served["stub"].StreamingTranscribe(stream, timeout=120))
+    results = [r.result for r in responses if r.HasField("result")]
+    interims = [r for r in results if not r.is_final]
+    finals = [r for r in results if r.is_final]
+    assert interims, "no interim result"
+    assert [f.utterance_index for f in finals] == [0, 1]  # finalize closed utterance 0; the chirp went on as 1
+    assert abs(seconds(finals[0].end_offset) - 2.5) <= 0.15
+    for r in interims:
+        assert 0.0 <= r.stability <= 1.0
+        assert r.text == transcribe_span(served, samples, r, "en")  # an interim is Transcribe of its span too
+    for f in finals:
+        assert f.text == transcribe_span(served, samples, f, "en")
+    # Results go out in utterance order: no interim of utterance 1 before the final of utterance 0.
+    order = [(r.utterance_index, r.is_final) for r in results]
+    assert order.index((0, True)) < min((i for i, (u, _) in enumerate(order) if u == 1), default=len(order))
+    baseline(served)
+
+
+def test_cancel_mid_stream_frees_kv_and_cross_state(served):
+    samples = np.concatenate([quiet(0.5), chirp(8.0, amp=0.2)]).astype(np.float32)
+    call = served["stub"].StreamingTranscribe(requests(samples, pace_s=0.05, interim_results=True), timeout=120)
+    engine = served["server"].engine("whisper")
+    for response in call:
+        if response.HasField("speech_event"):
+            break
+    deadline = time.monotonic() + 30
+    while engine.kv_usage().free_blocks == engine.kv_usage().total_blocks and time.monotonic() < deadline:
+        time.sleep(0.01)  # an interim pass is on the engine
+    assert engine.kv_usage().free_blocks < engine.kv_usage().total_blocks
+    call.cancel()
+    baseline(served)
+
+
+def _violations(err: grpc.RpcError) -> list[str]:
+    return [v.field for d in status_details(err) if isinstance(d, error_details_pb2.BadRequest)
+            for v in d.field_violations]  # fmt: skip
+
+
+def test_bad_streams_are_refused_and_the_server_keeps_serving(served):
+    stub = served["stub"]
+    audio_first = iter([transcription_pb2.StreamingTranscribeRequest(audio=b"\0\0")])
+    cases = [
+        (audio_first, grpc.StatusCode.INVALID_ARGUMENT, ["config"]),
+        (iter([]), grpc.StatusCode.INVALID_ARGUMENT, ["config"]),
+        (requests(quiet(0.2), model="text"), grpc.StatusCode.INVALID_ARGUMENT, ["config.model"]),
+        (requests(quiet(0.2), model="nope"), grpc.StatusCode.NOT_FOUND, []),
+        (requests(quiet(0.2), sample_rate_hertz=0), grpc.StatusCode.INVALID_ARGUMENT, ["config.sample_rate_hertz"]),
+        (requests(quiet(0.2), sample_rate_hertz=500), grpc.StatusCode.INVALID_ARGUMENT, ["config.sample_rate_hertz"]),
+        (requests(quiet(0.2), encoding=content_pb2.AUDIO_ENCODING_WAV), grpc.StatusCode.INVALID_ARGUMENT,
+         ["config.encoding"]),
+        (requests(quiet(0.2), language="xx"), grpc.StatusCode.INVALID_ARGUMENT, ["config.language"]),
+        (requests(quiet(0.2), task="summarize"), grpc.StatusCode.INVALID_ARGUMENT, ["config.task"]),
+        (requests(quiet(0.2), endpoint_silence_ms=5), grpc.StatusCode.INVALID_ARGUMENT,
+         ["config.endpoint_silence_ms"]),
+    ]  # fmt: skip
+    for stream, code, fields in cases:
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.StreamingTranscribe(stream, timeout=60))
+        assert err.value.code() == code, err.value.details()
+        if fields:
+            assert _violations(err.value) == fields
+    second_config = [next(requests(quiet(0.1)))] * 2
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.StreamingTranscribe(iter(second_config), timeout=60))
+    assert _violations(err.value) == ["config"]
+    # Still serving: a quiet stream gives no utterance and one summary.
+    [only] = list(stub.StreamingTranscribe(requests(quiet(1.0)), timeout=60))
+    assert only.summary.utterances == 0 and only.summary.text == ""
+    baseline(served)

@@ -1,0 +1,335 @@
+"""StreamingTranscribe: live audio in, speech events and interim / final results per utterance out (Whisper models).
+
+    config -> audio chunks [-> finalize] ... -> close          (client)
+    speech_event / result (interim, final) ... -> summary       (server)
+
+The chunks are decoded as they come (codecs/audio_stream_input.py: LINEAR16 / MULAW at any rate -> 16 kHz) and fed
+to the voice activity detector (codecs/vad.py), which opens and closes utterances. Every transcription pass is
+services/whisper.py's `transcribe` on a span of the stream, so a final result's text is exactly what Transcribe
+returns for the same span (its offsets):
+- final pass: when an utterance ends (the detector's silence, `finalize`, or the end of the stream), on
+  [start - PAD_S, end + PAD_S] (clipped to the audio received and to the previous utterance's span). Final passes
+  run one at a time, in utterance order, while later audio keeps streaming in.
+- interim passes (config.interim_results): on [start - PAD_S, audio received so far] of the OPEN utterance only, one
+  at a time, a new one once INTERIM_EVERY_S of audio has come since the last one started. A running interim that
+  falls more than MAX_INTERIM_LAG_S behind the audio is stale: it is aborted and a newer one starts. The utterance's
+  end aborts its running interim (the final supersedes it), and an interim is not sent while an earlier utterance's
+  final is still pending (results go out in utterance order).
+Aborting a pass cancels its `transcribe`, which aborts its engine request: KV blocks and cross K/V freed at once.
+Leaving the handler in any way (done, cancelled, deadline, error) cancels every pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import grpc
+import numpy as np
+
+from omnivox.codecs.audio_format import AudioEncoding
+from omnivox.codecs.audio_input import AudioInputError
+from omnivox.codecs.audio_stream_input import StreamingAudioDecoder
+from omnivox.codecs.vad import SpeechEvent, SpeechEventKind, VadConfig, VoiceActivityDetector
+from omnivox.models.audio.transcription import TranscriptionRequestError
+from omnivox.services import errors
+from omnivox.services.errors import FieldViolation
+from omnivox.services.generation import seconds_to_duration
+from omnivox.services.registry import ServedModel
+from omnivox.services.whisper import transcribe
+from omnivox.services.whisper_part import SAMPLE_RATE, WhisperPart
+from omnivox.v1 import content_pb2, transcription_pb2
+
+if TYPE_CHECKING:
+    from omnivox.services.transcription import TranscriptionServicer
+
+PAD_S = 0.2  # audio kept around an utterance's voiced span: the detector's edges cut into soft onsets and endings
+INTERIM_EVERY_S = 1.0  # new audio between interim passes (whisper-base on 2 CPU cores: a pass takes ~0.5-1 s)
+MAX_INTERIM_LAG_S = 3.0  # a running interim this far behind the audio is aborted and a newer one started
+IDLE_KEEP_S = 1.0  # audio kept while no one speaks: an utterance starts up to START_MS + PAD_S back
+ENDPOINT_SILENCE_MS = (100, 10_000)  # accepted range of config.endpoint_silence_ms
+MAX_REQUEST_ID_CHARS = 256
+Response = transcription_pb2.StreamingTranscribeResponse
+
+
+def _whisper_model(servicer: TranscriptionServicer, name: str) -> ServedModel:
+    """The Whisper model called `name` (INVALID_ARGUMENT for another kind), or the first Whisper model served."""
+    registry = servicer.registry
+    if name:
+        model = registry.get_ready(registry.lookup(name).name)
+    else:
+        found = [m for m in registry if m.manifest.whisper]
+        if not found:
+            raise errors.not_found("model", "", "this server serves no Whisper model (StreamingTranscribe needs one)")
+        model = registry.get_ready(found[0].name)
+    if model.bundle is None or model.bundle.whisper is None:
+        raise errors.invalid_argument(
+            [FieldViolation("config.model", f"model {model.name!r} is not a Whisper model; StreamingTranscribe "
+                                            "needs one (Transcribe takes audio-LLMs)")]
+        )  # fmt: skip
+    return model
+
+
+def _validate(part: WhisperPart, cfg: transcription_pb2.StreamingTranscriptionConfig) -> StreamingAudioDecoder:
+    """The config's problems as one INVALID_ARGUMENT naming each field; else the chunk decoder."""
+    bad: list[FieldViolation] = []
+    try:
+        part.check(cfg.language or None, cfg.task or "transcribe", False)
+    except TranscriptionRequestError as err:
+        bad.append(FieldViolation(f"config.{err.field}", err.description))
+    lo, hi = ENDPOINT_SILENCE_MS
+    if cfg.endpoint_silence_ms and not lo <= cfg.endpoint_silence_ms <= hi:
+        bad.append(FieldViolation("config.endpoint_silence_ms", f"must be 0 (the default) or in [{lo}, {hi}]"))
+    if len(cfg.request_id) > MAX_REQUEST_ID_CHARS:
+        bad.append(FieldViolation("config.request_id", f"at most {MAX_REQUEST_ID_CHARS} characters"))
+    decoder = None
+    if not cfg.sample_rate_hertz:
+        bad.append(FieldViolation("config.sample_rate_hertz", "required: the stream's audio has no header"))
+    else:
+        try:
+            name = content_pb2.AudioEncoding.Name(cfg.encoding).removeprefix("AUDIO_ENCODING_")
+            encoding = None if not cfg.encoding else AudioEncoding(name)
+            decoder = StreamingAudioDecoder(encoding, cfg.sample_rate_hertz, SAMPLE_RATE)
+        except AudioInputError as err:
+            bad.append(FieldViolation(f"config.{err.field}", err.description))
+        except ValueError:
+            bad.append(FieldViolation("config.encoding", f"unknown encoding {cfg.encoding}"))
+    if bad:
+        raise errors.invalid_argument(bad)
+    assert decoder is not None
+    return decoder
+
+
+def _stability(words: list[str], previous: list[str]) -> float:
+    """The share of `words` that the previous interim had too, from the start (its common prefix)."""
+    if not words:
+        return 1.0
+    same = 0
+    for a, b in zip(words, previous, strict=False):
+        if a != b:
+            break
+        same += 1
+    return same / len(words)
+
+
+@dataclass
+class _Utterance:
+    index: int
+    start: int  # the detector's START offset (16 kHz samples from the stream's start)
+    interim: asyncio.Task | None = None
+    interim_end: int = 0  # audio end of the latest interim started
+    words: list[str] = field(default_factory=list)  # the last interim's words sent
+
+
+class _Stream:
+    """One call's state: the audio buffer, the detector, the open utterance, the passes and the response queue."""
+
+    def __init__(self, part: WhisperPart, cfg: transcription_pb2.StreamingTranscriptionConfig, decoder) -> None:
+        self.part, self.cfg, self.decoder = part, cfg, decoder
+        silence = cfg.endpoint_silence_ms or VadConfig().end_silence_ms
+        self.vad = VoiceActivityDetector(VadConfig(sample_rate=SAMPLE_RATE, end_silence_ms=silence))
+        self.out: asyncio.Queue[Response | Exception | None] = asyncio.Queue()  # None: the end
+        self.finals: asyncio.Queue[tuple[_Utterance, int, int, np.ndarray] | None] = asyncio.Queue()
+        self.buffer = np.zeros(0, np.float32)  # samples [buffer_start, received)
+        self.buffer_start = self.received = 0
+        self.open: _Utterance | None = None
+        self.count = 0  # utterances opened
+        self.prev_end = 0  # end of the last final span
+        self.pending_finals = 0
+        self.texts: list[str] = []
+        self.compute_s = 0.0
+        self.first_audio: float | None = None
+        self.first_result: float | None = None
+        self.passes: set[asyncio.Task] = set()
+
+    # --- audio in -----------------------------------------------------------------------------------------------
+    async def read(self, requests: AsyncIterator) -> None:
+        async for req in requests:
+            kind = req.WhichOneof("request")
+            if kind == "config":
+                raise errors.invalid_argument([FieldViolation("config", "only the first message may be a config")])
+            if kind == "audio":
+                self.first_audio = self.first_audio or time.monotonic()
+                self._push(self.decoder.feed(req.audio))
+            elif kind == "finalize":
+                self._events(self.vad.end_now())
+        self._push(self.decoder.flush())
+        self._events(self.vad.flush())
+        self.finals.put_nowait(None)
+
+    def _push(self, samples: np.ndarray) -> None:
+        if len(samples):
+            self.buffer = np.concatenate([self.buffer, samples])
+            self.received += len(samples)
+        self._events(self.vad.feed(samples))
+        self._maybe_interim()
+        keep = self.open.start if self.open is not None else self.received - round(IDLE_KEEP_S * SAMPLE_RATE)
+        keep = max(self.buffer_start, keep - round(PAD_S * SAMPLE_RATE))
+        self.buffer, self.buffer_start = self.buffer[keep - self.buffer_start :], keep
+
+    def _span(self, start: int, end: int) -> tuple[int, int, np.ndarray]:
+        pad = round(PAD_S * SAMPLE_RATE)
+        a = max(start - pad, self.prev_end, self.buffer_start)
+        b = min(end, self.received)
+        return a, b, self.buffer[a - self.buffer_start : b - self.buffer_start].copy()
+
+    def _events(self, events: list[SpeechEvent]) -> None:
+        for ev in events:
+            if ev.kind is SpeechEventKind.START:
+                self.open = _Utterance(self.count, ev.offset, interim_end=ev.offset)
+                self.count += 1
+                self._event(transcription_pb2.SPEECH_EVENT_TYPE_SPEECH_START, ev.offset, self.open.index)
+                continue
+            u = self.open
+            assert u is not None, "END without START"
+            self.open = None
+            self._event(transcription_pb2.SPEECH_EVENT_TYPE_SPEECH_END, ev.offset, u.index)
+            if u.interim is not None:
+                u.interim.cancel()  # the final supersedes it
+            a, b, clip = self._span(u.start, ev.offset + round(PAD_S * SAMPLE_RATE))
+            self.prev_end = b
+            self.pending_finals += 1
+            self.finals.put_nowait((u, a, b, clip))
+
+    def _event(self, kind: int, offset: int, index: int) -> None:
+        event = transcription_pb2.SpeechEvent(
+            type=kind, offset=seconds_to_duration(offset / SAMPLE_RATE), utterance_index=index
+        )
+        self.out.put_nowait(Response(speech_event=event))
+
+    # --- passes ---------------------------------------------------------------------------------------------------
+    def _maybe_interim(self) -> None:
+        u = self.open
+        if not self.cfg.interim_results or u is None:
+            return
+        if u.interim is not None and not u.interim.done():
+            if self.received - u.interim_end <= MAX_INTERIM_LAG_S * SAMPLE_RATE:
+                return
+            u.interim.cancel()  # stale: a newer pass starts on the audio received since
+        elif self.received - u.interim_end < INTERIM_EVERY_S * SAMPLE_RATE:
+            return
+        a, b, clip = self._span(u.start, self.received)
+        u.interim_end = b
+        u.interim = self._spawn(self._interim(u, a, b, clip))
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self.passes.add(task)
+        task.add_done_callback(self.passes.discard)
+        return task
+
+    async def _pass(self, clip: np.ndarray):
+        t0 = time.monotonic()
+        try:
+            return await transcribe(
+                self.part, clip, language=self.cfg.language or None, task=self.cfg.task or "transcribe",
+                prompt=self.cfg.prompt or None,
+            )  # fmt: skip
+        except TranscriptionRequestError as err:
+            raise errors.invalid_argument([FieldViolation(err.field, err.description)]) from err
+        finally:
+            self.compute_s += time.monotonic() - t0
+
+    async def _interim(self, u: _Utterance, a: int, b: int, clip: np.ndarray) -> None:
+        try:
+            result = await self._pass(clip)
+        except Exception as exc:  # noqa: BLE001 - handed to the writer, which ends the call with it
+            self.out.put_nowait(exc)
+            return
+        if self.open is not u or self.pending_finals:
+            return  # the utterance ended (its final is coming), or an earlier final is still to be sent
+        words = result.text.split()
+        self._result(u.index, result, a, b, is_final=False, stability=_stability(words, u.words))
+        u.words = words
+
+    async def run_finals(self) -> None:
+        """Final passes, one at a time in utterance order; then the end marker for the writer."""
+        while (item := await self.finals.get()) is not None:
+            u, a, b, clip = item
+            result = await self._spawn(self._pass(clip))
+            self.pending_finals -= 1
+            self.texts.append(result.text)
+            self._result(u.index, result, a, b, is_final=True, stability=1.0)
+        self.out.put_nowait(None)
+
+    def _result(self, index: int, result, a: int, b: int, *, is_final: bool, stability: float) -> None:
+        self.first_result = self.first_result or time.monotonic()
+        self.out.put_nowait(
+            Response(
+                result=transcription_pb2.StreamingTranscriptionResult(
+                    text=result.text,
+                    is_final=is_final,
+                    stability=stability,
+                    start_offset=seconds_to_duration(a / SAMPLE_RATE),
+                    end_offset=seconds_to_duration(b / SAMPLE_RATE),
+                    language=result.language or self.cfg.language,
+                    utterance_index=index,
+                )
+            )
+        )
+
+
+async def streaming_transcribe(
+    servicer: TranscriptionServicer,
+    requests: AsyncIterator[transcription_pb2.StreamingTranscribeRequest],
+    context: grpc.aio.ServicerContext,
+) -> None:
+    try:
+        first = await anext(aiter(requests))
+    except StopAsyncIteration:
+        raise errors.invalid_argument(
+            [FieldViolation("config", "the stream ended before the config message")]
+        ) from None
+    if first.WhichOneof("request") != "config":
+        raise errors.invalid_argument([FieldViolation("config", "the first message must be the config")])
+    cfg = first.config
+    model = _whisper_model(servicer, cfg.model)
+    assert model.bundle is not None and model.bundle.whisper is not None
+    stream = _Stream(model.bundle.whisper, cfg, _validate(model.bundle.whisper, cfg))
+    request_id = cfg.request_id or uuid.uuid4().hex
+    with model.admit():
+        tasks = [asyncio.create_task(stream.read(requests)), asyncio.create_task(stream.run_finals())]
+        try:
+            while (item := await _next(stream.out, tasks)) is not None:
+                if isinstance(item, Exception):
+                    raise item
+                await context.write(item)
+        finally:
+            for task in [*tasks, *stream.passes]:
+                task.cancel()
+            await asyncio.gather(*tasks, *stream.passes, return_exceptions=True)
+    seconds = stream.decoder.seconds_in
+    summary = transcription_pb2.StreamingTranscriptionSummary(
+        text=" ".join(t for t in stream.texts if t),
+        utterances=stream.count,
+        audio_seconds=seconds,
+        real_time_factor=stream.compute_s / seconds if seconds > 0 else 0.0,
+        request_id=request_id,
+        model=model.name,
+    )
+    if stream.first_result is not None and stream.first_audio is not None:
+        summary.time_to_first_result.CopyFrom(seconds_to_duration(stream.first_result - stream.first_audio))
+    if seconds > 0:
+        servicer.metrics.transcription_rtf.labels(model.name).observe(summary.real_time_factor)
+    await context.write(Response(summary=summary))
+
+
+async def _next(queue: asyncio.Queue, tasks: list[asyncio.Task]):
+    """The queue's next item; a failed task (reader, finals, or a pass) ends the call with its error."""
+    getter = asyncio.ensure_future(queue.get())
+    try:
+        while True:
+            pending = [t for t in tasks if not t.done()]
+            await asyncio.wait([getter, *pending], return_when=asyncio.FIRST_COMPLETED)
+            for t in tasks:
+                if t.done() and not t.cancelled() and t.exception() is not None:
+                    raise t.exception()  # type: ignore[misc]
+            if getter.done():
+                return getter.result()
+    finally:
+        if not getter.done():
+            getter.cancel()
