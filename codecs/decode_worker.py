@@ -5,6 +5,11 @@ plans the windows every stream can decode now, runs them through the codec in on
 and hands each stream its chunks through an asyncio queue. While a codec pass runs, more frames arrive, and the next
 pass takes them all: windows that become ready in the same engine step end up in the same forward pass.
 Stream state is planned and applied on the event loop only; the codec forward alone runs in the thread.
+
+Start-up: the worker measures how fast frames arrive per stream (the engine's pace at the current load) and how long
+a codec pass takes per decoded frame, and sizes each new stream's first chunk and hop growth from them
+(`streaming.startup_options`), so that playback started on the first chunk does not run dry. Until both are
+measured, streams start with the decoder's options (first hop 1 frame, hops doubling).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from omnivox.codecs.streaming import BatchedStreamDecoder, StreamDecoderState, StreamingOptions
+from omnivox.codecs.streaming import BatchedStreamDecoder, StreamDecoderState, StreamingOptions, startup_options
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +36,8 @@ class AudioStream:
     chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
     ended: bool = False
     codec_span: tuple[float, float] | None = None  # time.monotonic() of its first pass's start, last pass's end
+    measured: bool = True  # its frame pace feeds the worker's rate (False: frames wait on outside input, e.g. text)
+    last_push: float | None = None  # time.monotonic() of its last push that carried frames
 
 
 @dataclass
@@ -39,6 +46,11 @@ class DecodeStats:
     windows: int = 0  # windows decoded
     max_batch: int = 0  # most windows in one call
     decode_seconds: float = 0.0  # wall time of the codec passes
+    gen_s_per_frame: float | None = None  # EWMA: wall seconds between a stream's frames (the engine's pace)
+    codec_s_per_frame: float | None = None  # EWMA: wall seconds of a codec pass per frame of its longest window
+
+
+RATE_EWMA = 0.2  # weight of a new sample in the measured rates
 
 
 class DecodeWorker:
@@ -65,16 +77,36 @@ class DecodeWorker:
             self._wake = asyncio.Event()
             self._task = loop.create_task(self._run(), name="codec-decode-worker")
 
-    def open(self, options: StreamingOptions | None = None) -> AudioStream:
-        """A new stream (call from the event loop)."""
+    def startup_options(self) -> StreamingOptions:
+        """A new stream's options: first chunk and hop growth sized from the measured rates (the decoder's own
+        options until both rates are measured)."""
+        base, s = self.decoder.options, self.stats
+        if s.gen_s_per_frame is None or s.codec_s_per_frame is None:
+            return base
+        frame_s = self.decoder.codec.frame_samples / self.decoder.sample_rate
+        return startup_options(base, s.gen_s_per_frame, s.codec_s_per_frame, frame_s)
+
+    def open(self, options: StreamingOptions | None = None, measured: bool = True) -> AudioStream:
+        """A new stream (call from the event loop); `options` None: sized from the measured rates. `measured`
+        False for a stream whose frames wait on outside input (text streamed in): its pace is not the engine's."""
         self._ensure_running()
-        stream = AudioStream(self.decoder.open_stream(options))
+        stream = AudioStream(self.decoder.open_stream(options or self.startup_options()), measured=measured)
         self._streams[stream.state] = stream
         return stream
+
+    @staticmethod
+    def _ewma(old: float | None, sample: float) -> float:
+        return sample if old is None else (1.0 - RATE_EWMA) * old + RATE_EWMA * sample
 
     def push(self, stream: AudioStream, frames: list[list[int]]) -> None:
         for frame in frames:
             stream.state.push_frame(frame)
+        if frames and stream.measured:
+            now = time.monotonic()
+            if stream.last_push is not None:  # the first push comes after the prefill: not the pace
+                pace = (now - stream.last_push) / len(frames)
+                self.stats.gen_s_per_frame = self._ewma(self.stats.gen_s_per_frame, pace)
+            stream.last_push = now
         if frames and self._wake is not None:
             self._wake.set()
 
@@ -125,7 +157,10 @@ class DecodeWorker:
                 try:
                     started, mono = time.perf_counter(), time.monotonic()
                     audio = await asyncio.to_thread(self.decoder.decode_windows, windows)
-                    self.stats.decode_seconds += time.perf_counter() - started
+                    elapsed = time.perf_counter() - started
+                    self.stats.decode_seconds += elapsed
+                    longest = max(w.num_frames for w in windows)
+                    self.stats.codec_s_per_frame = self._ewma(self.stats.codec_s_per_frame, elapsed / longest)
                     for s in involved:
                         s.codec_span = (s.codec_span[0] if s.codec_span else mono, time.monotonic())
                     self.stats.passes += 1

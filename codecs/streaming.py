@@ -32,7 +32,7 @@ so it changes the emitted audio at rounding level only; a window that can be pad
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -51,11 +51,14 @@ class StreamingOptions:
     left_context_frames: int = 2  # frames decoded before the emitted audio (re-decoded, not emitted again)
     lookahead_frames: int = 2  # frames decoded after the emitted audio (waited for before emitting)
     crossfade_samples: int = 256  # overlap-add length at each join
+    hop_growth: float = 2.0  # each hop is the first one times growth^index (rounded down), up to hop_frames
 
     def validate(self, frame_samples: int) -> None:
         for name in ("first_hop_frames", "hop_frames"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if not self.hop_growth >= 1.0:
+            raise ValueError(f"hop_growth must be >= 1, got {self.hop_growth!r}")
         for name in ("left_context_frames", "lookahead_frames", "crossfade_samples"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
@@ -67,8 +70,11 @@ class StreamingOptions:
             )
 
     def hop(self, index: int) -> int:
-        """Frames of audio in chunk `index` (before the final one): first_hop, doubling up to hop_frames."""
-        return max(1, min(self.hop_frames, self.first_hop_frames << min(index, 30)))
+        """Frames of audio in chunk `index` (before the final one): first_hop, growing (doubling by default) up to
+        hop_frames."""
+        if self.hop_growth == 2.0:
+            return max(1, min(self.hop_frames, self.first_hop_frames << min(index, 30)))
+        return max(1, min(self.hop_frames, int(self.first_hop_frames * self.hop_growth ** min(index, 60))))
 
     def window_frames(self) -> int:
         """Frames in a steady-state window."""
@@ -76,6 +82,63 @@ class StreamingOptions:
 
 
 SAFE_CONTEXT_FRAMES = 2  # context beyond which other frames change a window's audio only at rounding level
+
+
+def simulate_start(
+    options: StreamingOptions, gen_s: float, codec_s: float, frame_s: float, horizon: int = 4
+) -> tuple[float, float]:
+    """(first audio, worst lateness) in seconds for one stream under `options`, with a frame generated every `gen_s`
+    and a codec pass taking `codec_s` per decoded frame (its window, context included), one pass at a time.
+
+    Chunk k (frames up to boundary b_k) is decoded once frames b_k + lookahead exist and the codec is free; playback
+    starts when chunk 0 arrives and needs chunk k before the b_{k-1} frames ahead of it have played. Runs until
+    `horizon` chunks after the hops reach hop_frames (beyond which, faster than real time, the buffer only grows).
+    """
+    lookahead, left = options.lookahead_frames, options.left_context_frames
+    previous, codec_free, first, worst, at_max, k = 0, 0.0, 0.0, float("-inf"), 0, 0
+    while at_max < horizon:
+        hop = options.hop(k)
+        at_max += hop == options.hop_frames
+        boundary = previous + hop
+        window = boundary + lookahead - max(0, previous - left)
+        arrival = max((boundary + lookahead) * gen_s, codec_free) + window * codec_s
+        codec_free = arrival
+        if k == 0:
+            first = arrival
+        else:
+            worst = max(worst, arrival - (first + previous * frame_s))
+        previous, k = boundary, k + 1
+    return first, worst
+
+
+def startup_options(
+    options: StreamingOptions,
+    gen_s: float,
+    codec_s: float,
+    frame_s: float,
+    margin: float = 1.2,
+    growths: tuple[float, ...] = (2.0, 1.5),
+) -> StreamingOptions:
+    """The first chunk and hop growth that let playback started on the first chunk never run dry, at measured rates:
+    a start-up buffer sized from the measured rate, as streaming players size theirs, held as the first chunk.
+
+    With hops doubling from one frame, chunk 1 (2 frames) must be generated and decoded while chunk 0 (1 frame) plays;
+    at two streams on this CPU it is not (benchmarks/speech.py: playback ran dry 1.1 s). So: among first hops in
+    [options.first_hop_frames, hop_frames] and hop growths, the earliest first audio whose simulated playback
+    (`simulate_start`, rates times `margin`) never runs dry; where none does (slower than real time), the least dry.
+    """
+    best: tuple[float, float, StreamingOptions] | None = None  # (worst lateness > 0, first audio, options)
+    for b0 in range(options.first_hop_frames, options.hop_frames + 1):
+        for growth in growths:
+            sched = replace(options, first_hop_frames=b0, hop_growth=growth)
+            first, worst = simulate_start(sched, gen_s * margin, codec_s * margin, frame_s)
+            key = (max(worst, 0.0), first, sched)
+            if best is None or key[:2] < best[:2]:
+                best = key
+        if best is not None and best[0] == 0.0:
+            break  # a larger first chunk only delays the first audio
+    assert best is not None
+    return best[2]
 
 
 @dataclass(frozen=True)

@@ -179,7 +179,7 @@ async def streaming_synthesize(
         bundle.worker.finish(stream)
 
     encoder = AudioStreamEncoder(plan.encoding, plan.sample_rate, source_rate=bundle.worker.sample_rate)
-    stream = bundle.worker.open()
+    stream = bundle.worker.open(measured=False)  # its frames wait on the text: not the engine's pace
     tasks: list[asyncio.Task] = []
     first_audio: float | None = None
     m = servicer.metrics
