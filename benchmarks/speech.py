@@ -9,6 +9,12 @@ Per stream: time to first audio (client side, from sending the request), real-ti
 stream / audio seconds) and lateness. A stream *stays faster than real time* when playback that starts with its first
 chunk never runs dry: every chunk arrives before the audio received ahead of it has finished playing (lateness <= 0).
 The headline number is the highest level at which every stream stayed faster than real time.
+
+`--compare-first-hop N` runs the same levels in the same run against a second server started with
+`--speech-first-hop N` (every stream's first chunk N frames, hops doubling: the start before sizing from measured
+rates; N = 1 is the earliest first audio), alternating the two servers level by level. Each server first serves one
+warm-up stream (not counted): the start is sized from rates it measured on earlier streams. `--repeats R` runs each
+level R times; the table gives medians over repeats and how many repeats stayed faster than real time.
 """
 
 from __future__ import annotations
@@ -83,42 +89,86 @@ def synthesize_one(address: str, text: str, voice: str, model: str, timeout_s: f
     )
 
 
+def run_level(address: str, n: int, text: str, voice: str = "", model: str = "", timeout_s: float = 600) -> dict:
+    """`n` concurrent streams once: their figures."""
+    with ThreadPoolExecutor(n) as pool:
+        results = list(pool.map(lambda _: synthesize_one(address, text, voice, model, timeout_s), range(n)))
+    ttfa = sorted(r.ttfa_s for r in results)
+    return {
+        "concurrency": n,
+        "ttfa_p50_s": statistics.median(ttfa),
+        "ttfa_max_s": ttfa[-1],
+        "rtf_p50": statistics.median(r.rtf for r in results),
+        "rtf_max": max(r.rtf for r in results),
+        "audio_s": statistics.mean(r.audio_s for r in results),
+        "worst_lateness_s": max(r.lateness_s for r in results),
+        "all_realtime": all(r.realtime for r in results),
+        "streams": [asdict(r) | {"realtime": r.realtime} for r in results],
+    }
+
+
+def summarize(n: int, runs: list[dict]) -> dict:
+    """A level's repeats: medians of the per-run figures; faster than real time only if every repeat was."""
+    if len(runs) == 1:
+        return runs[0]
+    keys = ("ttfa_p50_s", "ttfa_max_s", "rtf_p50", "rtf_max", "audio_s", "worst_lateness_s")
+    return {
+        "concurrency": n,
+        **{k: statistics.median(r[k] for r in runs) for k in keys},
+        "all_realtime": all(r["all_realtime"] for r in runs),
+        "realtime_repeats": sum(r["all_realtime"] for r in runs),
+        "repeats": runs,
+    }
+
+
 def run_levels(
-    address: str, levels: list[int], text: str = DEFAULT_TEXT, voice: str = "", model: str = "", timeout_s: float = 600
+    address: str,
+    levels: list[int],
+    text: str = DEFAULT_TEXT,
+    voice: str = "",
+    model: str = "",
+    timeout_s: float = 600,
+    repeats: int = 1,
 ) -> dict:
     """Every level in turn; returns {"levels": [...], "max_realtime_streams": N}."""
-    out = []
+    out = [summarize(n, [run_level(address, n, text, voice, model, timeout_s) for _ in range(repeats)]) for n in levels]
+    return finish(out)
+
+
+def finish(levels: list[dict]) -> dict:
+    realtime_levels = [level["concurrency"] for level in levels if level["all_realtime"]]
+    return {"levels": levels, "max_realtime_streams": max(realtime_levels, default=0)}
+
+
+def run_compare(
+    address: str, before: str, levels: list[int], text: str, voice: str, repeats: int, timeout_s: float = 600
+) -> dict:
+    """The levels against two servers, alternating level by level and repeat by repeat (load drifts alike)."""
+    for a in (address, before):  # warm-up: each server measures its rates on one stream
+        run_level(a, 1, text, voice, "", timeout_s)
+    runs: dict[str, dict[int, list[dict]]] = {"after": {}, "before": {}}
     for n in levels:
-        with ThreadPoolExecutor(n) as pool:
-            results = list(pool.map(lambda _: synthesize_one(address, text, voice, model, timeout_s), range(n)))
-        ttfa = sorted(r.ttfa_s for r in results)
-        out.append(
-            {
-                "concurrency": n,
-                "ttfa_p50_s": statistics.median(ttfa),
-                "ttfa_max_s": ttfa[-1],
-                "rtf_p50": statistics.median(r.rtf for r in results),
-                "rtf_max": max(r.rtf for r in results),
-                "audio_s": statistics.mean(r.audio_s for r in results),
-                "worst_lateness_s": max(r.lateness_s for r in results),
-                "all_realtime": all(r.realtime for r in results),
-                "streams": [asdict(r) | {"realtime": r.realtime} for r in results],
-            }
-        )
-    realtime_levels = [level["concurrency"] for level in out if level["all_realtime"]]
-    return {"levels": out, "max_realtime_streams": max(realtime_levels, default=0)}
+        for _ in range(repeats):
+            for name, a in (("before", before), ("after", address)):
+                runs[name].setdefault(n, []).append(run_level(a, n, text, voice, "", timeout_s))
+    return {name: finish([summarize(n, r[n]) for n in levels]) for name, r in runs.items()}
 
 
 def format_table(result: dict) -> str:
+    if "after" in result:
+        return "\n\n".join(f"{name}:\n{format_table(result[name])}" for name in ("before", "after"))
     lines = [
         "| streams | first audio p50 / max (ms) | RTF p50 / max | worst lateness (ms) | all faster than real time |",
         "|---:|---:|---:|---:|:---:|",
     ]
     for level in result["levels"]:
+        realtime = "yes" if level["all_realtime"] else "no"
+        if "repeats" in level:
+            realtime += f" ({level['realtime_repeats']} of {len(level['repeats'])})"
         lines.append(
             f"| {level['concurrency']} | {level['ttfa_p50_s'] * 1e3:.0f} / {level['ttfa_max_s'] * 1e3:.0f} | "
             f"{level['rtf_p50']:.2f} / {level['rtf_max']:.2f} | {max(level['worst_lateness_s'], 0) * 1e3:.0f} | "
-            f"{'yes' if level['all_realtime'] else 'no'} |"
+            f"{realtime} |"
         )
     lines.append(f"\nconcurrent streams that all stay faster than real time: {result['max_realtime_streams']}")
     return "\n".join(lines)
@@ -132,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--text", default=DEFAULT_TEXT)
     ap.add_argument("--voice", default="")
     ap.add_argument("--server-arg", action="append", default=[], help="extra argument for `omnivox serve` (repeat)")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each level (medians reported)")
+    ap.add_argument("--compare-first-hop", type=int, metavar="N",
+                    help="also run a server with --speech-first-hop N, alternating with the default one")  # fmt: skip
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     args = ap.parse_args(argv)
     levels = [int(v) for v in args.concurrency.split(",") if v.strip()]
@@ -145,22 +198,28 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python -m omnivox.benchmarks.speech", *(argv if argv is not None else sys.argv[1:])]),
         "text_chars": len(args.text),
     }
-    server = None
+    servers = []
     address = args.address
-    if address is None:
-        from omnivox.benchmarks.systems.omnivox_grpc import ServerProcess
+    from omnivox.benchmarks.systems.omnivox_grpc import ServerProcess
 
-        model = args.model
-        if model is None:
-            from omnivox.services.defaults import ensure_default_speech_model
+    model = args.model
+    if model is None and (address is None or args.compare_first_hop is not None):
+        from omnivox.services.defaults import ensure_default_speech_model
 
-            model = str(ensure_default_speech_model())
-        server = ServerProcess(model, args.server_arg, Path("bench-results") / "speech-server.log")
-        address = server.address
+        model = str(ensure_default_speech_model())
     try:
-        result = run_levels(address, levels, args.text, args.voice)
+        if address is None:
+            servers.append(ServerProcess(model, args.server_arg, Path("bench-results") / "speech-server.log"))
+            address = servers[-1].address
+        if args.compare_first_hop is None:
+            result = run_levels(address, levels, args.text, args.voice, repeats=args.repeats)
+        else:
+            before_args = [*args.server_arg, "--speech-first-hop", str(args.compare_first_hop)]
+            servers.append(ServerProcess(model, before_args, Path("bench-results") / "speech-server-before.log"))
+            meta["before"] = f"omnivox serve --speech-first-hop {args.compare_first_hop}"
+            result = run_compare(address, servers[-1].address, levels, args.text, args.voice, args.repeats)
     finally:
-        if server is not None:
+        for server in servers:
             server.close()
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -47,15 +47,16 @@ class DecodeStats:
     max_batch: int = 0  # most windows in one call
     decode_seconds: float = 0.0  # wall time of the codec passes
     gen_s_per_frame: float | None = None  # EWMA: wall seconds between a stream's frames (the engine's pace)
-    codec_s_per_frame: float | None = None  # EWMA: wall seconds of a codec pass per frame of its longest window
+    codec_s_per_frame: float | None = None  # EWMA: codec pass seconds per frame of its longest window, per window
 
 
 RATE_EWMA = 0.2  # weight of a new sample in the measured rates
 
 
 class DecodeWorker:
-    def __init__(self, decoder: BatchedStreamDecoder) -> None:
+    def __init__(self, decoder: BatchedStreamDecoder, sized_start: bool = True) -> None:
         self.decoder = decoder
+        self.sized_start = sized_start  # False: every stream starts with the decoder's options
         self.stats = DecodeStats()
         self._streams: dict[StreamDecoderState, AudioStream] = {}
         self._wake: asyncio.Event | None = None
@@ -81,10 +82,13 @@ class DecodeWorker:
         """A new stream's options: first chunk and hop growth sized from the measured rates (the decoder's own
         options until both rates are measured)."""
         base, s = self.decoder.options, self.stats
-        if s.gen_s_per_frame is None or s.codec_s_per_frame is None:
+        if not self.sized_start or s.gen_s_per_frame is None or s.codec_s_per_frame is None:
             return base
         frame_s = self.decoder.codec.frame_samples / self.decoder.sample_rate
-        return startup_options(base, s.gen_s_per_frame, s.codec_s_per_frame, frame_s)
+        # A pass costs about the same per window (CPU: compute-bound), and the new stream's windows share passes with
+        # every open stream's.
+        codec_s = s.codec_s_per_frame * (len(self._streams) + 1)
+        return startup_options(base, s.gen_s_per_frame, codec_s, frame_s)
 
     def open(self, options: StreamingOptions | None = None, measured: bool = True) -> AudioStream:
         """A new stream (call from the event loop); `options` None: sized from the measured rates. `measured`
@@ -160,7 +164,8 @@ class DecodeWorker:
                     elapsed = time.perf_counter() - started
                     self.stats.decode_seconds += elapsed
                     longest = max(w.num_frames for w in windows)
-                    self.stats.codec_s_per_frame = self._ewma(self.stats.codec_s_per_frame, elapsed / longest)
+                    per_frame = elapsed / (longest * len(windows))
+                    self.stats.codec_s_per_frame = self._ewma(self.stats.codec_s_per_frame, per_frame)
                     for s in involved:
                         s.codec_span = (s.codec_span[0] if s.codec_span else mono, time.monotonic())
                     self.stats.passes += 1

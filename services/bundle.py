@@ -223,7 +223,9 @@ def load_speech_part(
         raise ValueError(f"the codec runs at {codec.sample_rate} Hz, the layout says {layout.sample_rate} Hz")
     decoder = BatchedStreamDecoder(codec, layout.frame_levels, options)
     constraint = SpeechTokenConstraint(layout, vocab_size, device=device)
-    return SpeechPart(layout=layout, codec=codec, worker=DecodeWorker(decoder), constraint=constraint)
+    # Options given (serve --speech-first-hop): every stream starts with them; else sized from the measured rates.
+    worker = DecodeWorker(decoder, sized_start=options is None)
+    return SpeechPart(layout=layout, codec=codec, worker=worker, constraint=constraint)
 
 
 @dataclass

@@ -82,8 +82,8 @@ def test_tables_equal_the_json_they_link() -> None:
                         assert cell == report._cell(fmt, level.get(key)), (path.name, row["system"], header)
                     checked += 1
             elif "streams" in rows[0]:  # the speech benchmark's table
-                expected = tables(speech.format_table(result))[0]
-                assert rows == expected, path.name
+                expected = tables(speech.format_table(result))  # one table, or before and after
+                assert rows in expected, path.name
                 checked += len(rows)
     assert checked >= 20
 

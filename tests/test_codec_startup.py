@@ -77,6 +77,9 @@ def test_worker_measures_rates_and_sizes_new_streams(tmp_path):
 
     worker, stats = asyncio.run(main())
     assert 0.03 <= stats.gen_s_per_frame < 0.2 and stats.codec_s_per_frame > 0
-    chosen = worker.startup_options()
+    chosen = worker.startup_options()  # no stream open: the new one's windows have the passes to themselves
     expected = startup_options(decoder.options, stats.gen_s_per_frame, stats.codec_s_per_frame, FRAME_S)
     assert chosen == expected
+    fixed = DecodeWorker(decoder, sized_start=False)  # serve --speech-first-hop N: the options as given
+    fixed.stats = stats
+    assert fixed.startup_options() == decoder.options

@@ -120,6 +120,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="CPU threads for model compute (default: all cores but one, which serves gRPC; measured: on 2 busy "
         "cores, 2 compute threads stall each other and the server for up to 10x slower steps)",
     )
+    p.add_argument(
+        "--speech-first-hop",
+        type=int,
+        metavar="FRAMES",
+        help="speech: frames in a stream's first audio chunk, hops doubling from it (default: first chunk and hop "
+        "growth sized from the measured engine and codec rates, so playback started on the first chunk does not run "
+        "dry; 1 = the earliest first audio)",
+    )
     p.add_argument("--demo", action="store_true", help="once loaded, send one chat request to itself and print it")
     p.set_defaults(run=run)
 
@@ -223,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
             check_model_path(path)
     except ModelLoadError as err:
         raise CliError(str(err)) from None
+    from omnivox.codecs.streaming import StreamingOptions
     from omnivox.services import server
     from omnivox.services.auth import Quota
     from omnivox.services.limits import GrpcLimits
@@ -271,6 +280,9 @@ def run(args: argparse.Namespace) -> int:
         quantize_lm_head=args.quantize_lm_head,
         num_speculative_tokens=args.num_speculative_tokens,
         progress=True,
+        speech_streaming=None
+        if args.speech_first_hop is None
+        else StreamingOptions(first_hop_frames=args.speech_first_hop),
     )
     try:
         specs = model_specs(args.models, args.names, args.sampling_defaults, args.quantization, args.speculative)
