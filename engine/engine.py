@@ -124,6 +124,7 @@ class Engine:
         num_speculative_tokens: int = 4,
         quantization: str | None = None,
         quantize_lm_head: bool | None = None,
+        tensor_parallel: int = 1,
     ) -> Engine:
         """Load a Hugging Face checkpoint folder (safetensors) or a .gguf file (engine/loading.py load_model).
         speculative: `ngram` or `draft:PATH` builds the proposer (engine/draft.py build_proposer).
@@ -132,7 +133,8 @@ class Engine:
 
         device = torch.device(device) if device is not None else default_device()
         dtype = resolve_dtype(dtype, device)
-        model = load_model(path, device, dtype, max_model_len, progress, quantization, quantize_lm_head)
+        tp = tensor_parallel  # N > 1: the decoder split over N processes (engine/tensor_parallel.py)
+        model = load_model(path, device, dtype, max_model_len, progress, quantization, quantize_lm_head, tp)
         if speculative is not None:
             from omnivox.engine.draft import build_proposer
 
@@ -146,7 +148,7 @@ class Engine:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching,
-            static_decode=static_decode,
+            static_decode=static_decode if tp == 1 else False,  # replayed CUDA graphs would not tell the workers
             proposer=proposer,
         )
 
@@ -313,6 +315,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+        getattr(self.model, "close", lambda: None)()  # a tensor-parallel model stops its worker processes
 
     def _loop(self) -> None:
         if self.device.type == "cuda":  # `--device cuda:1`: this thread's kernels and graphs must run on that device

@@ -1,0 +1,223 @@
+"""Tensor-parallel serving: rank 0 runs the whole engine; ranks 1..N-1 run each step's forward on their shard.
+
+Rank 0 (the serving process) schedules, owns the block pool, samples, and runs the encoders and the codec. Its
+ModelRunner drives a `TensorParallelModel`: a stand-in for the decoder whose `forward` first broadcasts exactly what
+it was given (input ids, positions, the attention metadata with its slot mapping, decode block tables and lengths,
+prefill chunks, and the embedding rows/values of image or audio segments) to the workers, then runs rank 0's shard.
+Every worker runs the same forward on its own shard (models/tensor_parallel.py) and its own paged cache, so the
+collectives inside (one all-reduce after the embedding, two per layer) meet. `compute_logits` broadcasts the hidden
+rows the runner picked (identical on every rank after the last all-reduce: [R, hidden], one broadcast per step next
+to the 2L+1 all-reduces of [T, hidden]) and all-gathers the vocabulary shards; rank 0 samples.
+
+Each rank's cache holds its KV heads at the same slots: only rank 0 allocates blocks, the workers' caches take the
+shape of rank 0's (announced whenever it changes, e.g. after the CUDA profiling run) and are indexed by the slots
+rank 0 sends. Control messages travel pickled over a gloo group on the host (tensors on the CPU; NCCL carries the
+model's collectives on CUDA), in one order, under one lock: a message and the collectives it starts are atomic.
+
+Workers are spawned processes (torch.multiprocessing) running models/tensor_parallel_worker.py; they exit on the stop
+message `close()` sends, when the control channel breaks, or when their parent is gone (polled), so a killed server
+leaves no orphans. Spawning re-imports the main module in each worker: a script that serves tensor-parallel needs
+the `if __name__ == "__main__":` guard (the `omnivox` command has it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from omnivox.models.decoder import DecoderModel
+from omnivox.models.tensor_parallel import check_divisible, load_shard
+from omnivox.models.tensor_parallel_worker import (
+    CONTROL_TIMEOUT,
+    Caches,
+    Embed,
+    Forward,
+    GatherKV,
+    Logits,
+    ShardSpec,
+    Stop,
+    portable,
+    send,
+    worker_main,
+)
+
+log = logging.getLogger(__name__)
+
+
+# ---- rank 0 --------------------------------------------------------------------------------------------------------
+class TensorParallelModel(nn.Module):
+    """Rank 0's decoder, as the engine sees it: the shard, plus the workers kept in step with it.
+
+    `config` is this rank's: its attention heads, KV heads and MLP slice (a `world`-th of each), so the runner sizes
+    the cache for the heads a rank holds and `kv_cache_gib` means per rank (per GPU)."""
+
+    def __init__(self, shard: DecoderModel, control: dist.ProcessGroup, workers: list, store: Any) -> None:
+        super().__init__()
+        self.shard = shard
+        self.world = dist.get_world_size()
+        full = shard.config
+        self.full_config = full
+        self.config = dataclasses.replace(
+            full,
+            num_heads=full.num_heads // self.world,
+            num_kv_heads=full.num_kv_heads // self.world,
+            intermediate_size=full.intermediate_size // self.world,
+        )
+        self._control = control
+        self._workers = workers
+        self._store = store  # keeps the rendezvous store (and its port) alive as long as the group
+        self._lock = threading.Lock()
+        self._cache_key: tuple | None = None
+        self._closed = False
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self._workers]
+
+    def forward(self, input_ids, positions, kv_caches, meta, *args, **kwargs) -> torch.Tensor:
+        with self._lock:
+            k0 = kv_caches[0][0]
+            key = (k0.data_ptr(), tuple(k0.shape), k0.dtype, len(kv_caches))
+            if key != self._cache_key:  # a new cache (the runner's, after a profiling run's): the workers follow
+                send(Caches(len(kv_caches), tuple(k0.shape), k0.dtype), self._control)
+                self._cache_key = key
+            msg = Forward(portable((meta, *args), None), portable(kwargs, None), input_ids.cpu(), positions.cpu())
+            send(msg, self._control)
+            return self.shard(input_ids, positions, kv_caches, meta, *args, **kwargs)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, vocab] float32
+        with self._lock:
+            hidden = hidden.contiguous()
+            send(Logits(hidden.shape[0]), self._control)
+            dist.broadcast(hidden, src=0)
+            return self.shard.compute_logits(hidden)
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        with self._lock:
+            send(Embed(ids.cpu()), self._control)
+            return self.shard.embed_tokens(ids)
+
+    def gather_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, ...]]:
+        """Every rank's cache joined along the head axis, on the CPU: [slots, all kv heads, head_dim] per layer and
+        K/V — what one process would hold (tests compare it; it copies the whole cache)."""
+        out = []
+        with self._lock:
+            send(GatherKV(), self._control)
+            for layer in kv_caches:
+                joined = []
+                for local in layer:
+                    parts = [torch.empty_like(local, device="cpu") for _ in range(self.world)]
+                    dist.gather(local.cpu(), parts, dst=0, group=self._control)
+                    joined.append(torch.cat(parts, dim=1))
+                out.append(tuple(joined))
+        return out
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the workers (they leave their loop and exit) and leave the process group. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                send(Stop(), self._control)
+            except Exception:  # a worker already gone: the others are stopped below all the same
+                log.exception("tensor-parallel stop message failed")
+            deadline = time.monotonic() + timeout
+            for p in self._workers:
+                p.join(max(0.0, deadline - time.monotonic()))
+            for p in self._workers:
+                if p.is_alive():
+                    log.warning("tensor-parallel worker %d did not stop; killing it", p.pid)
+                    p.kill()
+                    p.join(5)
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+# ---- starting ------------------------------------------------------------------------------------------------------
+def check_world(path: str | Path, world: int, device: torch.device, max_model_len: int | None = None) -> None:
+    """ValueError, with the reason in one line, when `world` ranks cannot serve the checkpoint on `device`."""
+    from omnivox.models.checkpoint import load_hf_config
+    from omnivox.models.config import ModelConfig
+
+    if world < 1:
+        raise ValueError(f"--tensor-parallel must be at least 1, got {world}")
+    check_divisible(ModelConfig.from_hf(load_hf_config(path), max_model_len), world)
+    if device.type == "cuda":
+        have = torch.cuda.device_count() - (device.index or 0)
+        if world > have:
+            raise ValueError(f"--tensor-parallel {world} needs {world} GPUs from {device}; {max(have, 0)} available")
+    elif device.type != "cpu":
+        raise ValueError(f"tensor parallelism runs on CUDA (NCCL) or the CPU (gloo), not {device.type}")
+
+
+def start_tensor_parallel(
+    path: str | Path,
+    world: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_model_len: int | None = None,
+    load_timeout_s: float = 1800.0,
+) -> TensorParallelModel:
+    """Spawn ranks 1..world-1, load rank 0's shard here, join the group; returns rank 0's model for the engine.
+
+    This process becomes rank 0 of the default process group (one tensor-parallel model per process)."""
+    check_world(path, world, device, max_model_len)
+    if dist.is_initialized():
+        raise RuntimeError("this process already belongs to a process group: one tensor-parallel model per process")
+    # Port 0: the store picks a free port and keeps it bound (no window in which another process could take it).
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    spec = ShardSpec(str(path), world, str(device), dtype, max_model_len, torch.get_num_threads(), store.port)
+    ctx = mp.get_context("spawn")
+    workers, conns = [], []
+    try:
+        for rank in range(1, world):
+            mine, theirs = ctx.Pipe(duplex=False)
+            p = ctx.Process(
+                target=worker_main, args=(rank, spec, os.getpid(), theirs), name=f"omnivox-tp{rank}", daemon=True
+            )
+            p.start()
+            theirs.close()
+            workers.append(p)
+            conns.append(mine)
+        shard = load_shard(path, 0, world, device, dtype, max_model_len).eval()
+        _wait_loaded(workers, conns, load_timeout_s)
+        dist.init_process_group(spec.backend, store=store, rank=0, world_size=world)
+        control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    except BaseException:
+        for p in workers:
+            p.kill()
+            p.join(5)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
+    log.info("tensor parallel: %d ranks (%s), workers %s", world, spec.backend, [p.pid for p in workers])
+    return TensorParallelModel(shard, control, workers, store)
+
+
+def _wait_loaded(workers: list, conns: list, timeout_s: float) -> None:
+    """Until every worker has loaded its shard; its error, or its death, raised here."""
+    deadline = time.monotonic() + timeout_s
+    for p, conn in zip(workers, conns, strict=True):
+        while not conn.poll(0.1):
+            if not p.is_alive():
+                raise RuntimeError(f"tensor-parallel worker {p.name} died while loading (exit code {p.exitcode})")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"tensor-parallel worker {p.name} did not load within {timeout_s:.0f} s")
+        try:
+            answer = conn.recv()
+        except EOFError:  # gone without a word (killed; or a main module that re-ran itself in the child)
+            p.join(5)
+            raise RuntimeError(f"tensor-parallel worker {p.name} died while loading (exit code {p.exitcode})") from None
+        if answer != "ready":
+            raise ValueError(f"tensor-parallel {answer}")

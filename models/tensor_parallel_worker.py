@@ -1,0 +1,215 @@
+"""A rank of a tensor-parallel decoder (ranks 1..N-1): load its shard, then run what rank 0 sends, until stopped.
+
+Rank 0 (engine/tensor_parallel.py) sends, over a gloo control group on the host, one message per call it makes on
+its own shard: the cache shape (`Caches`, whenever rank 0's cache changes), a forward pass with every argument the
+runner built (`Forward`: ids, positions, attention metadata, embedding rows/values; tensors travel on the CPU), the
+logits of hidden rows that follow as a broadcast (`Logits`), an embedding lookup (`Embed`), a gather of the cache
+(`GatherKV`, for tests) and `Stop`. A worker holds no scheduling state: its cache is indexed by the slots it is sent.
+
+This module imports only models/ (not the engine package), so a spawned rank starts in about half the time.
+A worker exits on `Stop`, when the control channel breaks (rank 0 gone: its socket closes), or when its parent
+process is gone (polled once a second), so a killed server leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from omnivox.models.attention import paged_block_mask
+from omnivox.models.decoder import DecoderModel
+from omnivox.models.tensor_parallel import load_shard
+
+# A worker waits on the control channel between requests for as long as the server idles: gloo's default 30-minute
+# timeout would end an idle server's workers, so the control group waits (practically) forever. A dead peer still
+# breaks the wait at once (its socket closes).
+CONTROL_TIMEOUT = timedelta(days=3650)
+_PARENT_POLL_S = 1.0
+
+
+# ---- messages (rank 0 -> workers) ----------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Caches:
+    num_layers: int
+    shape: tuple[int, ...]  # one K (or V) tensor: [slots, local kv heads, head_dim]
+    dtype: torch.dtype
+
+
+@dataclasses.dataclass
+class Forward:
+    args: tuple  # the decoder's arguments after kv_caches (metadata, embedding rows/values), tensors on the CPU
+    kwargs: dict
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+
+
+@dataclasses.dataclass
+class Logits:
+    rows: int  # hidden rows [rows, hidden] follow as a broadcast on the model's group
+
+
+@dataclasses.dataclass
+class Embed:
+    ids: torch.Tensor
+
+
+@dataclasses.dataclass
+class GatherKV:
+    pass
+
+
+@dataclasses.dataclass
+class Stop:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class _FlexMask:
+    """A FlexAttention block mask travels as what rebuilds it (its mask_mod is a closure: not picklable)."""
+
+    rows: int
+    num_cache_blocks: int
+
+
+def portable(obj: Any, device: torch.device | None) -> Any:
+    """A copy of obj (tensors, lists, tuples, dicts, dataclasses such as AttentionMetadata) with every tensor moved
+    to `device` (None: the CPU, for pickling) and a flex block mask turned into a _FlexMask."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device or "cpu")
+    if isinstance(obj, BlockMask):
+        rows = obj.kv_num_blocks.shape[0]
+        return _FlexMask(rows, obj.seq_lengths[1] // obj.BLOCK_SIZE[1])
+    if isinstance(obj, list | tuple):
+        return type(obj)(portable(x, device) for x in obj)
+    if isinstance(obj, dict):
+        return {k: portable(v, device) for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            object.__setattr__(out, f.name, portable(getattr(obj, f.name), device))
+        return out
+    return obj
+
+
+def _rebuild_flex(meta: Any) -> None:
+    """On a worker: the decode block mask from the tables and lengths the metadata already carries."""
+    spec = getattr(meta, "decode_block_mask", None)
+    if isinstance(spec, _FlexMask):
+        meta.decode_block_mask = paged_block_mask(
+            meta.decode_block_tables, meta.decode_lens, meta.block_size, spec.num_cache_blocks, spec.rows
+        )
+
+
+def send(msg: Any, group: dist.ProcessGroup) -> None:
+    dist.broadcast_object_list([msg], src=0, group=group)
+
+
+def receive(group: dist.ProcessGroup) -> Any:
+    box: list[Any] = [None]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+# ---- workers -------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ShardSpec:
+    """What every rank loads, and how the ranks meet."""
+
+    path: str
+    world: int
+    device: str  # rank 0's device; rank r takes cuda:(index + r) on CUDA, the CPU on the CPU
+    dtype: torch.dtype
+    max_model_len: int | None
+    threads: int  # torch threads per rank on the CPU
+    store_port: int
+
+    def device_of(self, rank: int) -> torch.device:
+        dev = torch.device(self.device)
+        if dev.type == "cuda":
+            return torch.device("cuda", (dev.index or 0) + rank)
+        return dev
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if torch.device(self.device).type == "cuda" else "gloo"
+
+
+def _exit_with_parent(parent: int) -> None:
+    while True:  # reparented (the server died, even by SIGKILL): nothing will ever send again
+        if os.getppid() != parent:
+            os._exit(0)
+        time.sleep(_PARENT_POLL_S)
+
+
+def join_group(spec: ShardSpec, rank: int) -> tuple[Any, dist.ProcessGroup]:
+    store = dist.TCPStore("127.0.0.1", spec.store_port, spec.world, is_master=rank == 0, wait_for_workers=False)
+    dist.init_process_group(spec.backend, store=store, rank=rank, world_size=spec.world)
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    return store, control
+
+
+def worker_main(rank: int, spec: ShardSpec, parent: int, conn) -> None:
+    """A worker process: load this rank's shard, say so, join the group, then run what rank 0 sends until stopped."""
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+    try:
+        torch.set_num_threads(spec.threads)
+        device = spec.device_of(rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        shard = load_shard(spec.path, rank, spec.world, device, spec.dtype, spec.max_model_len).eval()
+    except BaseException as exc:  # told to rank 0, which raises it as the load error
+        conn.send(f"rank {rank}: {type(exc).__name__}: {exc}")
+        return
+    conn.send("ready")
+    conn.close()
+    _store, control = join_group(spec, rank)
+    try:
+        _serve(shard, control, device)
+    finally:
+        dist.destroy_process_group()
+
+
+@torch.inference_mode()
+def _serve(shard: DecoderModel, control: dist.ProcessGroup, device: torch.device) -> None:
+    caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+    dtype = next(shard.parameters()).dtype
+    while True:
+        msg = receive(control)
+        if isinstance(msg, Stop):
+            return
+        if isinstance(msg, Caches):
+            caches = []  # the old cache goes first: two would not fit a GPU sized for one
+            caches = [
+                (
+                    torch.zeros(msg.shape, dtype=msg.dtype, device=device),
+                    torch.zeros(msg.shape, dtype=msg.dtype, device=device),
+                )
+                for _ in range(msg.num_layers)
+            ]
+        elif isinstance(msg, Forward):
+            meta, *args = portable(msg.args, device)
+            _rebuild_flex(meta)
+            ids, positions = msg.input_ids.to(device), msg.positions.to(device)
+            shard(ids, positions, caches, meta, *args, **portable(msg.kwargs, device))
+        elif isinstance(msg, Logits):
+            hidden = torch.empty(msg.rows, shard.config.hidden_size, dtype=dtype, device=device)
+            dist.broadcast(hidden, src=0)
+            shard.compute_logits(hidden)
+        elif isinstance(msg, Embed):
+            shard.embed_tokens(msg.ids.to(device))
+        elif isinstance(msg, GatherKV):
+            for layer in caches:
+                for local in layer:
+                    dist.gather(local.cpu(), None, dst=0, group=control)
+        else:
+            raise RuntimeError(f"tensor-parallel worker: unknown message {msg!r}")
