@@ -15,7 +15,7 @@ from google.protobuf import duration_pb2
 
 from omnivox.engine import RequestOutput
 from omnivox.engine.errors import InvalidRequest
-from omnivox.services import errors, structured, tools, validation
+from omnivox.services import cascade, errors, structured, tools, validation
 from omnivox.services.errors import FieldViolation, ServiceError, rpc_method
 from omnivox.services.limits import check_generate_limits
 from omnivox.services.logs import current_call
@@ -68,6 +68,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         model = self.registry.get_ready(request.model)
         call = current_call()
         call.set(model=model.name)
+        if cascade.applies(request, model, self.registry):  # a spoken question: transcribed first (--asr-model)
+            request = await cascade.transcribe_audio_parts(request, self.registry)
         checked = validation.validate_generate(request, model)
         # Admitted from here on: counted against the queue bound, and waited for by a drain.
         with model.admit():

@@ -121,6 +121,7 @@ class ModelRegistry:
     def __init__(self) -> None:
         self._models: dict[str, ServedModel] = {}
         self.draining = False
+        self.asr_model: str | None = None  # `serve --asr-model`: transcribes Generate's audio for text models
 
     def add(self, model: ServedModel) -> None:
         if model.name in self._models:
@@ -141,6 +142,17 @@ class ModelRegistry:
 
     def __len__(self) -> int:
         return len(self._models)
+
+    def set_asr_model(self, name: str | None) -> None:
+        """`serve --asr-model`: ModelLoadError unless `name` is None or a served Whisper model (known before loading)."""
+        from omnivox.services.loading import ModelLoadError
+
+        model = self._models.get(name) if name is not None else None
+        if name is not None and (model is None or not model.manifest.whisper):
+            raise ModelLoadError(
+                f"--asr-model {name!r} is not a served Whisper model (served: {', '.join(self._models)})"
+            )
+        self.asr_model = name
 
     def lookup(self, name: str) -> ServedModel:
         """The model called `name` (empty: the default), in any state; NOT_FOUND when there is none."""

@@ -69,6 +69,7 @@ class ServerOptions:
     limits: GrpcLimits = GrpcLimits()
     trace_exporter: Any = None  # an OpenTelemetry SpanExporter: tracing on (services/tracing.py); None = off
     data_dir: Path | None = None  # created voices live here (services/voices.py); None = $OMNIVOX_DATA_DIR or XDG
+    asr_model: str | None = None  # a served Whisper model: Generate's audio for text models (services/cascade.py)
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,7 @@ class OmnivoxServer:
     def __init__(self, registry: ModelRegistry, options: ServerOptions = ServerOptions()) -> None:
         self.registry = registry
         self.options = options
+        registry.set_asr_model(options.asr_model)  # ModelLoadError unless it names a served Whisper model
         self.health = HealthServicer()
         self.metrics = Metrics()
         self.metrics_port: int | None = None

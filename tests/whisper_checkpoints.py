@@ -38,11 +38,12 @@ def whisper_tokenizer() -> transformers.PreTrainedTokenizerBase:
         return transformers.AutoTokenizer.from_pretrained(d)
 
 
-def make_whisper(out: Path, seed: int = 0, **config) -> Path:
-    """A random multilingual Whisper (d_model 64, 2 + 2 layers, 16 mel bins) with its tokenizer and processor files."""
+def make_whisper(out: Path, seed: int = 0, multilingual: bool = True, **config) -> Path:
+    """A random Whisper (d_model 64, 2 + 2 layers, 16 mel bins) with its tokenizer and processor files.
+    multilingual False: English-only, without timestamp tokens (its vocabulary ends at <|notimestamps|>)."""
     tok = whisper_tokenizer()
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIALS}
-    vocab = len(tok)
+    vocab = len(tok) if multilingual else ids["<|notimestamps|>"] + 1
     kw = dict(
         vocab_size=vocab,
         num_mel_bins=N_MELS,
@@ -70,7 +71,7 @@ def make_whisper(out: Path, seed: int = 0, **config) -> Path:
         decoder_start_token_id=ids["<|startoftranscript|>"],
         eos_token_id=ids["<|endoftext|>"],
         pad_token_id=ids["<|endoftext|>"],
-        is_multilingual=True,
+        is_multilingual=multilingual,
         lang_to_id={f"<|{c}|>": ids[f"<|{c}|>"] for c in LANGUAGES},
         task_to_id={"transcribe": ids["<|transcribe|>"], "translate": ids["<|translate|>"]},
         no_timestamps_token_id=ids["<|notimestamps|>"],

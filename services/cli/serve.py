@@ -57,6 +57,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=Path,
         help="where created voices are kept (default: $OMNIVOX_DATA_DIR or ~/.local/share/omnivox)",
     )
+    p.add_argument(
+        "--asr-model",
+        metavar="NAME",
+        help="a served Whisper model (e.g. whisper-base) that transcribes the audio parts of Generate requests to "
+        "text-only models first: a cascade (audio-LLMs read audio themselves)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=50051, help="port to listen on (0 = any free port)")
     p.add_argument("--tls-cert", type=Path, help="PEM certificate chain; with --tls-key, serve TLS")
@@ -118,7 +124,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--threads",
         type=int,
         help="CPU threads for model compute (default: all cores but one, which serves gRPC; measured: on 2 busy "
-        "cores, 2 compute threads stall each other and the server for up to 10x slower steps)",
+        "cores, 2 compute threads stall each other and the server for up to 10x slower steps); with "
+        "--tensor-parallel, per rank (default: those cores shared out between the ranks)",
+    )
+    p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the model's decoder over N processes (attention heads, KV heads and MLP per rank; NCCL on CUDA, "
+        "one GPU per rank; gloo on the CPU); N must divide the head counts. Encoders and the codec stay on rank 0",
     )
     p.add_argument(
         "--speech-first-hop",
@@ -251,9 +266,10 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--max-connection-age must be positive")
     if args.threads is not None and args.threads < 1:
         raise CliError("--threads must be at least 1")
+    check_tensor_parallel(args)
     import torch
 
-    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) - 1))
+    torch.set_num_threads(args.threads or max(1, ((os.cpu_count() or 2) - 1) // args.tensor_parallel))
     options = server.ServerOptions(
         host=args.host,
         port=args.port,
@@ -269,6 +285,7 @@ def run(args: argparse.Namespace) -> int:
         trace_exporter=trace_exporter(args),
         limits=GrpcLimits(max_connection_age_s=args.max_connection_age),
         data_dir=args.data_dir,
+        asr_model=args.asr_model,
     )
     engine_options = EngineOptions(
         device=args.device,
@@ -279,6 +296,7 @@ def run(args: argparse.Namespace) -> int:
         image_cache_mib=args.image_cache_mib,
         quantize_lm_head=args.quantize_lm_head,
         num_speculative_tokens=args.num_speculative_tokens,
+        tensor_parallel=args.tensor_parallel,
         progress=True,
         speech_streaming=None
         if args.speech_first_hop is None
@@ -288,6 +306,27 @@ def run(args: argparse.Namespace) -> int:
         specs = model_specs(args.models, args.names, args.sampling_defaults, args.quantization, args.speculative)
         return asyncio.run(server.run(specs, options, engine_options, on_ready=demo if args.demo else None))
     except (ModelLoadError, OSError) as err:
+        raise CliError(str(err)) from None
+
+
+def check_tensor_parallel(args: argparse.Namespace) -> None:
+    """--tensor-parallel N: one model, N dividing its head counts, N devices: a one-line error otherwise."""
+    n = args.tensor_parallel
+    if n < 1:
+        raise CliError("--tensor-parallel must be at least 1")
+    if n == 1:
+        return
+    if len(args.models) != 1:
+        raise CliError("--tensor-parallel serves exactly one --model (one process group per server)")
+    import torch
+
+    from omnivox.engine.loading import default_device
+    from omnivox.engine.tensor_parallel import check_world
+
+    device = torch.device(args.device) if args.device else default_device()
+    try:
+        check_world(args.models[0].expanduser(), n, device, args.max_model_len)
+    except ValueError as err:
         raise CliError(str(err)) from None
 
 

@@ -1,0 +1,247 @@
+"""Whisper in the service, over a real gRPC server, on a tiny random Whisper saved with its tokenizer and feature
+extractor (tests/whisper_checkpoints.py): Transcribe equals transformers' `generate` on the same prompt (greedy, alone
+and batched), language detection equals transformers' `detect_language` and encodes the audio once, long audio is
+conditioned on the previous window's text, timestamps give ordered segments, cancelling frees the KV blocks and the
+cross-attention state, bad requests are INVALID_ARGUMENT naming the field, and the cascade (`--asr-model`) answers a
+spoken question with a text model."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from audio_checkpoints import chirp, encode, noise, tone
+from checkpoints import make_checkpoint
+from google.rpc import error_details_pb2
+from service_harness import ServerThread
+from transformers import GenerationMixin, WhisperFeatureExtractor, WhisperForConditionalGeneration
+from whisper_checkpoints import make_whisper
+
+from omnivox.codecs.audio_split import split_at_quiet
+from omnivox.services.errors import status_details
+from omnivox.services.loading import EngineOptions, ModelLoadError, ModelSpec
+from omnivox.services.server import OmnivoxServer, ServerOptions
+from omnivox.services.whisper import transcribe
+from omnivox.v1 import (
+    content_pb2,
+    generation_pb2,
+    generation_pb2_grpc,
+    model_pb2,
+    model_pb2_grpc,
+    sampling_pb2,
+    transcription_pb2,
+    transcription_pb2_grpc,
+)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("whisper")
+    path = make_whisper(root / "tiny-whisper")
+    english = make_whisper(root / "tiny-whisper-en", seed=1, multilingual=False)
+    text = make_checkpoint(root / "text", family="llama", max_position_embeddings=4096)
+    specs = [ModelSpec(path=text, name="text"), ModelSpec(path=path, name="tiny-whisper"),
+             ModelSpec(path=english, name="tiny-whisper-en")]  # fmt: skip
+    with ServerThread(specs, EngineOptions(kv_cache_gib=0.02), asr_model="tiny-whisper") as server:
+        channel = server.channel()
+        yield {
+            "server": server,
+            "stub": transcription_pb2_grpc.TranscriptionServiceStub(channel),
+            "generate": generation_pb2_grpc.GenerationServiceStub(channel),
+            "models": model_pb2_grpc.ModelServiceStub(channel),
+            "part": server.registry.lookup("tiny-whisper").bundle.whisper,
+            "hf": WhisperForConditionalGeneration.from_pretrained(path).eval(),
+            "fe": WhisperFeatureExtractor.from_pretrained(path),
+        }
+
+
+def features(served, clip: np.ndarray) -> torch.Tensor:  # [1, n_mels, 3000], transformers' own extractor
+    return served["fe"](clip, sampling_rate=16000, return_tensors="pt").input_features
+
+
+def hf_generate(served, clip: np.ndarray, prompt: list[int], n: int) -> list[int]:
+    """transformers' generate from `prompt` (its suppress_tokens and begin_suppress_tokens from the generation
+    config, greedy), cut at end-of-text."""
+    hf = served["hf"]
+    with torch.no_grad():
+        out = GenerationMixin.generate(
+            hf, input_features=features(served, clip), decoder_input_ids=torch.tensor([prompt]), max_new_tokens=n,
+            do_sample=False,
+        )[0, len(prompt) :].tolist()  # fmt: skip
+    eot = served["part"].vocab.eot
+    return out[: out.index(eot)] if eot in out else out
+
+
+def prompt_for(served, language: str) -> list[int]:
+    v = served["part"].vocab
+    return [v.sot, v.languages[language], v.transcribe, v.no_timestamps]
+
+
+def audio_part(clip: np.ndarray) -> content_pb2.AudioPart:
+    return content_pb2.AudioPart(data=encode(clip, 16000, "WAV", "FLOAT"))
+
+
+def run_transcribe(served, clip: np.ndarray, **fields):
+    request = transcription_pb2.TranscribeRequest(model="tiny-whisper", audio=audio_part(clip), **fields)
+    responses = list(served["stub"].Transcribe(request, timeout=120))
+    deltas = [r.delta for r in responses if r.HasField("delta")]
+    assert responses[-1].HasField("summary") and sum(r.HasField("summary") for r in responses) == 1
+    return deltas, responses[-1].summary
+
+
+def test_transcript_equals_transformers_generate(served):
+    clip = chirp(2.0)
+    deltas, summary = run_transcribe(served, clip, language="en")
+    part = served["part"]
+    expected = hf_generate(served, clip, prompt_for(served, "en"), 224)
+    text = part.tokenizer.decode([t for t in expected if part.vocab.is_text(t)], skip_special_tokens=True).strip()
+    assert summary.text == text and "".join(d.text for d in deltas) == text
+    assert summary.language == "en" and summary.output_tokens == len(expected) + (len(expected) < 224)
+    [segment] = summary.segments
+    assert segment.start_offset.ToNanoseconds() == 0 and segment.end_offset.ToNanoseconds() == 2_000_000_000
+
+
+def test_tokens_equal_transformers_alone_and_batched(served):
+    server, part = served["server"], served["part"]
+    a, b = chirp(1.5), noise(2.5, seed=3)
+    alone = server.run(transcribe(part, a, language="en", max_tokens=32))
+    assert alone.token_ids == hf_generate(served, a, prompt_for(served, "en"), 32)
+
+    async def both():
+        return await asyncio.gather(
+            transcribe(part, a, language="en", max_tokens=32), transcribe(part, b, language="de", max_tokens=32)
+        )
+
+    first, second = server.run(both())
+    assert first.token_ids == alone.token_ids
+    assert second.token_ids == hf_generate(served, b, prompt_for(served, "de"), 32)
+
+
+def test_language_detection_equals_transformers_and_encodes_once(served):
+    part, hf = served["part"], served["hf"]
+    by_id = {t: c for c, t in part.vocab.languages.items()}
+    found = set()
+    for seed in range(3):
+        clip = noise(1.0, amp=0.3, seed=10 + seed) + tone(1.0, freq=200.0 * (seed + 1))
+        encoded = part.worker.num_encoded
+        _, summary = run_transcribe(served, clip)
+        assert part.worker.num_encoded == encoded + 1  # detection and transcription share one encoder pass
+        with torch.no_grad():
+            [lang] = hf.detect_language(input_features=features(served, clip), generation_config=hf.generation_config)
+        assert summary.language == by_id[int(lang)]
+        found.add(summary.language)
+        _, forced = run_transcribe(served, clip, language=summary.language)
+        assert forced.text == summary.text  # the detected language's prompt
+    assert found <= set(part.vocab.languages)
+
+
+def test_long_audio_windows_are_conditioned_on_the_previous_text(served):
+    part, v = served["part"], served["part"].vocab
+    clip = np.concatenate([chirp(20.0), noise(0.5, amp=0.01), tone(19.5, freq=300.0)])
+    result = served["server"].run(transcribe(part, clip, language="en", max_tokens=8))
+    (s0, e0), (s1, e1) = split_at_quiet(clip, 16000, 30.0)
+    first = hf_generate(served, clip[s0:e0], prompt_for(served, "en"), 8)
+    second = hf_generate(served, clip[s1:e1], [v.sot_prev, *first, *prompt_for(served, "en")], 8)
+    assert result.token_ids == first + second
+    assert [(a, b) for a, b, _ in result.segments] == [(s0 / 16000, e0 / 16000), (s1 / 16000, e1 / 16000)]
+
+
+def test_timestamps_give_ordered_segments(served):
+    clip = np.concatenate([tone(1.5), noise(1.0, amp=0.05), chirp(1.5)])
+    deltas, summary = run_transcribe(served, clip, language="en", timestamps=True)
+    assert "".join(d.text for d in deltas) == summary.text
+    spans = [(s.start_offset.ToNanoseconds() / 1e9, s.end_offset.ToNanoseconds() / 1e9) for s in summary.segments]
+    assert spans and all(0 <= a <= b <= 4.0 + 1e-9 for a, b in spans)
+    assert [a for a, _ in spans] == sorted(a for a, _ in spans)
+    result = served["server"].run(transcribe(served["part"], clip, language="en", timestamps=True))
+    tb = served["part"].vocab.timestamp_begin
+    ids = result.token_ids
+    assert ids[0] >= tb and ids[0] - tb <= 50  # a timestamp first, within 1.0 s
+    stamps = [t for t in ids if t >= tb]
+    assert all(x <= y for x, y in zip(stamps, stamps[1:], strict=False))  # never decreasing
+
+
+def test_cancel_frees_kv_blocks_and_cross_state(served):
+    server, part = served["server"], served["part"]
+    request = transcription_pb2.TranscribeRequest(model="tiny-whisper", audio=audio_part(noise(50.0, seed=7)))
+    call = served["stub"].Transcribe(request, timeout=120)
+    assert next(call).HasField("delta")
+    call.cancel()
+    free, total = server.wait_kv_free("tiny-whisper", timeout=10.0)
+    assert free == total
+    engine = server.engine("tiny-whisper")
+    server.run(asyncio.sleep(0.2))
+    assert not engine.has_unfinished() and part.cache.total_refs() == 0
+    engine.core.check_integrity()
+
+
+def violations(err: grpc.RpcError) -> set[str]:
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
+    return {v.field for d in status_details(err) if isinstance(d, error_details_pb2.BadRequest) for v in d.field_violations}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("model", "fields", "field"),
+    [
+        ("tiny-whisper", {"language": "xx"}, "language"),
+        ("tiny-whisper", {"task": "summarize"}, "task"),
+        ("tiny-whisper-en", {"task": "translate"}, "task"),
+        ("tiny-whisper-en", {"timestamps": True}, "timestamps"),
+        ("tiny-whisper-en", {"language": "de"}, "language"),
+    ],
+)
+def test_bad_requests_name_the_field(served, model, fields, field):
+    request = transcription_pb2.TranscribeRequest(model=model, audio=audio_part(tone(0.5)), **fields)
+    with pytest.raises(grpc.RpcError) as info:
+        list(served["stub"].Transcribe(request, timeout=60))
+    assert violations(info.value) == {field}
+
+
+def test_bad_audio_and_english_only_model(served):
+    with pytest.raises(grpc.RpcError) as info:
+        list(served["stub"].Transcribe(transcription_pb2.TranscribeRequest(model="tiny-whisper"), timeout=60))
+    assert violations(info.value) == {"audio.data"}
+    request = transcription_pb2.TranscribeRequest(model="tiny-whisper-en", audio=audio_part(tone(0.5)))
+    summary = list(served["stub"].Transcribe(request, timeout=60))[-1].summary
+    assert summary.language == "" and summary.output_tokens > 0
+
+
+def test_list_models_and_generate_refusal(served):
+    models = {m.name: m for m in served["models"].ListModels(model_pb2.ListModelsRequest()).models}
+    whisper = models["tiny-whisper"]
+    assert list(whisper.input_modalities) == [model_pb2.MODALITY_AUDIO]
+    assert list(whisper.output_modalities) == [model_pb2.MODALITY_TEXT]
+    assert not whisper.has_untrained_components
+    ask = generation_pb2.GenerateRequest(model="tiny-whisper", contents=[content_pb2.Content(parts=[content_pb2.Part(text="hi")])])  # fmt: skip
+    with pytest.raises(grpc.RpcError) as info:
+        list(served["generate"].Generate(ask, timeout=60))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_cascade_answers_a_spoken_question_with_a_text_model(served):
+    server, clip = served["server"], chirp(1.0)
+    transcript = server.run(transcribe(served["part"], clip, language=None)).text
+    sampling = sampling_pb2.SamplingConfig(temperature=0.0)
+
+    def ask(*parts):
+        request = generation_pb2.GenerateRequest(model="text", contents=[content_pb2.Content(role="user", parts=parts)],
+                                                 sampling=sampling, max_output_tokens=8)  # fmt: skip
+        out = list(served["generate"].Generate(request, timeout=60))
+        return [t for r in out if r.HasField("delta") for t in r.delta.token_ids], out[-1].summary
+
+    question = content_pb2.Part(text="Answer the question:")
+    spoken = ask(question, content_pb2.Part(audio=audio_part(clip)))
+    written = ask(question, content_pb2.Part(text=transcript))
+    assert spoken[0] == written[0] and spoken[1].usage.prompt_tokens == written[1].usage.prompt_tokens
+    server.registry.set_asr_model(None)  # without --asr-model: the text model refuses audio, as before
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            ask(question, content_pb2.Part(audio=audio_part(clip)))
+        assert violations(info.value) == {"contents[0].parts[1].audio"}
+    finally:
+        server.registry.set_asr_model("tiny-whisper")
+    with pytest.raises(ModelLoadError, match="not a served Whisper model"):
+        OmnivoxServer(server.registry, ServerOptions(asr_model="text"))
