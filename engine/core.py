@@ -28,6 +28,7 @@ from omnivox.engine.sampler import Sampler
 from omnivox.engine.scheduler import ScheduledChunk, SchedulePlan, Scheduler
 from omnivox.engine.speculative import AcceptanceGate, Proposal, Proposer, verify_requests
 from omnivox.engine.structured import GrammarMasks
+from omnivox.engine.transfer import take_rows
 from omnivox.models.decoder import DecoderModel
 
 log = logging.getLogger(__name__)
@@ -184,15 +185,17 @@ class EngineCore:
         plain = [(c, f) for c, f in zip(sampling, firsts, strict=True) if c.num_verify == 1]
         spec = [(c, f) for c, f in zip(sampling, firsts, strict=True) if c.num_verify > 1]
         if plain:
-            self._sample_plain(logits, plain, result)
+            with torch.inference_mode():  # the sampler writes into the runner's logits, which are inference tensors
+                self._sample_plain(logits, plain, result)
         if spec:
             self._verify(logits, spec, result)
 
     def _sample_plain(self, logits: torch.Tensor, chunks: list[tuple[ScheduledChunk, int]], result: StepResult) -> None:
         reqs = [c.request for c, _ in chunks]
-        rows = torch.tensor([f for _, f in chunks], device=logits.device)
         try:
-            out = self.sampler(logits.index_select(0, rows), reqs)
+            # Every step without drafts samples all rows in order: the logits themselves go in (the sampler writes
+            # into them; nothing reads them after). With drafts in the step, the plain rows are copied out.
+            out = self.sampler(take_rows(logits, [f for _, f in chunks]), reqs)
         except Exception:  # a sampler bug must not take the engine down: fail these requests, serve the rest
             log.exception("sampling failed; failing the %d requests it served", len(reqs))
             result.failed += reqs

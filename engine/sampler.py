@@ -15,12 +15,15 @@ instead of O(vocabulary) for them.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import islice
 
 import torch
 
 from omnivox.engine.outputs import TokenLogprob
 from omnivox.engine.request import Request
+from omnivox.engine.transfer import HostTransfer, take_rows, to_device
 
 NEG_INF = float("-inf")
 log = logging.getLogger(__name__)
@@ -31,6 +34,55 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
     failed: list[int]  # rows whose own token constraint raised: no token for them, the rest sampled normally
+
+
+@dataclass
+class _Drawn:
+    """One group's draws, still on the device: the tensors `HostTransfer` copies, and how to read them back."""
+
+    tokens: torch.Tensor  # [R] long: the vocabulary id drawn for each row
+    lp_rows: list[int]  # rows (of the group) that asked for logprobs
+    chosen: torch.Tensor | None = None  # [L] float32: the logprob of each lp row's token
+    top_vals: torch.Tensor | None = None  # [L, n] float32: the n largest logprobs
+    top_ids: torch.Tensor | None = None  # [L, n] long: their ids
+
+    def parts(self) -> list[torch.Tensor]:
+        return [t for t in (self.tokens, self.chosen, self.top_vals, self.top_ids) if t is not None]
+
+    def unpack(self, values: Iterator[float], reqs: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
+        """Read this group's parts back from the transferred values, in the order `parts` gave them."""
+        tokens = [int(v) for v in islice(values, self.tokens.numel())]
+        out: list[TokenLogprob | None] = [None] * len(reqs)
+        if self.lp_rows:
+            num = len(self.lp_rows)
+            n = self.top_vals.shape[1] if self.top_vals is not None else 0
+            chosen = list(islice(values, num))
+            vals = list(islice(values, num * n))
+            ids = [int(v) for v in islice(values, num * n)]
+            for j, i in enumerate(self.lp_rows):
+                k = reqs[i].params.logprobs
+                top = tuple(zip(ids[j * n : j * n + k], vals[j * n : j * n + k], strict=True)) if k else ()
+                out[i] = TokenLogprob(tokens[i], chosen[j], top)
+        return tokens, out
+
+
+def _checked_mask(mask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """A constraint's mask as given, if it is bool [vocab] (else the constraint fails, as a mask it raised)."""
+    if mask.dtype != torch.bool or tuple(mask.shape) != (vocab,):
+        raise ValueError(f"a token mask must be bool [{vocab}], got {mask.dtype} {list(mask.shape)}")
+    return mask
+
+
+def _apply_masks(logits: torch.Tensor, masked: list[tuple[int, torch.Tensor]]) -> None:
+    """Set what each row's mask forbids to -inf (masks [V] bool; host masks go to the device in one copy)."""
+    dev = logits.device
+    moved = [(i, m) for i, m in masked if m.device == dev]
+    host = [(i, m) for i, m in masked if m.device != dev]
+    if host:
+        stacked = to_device(torch.stack([m.cpu() for _, m in host]), dev)  # [R, V]
+        moved += [(i, stacked[j]) for j, (i, _) in enumerate(host)]
+    for i, m in moved:
+        logits[i].masked_fill_(~m, NEG_INF)
 
 
 def apply_top_k_top_p_min_p(
@@ -67,12 +119,15 @@ class Sampler:
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.device = device
+        self.transfer = HostTransfer()
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:  # logits [B, V] float32
-        logits = logits.clone()
+        """One token per row. Writes into `logits` (no copy: the engine passes rows it does not read again) and makes
+        one device-to-host copy in all (`HostTransfer`): ids, chosen logprobs and top-N together."""
         self._apply_bias_and_bans(logits, reqs)
         candidates: list[torch.Tensor | None] = []
         failed: list[int] = []
+        masked: list[tuple[int, torch.Tensor]] = []
         for i, r in enumerate(reqs):
             c = r.constraint
             ids = None
@@ -83,88 +138,93 @@ class Sampler:
                     if ids is None:
                         allowed = c.allowed(r.output_token_ids)
                         if allowed is not None:
-                            logits[i].masked_fill_(~allowed.to(logits.device), NEG_INF)
+                            masked.append((i, _checked_mask(allowed, logits.shape[1])))
                 except Exception:
                     log.exception("token constraint of %s failed", r.request_id)
                     failed.append(i)
                     ids = None
             candidates.append(ids)
-        tokens: list[int] = [0] * len(reqs)
-        logprobs: list[TokenLogprob | None] = [None] * len(reqs)
+        _apply_masks(logits, masked)
         full = [i for i, c in enumerate(candidates) if c is None and i not in failed]
         compact = [i for i, c in enumerate(candidates) if c is not None]
+        groups: list[tuple[list[int], _Drawn]] = []
         for rows, cands in ((full, None), (compact, [candidates[i] for i in compact])):
             if rows:
-                toks, lps = self._sample_group(logits[rows], [reqs[i] for i in rows], cands)
-                for j, i in enumerate(rows):
-                    tokens[i], logprobs[i] = toks[j], lps[j]
+                groups.append((rows, self._sample_group(take_rows(logits, rows), [reqs[i] for i in rows], cands)))
+        values = iter(self.transfer([t for _, g in groups for t in g.parts()]))
+        tokens: list[int] = [0] * len(reqs)
+        logprobs: list[TokenLogprob | None] = [None] * len(reqs)
+        for rows, g in groups:
+            toks, lps = g.unpack(values, [reqs[i] for i in rows])
+            for j, i in enumerate(rows):
+                tokens[i], logprobs[i] = toks[j], lps[j]
         return SamplerOutput(tokens, logprobs, failed)
 
     def distributions(self, logits: torch.Tensor, reqs: list) -> torch.Tensor:
         """The next-token distributions [B, V] plain sampling would draw from, without drawing: the same processing
         (bias and bans, the constraint's mask, penalties; for sampled rows temperature and top-k / top-p / min-p).
         Greedy rows get the softmax of their processed logits: their token is its argmax. Speculative verification
-        uses this; a constraint that raises propagates (the caller fails that request)."""
-        logits = logits.clone()
+        uses this; a constraint that raises propagates (the caller fails that request). Writes into `logits`."""
         self._apply_bias_and_bans(logits, reqs)
+        masked = []
         for i, r in enumerate(reqs):
             allowed = r.constraint.allowed(r.output_token_ids) if r.constraint is not None else None
             if allowed is not None:
-                logits[i].masked_fill_(~allowed.to(logits.device), NEG_INF)
+                masked.append((i, _checked_mask(allowed, logits.shape[1])))
+        _apply_masks(logits, masked)
         self._apply_penalties(logits, reqs, None)
         sampled = [i for i, r in enumerate(reqs) if not r.params.is_greedy]
         if sampled:
             dev = logits.device
-            sub = logits[sampled] / torch.tensor([reqs[i].params.temperature for i in sampled], device=dev)[:, None]
+            temp = to_device([reqs[i].params.temperature for i in sampled], dev)[:, None]
             rows = [reqs[i] for i in sampled]
-            logits[sampled] = apply_top_k_top_p_min_p(sub, *_filters(rows, dev))
+            filtered = apply_top_k_top_p_min_p(take_rows(logits, sampled) / temp, *_filters(rows, dev))
+            logits.index_copy_(0, to_device(sampled, dev, torch.long), filtered)
         return logits.softmax(dim=-1)
 
-    def _sample_group(
-        self, logits: torch.Tensor, reqs: list[Request], cands: list[torch.Tensor] | None
-    ) -> tuple[list[int], list[TokenLogprob | None]]:
+    def _sample_group(self, logits: torch.Tensor, reqs: list[Request], cands: list[torch.Tensor] | None) -> _Drawn:
+        """Draw one token per row of a group (all rows on the full vocabulary, or all compacted to candidates);
+        returns the draws on the device, read back by the caller's one transfer."""
         dev = logits.device
         cand = None
         sizes = [logits.shape[1]] * len(reqs)
         if cands is not None:  # compact each row to its candidate ids, padded with -inf
             sizes = [len(c) for c in cands]
             width = max(sizes)
-            cand = torch.stack([torch.cat([c, c[-1:].expand(width - len(c))]) for c in cands]).to(dev)  # [R, K]
+            cand = to_device(torch.stack([torch.cat([c, c[-1:].expand(width - len(c))]) for c in cands]), dev)  # [R,K]
             logits = logits.gather(1, cand)
             if min(sizes) < width:
-                logits.masked_fill_(
-                    torch.arange(width, device=dev)[None, :] >= torch.tensor(sizes, device=dev)[:, None], NEG_INF
-                )
+                logits.masked_fill_(torch.arange(width, device=dev)[None, :] >= to_device(sizes, dev)[:, None], NEG_INF)
         self._apply_penalties(logits, reqs, cand)
 
         lp_rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
-        logprobs_all = logits[lp_rows].log_softmax(dim=-1) if lp_rows else None
-        picked = torch.empty(len(reqs), dtype=torch.long, device=dev)  # column in this group's logits
+        logprobs_all = take_rows(logits, lp_rows).log_softmax(dim=-1) if lp_rows else None
         greedy = [i for i, r in enumerate(reqs) if r.params.is_greedy]
         sampled = [i for i, r in enumerate(reqs) if not r.params.is_greedy]
-        if greedy:
-            picked[greedy] = logits[greedy].argmax(dim=-1)
-        if sampled:
-            picked[sampled] = self._sample(logits[sampled], [reqs[i] for i in sampled], [sizes[i] for i in sampled])
-        token_t = picked if cand is None else cand.gather(1, picked.unsqueeze(1)).squeeze(1)
-        token_list = token_t.tolist()
-
-        out_lp: list[TokenLogprob | None] = [None] * len(reqs)
+        if not sampled:  # column in this group's logits
+            picked = logits.argmax(dim=-1)
+        elif not greedy:
+            picked = self._sample(logits, reqs, sizes)
+        else:
+            picked = torch.empty(len(reqs), dtype=torch.long, device=dev)
+            g, s = to_device(greedy, dev, torch.long), to_device(sampled, dev, torch.long)
+            picked.index_copy_(0, g, logits.index_select(0, g).argmax(dim=-1))
+            sub = self._sample(logits.index_select(0, s), [reqs[i] for i in sampled], [sizes[i] for i in sampled])
+            picked.index_copy_(0, s, sub)
+        drawn = _Drawn(picked if cand is None else cand.gather(1, picked.unsqueeze(1)).squeeze(1), lp_rows)
         if lp_rows:
+            assert logprobs_all is not None
             top_n = max(reqs[i].params.logprobs for i in lp_rows)
-            chosen = logprobs_all.gather(1, picked[lp_rows].unsqueeze(1)).squeeze(1).tolist()
+            lp_picked = take_rows(picked, lp_rows)
+            drawn.chosen = logprobs_all.gather(1, lp_picked.unsqueeze(1)).squeeze(1)  # [L]
             if top_n:
-                top_vals, top_cols = logprobs_all.topk(min(top_n, logprobs_all.shape[1]), dim=-1)
-                top_ids = top_cols if cand is None else cand[lp_rows].gather(1, top_cols)
-                top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-            for j, i in enumerate(lp_rows):
-                n = reqs[i].params.logprobs
-                top = tuple(zip(top_ids[j][:n], top_vals[j][:n], strict=True)) if n else ()
-                out_lp[i] = TokenLogprob(token_list[i], chosen[j], top)
-        return token_list, out_lp
+                drawn.top_vals, top_cols = logprobs_all.topk(min(top_n, logprobs_all.shape[1]), dim=-1)  # [L, n]
+                drawn.top_ids = top_cols if cand is None else take_rows(cand, lp_rows).gather(1, top_cols)
+        return drawn
 
     def _apply_bias_and_bans(self, logits: torch.Tensor, reqs: list[Request]) -> None:
         bias_rows, bias_cols, bias_vals = [], [], []
+        ban_rows, ban_cols = [], []
         for i, r in enumerate(reqs):
             p = r.params
             if p.logit_bias:
@@ -175,11 +235,15 @@ class Sampler:
             if r.num_output_tokens < p.min_tokens and not getattr(r.constraint, "must_end", False):
                 # a finished grammar admits only EOS: it wins over min_tokens (engine/structured.py)
                 banned = list(p.stop_token_ids or ()) + ([] if p.ignore_eos else list(r.eos_token_ids))
-                if banned:
-                    logits[i, banned] = NEG_INF
+                ban_rows += [i] * len(banned)
+                ban_cols += banned
+        dev = logits.device
+        if ban_rows:  # bans first, then bias: a banned token stays -inf whatever its bias
+            idx = (to_device(ban_rows, dev, torch.long), to_device(ban_cols, dev, torch.long))
+            logits.index_put_(idx, torch.tensor(NEG_INF, device=dev))
         if bias_rows:
-            idx = (torch.tensor(bias_rows, device=logits.device), torch.tensor(bias_cols, device=logits.device))
-            logits.index_put_(idx, torch.tensor(bias_vals, device=logits.device), accumulate=True)
+            idx = (to_device(bias_rows, dev, torch.long), to_device(bias_cols, dev, torch.long))
+            logits.index_put_(idx, to_device(bias_vals, dev), accumulate=True)
 
     def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request], cand: torch.Tensor | None) -> None:
         rows = [
@@ -194,31 +258,38 @@ class Sampler:
         def counts_of(id_lists: list[list[int]]) -> torch.Tensor:
             if cand is None:
                 return _counts(id_lists, len(rows), vocab, dev)  # [R, V]
-            return _counts_among(id_lists, cand[rows])  # [R, K]
+            return _counts_among(id_lists, take_rows(cand, rows))  # [R, K]
 
-        sub = logits[rows]
+        # Which penalties apply is read from the host values: `(t != 0).any()` on a device tensor waits for the GPU.
+        params = [reqs[i].params for i in rows]
+        sub = take_rows(logits, rows)
         counts = counts_of([reqs[i].output_token_ids for i in rows])
-        rep = torch.tensor([reqs[i].params.repetition_penalty for i in rows], device=dev).unsqueeze(1)
-        if (rep != 1.0).any():
+        if any(p.repetition_penalty != 1.0 for p in params):
+            rep = to_device([p.repetition_penalty for p in params], dev).unsqueeze(1)
             seen = (counts_of([reqs[i].prompt_token_ids for i in rows]) > 0) | (counts > 0)
             penalised = torch.where(sub > 0, sub / rep, sub * rep)
             sub = torch.where(seen, penalised, sub)
-        freq = torch.tensor([reqs[i].params.frequency_penalty for i in rows], device=dev).unsqueeze(1)
-        pres = torch.tensor([reqs[i].params.presence_penalty for i in rows], device=dev).unsqueeze(1)
-        if (freq != 0).any() or (pres != 0).any():
+        if any(p.frequency_penalty != 0 or p.presence_penalty != 0 for p in params):
+            freq = to_device([p.frequency_penalty for p in params], dev).unsqueeze(1)
+            pres = to_device([p.presence_penalty for p in params], dev).unsqueeze(1)
             sub = sub - freq * counts - pres * (counts > 0).float()
-        logits[rows] = sub
+        if sub is not logits:
+            logits.index_copy_(0, to_device(rows, dev, torch.long), sub)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request], sizes: list[int]) -> torch.Tensor:
         dev = logits.device
-        temp = torch.tensor([r.params.temperature for r in reqs], device=dev).unsqueeze(1)
+        temp = to_device([r.params.temperature for r in reqs], dev).unsqueeze(1)
         logits = logits / temp
         logits = apply_top_k_top_p_min_p(logits, *_filters(reqs, dev))
         probs = logits.softmax(dim=-1)
-        noise = torch.ones_like(probs)
         unseeded = [j for j, r in enumerate(reqs) if r.generator is None]
-        if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=dev).exponential_()
+        if len(unseeded) == len(reqs):
+            noise = torch.empty(len(unseeded), probs.shape[1], device=dev).exponential_()
+        else:
+            noise = torch.ones_like(probs)
+            if unseeded:
+                draws = torch.empty(len(unseeded), probs.shape[1], device=dev).exponential_()
+                noise.index_copy_(0, to_device(unseeded, dev, torch.long), draws)
         for j, r in enumerate(reqs):
             if r.generator is not None:  # exactly this row's own number of draws, whatever shares the batch
                 noise[j, : sizes[j]].exponential_(generator=r.generator)
@@ -229,11 +300,11 @@ def _filters(reqs: list, dev: torch.device) -> tuple[torch.Tensor | None, torch.
     """Per-row top-k, top-p and min-p tensors, each None when no row uses that filter."""
     top_k = top_p = min_p = None
     if any(r.params.top_k > 0 for r in reqs):
-        top_k = torch.tensor([r.params.top_k for r in reqs], device=dev)
+        top_k = to_device([r.params.top_k for r in reqs], dev)
     if any(r.params.top_p < 1.0 for r in reqs):
-        top_p = torch.tensor([r.params.top_p for r in reqs], device=dev)
+        top_p = to_device([r.params.top_p for r in reqs], dev)
     if any(r.params.min_p > 0.0 for r in reqs):
-        min_p = torch.tensor([r.params.min_p for r in reqs], device=dev)
+        min_p = to_device([r.params.min_p for r in reqs], dev)
     return top_k, top_p, min_p
 
 
@@ -246,7 +317,7 @@ def _counts(id_lists: list[list[int]], rows: int, vocab: int, device: torch.devi
         for i, ids in enumerate(id_lists):
             if ids:
                 padded[i, : len(ids)] = torch.tensor(ids)
-        padded = padded.to(device)
+        padded = to_device(padded, device)
         counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
     return counts[:, :vocab]
 
@@ -254,10 +325,13 @@ def _counts(id_lists: list[list[int]], rows: int, vocab: int, device: torch.devi
 def _counts_among(id_lists: list[list[int]], cand: torch.Tensor) -> torch.Tensor:
     """[rows, K] counts of each row's candidate ids (cand [rows, K], ascending per row) in that row's id list."""
     counts = torch.zeros(cand.shape, device=cand.device)
-    for i, ids in enumerate(id_lists):
-        if ids:
-            ids_t = torch.tensor(ids, device=cand.device)
-            pos = torch.searchsorted(cand[i], ids_t).clamp(max=cand.shape[1] - 1)
-            hit = cand[i, pos] == ids_t
-            counts[i].scatter_add_(0, pos[hit], torch.ones(int(hit.sum()), device=cand.device))
+    longest = max((len(x) for x in id_lists), default=0)
+    if longest:  # all rows at once, and no host sync (a miss adds 0.0 where `int(hit.sum())` waited for the GPU)
+        padded = torch.full((len(id_lists), longest), -1, dtype=torch.long)  # -1: never a candidate
+        for i, ids in enumerate(id_lists):
+            if ids:
+                padded[i, : len(ids)] = torch.tensor(ids)
+        ids_t = to_device(padded, cand.device)  # [rows, L]
+        pos = torch.searchsorted(cand, ids_t).clamp(max=cand.shape[1] - 1)  # [rows, L]
+        counts.scatter_add_(1, pos, (cand.gather(1, pos) == ids_t).to(counts.dtype))
     return counts
