@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from omnivox.models.decoder import DecoderModel
-from omnivox.models.tensor_parallel import check_divisible, load_shard
+from omnivox.models.tensor_parallel import check_world, load_shard
 from omnivox.models.tensor_parallel_worker import (
     CONTROL_TIMEOUT,
     Caches,
@@ -145,22 +145,6 @@ class TensorParallelModel(nn.Module):
 
 
 # ---- starting ------------------------------------------------------------------------------------------------------
-def check_world(path: str | Path, world: int, device: torch.device, max_model_len: int | None = None) -> None:
-    """ValueError, with the reason in one line, when `world` ranks cannot serve the checkpoint on `device`."""
-    from omnivox.models.checkpoint import load_hf_config
-    from omnivox.models.config import ModelConfig
-
-    if world < 1:
-        raise ValueError(f"--tensor-parallel must be at least 1, got {world}")
-    check_divisible(ModelConfig.from_hf(load_hf_config(path), max_model_len), world)
-    if device.type == "cuda":
-        have = torch.cuda.device_count() - (device.index or 0)
-        if world > have:
-            raise ValueError(f"--tensor-parallel {world} needs {world} GPUs from {device}; {max(have, 0)} available")
-    elif device.type != "cpu":
-        raise ValueError(f"tensor parallelism runs on CUDA (NCCL) or the CPU (gloo), not {device.type}")
-
-
 def start_tensor_parallel(
     path: str | Path,
     world: int,

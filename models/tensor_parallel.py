@@ -18,6 +18,7 @@ the whole model. The engine side (rank 0 schedules, the other ranks run each ste
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -39,6 +40,21 @@ def check_divisible(cfg: ModelConfig, world: int) -> None:
     ):
         if n % world:
             raise ValueError(f"--tensor-parallel {world} does not divide the model's {what} ({n})")
+
+
+def check_world(path: str | os.PathLike, world: int, device: torch.device, max_model_len: int | None = None) -> None:
+    """ValueError, with the reason in one line, when `world` ranks cannot serve the checkpoint on `device`."""
+    from omnivox.models.checkpoint import load_hf_config
+
+    if world < 1:
+        raise ValueError(f"--tensor-parallel must be at least 1, got {world}")
+    check_divisible(ModelConfig.from_hf(load_hf_config(path), max_model_len), world)
+    if device.type == "cuda":
+        have = torch.cuda.device_count() - (device.index or 0)
+        if world > have:
+            raise ValueError(f"--tensor-parallel {world} needs {world} GPUs from {device}; {max(have, 0)} available")
+    elif device.type != "cpu":
+        raise ValueError(f"tensor parallelism runs on CUDA (NCCL) or the CPU (gloo), not {device.type}")
 
 
 def local_kv_heads(cfg: ModelConfig, world: int) -> int:

@@ -307,6 +307,7 @@ def load_manifest(manifest: BundleManifest, options: EngineOptions) -> ModelBund
         quantize_lm_head=options.quantize_lm_head,
         speculative=options.speculative,
         num_speculative_tokens=options.num_speculative_tokens,
+        tensor_parallel=options.tensor_parallel,
     )
     audio: AudioInputPart | None = None
     vision: ImageInputPart | None = None

@@ -55,6 +55,9 @@ class EngineOptions:
     quantize_lm_head: bool | None = None  # None: as the checkpoint carries it
     speculative: str | None = None  # "ngram" or "draft:PATH" (engine/speculative.py, engine/draft.py); None = off
     num_speculative_tokens: int = 4
+    # Processes the decoder is split over (engine/tensor_parallel.py): heads and MLP per rank, one all-reduce per
+    # attention and per MLP block. 1 = one process. One tensor-parallel model per server process.
+    tensor_parallel: int = 1
 
 
 def model_name_for(path: Path) -> str:

@@ -16,7 +16,8 @@ import torch
 from checkpoints import make_checkpoint
 
 from omnivox.engine import Engine, SamplingParams
-from omnivox.engine.tensor_parallel import TensorParallelModel, check_world
+from omnivox.engine.tensor_parallel import TensorParallelModel
+from omnivox.models.tensor_parallel import check_world
 
 PROMPTS = [
     [1, 17, 42, 99, 7],

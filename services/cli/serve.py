@@ -246,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
             check_model_path(path)
     except ModelLoadError as err:
         raise CliError(str(err)) from None
+    check_tensor_parallel(args)
     from omnivox.codecs.streaming import StreamingOptions
     from omnivox.services import server
     from omnivox.services.auth import Quota
@@ -266,7 +267,6 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--max-connection-age must be positive")
     if args.threads is not None and args.threads < 1:
         raise CliError("--threads must be at least 1")
-    check_tensor_parallel(args)
     import torch
 
     torch.set_num_threads(args.threads or max(1, ((os.cpu_count() or 2) - 1) // args.tensor_parallel))
@@ -320,10 +320,9 @@ def check_tensor_parallel(args: argparse.Namespace) -> None:
         raise CliError("--tensor-parallel serves exactly one --model (one process group per server)")
     import torch
 
-    from omnivox.engine.loading import default_device
-    from omnivox.engine.tensor_parallel import check_world
+    from omnivox.models.tensor_parallel import check_world  # not the engine package: a refusal in a blink
 
-    device = torch.device(args.device) if args.device else default_device()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
         check_world(args.models[0].expanduser(), n, device, args.max_model_len)
     except ValueError as err:
