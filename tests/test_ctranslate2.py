@@ -155,3 +155,23 @@ def test_convert_folder_loads_in_transformers_and_ours(tiny, tmp_path):
     seq = _Seq(prompt[0].tolist(), [0, 1], kv)
     _step(ours, caches, [], [(seq, 4)])
     torch.testing.assert_close(seq.logits[3], ref, atol=1e-4, rtol=0)
+
+
+def test_cached_conversion_builds_once(tiny, tmp_path):
+    from omnivox.models.ctranslate2 import cached_ct2_whisper_folder, is_ct2_whisper_folder
+
+    hf, state = tiny
+    src = tmp_path / "ct2"
+    src.mkdir()
+    ct2, aliases = hf_whisper_to_ct2(state, hf.config)
+    write_ct2(src / "model.bin", WHISPER_SPEC, ct2, aliases)
+    (src / "tokenizer.json").write_text(json.dumps(_tokenizer_json()))  # no config.json: empty lists
+    assert is_ct2_whisper_folder(src) and not is_ct2_whisper_folder(tmp_path)
+    dst = cached_ct2_whisper_folder(src, cache_dir=tmp_path / "cache")
+    assert not is_ct2_whisper_folder(dst) and (dst / "model.safetensors").is_file()
+    stamp = (dst / "model.safetensors").stat().st_mtime_ns
+    assert cached_ct2_whisper_folder(src, cache_dir=tmp_path / "cache") == dst
+    assert (dst / "model.safetensors").stat().st_mtime_ns == stamp  # found, not rebuilt
+    assert json.loads((dst / "generation_config.json").read_text())["lang_to_id"] == {}
+    with pytest.raises(ValueError, match="not a CTranslate2 Whisper"):
+        cached_ct2_whisper_folder(dst, cache_dir=tmp_path / "cache")
