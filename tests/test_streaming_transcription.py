@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
@@ -18,6 +19,7 @@ from omnivox.codecs.audio_input import AudioInputError, decode_audio, resample
 from omnivox.codecs.audio_stream_input import StreamingAudioDecoder, StreamingResampler
 from omnivox.services.errors import status_details
 from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.streaming_transcription import _stability
 from omnivox.v1 import content_pb2, transcription_pb2, transcription_pb2_grpc
 
 
@@ -155,15 +157,30 @@ def test_finals_equal_transcribe_of_their_spans_with_events(served, language):
 
 def test_interim_results_and_finalize(served):
     samples = np.concatenate([quiet(0.5), chirp(4.0, amp=0.2), quiet(1.0, 2)]).astype(np.float32)
-    # Paced at ~2x real time so interim passes run while audio arrives; finalize 2 s into the speech.
-    stream = requests(samples, pace_s=0.05, interim_results=True, language="en", finalize_at=2.5)
-    responses = list(served["stub"].StreamingTranscribe(stream, timeout=120))
-    results = [r.result for r in responses if r.HasField("result")]
+    cut = round(2.5 * RATE)
+    got_interim = threading.Event()
+
+    def stream():
+        """2 s of the chirp, then (once an interim came) finalize, then the rest: the chirp goes on as utterance 1."""
+        first = requests(samples[:cut], interim_results=True, language="en")
+        yield from first
+        got_interim.wait(60)
+        yield transcription_pb2.StreamingTranscribeRequest(finalize=True)
+        rest = requests(samples[cut:])
+        next(rest)  # its config
+        yield from rest
+
+    results = []
+    for r in served["stub"].StreamingTranscribe(stream(), timeout=120):
+        if r.HasField("result"):
+            results.append(r.result)
+            got_interim.set()
     interims = [r for r in results if not r.is_final]
     finals = [r for r in results if r.is_final]
-    assert interims, "no interim result"
+    assert interims and interims[0].utterance_index == 0
+    assert interims[0].stability == 0.0  # nothing before it to agree with
     assert [f.utterance_index for f in finals] == [0, 1]  # finalize closed utterance 0; the chirp went on as 1
-    assert abs(seconds(finals[0].end_offset) - 2.5) <= 0.15
+    assert seconds(finals[0].end_offset) == 2.5  # all the audio received at finalize
     for r in interims:
         assert 0.0 <= r.stability <= 1.0
         assert r.text == transcribe_span(served, samples, r, "en")  # an interim is Transcribe of its span too
@@ -175,10 +192,31 @@ def test_interim_results_and_finalize(served):
     baseline(served)
 
 
+def test_stability_is_the_shared_prefix():
+    assert _stability(["a", "b", "c", "d"], ["a", "b", "x"]) == 0.5
+    assert _stability(["a", "b"], ["a", "b", "c"]) == 1.0
+    assert _stability(["a"], []) == 0.0 and _stability([], ["a"]) == 1.0
+
+
 def test_cancel_mid_stream_frees_kv_and_cross_state(served):
     samples = np.concatenate([quiet(0.5), chirp(8.0, amp=0.2)]).astype(np.float32)
-    call = served["stub"].StreamingTranscribe(requests(samples, pace_s=0.05, interim_results=True), timeout=120)
+    call = served["stub"].StreamingTranscribe(
+        requests(samples, pace_s=0.05, interim_results=True, language="en"), timeout=120
+    )
     engine = served["server"].engine("whisper")
+    added: list[str] = []
+    aborted: list[str] = []
+    real_add, real_abort = engine.add_request, engine.abort
+
+    def add_spy(*args, **kwargs) -> str:
+        added.append(real_add(*args, **kwargs))
+        return added[-1]
+
+    def abort_spy(rid: str) -> None:
+        aborted.append(rid)
+        real_abort(rid)
+
+    engine.add_request, engine.abort = add_spy, abort_spy
     for response in call:
         if response.HasField("speech_event"):
             break
@@ -187,7 +225,12 @@ def test_cancel_mid_stream_frees_kv_and_cross_state(served):
         time.sleep(0.01)  # an interim pass is on the engine
     assert engine.kv_usage().free_blocks < engine.kv_usage().total_blocks
     call.cancel()
-    baseline(served)
+    try:
+        baseline(served)
+        assert added[-1] in aborted, "the pass running at the cancel was not aborted"
+        engine.check_integrity()
+    finally:
+        del engine.add_request, engine.abort
 
 
 def _violations(err: grpc.RpcError) -> list[str]:
