@@ -85,6 +85,10 @@ def _build() -> ctypes.CDLL | None:
         deq = getattr(lib, f"{name}_dequantize_f32")
         deq.restype = None
         deq.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
+    layers = lib.decoder_layers_f32
+    layers.restype = None
+    layers.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 4
+    layers.argtypes += [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3
     return lib
 
 
@@ -178,3 +182,37 @@ def block_dequantize(kind: str, blocks: torch.Tensor, n: int, k: int) -> torch.T
     fn = _lib.q4_dequantize_f32 if kind == "q4" else _lib.q8_dequantize_f32
     fn(blocks.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads())
     return out
+
+
+def decoder_layers(
+    table: ctypes.Array,  # fused_layer entries (models/fused_decode.py), one per layer
+    num_layers: int,
+    x: torch.Tensor,  # [M, H] float32, contiguous: the residual stream, updated in place
+    cos: torch.Tensor,  # [M, D] float32
+    sin: torch.Tensor,  # [M, D]
+    slots: torch.Tensor,  # [M] int64 KV slot of each row
+    tables: torch.Tensor,  # [M, max_blocks] int64
+    lens: torch.Tensor,  # [M] int64 context length of each row (its own token included)
+    intermediate_size: int,
+    block_size: int,
+) -> None:
+    """Every decoder layer of one decode step in one call (decoder_layers_f32 in cpu_kernels.c)."""
+    assert _lib is not None, "call kernel_available() first"
+    m, h = x.shape
+    _lib.decoder_layers_f32(
+        ctypes.addressof(table),
+        num_layers,
+        x.data_ptr(),
+        m,
+        h,
+        cos.shape[1],
+        intermediate_size,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        slots.data_ptr(),
+        tables.data_ptr(),
+        lens.data_ptr(),
+        block_size,
+        tables.shape[1],
+        torch.get_num_threads(),
+    )

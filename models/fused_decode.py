@@ -1,0 +1,192 @@
+"""Decode steps of the Llama-family decoder layers in one C call on CPU (`decoder_layers_f32` in cpu_kernels.c).
+
+Why: at native precision a batch-1 SmolLM2-135M step was ~17 ms, of which the quantised matmuls took ~8 ms and the
+rest was ~100 small torch ops per layer (norms, RoPE, slicing, KV writes, SiLU, residual adds: 2-10 us each) and four
+ctypes calls per layer. One call per step does the same arithmetic with the same kernels and none of that overhead.
+
+It serves decode-only steps (every row a decode token, no prefill chunk, no FlexAttention mask) on CPU in float32
+without autograd, for models whose layers are exactly models/decoder.py's (subclasses such as tensor-parallel
+layers take the torch path), and only while the rows fit the layers' kernels: quantised block layers below
+`quant.LARGE_BATCH` rows (from there a layer is dequantised for GEMM), float32 layers at one row (the GEMV kernel).
+The torch path stays the reference: tests/test_fused_decode.py checks both agree.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+
+from omnivox.models import cpu_kernels, quant
+from omnivox.models.attention import AttentionMetadata
+from omnivox.models.layers import Linear, PackedLinear, RMSNorm
+
+_FLOAT, _Q8, _Q4 = 0, 1, 2
+
+
+class _FusedLinear(ctypes.Structure):
+    _fields_ = [
+        ("w", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("kind", ctypes.c_int64),
+        ("n", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+    ]
+
+
+class _FusedLayer(ctypes.Structure):
+    _fields_ = [
+        ("qkv", _FusedLinear),
+        ("o", _FusedLinear),
+        ("gate_up", _FusedLinear),
+        ("down", _FusedLinear),
+        ("in_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p),
+        ("k_cache", ctypes.c_void_p),
+        ("v_cache", ctypes.c_void_p),
+        ("num_heads", ctypes.c_int64),
+        ("num_kv_heads", ctypes.c_int64),
+        ("scale", ctypes.c_float),
+        ("eps", ctypes.c_float),
+    ]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _linear(module: nn.Module) -> tuple[_FusedLinear, bool] | None:
+    """(the C description, whether it is a quantised block layer) or None when the layer has no fused kernel."""
+    if type(module) in (quant.Int8Linear, quant.Int4Linear):
+        if module.padded_in != module.in_features or module.blocks.device.type != "cpu":
+            return None
+        kind = _Q8 if module.kind == "q8" else _Q4
+        return _FusedLinear(
+            module.blocks.data_ptr(), _ptr(module.bias), kind, module.out_features, module.in_features
+        ), True
+    if type(module) in (Linear, PackedLinear):
+        w = module.weight
+        if w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous():
+            return None
+        bias = module.bias
+        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+            return None
+        return _FusedLinear(w.data_ptr(), _ptr(bias), _FLOAT, w.shape[0], w.shape[1]), False
+    return None
+
+
+def _norm(module: nn.Module | None) -> bool:
+    return module is None or (type(module) is RMSNorm and module.weight.dtype == torch.float32)
+
+
+class FusedDecode:
+    """The C description of a model's layers, with the modules it was built from (to notice when they change)."""
+
+    def __init__(self, layers: nn.ModuleList) -> None:
+        self.modules = self._modules_of(layers)
+        self.tensors = [t for m in layers for t in m.parameters()] + [t for m in layers for t in m.buffers()]
+        self.pointers = self._pointers()
+        self.table = (_FusedLayer * len(layers))()
+        self.quantised = False
+        self.has_float = False
+        self.ok = True
+        self.cache_ptrs: tuple[int, ...] = ()
+        for i, layer in enumerate(layers):
+            if not self._describe(layer, self.table[i]):
+                self.ok = False
+                return
+
+    @staticmethod
+    def _modules_of(layers: nn.ModuleList) -> tuple[nn.Module, ...]:
+        out: list[nn.Module] = []
+        for layer in layers:
+            a, m = layer.self_attn, layer.mlp
+            out += [layer, a, m, a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj]
+        return tuple(out)
+
+    def _pointers(self) -> tuple[int, ...]:
+        return tuple(t.data_ptr() for t in self.tensors)
+
+    def _describe(self, layer: nn.Module, entry: _FusedLayer) -> bool:
+        from omnivox.models.decoder import MLP, Attention, DecoderLayer  # decoder.py imports this module
+
+        if type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention or type(layer.mlp) is not MLP:
+            return False
+        attn, mlp = layer.self_attn, layer.mlp
+        norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
+        if not all(_norm(n) for n in norms) or layer.input_layernorm is None:
+            return False
+        parts = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        if any(p is None for p in parts):
+            return False
+        entry.qkv, entry.o, entry.gate_up, entry.down = (p[0] for p in parts)
+        self.quantised |= any(p[1] for p in parts)
+        self.has_float |= not all(p[1] for p in parts)
+        entry.in_norm = layer.input_layernorm.weight.data_ptr()
+        entry.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+        entry.q_norm = None if attn.q_norm is None else attn.q_norm.weight.data_ptr()
+        entry.k_norm = None if attn.k_norm is None else attn.k_norm.weight.data_ptr()
+        entry.num_heads, entry.num_kv_heads = attn.num_heads, attn.num_kv_heads
+        entry.scale, entry.eps = attn.scale, layer.input_layernorm.eps
+        return True
+
+    def current(self, layers: nn.ModuleList) -> bool:
+        """Whether the layers are still the modules and tensors this table points at (quantize_decoder and sharding
+        replace modules; `model.to(...)` swaps a parameter's storage under the same module)."""
+        if len(self.modules) != 7 * len(layers) or self.modules != self._modules_of(layers):
+            return False
+        return self.pointers == self._pointers()
+
+    def applies(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
+        rows = x.shape[0]
+        return (
+            self.ok
+            and meta.num_decode == rows > 0
+            and not meta.prefills
+            and meta.decode_block_mask is None
+            and meta.decode_block_tables is not None
+            and meta.decode_lens is not None
+            and meta.slot_mapping.dtype == meta.decode_block_tables.dtype == meta.decode_lens.dtype == torch.int64
+            and x.dtype == torch.float32
+            and x.device.type == "cpu"
+            and (rows == 1 or not self.has_float)
+            and rows < quant.LARGE_BATCH
+            and not torch.is_grad_enabled()
+            and cpu_kernels.kernel_available()
+        )
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # [M, H] embeddings of the M decode tokens
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [M, 1, D]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer [slots, KVH, D] float32
+        meta: AttentionMetadata,
+        intermediate_size: int,
+    ) -> torch.Tensor:  # [M, H] the residual stream after the last layer (before the final norm)
+        ptrs = tuple(t.data_ptr() for kv in kv_caches for t in kv)
+        if ptrs != self.cache_ptrs:
+            for i, (k, v) in enumerate(kv_caches):
+                if k.dtype != torch.float32 or not (k.is_contiguous() and v.is_contiguous()):
+                    raise ValueError("fused decode needs contiguous float32 KV caches")
+                self.table[i].k_cache, self.table[i].v_cache = k.data_ptr(), v.data_ptr()
+            self.cache_ptrs = ptrs
+        x = x.contiguous().clone()
+        cos, sin = rope[0].reshape(x.shape[0], -1).contiguous(), rope[1].reshape(x.shape[0], -1).contiguous()
+        slots, tables, lens = meta.slot_mapping.contiguous(), meta.decode_block_tables.contiguous(), meta.decode_lens
+        lens = lens.contiguous()
+        cpu_kernels.decoder_layers(
+            self.table, len(kv_caches), x, cos, sin, slots, tables, lens, intermediate_size, meta.block_size
+        )
+        return x
+
+
+def fused_decode_for(model: nn.Module) -> FusedDecode | None:
+    """The model's FusedDecode (built on first use, rebuilt when its layers were replaced), or None if it has none."""
+    fused = getattr(model, "_fused_decode", None)
+    if fused is None or not fused.current(model.layers):
+        fused = FusedDecode(model.layers)
+        model._fused_decode = fused  # a plain attribute: not a module, not in the state dict
+    return fused if fused.ok else None
