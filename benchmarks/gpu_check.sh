@@ -2,7 +2,8 @@
 # The GPU checks of issue 18, in the issue's order, as one bounded run (~8 minutes) on a machine with a GPU:
 #   1. a tiny Llama with Llama 3 rope loaded on CUDA, checked against the CPU engine (benchmarks/gpu_smoke.py);
 #   2. the service and speech tests with OMNIVOX_TEST_DEVICE=cuda;
-#   3. decoder parity, the static-decode twin and the in-place (flex) decode attention on CUDA in float32;
+#   3. decoder parity, the static-decode twin, the in-place (flex) decode attention and the codec's CUDA graphs
+#      (tests/test_codec_graphs.py: graph replay == eager, bucket passes == dynamic decode) on CUDA in float32;
 #   4. bash benchmarks/gpu.sh (with what is left of the budget), then the server log searched for failed steps.
 # Every stage appends its line to summary.txt as it ends, so a run cut short keeps what it saw.
 #
@@ -72,7 +73,7 @@ fi
 if wanted 3; then
   OMNIVOX_TEST_DEVICE=cuda stage "3 parity+twin+flex fp32 (cuda)" 130 "$OUT/tests-cuda.log" \
     "${PYTEST[@]}" tests/test_static_decode.py tests/test_decoder_parity.py tests/test_paged_flex.py \
-    tests/test_engine.py tests/test_meta_build.py
+    tests/test_engine.py tests/test_meta_build.py tests/test_codec_graphs.py
 fi
 if wanted 4; then
   budget=$(( $(left) - 15 ))

@@ -73,6 +73,13 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return (x >> 16) ^ x
 
 
+def _hash32_int(x: int) -> int:
+    """`_hash32` on one Python int: the same bits, no tensor, no device sync (usable inside a CUDA graph capture)."""
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
+    return (x >> 16) ^ x
+
+
 class PositionalNoise:
     """Standard normal noise that is a pure function of (seed, layer, absolute time step) (Box-Muller on a hash)."""
 
@@ -82,7 +89,7 @@ class PositionalNoise:
     def __call__(
         self, layer: int, start_steps: torch.Tensor, num_steps: int, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
-        salt = int(_hash32(torch.tensor([(self.seed * 131 + layer * 7919 + 12345) & _MASK32])).item())
+        salt = _hash32_int((self.seed * 131 + layer * 7919 + 12345) & _MASK32)  # no .item(): graph-capturable
         steps = start_steps.to(device=device, dtype=torch.int64)[:, None] + torch.arange(num_steps, device=device)
         key = (steps * 2) & _MASK32  # (B x T)
         u1 = _hash32(key ^ salt)
@@ -268,8 +275,15 @@ class SnacDecoder:
         if start_frames is None:
             start_frames = torch.zeros(batch, dtype=torch.int64)
         codes = [c.to(device=self.device, dtype=torch.int64) for c in codes]
+        start_latent = start_frames.to(self.device, torch.int64) * self.shape.latent_steps_per_frame
+        return self.decode_unchecked(codes, start_latent)
+
+    @torch.inference_mode()
+    def decode_unchecked(self, codes: Sequence[torch.Tensor], start_latent: torch.Tensor) -> torch.Tensor:
+        """`decode` without its checks and host syncs (codecs/codec_graphs.py captures it in CUDA graphs): codes
+        already valid and on the device, `start_latent` (B,) int64 on the device, in latent steps."""
         with self._lock:
-            self._call_start_latent = start_frames.to(self.device, torch.int64) * self.shape.latent_steps_per_frame
+            self._call_start_latent = start_latent
             z_q = self.model.quantizer.from_codes(codes)  # (B x D x T_latent)
             audio = self.model.decoder(z_q)  # (B x 1 x samples)
         return audio[:, 0, :].float()

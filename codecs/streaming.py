@@ -33,11 +33,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from omnivox.codecs.snac import SnacDecoder
+
+if TYPE_CHECKING:
+    from omnivox.codecs.codec_graphs import StaticCodec
 
 
 @dataclass(frozen=True)
@@ -309,8 +313,10 @@ class BatchedStreamDecoder:
         codec: SnacDecoder,
         frame_levels: Sequence[Sequence[int]],
         options: StreamingOptions | None = None,
+        static: StaticCodec | None = None,
     ) -> None:
         self.codec = codec
+        self.static = static  # fixed-shape passes (CUDA graphs on a GPU), built by the caller; None: dynamic only
         self.frame_levels = tuple(tuple(int(p) for p in level) for level in frame_levels)
         self.codes_per_frame = sum(len(level) for level in self.frame_levels)
         if self.codes_per_frame != codec.shape.codes_per_frame:
@@ -339,6 +345,8 @@ class BatchedStreamDecoder:
         if not windows:
             return []
         target = max(w.num_frames for w in windows)
+        if self.static is not None and (bucket := self.static.frame_bucket(target)) is not None:
+            target = bucket  # padded to a fixed shape where that is safe, as to the longest window
         jobs: list[tuple[torch.Tensor, int]] = []
         offsets: list[int] = []  # frames of left extension per window
         for w in windows:
@@ -352,9 +360,42 @@ class BatchedStreamDecoder:
                 frames = torch.cat([frames, frames[-1:].expand(need, -1)])
             jobs.append((frames, start))
             offsets.append(left)
-        audio = self.codec.decode_windows(jobs, self.frame_levels)
+        audio = (
+            self._decode_jobs(jobs) if self.static is not None else self.codec.decode_windows(jobs, self.frame_levels)
+        )
+        if self.codec.device.type != "cpu" and self.static is None:
+            audio = [a.cpu() for a in audio]  # here, in the worker's thread, not on the event loop
         f = self.codec.frame_samples
         return [a[left * f : (left + w.num_frames) * f] for a, w, left in zip(audio, windows, offsets, strict=True)]
+
+    def _decode_jobs(self, jobs: Sequence[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
+        """The static codec's passes: jobs grouped by length, each group in batches of at most the largest batch
+        bucket, through a bucket where one fits and the dynamic decode otherwise; all on the codec's stream, the audio
+        copied to the host before returning."""
+        static = self.static
+        assert static is not None
+        out: list[torch.Tensor | None] = [None] * len(jobs)
+        by_length: dict[int, list[int]] = {}
+        for i, (frames, _) in enumerate(jobs):
+            by_length.setdefault(int(frames.shape[0]), []).append(i)
+        step = static.batch_buckets[-1]
+        with static.stream_context():
+            for length, idx in by_length.items():
+                if length == 0:
+                    for i in idx:
+                        out[i] = torch.zeros(0)
+                    continue
+                for lo in range(0, len(idx), step):
+                    part = idx[lo : lo + step]
+                    frames = torch.stack([jobs[i][0] for i in part]).to(self.codec.device)  # (B x T x 7)
+                    starts = torch.tensor([jobs[i][1] for i in part], dtype=torch.int64).to(self.codec.device)
+                    if static.has_bucket(len(part), length):
+                        audio = static.decode(frames, starts)
+                    else:
+                        audio = self.codec.decode_frames(frames, self.frame_levels, starts)
+                    for row, i in zip(static.to_host(list(audio)), part, strict=True):
+                        out[i] = row
+        return out  # type: ignore[return-value]
 
     def decode_ready(self, streams: Iterable[StreamDecoderState]) -> dict[StreamDecoderState, list[np.ndarray]]:
         """Plan, decode (batched across streams) and apply every ready window; chunks per stream, in order."""

@@ -221,7 +221,15 @@ def load_speech_part(
     codec = SnacDecoder.from_folder(folder / layout.codec_folder, device=device)
     if codec.sample_rate != layout.sample_rate:
         raise ValueError(f"the codec runs at {codec.sample_rate} Hz, the layout says {layout.sample_rate} Hz")
-    decoder = BatchedStreamDecoder(codec, layout.frame_levels, options)
+    static = None
+    if codec.device.type == "cuda":  # fixed-shape passes as CUDA graphs, on the codec's own stream, built here at load
+        from omnivox.codecs.codec_graphs import StaticCodec, frame_buckets_for
+        from omnivox.codecs.streaming import StreamingOptions
+
+        window = (options or StreamingOptions()).window_frames()
+        static = StaticCodec(codec, layout.frame_levels, frame_buckets_for(window))
+        static.build_all()
+    decoder = BatchedStreamDecoder(codec, layout.frame_levels, options, static=static)
     constraint = SpeechTokenConstraint(layout, vocab_size, device=device)
     # Options given (serve --speech-first-hop): every stream starts with them; else sized from the measured rates.
     worker = DecodeWorker(decoder, sized_start=options is None)
