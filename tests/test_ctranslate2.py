@@ -18,6 +18,7 @@ from omnivox.models.ctranslate2 import (
     ct2_whisper_to_hf,
     hf_whisper_to_ct2,
     read_ct2,
+    resolve_aliases,
     write_ct2,
 )
 
@@ -79,8 +80,8 @@ def test_mapping_refuses_what_whisper_is_not(tiny):
     with pytest.raises(ValueError, match="no bias"):
         ct2_whisper_to_hf({**ct2, "encoder/layer_0/self_attention/linear_0/bias": bias})
     w = "decoder/layer_0/ffn/linear_0/weight"
-    with pytest.raises(ValueError, match="quantised"):
-        ct2_whisper_to_hf({**ct2, w: ct2[w].to(torch.int8), w + "_scale": torch.ones(128)})
+    with pytest.raises(ValueError, match="without"):
+        ct2_whisper_to_hf({**ct2, w: ct2[w].to(torch.int8)})
     with pytest.raises(ValueError, match="no place"):
         ct2_whisper_to_hf({**ct2, "decoder/layer_0/extra/weight": torch.zeros(2)})
 
@@ -175,3 +176,29 @@ def test_cached_conversion_builds_once(tiny, tmp_path):
     assert json.loads((dst / "generation_config.json").read_text())["lang_to_id"] == {}
     with pytest.raises(ValueError, match="not a CTranslate2 Whisper"):
         cached_ct2_whisper_folder(dst, cache_dir=tmp_path / "cache")
+
+
+def test_int8_model_is_dequantised(tiny, tmp_path):
+    """CTranslate2's int8 recipe (q = rint(w * 127 / max|row|), float32 scale per row) applied by the test to every
+    linear, conv and embedding weight; the tied projection aliases the embedding and its scale, as CTranslate2
+    saves it. Read back, every weight is within half a quantisation step of the original."""
+    hf, state = tiny
+    ct2, aliases = hf_whisper_to_ct2(state, hf.config)
+    quantised = {}
+    for name, t in ct2.items():
+        if name.endswith("/weight") and "layer_norm" not in name:
+            scale = 127.0 / t.abs().amax(dim=1).clamp_min(1e-12)  # [out] or, for a conv, [out, k]
+            quantised[name] = torch.round(t * scale.unsqueeze(1)).to(torch.int8)
+            quantised[name + "_scale"] = scale
+        else:
+            quantised[name] = t.half() if t.is_floating_point() else t  # int8_float16: the rest in float16
+    aliases["decoder/projection/weight_scale"] = "decoder/embeddings/weight_scale"
+    write_ct2(tmp_path / "model.bin", WHISPER_SPEC, quantised, aliases)
+    _, back, back_aliases = read_ct2(tmp_path / "model.bin")
+    hf_back = ct2_whisper_to_hf(resolve_aliases(back, back_aliases))
+    assert sorted(hf_back) == sorted(state)
+    for name, t in state.items():
+        err = (hf_back[name] - t).abs().max()
+        bound = 0.5 * t.abs().max() / 127 + 1e-3 * t.abs().max()  # half a step (float16 for the unquantised)
+        assert hf_back[name].dtype == torch.float32 and err <= bound, (name, float(err), float(bound))
+    assert (hf_back["model.decoder.layers.0.fc1.weight"] - state["model.decoder.layers.0.fc1.weight"]).abs().max() > 0
