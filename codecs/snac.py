@@ -284,9 +284,21 @@ class SnacDecoder:
         already valid and on the device, `start_latent` (B,) int64 on the device, in latent steps."""
         with self._lock:
             self._call_start_latent = start_latent
-            z_q = self.model.quantizer.from_codes(codes)  # (B x D x T_latent)
+            z_q = self._codes_to_latent(codes)  # (B x D x T_latent)
             audio = self.model.decoder(z_q)  # (B x 1 x samples)
         return audio[:, 0, :].float()
+
+    def _codes_to_latent(self, codes: Sequence[torch.Tensor]) -> torch.Tensor:
+        """snac's `quantizer.from_codes` with each level's `repeat_interleave` written as expand + reshape: the same
+        values, and no output-size computation that could read the device (capturable in a CUDA graph)."""
+        z_q: torch.Tensor | None = None
+        for c, quant in zip(codes, self.model.quantizer.quantizers, strict=True):
+            z = quant.out_proj(quant.decode_code(c))  # (B x D x T_level)
+            if quant.stride > 1:
+                z = z.unsqueeze(-1).expand(*z.shape, quant.stride).reshape(z.shape[0], z.shape[1], -1)
+            z_q = z if z_q is None else z_q + z
+        assert z_q is not None
+        return z_q
 
     def decode_frames(
         self,
