@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 import time
 
 import grpc
 import numpy as np
 import pytest
-from audio_checkpoints import chirp, noise, tone
+from audio_checkpoints import chirp, encode, noise, tone
 from checkpoints import make_checkpoint
 from google.rpc import error_details_pb2
 from service_harness import ServerThread
@@ -269,3 +272,25 @@ def test_bad_streams_are_refused_and_the_server_keeps_serving(served):
     [only] = list(stub.StreamingTranscribe(requests(quiet(1.0)), timeout=60))
     assert only.summary.utterances == 0 and only.summary.text == ""
     baseline(served)
+
+
+def test_cli_stream_prints_a_line_per_utterance(served, tmp_path):
+    samples = two_utterances()
+    wav = tmp_path / "two.wav"
+    wav.write_bytes(encode(float_to_int16(samples), RATE, "WAV"))
+    api = list(served["stub"].StreamingTranscribe(requests(samples, language="en"), timeout=120))
+    want = "".join(r.result.text + "\n" for r in api if r.HasField("result") and r.result.text)
+    cli = [sys.executable, "-m", "omnivox.services.cli", "transcribe", "--stream", "--model", "whisper",
+           "--language", "en", "--server", served["server"].address]  # fmt: skip
+    file = subprocess.run([*cli, str(wav), "--pace", "0"], capture_output=True, text=True, timeout=120)
+    assert file.returncode == 0, file.stderr
+    assert file.stdout == want and "2 utterance(s)" in file.stderr
+    piped = subprocess.run([*cli, "-", "-q"], input=wav.read_bytes(), capture_output=True, timeout=120)
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout.decode() == want and piped.stderr == b""
+    lines = subprocess.run([*cli, str(wav), "--pace", "0", "--format", "json", "-q"], capture_output=True,
+                           text=True, timeout=120).stdout.splitlines()  # fmt: skip
+    kinds = [next(iter(json.loads(line))) for line in lines]
+    assert kinds.count("speechEvent") == 4 and kinds[-1] == "summary"
+    bad = subprocess.run([*cli, "-"], input="not a wav", capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "--sample-rate" in bad.stderr and "Traceback" not in bad.stderr

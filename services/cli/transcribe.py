@@ -25,6 +25,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="", help="model (default: the first served model that takes audio)")
     p.add_argument("--sample-rate", type=int, default=0, help="sample rate of headerless audio (.raw/.pcm/.ulaw)")
     p.add_argument("--quiet", "-q", action="store_true", help="no summary line on stderr")
+    p.add_argument(
+        "--stream", action="store_true", help="live: StreamingTranscribe, a line per utterance (Whisper models)"
+    )
+    p.add_argument("--interim", action="store_true", help="--stream: show interim text on stderr (a terminal)")
+    p.add_argument("--pace", type=float, default=1.0, help="--stream of a file: times real time (0: flat out)")
     add_connection_args(p)
     p.set_defaults(run=run)
 
@@ -71,6 +76,10 @@ def summary_line(summary) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.stream:
+        from omnivox.services.cli.transcribe_stream import run_stream
+
+        return run_stream(args)
     import grpc
 
     from omnivox.services.cli.ask import audio_part

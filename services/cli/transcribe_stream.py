@@ -1,0 +1,172 @@
+"""`omnivox transcribe --stream`: live transcription through TranscriptionService/StreamingTranscribe.
+
+    omnivox transcribe --stream talk.wav                  # sent in 100 ms chunks at real-time pace (--pace 0: flat out)
+    arecord -f S16_LE -r 16000 -c 1 | omnivox transcribe --stream - --sample-rate 16000
+    sox talk.flac -t wav - | omnivox transcribe --stream -  # a WAV stream on stdin: its header gives the rate
+
+A file is decoded here (WAV, FLAC, Ogg, MP3 through soundfile; `.raw`/`.pcm` LINEAR16 and `.ulaw`/`.mulaw` MULAW
+with --sample-rate), mixed to mono and sent at its own rate (the server resamples). stdin is read as it comes: a
+16-bit PCM WAV stream, or headerless LINEAR16 with --sample-rate. Output: each utterance's final text on its own
+line (interim text redrawn on stderr when it is a terminal and --interim is on); `--format json` writes every
+response as one JSON line (events, interim and final results, the summary); srt / vtt cue each final.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import struct
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from omnivox.services.cli._common import CliError, connect, rpc_error_line
+
+CHUNK_S = 0.1
+
+
+def _wav_header(stream) -> tuple[int, int]:
+    """Read a RIFF/WAV header off `stream` up to its data; (rate, channels). 16-bit PCM only."""
+    head = stream.read(12)
+    if head[:4] != b"RIFF" or head[8:12] != b"WAVE":
+        raise CliError("stdin is not a WAV stream: pipe headerless LINEAR16 with --sample-rate instead")
+    rate = channels = 0
+    while True:
+        chunk = stream.read(8)
+        if len(chunk) < 8:
+            raise CliError("the WAV stream on stdin ended before its data")
+        kind, size = chunk[:4], struct.unpack("<I", chunk[4:])[0]
+        if kind == b"data":
+            break
+        body = stream.read(size + size % 2)
+        if kind == b"fmt ":
+            fmt, channels, rate = struct.unpack("<HHI", body[:8])
+            bits = struct.unpack("<H", body[14:16])[0]
+            if fmt not in (1, 0xFFFE) or bits != 16:
+                raise CliError(f"the WAV stream holds {bits}-bit audio (format {fmt}); 16-bit PCM only")
+    if not rate:
+        raise CliError("the WAV stream on stdin has no fmt chunk before its data")
+    return rate, channels
+
+
+def _mono(data: bytes, channels: int) -> bytes:
+    import numpy as np
+
+    if channels <= 1:
+        return data
+    pcm = np.frombuffer(data[: len(data) // (2 * channels) * 2 * channels], "<i2").reshape(-1, channels)
+    return pcm.mean(axis=1).round().astype("<i2").tobytes()
+
+
+def audio_source(path: Path, sample_rate: int) -> tuple[str, int, Iterator[bytes], bool]:
+    """(encoding name, rate, chunks of ~CHUNK_S, whether to pace them): the file decoded, or stdin as it arrives."""
+    from omnivox.services.cli.ask import RAW_AUDIO, read_file
+
+    if str(path) == "-":
+        stdin = sys.stdin.buffer
+        channels = 1
+        if not sample_rate:
+            sample_rate, channels = _wav_header(stdin)
+        size = 2 * channels * round(CHUNK_S * sample_rate)
+        return "LINEAR16", sample_rate, iter(lambda: _mono(stdin.read(size), channels), b""), False
+    raw = RAW_AUDIO.get(path.suffix.lower())
+    data = read_file(path)
+    if raw:
+        if not sample_rate:
+            raise CliError(f"{path} is headerless {raw} audio: give its rate with --sample-rate")
+        encoding, rate = raw, sample_rate
+    else:
+        import soundfile
+
+        try:
+            pcm, rate = soundfile.read(io.BytesIO(data), dtype="int16", always_2d=True)
+        except (soundfile.LibsndfileError, RuntimeError, ValueError) as exc:
+            raise CliError(f"cannot decode {path}: {exc}") from None
+        data = (pcm.mean(axis=1).round() if pcm.shape[1] > 1 else pcm[:, 0]).astype("<i2").tobytes()
+        encoding = "LINEAR16"
+    size = round(CHUNK_S * rate) * (2 if encoding == "LINEAR16" else 1)
+    return encoding, rate, (data[i : i + size] for i in range(0, len(data), size)), True
+
+
+def requests(args: argparse.Namespace, encoding: str, rate: int, chunks: Iterator[bytes], pace: float):
+    from omnivox.v1 import content_pb2, transcription_pb2
+
+    config = transcription_pb2.StreamingTranscriptionConfig(
+        model=args.model,
+        encoding=content_pb2.AudioEncoding.Value(f"AUDIO_ENCODING_{encoding}"),
+        sample_rate_hertz=rate,
+        language=args.language,
+        interim_results=args.interim or args.format == "json",
+        task=getattr(args, "task", "") or "",
+        prompt=args.prompt,
+    )
+    yield transcription_pb2.StreamingTranscribeRequest(config=config)
+    start, sent = time.monotonic(), 0.0
+    for chunk in chunks:
+        if pace > 0:  # real time: chunk i leaves i * CHUNK_S / pace after the first
+            time.sleep(max(0.0, start + sent / pace - time.monotonic()))
+            sent += CHUNK_S
+        yield transcription_pb2.StreamingTranscribeRequest(audio=chunk)
+
+
+def _json(response) -> str:
+    from google.protobuf.json_format import MessageToDict
+
+    return json.dumps(MessageToDict(response), ensure_ascii=False)
+
+
+def run_stream(args: argparse.Namespace) -> int:
+    import grpc
+
+    from omnivox.services.cli.transcribe import _clock
+    from omnivox.v1 import transcription_pb2_grpc
+
+    encoding, rate, chunks, paced = audio_source(args.audio, args.sample_rate)
+    pace = args.pace if paced else 0.0
+    live = args.interim and args.format == "text" and sys.stderr.isatty()
+    out = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")  # noqa: SIM115
+    finals: list[tuple[float, float, str]] = []
+    summary = None
+    try:
+        with connect(args) as channel:
+            stub = transcription_pb2_grpc.TranscriptionServiceStub(channel)
+            try:
+                for response in stub.StreamingTranscribe(requests(args, encoding, rate, chunks, pace),
+                                                         timeout=args.timeout):  # fmt: skip
+                    if args.format == "json":
+                        out.write(_json(response) + "\n")
+                        out.flush()
+                    kind = response.WhichOneof("response")
+                    if kind == "summary":
+                        summary = response.summary
+                    elif kind == "result" and response.result.is_final:
+                        r = response.result
+                        span = (r.start_offset.ToNanoseconds() / 1e9, r.end_offset.ToNanoseconds() / 1e9)
+                        finals.append((*span, r.text))
+                        if live:
+                            sys.stderr.write("\r\033[K")
+                        if args.format == "text" and r.text:
+                            out.write(r.text + "\n")
+                            out.flush()
+                    elif kind == "result" and live:
+                        sys.stderr.write("\r\033[K" + response.result.text[-200:])
+                        sys.stderr.flush()
+            except grpc.RpcError as err:
+                raise CliError(rpc_error_line(err, args.server)) from None
+        assert summary is not None, "the stream ended without a summary"
+        cues = [(a, b, t) for a, b, t in finals if t]
+        if args.format == "srt":
+            out.write("".join(f"{i}\n{_clock(a, ',')} --> {_clock(b, ',')}\n{t}\n\n" for i, (a, b, t) in
+                              enumerate(cues, 1)))  # fmt: skip
+        elif args.format == "vtt":
+            out.write("WEBVTT\n\n" + "".join(f"{_clock(a, '.')} --> {_clock(b, '.')}\n{t}\n\n" for a, b, t in cues))
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    if not args.quiet:
+        first = summary.time_to_first_result.ToNanoseconds() / 1e9
+        print(f"[{summary.audio_seconds:.2f} s of audio · {summary.utterances} utterance(s) · real-time factor "
+              f"{summary.real_time_factor:.2f} · first result after {first:.2f} s]", file=sys.stderr)  # fmt: skip
+    return 0
