@@ -2,13 +2,12 @@
 cache, and the checks and prompt of one transcription request (services/whisper.py runs them).
 
 A CTranslate2 folder (`model.bin` + `config.json` + `tokenizer.json`, as faster-whisper uses) is converted once into
-a transformers folder in the model cache (models/ctranslate2.py), keyed by the folder's path and its model.bin's size
-and modification time, under the cache's lock (models/cache.py); the engine loads the converted folder.
+a transformers folder in the model cache (models/ctranslate2.py `cached_ct2_whisper_folder`, under the cache's lock);
+the engine loads the converted folder.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,32 +37,22 @@ TASKS = ("transcribe", "translate")
 
 
 def is_whisper_folder(folder: Path) -> bool:
-    """A transformers Whisper checkpoint (config model_type "whisper") or a CTranslate2 Whisper folder (model.bin and
-    a config.json with Whisper's alignment heads / language ids)."""
+    """A transformers Whisper checkpoint (config model_type "whisper") or a CTranslate2 Whisper folder."""
+    from omnivox.models.ctranslate2 import is_ct2_whisper_folder
+
     try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    if config.get("model_type") == "whisper":
-        return True
-    return (folder / "model.bin").is_file() and ("lang_ids" in config or "alignment_heads" in config)
+        if json.loads((folder / "config.json").read_text()).get("model_type") == "whisper":
+            return True
+    except (OSError, ValueError, AttributeError):
+        pass
+    return is_ct2_whisper_folder(folder)
 
 
 def whisper_checkpoint(source: Path) -> Path:
     """`source` itself for a transformers folder; for a CTranslate2 folder, its converted copy in the model cache."""
-    from omnivox.models.cache import build_cached, omnivox_cache_dir
-    from omnivox.models.ctranslate2 import convert_ct2_whisper_folder
+    from omnivox.models.ctranslate2 import cached_ct2_whisper_folder, is_ct2_whisper_folder
 
-    source = Path(source)
-    model_bin = source / "model.bin"
-    if not model_bin.is_file():
-        return source
-    stat = model_bin.stat()
-    tag = hashlib.sha256(f"{source.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = omnivox_cache_dir() / "models" / f"ct2-{source.name}-{tag}"
-    return build_cached(
-        target, lambda staged: convert_ct2_whisper_folder(source, staged), lambda t: (t / "config.json").is_file()
-    )
+    return cached_ct2_whisper_folder(source) if is_ct2_whisper_folder(source) else Path(source)
 
 
 class WhisperPromptBuilder:
