@@ -76,6 +76,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--gguf", help="GGUF file for the llama.cpp peers (default: --model when it is a .gguf)")
     ap.add_argument("--server-arg", action="append", default=[], help="extra argument for `omnivox serve` (repeat)")
     ap.add_argument(
+        "--quantization",
+        choices=("none", "auto", "int8", "int4"),
+        default=None,
+        help="weights of both omnivox systems (as `omnivox serve --quantization`): auto serves a GGUF at its own "
+        "bit widths; default: float",
+    )
+    ap.add_argument(
         "--threads",
         type=int,
         help="CPU threads for every system (torch intra-op, `omnivox serve --threads`, llama.cpp n_threads); default:"
@@ -144,6 +151,7 @@ def make_systems(
                     address=args.address,
                     server_args=[
                         *("--dtype", args.dtype, "--device", args.device, "--threads", str(args.threads)),
+                        *(("--quantization", args.quantization) if args.quantization else ()),
                         *args.server_arg,
                     ],
                     log_path=args.out / "omnivox-server.log",
@@ -152,7 +160,7 @@ def make_systems(
         elif name == "omnivox-engine":
             from omnivox.benchmarks.systems.omnivox_engine import OmnivoxEngineInProcess
 
-            out.append(OmnivoxEngineInProcess(model, args.dtype, args.device))
+            out.append(OmnivoxEngineInProcess(model, args.dtype, args.device, args.quantization))
         elif name == "hf":
             from omnivox.benchmarks.systems.hf_generate import HFGenerate
 
@@ -250,6 +258,7 @@ def run(args: argparse.Namespace) -> dict:
         "started": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "model": model,
         "dtype": args.dtype,
+        "quantization": args.quantization or "none",
         "machine": machine_description(args.device),
         "load_average_at_start": list(os.getloadavg()),
         "command": " ".join(sys.argv),

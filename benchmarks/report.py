@@ -42,7 +42,9 @@ def markdown_table(levels: list[dict]) -> str:
 
 def markdown_report(result: dict) -> str:
     out = [f"# Benchmark {result['started']}", ""]
-    out.append(f"Model: `{result['model']}` ({result['dtype']}); machine: {result['machine']}.")
+    quant = result.get("quantization", "none")
+    weights = result["dtype"] if quant == "none" else f"{result['dtype']} activations, weights {quant}"
+    out.append(f"Model: `{result['model']}` ({weights}); machine: {result['machine']}.")
     if result.get("commit"):
         out.append(f"omnivox commit: {result['commit']}.")
     if result.get("load_average_at_start"):

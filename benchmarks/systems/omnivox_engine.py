@@ -17,9 +17,10 @@ from omnivox.benchmarks.workload import BenchRequest
 class OmnivoxEngineInProcess:
     levels = None
 
-    def __init__(self, model: str, dtype: str, device: str = "cpu") -> None:
+    def __init__(self, model: str, dtype: str, device: str = "cpu", quantization: str | None = None) -> None:
         self.name = "omnivox engine (in-process)"
         self.model = model
+        self.quantization = quantization
         self.dtype = dtype
         self.device = device
         self.engine = None
@@ -27,7 +28,9 @@ class OmnivoxEngineInProcess:
     def start(self) -> None:
         from omnivox.engine import Engine
 
-        self.engine = Engine.from_pretrained(self.model, device=self.device, dtype=self.dtype)
+        self.engine = Engine.from_pretrained(
+            self.model, device=self.device, dtype=self.dtype, quantization=self.quantization
+        )
         warm = BenchRequest(index=-1, prompt_text="", prompt_token_ids=[1, 2, 3, 4], max_tokens=4)
         self.run([warm], 1, lambda n: None)
 
