@@ -1,6 +1,7 @@
 """The engine over 2 tensor-parallel ranks (engine/tensor_parallel.py; gloo on CPU) against the same engine in one
 process, on tiny random Llama, Qwen2 and Qwen3 checkpoints: four greedy requests of different lengths batched, with
-chunked prefill (a 24-token step budget) and one cancelled mid-batch. Every step's logits agree within 1e-5 and
+chunked prefill (a 24-token step budget), one carrying an embedding segment, one cancelled mid-batch; Qwen3 decodes
+through FlexAttention. Every step's logits agree within 1e-5 and
 every request's 32 tokens are identical; afterwards the pool is whole on rank 0 (check_integrity, every block free)
 and every rank's cache holds, at each slot, its heads of exactly what the single process holds there (the ranks'
 caches joined along the head axis equal the single cache within 1e-5). The worker process is gone after shutdown.
@@ -15,7 +16,7 @@ import pytest
 import torch
 from checkpoints import make_checkpoint
 
-from omnivox.engine import Engine, SamplingParams
+from omnivox.engine import EmbeddingSegment, Engine, SamplingParams
 from omnivox.engine.tensor_parallel import TensorParallelModel
 from omnivox.models.tensor_parallel import check_world
 
@@ -28,7 +29,7 @@ PROMPTS = [
 NEW_TOKENS = 32
 CANCEL = 2  # PROMPTS[CANCEL] is aborted ...
 CANCEL_AT_STEP = 8  # ... after this many steps
-KV_GIB = 0.002  # the single process's cache; each rank holds half the heads, so half the bytes for the same blocks
+KV_GIB = 0.0006  # the single process's cache; each rank holds half the heads, so half the bytes for the same blocks
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def run(engine: Engine) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Step the engine by hand: every request's tokens, and every step's logits [rows, vocab]."""
+    """Step the engine by hand: every request's tokens, and every step's logits [rows, vocab]. The last request
+    carries an embedding segment (as an image's would: rank 0's embeddings replace rows on every rank)."""
     step_logits: list[torch.Tensor] = []
     execute = engine.runner.execute
 
@@ -50,7 +52,9 @@ def run(engine: Engine) -> tuple[list[list[int]], list[torch.Tensor]]:
 
     engine.runner.execute = recording
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in PROMPTS]
+    embeds = torch.randn(10, engine.model_config.hidden_size, generator=torch.Generator().manual_seed(0))
+    segments = [None] * (len(PROMPTS) - 1) + [[EmbeddingSegment.from_embeds(4, embeds * 0.02)]]
+    ids = [engine.add_request(p, params, segments=s) for p, s in zip(PROMPTS, segments, strict=True)]
     tokens: dict[str, list[int]] = {i: [] for i in ids}
     steps = 0
     while engine.has_unfinished():
@@ -62,14 +66,19 @@ def run(engine: Engine) -> tuple[list[list[int]], list[torch.Tensor]]:
     return [tokens[i] for i in ids], step_logits
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_two_ranks_serve_as_one(checkpoints: dict[str, Path], family: str) -> None:
+# Qwen3 decodes through FlexAttention (eager on the CPU): its block mask travels as what rebuilds it on the worker.
+@pytest.mark.parametrize(("family", "decode_attention"), [("llama", "native"), ("qwen2", "native"), ("qwen3", "flex")])
+def test_two_ranks_serve_as_one(checkpoints: dict[str, Path], family: str, decode_attention: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the spawned rank
-    kwargs = dict(device="cpu", dtype="float32", max_num_batched_tokens=24)
+    kwargs = dict(device="cpu", dtype="float32", max_num_batched_tokens=24, max_num_seqs=len(PROMPTS))
     single = Engine.from_pretrained(checkpoints[family], kv_cache_gib=KV_GIB, **kwargs)
+    single.runner.set_decode_attention(decode_attention)
     want_tokens, want_logits = run(single)
     tp = Engine.from_pretrained(checkpoints[family], kv_cache_gib=KV_GIB / 2, tensor_parallel=2, **kwargs)
+    tp.runner.set_decode_attention(decode_attention)
     try:
+        ids = [1, 200, 383]
+        torch.testing.assert_close(tp.embed_tokens(ids), single.embed_tokens(ids), atol=0, rtol=0)
         model = tp.model
         assert isinstance(model, TensorParallelModel)
         assert tp.pool.usage().total_blocks == single.pool.usage().total_blocks
