@@ -21,6 +21,7 @@ from transformers import GenerationMixin, WhisperFeatureExtractor, WhisperForCon
 from whisper_checkpoints import make_whisper
 
 from omnivox.codecs.audio_split import split_at_quiet
+from omnivox.services.bundle import probe
 from omnivox.services.errors import status_details
 from omnivox.services.loading import EngineOptions, ModelLoadError, ModelSpec
 from omnivox.services.server import OmnivoxServer, ServerOptions
@@ -118,6 +119,12 @@ def test_tokens_equal_transformers_alone_and_batched(served):
     first, second = server.run(both())
     assert first.token_ids == alone.token_ids
     assert second.token_ids == hf_generate(served, b, prompt_for(served, "de"), 32)
+    translated = server.run(transcribe(part, b, language="de", task="translate", max_tokens=8))
+    v = part.vocab
+    assert translated.token_ids == hf_generate(served, b, [v.sot, v.languages["de"], v.translate, v.no_timestamps], 8)
+    prompted = server.run(transcribe(part, a, language="en", prompt="Omnivox", max_tokens=8))
+    context = [v.sot_prev, *part.tokenizer(" Omnivox", add_special_tokens=False).input_ids]
+    assert prompted.token_ids == hf_generate(served, a, context + prompt_for(served, "en"), 8)
 
 
 def test_language_detection_equals_transformers_and_encodes_once(served):
@@ -243,3 +250,18 @@ def test_cascade_answers_a_spoken_question_with_a_text_model(served):
         server.registry.set_asr_model("tiny-whisper")
     with pytest.raises(ModelLoadError, match="not a served Whisper model"):
         OmnivoxServer(server.registry, ServerOptions(asr_model="text"))
+
+
+def test_probe_recognises_whisper_folders(served, tmp_path):
+    from omnivox.models.ctranslate2 import WHISPER_SPEC, write_ct2
+
+    ct2 = tmp_path / "ct2"  # a CTranslate2 folder: model.bin with the Whisper spec + tokenizer.json
+    ct2.mkdir()
+    write_ct2(ct2 / "model.bin", WHISPER_SPEC, {"x": torch.zeros(1)})
+    (ct2 / "tokenizer.json").write_text("{}")
+    (ct2 / "config.json").write_text("{}")
+    for spec in (ModelSpec(path=ct2), ModelSpec(path=served["server"].registry.lookup("tiny-whisper").source)):
+        manifest = probe(spec)
+        assert manifest.whisper and manifest.input_modalities == {"audio"} and manifest.output_modalities == {"text"}
+    embedded = probe(ModelSpec(path=None, asr=True))
+    assert embedded.whisper and embedded.embedded.name == "whisper-base" and not embedded.untrained_components

@@ -20,6 +20,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--language", default="", help="BCP-47 code of the speech, e.g. en (default: detect)")
     p.add_argument("--prompt", default="", help="context: names, terms, the topic")
+    p.add_argument(
+        "--task", choices=("transcribe", "translate"), default="transcribe", help="translate: into English (Whisper)"
+    )
     p.add_argument("--format", choices=FORMATS, default="text", help="output format (default: text)")
     p.add_argument("-o", "--output", default="-", help="output file, or - for stdout (default: -)")
     p.add_argument("--model", default="", help="model (default: the first served model that takes audio)")
@@ -91,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
         language=args.language,
         prompt=args.prompt,
         timestamps=args.format != "text",
+        task=args.task,
     )
     out = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")  # noqa: SIM115
     summary = None
