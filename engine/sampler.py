@@ -240,7 +240,7 @@ class Sampler:
         dev = logits.device
         if ban_rows:  # bans first, then bias: a banned token stays -inf whatever its bias
             idx = (to_device(ban_rows, dev, torch.long), to_device(ban_cols, dev, torch.long))
-            logits.index_put_(idx, torch.tensor(NEG_INF, device=dev))
+            logits.index_put_(idx, torch.full((), NEG_INF, device=dev))  # a fill kernel: no host copy
         if bias_rows:
             idx = (to_device(bias_rows, dev, torch.long), to_device(bias_cols, dev, torch.long))
             logits.index_put_(idx, to_device(bias_vals, dev), accumulate=True)

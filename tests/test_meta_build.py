@@ -85,3 +85,52 @@ def test_dynamic_rope_is_refused() -> None:
     hf.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
     with pytest.raises(ValueError, match="dynamic"):
         build_model(ModelConfig.from_hf(hf, None), torch.device("meta"), torch.float32)
+
+
+def test_mrope_decoder_builds_on_meta() -> None:
+    """Qwen2.5-VL's decoder (M-RoPE sections in its rope parameters) builds as the text families do."""
+    import transformers
+
+    text = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+    )
+    hf = transformers.Qwen2_5_VLConfig(
+        vision_config=dict(depth=1, hidden_size=32, out_hidden_size=64), text_config=text
+    )
+    cfg = ModelConfig.from_hf(hf, None)
+    model = build_model(cfg, torch.device("meta"), torch.bfloat16)
+    assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"meta"}
+
+
+def test_whisper_builds_on_meta() -> None:
+    """The encoder-decoder family (models/audio/whisper.py), built by the engine's loader under the default device
+    the serve path sets: every tensor on that device, none made on the CPU on the side."""
+    from transformers import WhisperConfig
+
+    from omnivox.models.audio.whisper import build_whisper
+
+    hf = WhisperConfig(
+        vocab_size=256,
+        num_mel_bins=16,
+        d_model=64,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        max_source_positions=1500,
+        max_target_positions=448,
+    )
+    with torch.device("meta"):
+        model = build_whisper(hf, torch.device("meta"), torch.bfloat16)
+    assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"meta"}
+    assert {t.dtype for t in model.parameters()} == {torch.bfloat16}
+    assert model.config.num_layers == 2 and model.num_frames == 3000
