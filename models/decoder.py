@@ -14,7 +14,7 @@ from torch import nn
 
 from omnivox.models.attention import AttentionMetadata, paged_attention, write_kv
 from omnivox.models.config import ModelConfig
-from omnivox.models.fused_decode import fused_decode_for
+from omnivox.models.fused_decode import MAX_ROWS, fused_decode_for
 from omnivox.models.layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, linear
 
 
@@ -108,8 +108,8 @@ class DecoderModel(nn.Module):
         if embed_rows is not None and embed_rows.numel():
             x = x.index_copy(0, embed_rows, embed_values.to(x.dtype))
         rope = self.rotary.tables(positions, x.dtype)
-        fused = fused_decode_for(self) if x.device.type == "cpu" and meta.num_decode == x.shape[0] else None
-        if fused is not None and fused.applies(x, meta):  # CPU decode step: all layers in one C call
+        fused = fused_decode_for(self) if x.device.type == "cpu" and x.shape[0] <= MAX_ROWS else None
+        if fused is not None and fused.applies(x, meta):  # a small CPU step: all layers in one C call
             return self.norm(fused(x, rope, kv_caches, meta, self.config.intermediate_size))
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rope, kv, meta)

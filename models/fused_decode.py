@@ -4,8 +4,8 @@ Why: at native precision a batch-1 SmolLM2-135M step was ~17 ms, of which the qu
 rest was ~100 small torch ops per layer (norms, RoPE, slicing, KV writes, SiLU, residual adds: 2-10 us each) and four
 ctypes calls per layer. One call per step does the same arithmetic with the same kernels and none of that overhead.
 
-It serves decode-only steps (every row a decode token, no prefill chunk, no FlexAttention mask) on CPU in float32
-without autograd, for models whose layers are exactly models/decoder.py's (subclasses such as tensor-parallel
+It serves steps of fewer than `quant.LARGE_BATCH` rows (decode rows, and small prefill chunks such as speculative
+verify rows, each row attending up to its own token; no FlexAttention mask) on CPU in float32 without autograd, for models whose layers are exactly models/decoder.py's (subclasses such as tensor-parallel
 layers take the torch path), and only while the rows fit the layers' kernels: quantised block layers below
 `quant.LARGE_BATCH` rows (from there a layer is dequantised for GEMM), float32 layers at one row (the GEMV kernel).
 The torch path stays the reference: tests/test_fused_decode.py checks both agree.
@@ -23,6 +23,7 @@ from omnivox.models.attention import AttentionMetadata
 from omnivox.models.layers import Linear, PackedLinear, RMSNorm
 
 _FLOAT, _Q8, _Q4 = 0, 1, 2
+MAX_ROWS = quant.LARGE_BATCH - 1  # from LARGE_BATCH rows block layers dequantise for float GEMM
 
 
 class _FusedLinear(ctypes.Structure):
@@ -144,16 +145,14 @@ class FusedDecode:
         rows = x.shape[0]
         return (
             self.ok
-            and meta.num_decode == rows > 0
-            and not meta.prefills
+            and rows > 0
+            and _rows_in_order(meta, rows)
             and meta.decode_block_mask is None
-            and meta.decode_block_tables is not None
-            and meta.decode_lens is not None
-            and meta.slot_mapping.dtype == meta.decode_block_tables.dtype == meta.decode_lens.dtype == torch.int64
+            and meta.slot_mapping.dtype == torch.int64
             and x.dtype == torch.float32
             and x.device.type == "cpu"
             and (rows == 1 or not self.has_float)
-            and rows < quant.LARGE_BATCH
+            and rows <= MAX_ROWS
             and not torch.is_grad_enabled()
             and cpu_kernels.kernel_available()
         )
@@ -175,12 +174,39 @@ class FusedDecode:
             self.cache_ptrs = ptrs
         x = x.contiguous().clone()
         cos, sin = rope[0].reshape(x.shape[0], -1).contiguous(), rope[1].reshape(x.shape[0], -1).contiguous()
-        slots, tables, lens = meta.slot_mapping.contiguous(), meta.decode_block_tables.contiguous(), meta.decode_lens
-        lens = lens.contiguous()
+        slots = meta.slot_mapping.contiguous()
+        tables, lens = _row_tables(meta)
         cpu_kernels.decoder_layers(
             self.table, len(kv_caches), x, cos, sin, slots, tables, lens, intermediate_size, meta.block_size
         )
         return x
+
+
+def _rows_in_order(meta: AttentionMetadata, rows: int) -> bool:
+    """Decode rows first, then prefill chunks back to back, covering every row (as the runner lays a step out)."""
+    if meta.num_decode and (meta.decode_block_tables is None or meta.decode_lens is None):
+        return False
+    row = meta.num_decode
+    for chunk in meta.prefills:
+        if chunk.query_start != row:
+            return False
+        row += chunk.num_tokens
+    return row == rows
+
+
+def _row_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block table [M, W] int64 and context length [M] of every row. A prefill chunk's row j (small chunks only:
+    speculative verify rows, short prompts) attends like a decode row whose context ends at its own token, which is
+    the chunk's causal mask; every row's K/V is written before any row attends, as in the torch path."""
+    if not meta.prefills:
+        return meta.decode_block_tables.contiguous(), meta.decode_lens.contiguous()
+    tables: list[torch.Tensor] = list(meta.decode_block_tables) if meta.num_decode else []
+    lens = [meta.decode_lens] if meta.num_decode else []
+    for chunk in meta.prefills:
+        tables += [chunk.block_table] * chunk.num_tokens
+        lens.append(torch.arange(chunk.context_len - chunk.num_tokens + 1, chunk.context_len + 1))
+    table = torch.nn.utils.rnn.pad_sequence([t.long() for t in tables], batch_first=True)
+    return table, torch.cat(lens).long()
 
 
 def fused_decode_for(model: nn.Module) -> FusedDecode | None:

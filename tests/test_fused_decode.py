@@ -56,18 +56,23 @@ class Batch:
         return pos, meta
 
 
-def _step(model, batch: Batch, rows: list[int], tokens: list[int], fused: bool, monkeypatch) -> torch.Tensor:
+def _forward(model, fused: bool, monkeypatch, *args) -> torch.Tensor:
+    """model(*args) through the fused path or the torch layers, checking which one ran."""
     calls = []
     real = cpu_kernels.decoder_layers
     monkeypatch.setattr(cpu_kernels, "decoder_layers", lambda *a: calls.append(1) or real(*a))
     if not fused:
         monkeypatch.setattr(fused_decode.FusedDecode, "applies", lambda self, x, meta: False)
-    pos, meta = batch.decode_meta(rows)
     with torch.inference_mode():
-        hidden = model(torch.tensor(tokens), pos, batch.kv, meta)
+        hidden = model(*args)
     monkeypatch.undo()
     assert bool(calls) == fused, "the fused path did not run" if fused else "the fused path ran"
     return hidden
+
+
+def _step(model, batch: Batch, rows: list[int], tokens: list[int], fused: bool, monkeypatch) -> torch.Tensor:
+    pos, meta = batch.decode_meta(rows)
+    return _forward(model, fused, monkeypatch, torch.tensor(tokens), pos, batch.kv, meta)
 
 
 @pytest.mark.parametrize(
@@ -116,3 +121,35 @@ def test_fused_table_follows_replaced_layers(checkpoint, monkeypatch):
     pos, meta = Batch(model, PROMPTS).decode_meta([0])
     with torch.enable_grad():
         assert not fused_decode.fused_decode_for(model).applies(torch.zeros(1, 64), meta)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_fused_step_with_a_verify_chunk_equals_torch_layers(checkpoint, mode, monkeypatch):
+    """Decode rows plus a prefill chunk on a cached context (speculative verify rows: 1 + 4 tokens), as the runner
+    lays them out: the chunk's rows attend causally through the decode kernel, equal to the torch path's SDPA."""
+    require_kernels()
+    model = load_decoder(checkpoint, quantization=mode).eval()
+    results = []
+    for fused in (True, False):
+        batch = Batch(model, PROMPTS)
+        _, decode = batch.decode_meta([0, 1])
+        start = batch.lens[2]
+        chunk_slots = batch._slots(2, range(start, start + 5))
+        table = batch.tables[2][: -(-(start + 5) // BLOCK)]
+        meta = AttentionMetadata(
+            BLOCK,
+            torch.cat([decode.slot_mapping, chunk_slots]),
+            2,
+            decode.decode_block_tables,
+            None,
+            decode.decode_lens,
+            [PrefillChunk(2, 5, start + 5, table)],
+        )
+        positions = torch.cat([decode.decode_lens - 1, torch.arange(start, start + 5)])
+        ids = torch.tensor([40, 41, 50, 51, 52, 53, 54])
+        hidden = _forward(model, fused, monkeypatch, ids, positions, batch.kv, meta)
+        results.append((hidden, [k[chunk_slots] for k, _ in batch.kv]))
+    (h1, k1), (h0, k0) = results
+    assert float((h1 - h0).norm() / h0.norm()) < 5e-4
+    for a, b in zip(k1, k0, strict=True):
+        assert float((a - b).norm() / b.norm()) < 5e-4
