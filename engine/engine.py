@@ -328,6 +328,7 @@ class Engine:
                     return
             try:
                 self.step()
+                getattr(self.model, "raise_if_broken", lambda: None)()  # a tensor-parallel rank lost: stop too
             except Exception as exc:  # crash-only: after a step that raised, no state here can be trusted
                 log.exception("engine step failed: every request fails and the engine stops")
                 self._fail_all(exc)

@@ -22,6 +22,7 @@ the `if __name__ == "__main__":` guard (the `omnivox` command has it).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -79,13 +80,37 @@ class TensorParallelModel(nn.Module):
         self._lock = threading.Lock()
         self._cache_key: tuple | None = None
         self._closed = False
+        self._broken: Exception | None = None  # what broke the group (a collective failed, a worker died)
 
     @property
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self._workers]
 
-    def forward(self, input_ids, positions, kv_caches, meta, *args, **kwargs) -> torch.Tensor:
+    def raise_if_broken(self) -> None:
+        """Raise when a collective failed or a worker is gone: the group cannot run another step, and the engine's
+        own handling (fail the step's requests, serve the rest) would fail every later request too. The engine
+        loop calls this after each step and stops (crash-only), so the server goes NOT_SERVING and exits."""
+        if self._broken is None:
+            dead = [p for p in self._workers if not p.is_alive()]
+            if dead and not self._closed:
+                self._broken = RuntimeError(f"tensor-parallel worker {dead[0].name} exited ({dead[0].exitcode})")
+        if self._broken is not None:
+            raise RuntimeError(f"tensor-parallel group broken: {self._broken}") from self._broken
+
+    @contextlib.contextmanager
+    def _step(self):
+        """One message and the collectives it starts, atomic; a failure marks the group broken."""
         with self._lock:
+            if self._broken is not None:
+                raise RuntimeError(f"tensor-parallel group broken: {self._broken}")
+            try:
+                yield
+            except Exception as exc:
+                self._broken = exc
+                raise
+
+    def forward(self, input_ids, positions, kv_caches, meta, *args, **kwargs) -> torch.Tensor:
+        with self._step():
             k0 = kv_caches[0][0]
             key = (k0.data_ptr(), tuple(k0.shape), k0.dtype, len(kv_caches))
             if key != self._cache_key:  # a new cache (the runner's, after a profiling run's): the workers follow
@@ -96,14 +121,14 @@ class TensorParallelModel(nn.Module):
             return self.shard(input_ids, positions, kv_caches, meta, *args, **kwargs)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, vocab] float32
-        with self._lock:
+        with self._step():
             hidden = hidden.contiguous()
             send(Logits(hidden.shape[0]), self._control)
             dist.broadcast(hidden, src=0)
             return self.shard.compute_logits(hidden)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
-        with self._lock:
+        with self._step():
             send(Embed(ids.cpu()), self._control)
             return self.shard.embed_tokens(ids)
 
@@ -111,7 +136,7 @@ class TensorParallelModel(nn.Module):
         """Every rank's cache joined along the head axis, on the CPU: [slots, all kv heads, head_dim] per layer and
         K/V — what one process would hold (tests compare it; it copies the whole cache)."""
         out = []
-        with self._lock:
+        with self._step():
             send(GatherKV(), self._control)
             for layer in kv_caches:
                 joined = []
@@ -129,10 +154,11 @@ class TensorParallelModel(nn.Module):
                 return
             self._closed = True
             try:
-                send(Stop(), self._control)
+                if self._broken is None:
+                    send(Stop(), self._control)
             except Exception:  # a worker already gone: the others are stopped below all the same
                 log.exception("tensor-parallel stop message failed")
-            deadline = time.monotonic() + timeout
+            deadline = time.monotonic() + (timeout if self._broken is None else 1.0)  # broken: none will hear
             for p in self._workers:
                 p.join(max(0.0, deadline - time.monotonic()))
             for p in self._workers:

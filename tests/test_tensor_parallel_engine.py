@@ -1,15 +1,18 @@
 """The engine over 2 tensor-parallel ranks (engine/tensor_parallel.py; gloo on CPU) against the same engine in one
 process, on tiny random Llama, Qwen2 and Qwen3 checkpoints: four greedy requests of different lengths batched, with
 chunked prefill (a 24-token step budget), one carrying an embedding segment, one cancelled mid-batch; Qwen3 decodes
-through FlexAttention. Every step's logits agree within 1e-5 and
-every request's 32 tokens are identical; afterwards the pool is whole on rank 0 (check_integrity, every block free)
-and every rank's cache holds, at each slot, its heads of exactly what the single process holds there (the ranks'
-caches joined along the head axis equal the single cache within 1e-5). The worker process is gone after shutdown.
+through FlexAttention. Every step's logits agree within 1e-5 and every request's 32 tokens are identical; afterwards
+the pool is whole on rank 0 (check_integrity, every block free) and every rank's cache holds, at each slot, its heads
+of exactly what the single process holds there (the ranks' caches joined along the head axis equal the single cache
+within 1e-5). The worker process is gone after shutdown; a worker killed while serving stops the engine (its
+requests end "error", the failure observers hear).
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -100,6 +103,17 @@ def test_two_ranks_serve_as_one(checkpoints: dict[str, Path], family: str, decod
             torch.testing.assert_close(k, k1, atol=1e-5, rtol=0)
             torch.testing.assert_close(v, v1, atol=1e-5, rtol=0)
         pids = model.worker_pids
+        if family == "llama":  # a rank lost while serving: the engine stops (crash-only), nothing hangs
+            failures: list[Exception] = []
+            tp.failure_observers.append(failures.append)
+            os.kill(pids[0], signal.SIGKILL)
+            tp.start()  # the stepping thread: where a failed step stops the engine
+            [out] = tp.generate([PROMPTS[0]], SamplingParams(max_tokens=4))
+            assert out.finish_reason == "error"
+            deadline = time.monotonic() + 30
+            while not failures and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert failures and tp.failure is not None and "tensor-parallel" in str(tp.failure)
     finally:
         tp.shutdown()
     for pid in pids:  # reaped by close(): no such process any more
