@@ -43,9 +43,6 @@ from omnivox.models.audio.transcription import TranscriptionRequestError
 from omnivox.services.whisper_part import SAMPLE_RATE, WhisperPart, whisper_part_of
 from omnivox.services.whisper_rules import (
     SECONDS_PER_TIMESTAMP,
-    FirstStepBan,
-    LanguageOnly,
-    TimestampRules,
     timestamp_segments,
 )
 
@@ -99,11 +96,8 @@ class _Transcription:
         self.token_ids: list[int] = []
         self.num_tokens = 0
         self.emitted_any = False
-        v = part.vocab
-        if timestamps:
-            self.constraint = shared(TimestampRules(v))
-        else:
-            self.constraint = shared(FirstStepBan(v))
+        rules = part.rules
+        self.constraint = shared(rules.timestamps if timestamps else rules.first_step)  # type: ignore[arg-type]
 
     async def run(self, samples: np.ndarray, lang: int | None) -> WhisperResult:
         n = len(samples)
@@ -135,7 +129,7 @@ class _Transcription:
         if second is None:
             return main, lang
         try:
-            ids = await self._generate([self.part.vocab.sot], 1, second, shared(LanguageOnly(self.part.vocab)), {})
+            ids = await self._generate([self.part.vocab.sot], 1, second, shared(self.part.rules.languages), {})
         except BaseException:
             main.release()  # never queued: ours to drop
             raise
@@ -163,7 +157,7 @@ class _Transcription:
                     detok.add(t)
             await self._emit(detok.text.strip(), state, index, final=False)
 
-        bias = self.part.vocab.suppress_bias()
+        bias = self.part.rules.suppress
         tokens = await self._generate(prompt, self._budget(prompt), enc, self.constraint, bias, stream)
         text_ids = [t for t in tokens if self.part.vocab.is_text(t)]
         text = self.part.tokenizer.decode(text_ids, skip_special_tokens=True).strip()
@@ -178,7 +172,7 @@ class _Transcription:
     ) -> tuple[int, int | None]:
         enc, lang = await self._prepare(clip, lang)
         prompt = self._prompt(lang)
-        bias = self.part.vocab.suppress_bias()
+        bias = self.part.rules.suppress
         tokens = await self._generate(prompt, self._budget(prompt), enc, self.constraint, bias)
         pieces, used, next_step = timestamp_segments(tokens, self.part.vocab)
         offset = seek / SAMPLE_RATE

@@ -24,7 +24,7 @@ from omnivox.engine.request import EncoderInput
 from omnivox.models.audio.transcription import TranscriptionRequestError
 from omnivox.services import errors
 from omnivox.services.errors import FieldViolation
-from omnivox.services.whisper_rules import WhisperVocab
+from omnivox.services.whisper_rules import WhisperRules, WhisperVocab
 from omnivox.v1 import content_pb2
 
 SAMPLE_RATE = 16000
@@ -75,6 +75,7 @@ class WhisperPart:
     mel: LogMelExtractor
     worker: EncoderWorker
     model_key: str  # names the model in content keys
+    rules: WhisperRules  # constraints + suppression bias on the engine's device
     limits: AudioLimits = field(default_factory=lambda: AudioLimits(max_seconds=TRANSCRIBE_MAX_SECONDS))
 
     @property
@@ -173,7 +174,8 @@ def load_whisper_part(folder: Path, engine: Any, model_key: str) -> WhisperPart:
         return model.encode_cross([f.to(device, dtype) for f in batch])
 
     worker = EncoderWorker(encode, EncoderCache(WHISPER_CACHE_BYTES), name="whisper")
-    return WhisperPart(engine, engine.tokenizer, vocab, LogMelExtractor(settings), worker, model_key)
+    rules = WhisperRules(vocab, device)
+    return WhisperPart(engine, engine.tokenizer, vocab, LogMelExtractor(settings), worker, model_key, rules)
 
 
 def whisper_part_of(model: Any) -> WhisperPart:

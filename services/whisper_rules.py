@@ -103,23 +103,22 @@ class WhisperVocab:
         return token_id < self.sot and token_id != self.eot
 
 
-class _Mask:
-    """A mask over the model's vocabulary: True = may be sampled. Built once, shared (stateless constraints)."""
-
-    def __init__(self, vocab_size: int, banned: Sequence[int] = (), allowed_only: Sequence[int] | None = None):
-        if allowed_only is not None:
-            self.mask = torch.zeros(vocab_size, dtype=torch.bool)
-            self.mask[list(allowed_only)] = True
-        else:
-            self.mask = torch.ones(vocab_size, dtype=torch.bool)
-            self.mask[list(banned)] = False
+def _mask(vocab_size: int, device: Any, banned: Sequence[int] = (), allowed_only: Sequence[int] | None = None):
+    """A bool mask over the model's vocabulary on the logits' device (True = may be sampled)."""
+    if allowed_only is not None:
+        mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        mask[list(allowed_only)] = True
+    else:
+        mask = torch.ones(vocab_size, dtype=torch.bool, device=device)
+        mask[list(banned)] = False
+    return mask
 
 
 class FirstStepBan:
     """begin_suppress_tokens at the first generated token only; everything allowed after (stateless)."""
 
-    def __init__(self, vocab: WhisperVocab) -> None:
-        self.first = _Mask(vocab.vocab_size, banned=vocab.begin_suppress).mask
+    def __init__(self, vocab: WhisperVocab, device: Any = "cpu") -> None:
+        self.first = _mask(vocab.vocab_size, device, banned=vocab.begin_suppress)
 
     def allowed(self, output_token_ids: Sequence[int]) -> torch.Tensor | None:
         return self.first if not output_token_ids else None
@@ -128,8 +127,8 @@ class FirstStepBan:
 class LanguageOnly:
     """Only the language tokens (stateless)."""
 
-    def __init__(self, vocab: WhisperVocab) -> None:
-        self.mask = _Mask(vocab.vocab_size, allowed_only=sorted(vocab.languages.values())).mask
+    def __init__(self, vocab: WhisperVocab, device: Any = "cpu") -> None:
+        self.mask = _mask(vocab.vocab_size, device, allowed_only=sorted(vocab.languages.values()))
 
     def allowed(self, output_token_ids: Sequence[int]) -> torch.Tensor | None:
         return self.mask
@@ -139,11 +138,11 @@ class TimestampRules:
     """WhisperTimeStampLogitsProcessor's mask rules (see the module docstring), read from the output so far.
     Stateless: every rule depends only on `output_token_ids` (the tokens after the prompt)."""
 
-    def __init__(self, vocab: WhisperVocab) -> None:
+    def __init__(self, vocab: WhisperVocab, device: Any = "cpu") -> None:
         tb = vocab.timestamp_begin
         assert tb is not None and vocab.no_timestamps is not None
         self.tb, self.eot = tb, vocab.eot
-        self.base = _Mask(vocab.vocab_size, banned=[vocab.no_timestamps]).mask
+        self.base = _mask(vocab.vocab_size, device, banned=[vocab.no_timestamps])
         first = self.base.clone()
         first[:tb] = False  # the first token is a timestamp
         if vocab.max_initial_timestamp_index is not None:
@@ -167,6 +166,17 @@ class TimestampRules:
         if last is not None:  # never decreasing; a new segment starts strictly later than the last timestamp
             mask[tb : last if last_ts and not penultimate_ts else last + 1] = False
         return mask
+
+
+class WhisperRules:
+    """One model's constraints and suppression bias, built once on the engine's device; all stateless, so every
+    request shares them (`engine.params.shared`)."""
+
+    def __init__(self, vocab: WhisperVocab, device: Any = "cpu") -> None:
+        self.suppress = vocab.suppress_bias()
+        self.first_step = FirstStepBan(vocab, device)
+        self.languages = LanguageOnly(vocab, device) if vocab.languages else None
+        self.timestamps = TimestampRules(vocab, device) if vocab.timestamp_begin is not None else None
 
 
 def timestamp_segments(
