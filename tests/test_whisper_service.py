@@ -265,3 +265,31 @@ def test_probe_recognises_whisper_folders(served, tmp_path):
         assert manifest.whisper and manifest.input_modalities == {"audio"} and manifest.output_modalities == {"text"}
     embedded = probe(ModelSpec(path=None, asr=True))
     assert embedded.whisper and embedded.embedded.name == "whisper-base" and not embedded.untrained_components
+
+
+def test_timestamp_rules_equal_transformers_processor_masks():
+    """TimestampRules bans what WhisperTimeStampLogitsProcessor bans (its probability rule off: a mask cannot read
+    probabilities), on text, end-of-text and timestamp ids, along random sequences that follow the rules."""
+    from transformers import GenerationConfig
+    from transformers.generation.logits_process import WhisperTimeStampLogitsProcessor
+
+    from omnivox.services.whisper_rules import TimestampRules, WhisperVocab
+
+    eot, notimestamps, vocab_size = 50, 59, 160  # Whisper's layout, small: text 0-49, specials 50-59, 100 timestamps
+    vocab = WhisperVocab(vocab_size, eot, 51, 57, 55, 54, notimestamps, {"en": 52, "de": 53}, (), (), 50)
+    rules = TimestampRules(vocab)
+    config = GenerationConfig(eos_token_id=eot, no_timestamps_token_id=notimestamps, max_initial_timestamp_index=50)
+    prompt = [51, 52, 55]
+    reference = WhisperTimeStampLogitsProcessor(config, begin_index=len(prompt), _detect_timestamp_from_logprob=False)
+    compared = [*range(eot + 1), *range(notimestamps + 1, vocab_size)]
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        seq: list[int] = []
+        for _ in range(12):
+            banned = reference(torch.tensor([prompt + seq]), torch.zeros(1, vocab_size))[0].isinf()
+            ours = rules.allowed(seq)
+            assert torch.equal(~ours[compared], banned[compared]), seq
+            options = [i for i in compared if ours[i] and i != eot]
+            if not options:
+                break
+            seq.append(int(rng.choice(options)))
