@@ -3,34 +3,48 @@
 #   1. a tiny Llama with Llama 3 rope loaded on CUDA, checked against the CPU engine (benchmarks/gpu_smoke.py);
 #   2. the service and speech tests with OMNIVOX_TEST_DEVICE=cuda;
 #   3. decoder parity, the static-decode twin, the in-place (flex) decode attention and the codec's CUDA graphs
-#      (tests/test_codec_graphs.py: graph replay == eager, bucket passes == dynamic decode) on CUDA in float32;
+#      (tests/test_codec_graphs.py: graph replay == eager, bucket passes == dynamic decode) on CUDA in float32, the
+#      sampler's one host copy per step under torch's sync debug mode (tests/test_sampler_transfer.py) and the
+#      Whisper encoder-decoder engine (tests/test_whisper_engine.py);
 #   4. bash benchmarks/gpu.sh (with what is left of the budget), then the server log searched for failed steps.
-# Every stage appends its line to summary.txt as it ends, so a run cut short keeps what it saw.
+# Every stage appends its line to summary.txt as it ends, so a run cut short keeps what it saw. The script exits 1,
+# naming them on its last line ("FAILED: ..."), when the environment does not import or any stage fails, runs out of
+# budget, or the server log shows failed steps.
 #
 # On the device machine (its image lacks a few of our packages; their wheels travel in .whl, see below):
-#   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=560)
+#   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=520)
+# Here, first: `bash benchmarks/gpu_check.sh --dry-run` (CPU, ~1 min): the same environment set-up and stage plumbing,
+# each stage only collecting its tests / importing its modules (tests/test_gpu_script.py runs it).
 # The files come back from $OUT (8 at most): summary.txt, smoke.json, smoke.log, tests-service.log, tests-cuda.log,
 # gpu.log, results.json, server.log.
 #
-# .whl (gitignored) is filled here once, for Python 3.12 on x86-64, with what the image lacks or holds too old:
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+# .whl (gitignored, ~27 MiB of the 64 MiB a call carries) is filled here once, for the image's Python 3.12 on x86-64,
+# with what the image (/work/.library/device/KINDS.md lists it) lacks or holds too old, in the repo root:
+#   rm -rf .whl && .venv/bin/python -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
+#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
 #     grpcio==1.85.3 protobuf==7.36.2 googleapis-common-protos==1.76.0 grpcio-health-checking==1.85.1 \
 #     grpcio-reflection==1.85.1 grpcio-status==1.85.3 gguf==0.19.0 snac==1.2.1 soundfile==0.14.0 cffi==2.1.1 \
-#     pycparser==3.12 num2words==0.5.14 transformers==5.24.0 regex==2026.11.19  # (the image's huggingface_hub 1.33 serves)
+#     pycparser==3.12 num2words==0.5.14 transformers==5.24.0 regex==2026.11.19 llguidance==1.9.1
+#   ls .whl | wc -l   # 15 wheels (llguidance's is manylinux_2_31: engine/structured.py imports it, so without it
+#                     # nothing of the engine imports). The image's huggingface_hub 1.33, tokenizers 0.23, torch 2.11,
+#                     # numpy, safetensors, prometheus-client, pytest, pytest-timeout and hypothesis serve as they are.
 #
-# Environment: OUT (default gpu-check), PYTHON (default python3), TOTAL_S (default 480), STAGES (default "1 2 3 4":
+# Environment: OUT (default gpu-check), PYTHON (default python3), TOTAL_S (default 450), STAGES (default "1 2 3 4":
 # a rerun may pick some).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+DRY=0
+[ "${1:-}" = "--dry-run" ] && DRY=1
 OUT="${OUT:-gpu-check}"
 PY="${PYTHON:-python3}"
-TOTAL_S="${TOTAL_S:-480}"
+TOTAL_S="${TOTAL_S:-450}"
 STAGES="${STAGES:-1 2 3 4}"
 mkdir -p "$OUT"
 START=$(date +%s)
 export PYTHONUNBUFFERED=1
 
+FAILED=()
 summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
 left() { echo $(( START + TOTAL_S - $(date +%s) )); }
 wanted() { [[ " $STAGES " == *" $1 "* ]]; }
@@ -38,34 +52,51 @@ wanted() { [[ " $STAGES " == *" $1 "* ]]; }
 stage() {
   local name=$1 cap=$2 log=$3; shift 3
   local limit; limit=$(left); [ "$limit" -gt "$cap" ] && limit=$cap
-  if [ "$limit" -lt 20 ]; then summary "$(printf '%-34s skipped: budget spent' "$name")"; return 1; fi
+  if [ "$limit" -lt 20 ]; then
+    summary "$(printf '%-34s skipped: budget spent' "$name")"; FAILED+=("$name (budget spent)"); return 1
+  fi
   local t0; t0=$(date +%s)
   timeout "$limit" "$@" > "$log" 2>&1
   local rc=$?
   summary "$(printf '%-34s rc=%-3s %4ss (limit %ss)  %s' "$name" "$rc" "$(( $(date +%s) - t0 ))" "$limit" \
-    "$(grep -E '(passed|failed|error).* in [0-9.]+s|^gpu_smoke:' "$log" | tail -n 1)")"
+    "$(grep -E '(passed|failed|error|collected).* in [0-9.]+s|^gpu_smoke:' "$log" | tail -n 1)")"
+  [ "$rc" -ne 0 ] && FAILED+=("$name (rc=$rc)")
   return $rc
 }
 
 # 0. Environment: the image's python and torch, our missing packages from .whl, omnivox from this tree (a link
 # farm with the layout pyproject's package-dir maps, so nothing is built).
 summary "gpu_check $(date -u '+%F %T') UTC, commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
-summary "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -n 1)"
-if [ -d .whl ]; then
+[ "$DRY" = 1 ] && summary "dry run: on this machine's python; each stage only collects its tests or imports"
+[ "$DRY" = 0 ] && summary "$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -n 1)"
+if [ -d .whl ] && [ "$DRY" = 0 ]; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     > "$OUT/smoke.log" 2>&1 || summary "wheel install failed: $(tail -n 3 "$OUT/smoke.log")"
 fi
-SHIM=/tmp/omnivox-shim
+SHIM=/tmp/omnivox-shim-$$
 rm -rf "$SHIM" && mkdir -p "$SHIM/omnivox"
 cp -r protos/omnivox/. "$SHIM/omnivox/"
 for pkg in services engine models codecs benchmarks; do ln -s "$PWD/$pkg" "$SHIM/omnivox/$pkg"; done
-export PYTHONPATH="$SHIM:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-summary "$("$PY" -c 'import torch, transformers, grpc, omnivox.engine; print("torch", torch.__version__, "cuda", torch.cuda.is_available(), "transformers", transformers.__version__, "grpc", grpc.__version__)' 2>&1 | tail -n 1)"
+SITE=:/tmp/site
+[ "$DRY" = 1 ] && SITE=""  # the wheels are for the image's Python 3.12: not here
+export PYTHONPATH="$SHIM$SITE${PYTHONPATH:+:$PYTHONPATH}"
+# Everything the stages import: a package missing from the image and from .whl stops the run here, named.
+if ! env_line=$("$PY" -c 'import torch, transformers, grpc, llguidance, omnivox.engine, omnivox.services.server, omnivox.codecs.snac; print("torch", torch.__version__, "cuda", torch.cuda.is_available(), "transformers", transformers.__version__, "grpc", grpc.__version__)' 2>&1); then
+  summary "environment broken: $(echo "$env_line" | tail -n 1)"
+  summary "FAILED: environment (see the header for .whl)"
+  exit 1
+fi
+summary "$(echo "$env_line" | tail -n 1)"
 
 if wanted 1; then
-  stage "1 llama3-rope load on cuda" 100 "$OUT/smoke.log" "$PY" -m omnivox.benchmarks.gpu_smoke --out "$OUT/smoke.json"
+  if [ "$DRY" = 1 ]; then
+    stage "1 llama3-rope load on cuda" 100 "$OUT/smoke.log" "$PY" -c "import omnivox.benchmarks.gpu_smoke"
+  else
+    stage "1 llama3-rope load on cuda" 100 "$OUT/smoke.log" "$PY" -m omnivox.benchmarks.gpu_smoke --out "$OUT/smoke.json"
+  fi
 fi
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider --timeout 100 -o "addopts=" -W ignore::UserWarning)
+[ "$DRY" = 1 ] && PYTEST+=(--collect-only)
 if wanted 2; then
   OMNIVOX_TEST_DEVICE=cuda stage "2 service+speech tests (cuda)" 100 "$OUT/tests-service.log" \
     "${PYTEST[@]}" tests/test_service_generate.py tests/test_speech_service.py
@@ -73,12 +104,16 @@ fi
 if wanted 3; then
   OMNIVOX_TEST_DEVICE=cuda stage "3 parity+twin+flex fp32 (cuda)" 130 "$OUT/tests-cuda.log" \
     "${PYTEST[@]}" tests/test_static_decode.py tests/test_decoder_parity.py tests/test_paged_flex.py \
-    tests/test_engine.py tests/test_meta_build.py tests/test_codec_graphs.py
+    tests/test_engine.py tests/test_meta_build.py tests/test_codec_graphs.py tests/test_sampler_transfer.py \
+    tests/test_whisper_engine.py
 fi
 if wanted 4; then
   budget=$(( $(left) - 15 ))
-  if [ "$budget" -lt 60 ]; then
+  if [ "$DRY" = 1 ]; then
+    stage "4 gpu.sh" 30 "$OUT/gpu.log" bash -n benchmarks/gpu.sh
+  elif [ "$budget" -lt 60 ]; then
     summary "4 gpu.sh                            skipped: ${budget}s left"
+    FAILED+=("4 gpu.sh (budget spent)")
   else
     BENCH_OUT=/tmp/gpu-bench
     stage "4 gpu.sh" "$budget" "$OUT/gpu.log" env OUT="$BENCH_OUT" BUDGET_S="$budget" PYTHON="$PY" bash benchmarks/gpu.sh
@@ -91,8 +126,16 @@ if wanted 4; then
         echo "# the log's last 150 lines"
         tail -n 150 "$BENCH_OUT/omnivox-server.log"
       } > "$OUT/server.log"
-      summary "server log: $(grep -c -E 'step failed|failing the|stream is capturing' "$BENCH_OUT/omnivox-server.log") failed steps; $(grep -m1 'decode attention' "$BENCH_OUT/omnivox-server.log" | cut -c1-160)"
+      failed_steps=$(grep -c -E 'step failed|failing the|stream is capturing' "$BENCH_OUT/omnivox-server.log")
+      summary "server log: $failed_steps failed steps; $(grep -m1 'decode attention' "$BENCH_OUT/omnivox-server.log" | cut -c1-160)"
+      [ "$failed_steps" -gt 0 ] && FAILED+=("server log: $failed_steps failed steps")
     fi
   fi
 fi
+rm -rf "$SHIM"
 summary "total $(( $(date +%s) - START ))s"
+if [ "${#FAILED[@]}" -gt 0 ]; then
+  summary "FAILED: $(IFS=';'; echo "${FAILED[*]}")"
+  exit 1
+fi
+summary "all stages passed"

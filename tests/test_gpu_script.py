@@ -75,3 +75,36 @@ def test_gpu_check_script_parses_and_names_its_stages():
     text = script.read_text()
     for needle in ("gpu_smoke", "OMNIVOX_TEST_DEVICE=cuda", "benchmarks/gpu.sh", "step failed"):
         assert needle in text
+
+
+def _gpu_check(out: Path, python: str, stages: str = "1 2 3 4") -> subprocess.CompletedProcess:
+    env = {**os.environ, "OUT": str(out), "PYTHON": python, "STAGES": stages}
+    script = ROOT / "benchmarks" / "gpu_check.sh"
+    return subprocess.run(["bash", str(script), "--dry-run"], env=env, capture_output=True, text=True, timeout=240)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(260)
+def test_gpu_check_dry_run_collects_every_stage(tmp_path):
+    """The prepared GPU call's plumbing on the CPU: the link-farm environment imports, every test file a stage names
+    exists and collects, gpu_smoke imports, gpu.sh parses (a renamed test would otherwise cost a GPU run)."""
+    proc = _gpu_check(tmp_path, sys.executable)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    lines = (tmp_path / "summary.txt").read_text().splitlines()
+    for stage in ("1 llama3-rope", "2 service+speech", "3 parity+twin", "4 gpu.sh"):
+        assert any(line.startswith(stage) and "rc=0" in line for line in lines), lines
+    assert sum("tests collected" in line for line in lines) == 2 and lines[-1] == "all stages passed"
+
+
+@pytest.mark.timeout(120)
+def test_gpu_check_fails_loudly(tmp_path):
+    # A python without our packages: the run stops at the environment, naming what is missing.
+    proc = _gpu_check(tmp_path / "env", "false")
+    assert proc.returncode == 1 and "environment broken" in proc.stdout and "FAILED: environment" in proc.stdout
+    # A stage that fails (here: pytest exits 3) makes the whole call fail, named on the last line.
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\ncase "$*" in *pytest*) exit 3;; esac\nexec {sys.executable} "$@"\n')
+    fake.chmod(0o755)
+    proc = _gpu_check(tmp_path / "stage", str(fake), stages="2")
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "FAILED: 2 service+speech tests (cuda) (rc=3)"
