@@ -298,9 +298,11 @@ def load_manifest(manifest: BundleManifest, options: EngineOptions) -> ModelBund
 
     source = manifest.source or manifest.embedded.ensure()  # type: ignore[union-attr]
     if manifest.whisper:
-        from omnivox.services.whisper_part import whisper_checkpoint
+        from omnivox.services.whisper_part import whisper_checkpoint, whisper_kv_gib
 
         source = whisper_checkpoint(source)  # a CTranslate2 folder: its converted copy in the cache
+        if options.kv_cache_gib is None:  # a 448-token context: a KV cache sized for it, not the engine's default
+            options = dataclasses.replace(options, kv_cache_gib=whisper_kv_gib(source, options.max_num_seqs))
     options = dataclasses.replace(options, **manifest.engine_overrides)
     engine = Engine.from_pretrained(
         str(source),
