@@ -33,6 +33,8 @@ class DraftModelProposer:
         self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching=False)
         self.kv = KVCacheManager(self.pool)
         self.runner = ModelRunner(model, num_blocks, block_size, param.device, param.dtype, 1, static_decode=False)
+        # As the target's: on CUDA the FlexAttention decode compiles (or falls back) now, not at the first proposal.
+        self.runner.prepare()
         self._shadows: dict[str, Request] = {}
 
     @classmethod
