@@ -11,10 +11,13 @@ returns for the same span (its offsets):
   [start - PAD_S, end + PAD_S] (clipped to the audio received and to the previous utterance's span). Final passes
   run one at a time, in utterance order, while later audio keeps streaming in.
 - interim passes (config.interim_results): on [start - PAD_S, audio received so far] of the OPEN utterance only, one
-  at a time, a new one once INTERIM_EVERY_S of audio has come since the last one started. A running interim that
-  falls more than MAX_INTERIM_LAG_S behind the audio is stale: it is aborted and a newer one starts. The utterance's
-  end aborts its running interim (the final supersedes it), and an interim is not sent while an earlier utterance's
-  final is still pending (results go out in utterance order).
+  at a time: the first once INTERIM_FIRST_S of the utterance has come, the next once the previous one is done and
+  INTERIM_EVERY_S more has come (so their rate is bounded by the audio and by the machine). The utterance's end
+  aborts its running interim (stale: the final supersedes it). None starts while an earlier utterance's final is
+  pending: results go out in utterance order, so it could not be sent, and finals come first.
+  Not done, measured: aborting a running interim that fell 3 s behind the audio for a newer one. With whisper-base
+  on one busy CPU thread a pass takes 2-4 s whatever the clip's length (the encoder always reads a 30 s window), so
+  every interim was aborted before it finished: 0 interims in a 20 s stream.
 Aborting a pass cancels its `transcribe`, which aborts its engine request: KV blocks and cross K/V freed at once.
 Leaving the handler in any way (done, cancelled, deadline, error) cancels every pass.
 """
@@ -48,8 +51,8 @@ if TYPE_CHECKING:
     from omnivox.services.transcription import TranscriptionServicer
 
 PAD_S = 0.2  # audio kept around an utterance's voiced span: the detector's edges cut into soft onsets and endings
-INTERIM_EVERY_S = 1.0  # new audio between interim passes (whisper-base on 2 CPU cores: a pass takes ~0.5-1 s)
-MAX_INTERIM_LAG_S = 3.0  # a running interim this far behind the audio is aborted and a newer one started
+INTERIM_FIRST_S = 0.5  # of an utterance before its first interim pass
+INTERIM_EVERY_S = 1.0  # new audio between the starts of interim passes
 IDLE_KEEP_S = 1.0  # audio kept while no one speaks: an utterance starts up to START_MS + PAD_S back
 ENDPOINT_SILENCE_MS = (100, 10_000)  # accepted range of config.endpoint_silence_ms
 MAX_REQUEST_ID_CHARS = 256
@@ -121,7 +124,7 @@ class _Utterance:
     index: int
     start: int  # the detector's START offset (16 kHz samples from the stream's start)
     interim: asyncio.Task | None = None
-    interim_end: int = 0  # audio end of the latest interim started
+    interim_end: int | None = None  # audio end of the latest interim started (None: none yet)
     words: list[str] = field(default_factory=list)  # the last interim's words sent
 
 
@@ -180,7 +183,7 @@ class _Stream:
     def _events(self, events: list[SpeechEvent]) -> None:
         for ev in events:
             if ev.kind is SpeechEventKind.START:
-                self.open = _Utterance(self.count, ev.offset, interim_end=ev.offset)
+                self.open = _Utterance(self.count, ev.offset)
                 self.count += 1
                 self._event(transcription_pb2.SPEECH_EVENT_TYPE_SPEECH_START, ev.offset, self.open.index)
                 continue
@@ -204,13 +207,15 @@ class _Stream:
     # --- passes ---------------------------------------------------------------------------------------------------
     def _maybe_interim(self) -> None:
         u = self.open
-        if not self.cfg.interim_results or u is None:
+        if not self.cfg.interim_results or u is None or self.pending_finals:
             return
         if u.interim is not None and not u.interim.done():
-            if self.received - u.interim_end <= MAX_INTERIM_LAG_S * SAMPLE_RATE:
-                return
-            u.interim.cancel()  # stale: a newer pass starts on the audio received since
-        elif self.received - u.interim_end < INTERIM_EVERY_S * SAMPLE_RATE:
+            return
+        if u.interim_end is None:
+            due = u.start + INTERIM_FIRST_S * SAMPLE_RATE
+        else:
+            due = u.interim_end + INTERIM_EVERY_S * SAMPLE_RATE
+        if self.received < due:
             return
         a, b, clip = self._span(u.start, self.received)
         u.interim_end = b
