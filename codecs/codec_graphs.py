@@ -109,7 +109,10 @@ class StaticCodec:
                     self._forward(bucket.frames_in, bucket.starts_in)  # warm-up: allocator, kernels chosen
                     torch.cuda.current_stream().synchronize()
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=self._pool, stream=self.stream):
+                    # thread_local: another model loading on another thread must not break this capture.
+                    with torch.cuda.graph(
+                        graph, pool=self._pool, stream=self.stream, capture_error_mode="thread_local"
+                    ):
                         bucket.audio_out = self._forward(bucket.frames_in, bucket.starts_in)
                     self._pool = graph.pool()  # every later (smaller) bucket shares the largest one's pool
                     bucket.graph = graph
