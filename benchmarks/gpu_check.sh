@@ -5,7 +5,8 @@
 #   3. decoder parity, the static-decode twin, the in-place (flex) decode attention and the codec's CUDA graphs
 #      (tests/test_codec_graphs.py: graph replay == eager, bucket passes == dynamic decode) on CUDA in float32, the
 #      sampler's one host copy per step under torch's sync debug mode (tests/test_sampler_transfer.py) and the
-#      Whisper encoder-decoder engine (tests/test_whisper_engine.py);
+#      Whisper encoder-decoder engine (tests/test_whisper_engine.py), and a model capturing its graphs at load while
+#      another serves (tests/test_load_while_serving.py);
 #   4. bash benchmarks/gpu.sh (with what is left of the budget), then the server log searched for failed steps.
 # Every stage appends its line to summary.txt as it ends, so a run cut short keeps what it saw. The script exits 1,
 # naming them on its last line ("FAILED: ..."), when the environment does not import or any stage fails, runs out of
@@ -105,7 +106,7 @@ if wanted 3; then
   OMNIVOX_TEST_DEVICE=cuda stage "3 parity+twin+flex fp32 (cuda)" 130 "$OUT/tests-cuda.log" \
     "${PYTEST[@]}" tests/test_static_decode.py tests/test_decoder_parity.py tests/test_paged_flex.py \
     tests/test_engine.py tests/test_meta_build.py tests/test_codec_graphs.py tests/test_sampler_transfer.py \
-    tests/test_whisper_engine.py
+    tests/test_whisper_engine.py tests/test_load_while_serving.py
 fi
 if wanted 4; then
   budget=$(( $(left) - 15 ))

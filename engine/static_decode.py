@@ -220,7 +220,11 @@ class StaticDecoder:
                 self._forward(batch, blocks)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=self.graph_pool):
+        # thread_local: a model loads (and captures) while the models loaded before it already serve; in the default
+        # "global" mode their engine and encoder threads' allocations and syncs would invalidate this capture (and
+        # fail their own step with "operation not permitted when stream is capturing"). This thread's calls are still
+        # checked; the capture stream is a non-blocking one, so other threads' default-stream kernels do not join it.
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self.graph_pool, capture_error_mode="thread_local"):
             out = self._forward(batch, blocks)
         if self.graph_pool is None:
             self.graph_pool = graph.pool()
