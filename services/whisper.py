@@ -178,8 +178,10 @@ class _Transcription:
         offset = seek / SAMPLE_RATE
         for a, b, ids in pieces:
             text = self.part.tokenizer.decode(ids, skip_special_tokens=True).strip()
-            stop = end / SAMPLE_RATE if b < 0 else offset + b * SECONDS_PER_TIMESTAMP
-            self.segments.append((offset + a * SECONDS_PER_TIMESTAMP, min(stop, end / SAMPLE_RATE), text))
+            # Timestamps past the audio (the window is padded to 30 s) are clamped to its end.
+            last = end / SAMPLE_RATE
+            stop = last if b < 0 else min(offset + b * SECONDS_PER_TIMESTAMP, last)
+            self.segments.append((min(offset + a * SECONDS_PER_TIMESTAMP, stop), stop, text))
             await self._emit(text, {"emitted": ""}, len(self.segments) - 1, final=True)
         advance = end - seek
         # Cut at the last pair's end (the rest is heard again); a cut at 0 would never advance: the whole window then.
