@@ -43,6 +43,7 @@ from omnivox.models.audio.transcription import TranscriptionRequestError
 from omnivox.services.whisper_part import SAMPLE_RATE, WhisperPart, whisper_part_of
 from omnivox.services.whisper_rules import (
     SECONDS_PER_TIMESTAMP,
+    segment_seconds,
     timestamp_segments,
 )
 
@@ -178,10 +179,7 @@ class _Transcription:
         offset = seek / SAMPLE_RATE
         for a, b, ids in pieces:
             text = self.part.tokenizer.decode(ids, skip_special_tokens=True).strip()
-            # Timestamps past the audio (the window is padded to 30 s) are clamped to its end.
-            last = end / SAMPLE_RATE
-            stop = last if b < 0 else min(offset + b * SECONDS_PER_TIMESTAMP, last)
-            self.segments.append((min(offset + a * SECONDS_PER_TIMESTAMP, stop), stop, text))
+            self.segments.append((*segment_seconds(a, b, offset, end / SAMPLE_RATE), text))
             await self._emit(text, {"emitted": ""}, len(self.segments) - 1, final=True)
         advance = end - seek
         # Cut at the last pair's end (the rest is heard again); a cut at 0 would never advance: the whole window then.

@@ -179,6 +179,13 @@ class WhisperRules:
         self.timestamps = TimestampRules(vocab, device) if vocab.timestamp_begin is not None else None
 
 
+def segment_seconds(start: int, end: int, offset: float, audio_end: float) -> tuple[float, float]:
+    """A segment's (start, end) in seconds from timestamp steps (end -1: the window's end) and the window's offset.
+    Timestamps past the audio (the window is padded to 30 s) are clamped to its end, so start <= end always."""
+    stop = audio_end if end < 0 else min(offset + end * SECONDS_PER_TIMESTAMP, audio_end)
+    return min(offset + start * SECONDS_PER_TIMESTAMP, stop), stop
+
+
 def timestamp_segments(
     tokens: Sequence[int], vocab: WhisperVocab
 ) -> tuple[list[tuple[int, int, list[int]]], int, int | None]:

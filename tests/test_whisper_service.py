@@ -293,3 +293,22 @@ def test_timestamp_rules_equal_transformers_processor_masks():
             if not options:
                 break
             seq.append(int(rng.choice(options)))
+
+
+def test_timestamp_segments_split_at_pairs_and_stay_inside_the_audio():
+    from omnivox.services.whisper_rules import WhisperVocab, segment_seconds, timestamp_segments
+
+    vocab = WhisperVocab(160, 50, 51, 57, 55, 54, 59, {"en": 52}, (), (), 50)
+    t = lambda step: 60 + step  # noqa: E731  the timestamp token of step (0.02 s each)
+    # Two pairs, then text without its closing timestamp: cut after the second pair, the next window starts there.
+    pieces, used, next_step = timestamp_segments([t(0), 1, 2, t(10), t(10), 3, t(20), t(20), 4, 5], vocab)
+    assert pieces == [(0, 10, [1, 2]), (10, 20, [3])] and used == 7 and next_step == 20
+    # Ending on a lone timestamp: everything used, the next window after this one.
+    pieces, used, next_step = timestamp_segments([t(0), 1, t(10), t(10), 2, t(30)], vocab)
+    assert pieces == [(0, 10, [1]), (10, 30, [2])] and used == 6 and next_step is None
+    # No pair: one segment from the window's start to the last timestamp.
+    assert timestamp_segments([t(0), 1, 2], vocab) == ([(0, -1, [1, 2])], 3, None)
+    assert timestamp_segments([t(5), 1, t(25)], vocab)[0] == [(0, 25, [1])]
+    # A pair past the end of a 0.3 s clip (the window is padded to 30 s): clamped, start <= end.
+    assert segment_seconds(40, 50, 0.0, 0.3) == (0.3, 0.3)
+    assert segment_seconds(5, 10, 30.0, 60.0) == (30.1, 30.2) and segment_seconds(5, -1, 30.0, 45.0) == (30.1, 45.0)
