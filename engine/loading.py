@@ -67,7 +67,7 @@ def load_model(
     quantization None / "none": float `dtype` (a GGUF dequantised); "auto": what the checkpoint carries (a GGUF's
     blocks at their own precision on CPU); "int8" / "int4": linear layers quantised at load (models/loading.py).
     tensor_parallel N > 1: rank 0's shard, with ranks 1..N-1 started in their own processes, each loading its own
-    slice (engine/tensor_parallel.py); float weights only."""
+    slice (engine/tensor_parallel.py); float weights only (int8/int4 refused, "auto" means float)."""
     from pathlib import Path
 
     from omnivox.models.checkpoint import iter_checkpoint_tensors, load_hf_config
@@ -75,8 +75,8 @@ def load_model(
     if tensor_parallel > 1:
         from omnivox.engine.tensor_parallel import start_tensor_parallel
 
-        if quantization not in (None, "none"):
-            raise ValueError("tensor parallelism needs float weights (quantised layers are not sharded)")
+        if quantization not in (None, "none", "auto"):  # "auto" loads float here: a GGUF's blocks are dequantised
+            raise ValueError(f"tensor parallelism needs float weights; quantization {quantization!r} is not sharded")
         return start_tensor_parallel(path, tensor_parallel, device, dtype, max_model_len)
     hf_config = load_hf_config(path)
     if getattr(hf_config, "model_type", "") == "whisper":  # encoder-decoder: the encoder rides along (on rank 0)
