@@ -87,6 +87,8 @@ def load_model(
         model = build_whisper(hf_config, device, dtype, max_model_len)
         model.load_weights(iter_checkpoint_tensors(path))
         return model
+    if quantization == "auto" and not (Path(path).suffix == ".gguf" and device.type == "cpu"):
+        quantization = None  # "auto" (the served default) is float but for a GGUF on CPU: the usual loader below
     if quantization not in (None, "none"):
         from omnivox.models.loading import load_decoder
 

@@ -47,11 +47,12 @@ class EngineOptions:
     speech_streaming: StreamingOptions | None = None  # codec windows of speech models; None = the codec's defaults
     image_cache_mib: int = 256  # encoder cache of each vision model: encoded images kept for reuse (MiB)
     # Weights: "none" = float dtype (a GGUF dequantised), "auto" = what the checkpoint carries (a GGUF at its own bit
-    # widths on CPU), "int8" / "int4" = linear layers quantised at load (models/loading.py). Float is the default
-    # because it was measured better where it matters: the embedded SmolLM2 Q4_1 at its own precision (int8
-    # activations) turns greedy "What is the capital of France?" from "The capital of France is Paris" into
-    # "L'Étoile, la Cité, ..." (Paris 0 of 10 seeds against 10 of 10), for 3.8x faster batch-1 steps.
-    quantization: str = "none"
+    # widths on CPU), "int8" / "int4" = linear layers quantised at load (models/loading.py). "auto" is the default:
+    # with int16 activations the embedded SmolLM2 Q4_1 at its own precision computes what its dequantised float32
+    # copy does (perplexity +0.0003 %, 20 of 20 greedy continuations identical, "Paris"; int8 activations had
+    # answered "L'Étoile, ...") from 18 % of the weight bytes, several times faster at batch 1 (BENCHMARKS.md).
+    # Off CPU "auto" is float (block layers have no fast kernel there); a safetensors checkpoint loads as it is.
+    quantization: str = "auto"
     quantize_lm_head: bool | None = None  # None: as the checkpoint carries it
     speculative: str | None = None  # "ngram" or "draft:PATH" (engine/speculative.py, engine/draft.py); None = off
     num_speculative_tokens: int = 4

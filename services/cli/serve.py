@@ -102,9 +102,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="[NAME=]MODE",
         action="append",
         default=[],
-        help="weights: none (default: float), auto (what the checkpoint carries: a GGUF at its own bit widths on "
-        "CPU, ~3.8x faster batch-1 steps), int8 or int4 (linear layers quantised at load); with NAME= for one model, "
-        "else for every model",
+        help="weights: auto (default: what the checkpoint carries: a GGUF at its own bit widths on CPU, several "
+        "times faster batch-1 steps at float quality; float elsewhere), none (float), int8 or int4 (linear layers "
+        "quantised at load); with NAME= for one model, else for every model",
     )
     p.add_argument(
         "--quantize-lm-head", action="store_true", default=None, help="also quantise the output projection (int8)"
