@@ -11,7 +11,8 @@
 - **Speed** through the engine in-process: batch-1 ITL (one request, the time for 64 decode steps), and total TPS
   with 16 requests of 64 tokens submitted together (prefill included).
 
-`python -m omnivox.benchmarks.quality [--model PATH] [--modes none,int8,int4,native] [--output results.json]`;
+`python -m omnivox.benchmarks.quality [--model PATH] [--modes none,int8,int4,native] [--no-quality | --no-speed]
+[--passes N] [--output results.json]`;
 the default model is the embedded SmolLM2-135M-Instruct (Q4_1 GGUF): mode "native" serves it at its own precision.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import subprocess
 import time
@@ -155,7 +157,9 @@ def engine_speed(model: DecoderModel, tokenizer, prompts: list[list[int]]) -> di
     return {"itl_batch1_ms": sorted(itls)[len(itls) // 2], "total_tps_16": tokens / dt}
 
 
-def run(model_path: str, modes: list[str], threads: int, speed: bool) -> dict:
+def run(model_path: str, modes: list[str], threads: int, speed: bool, quality: bool = True, passes: int = 1) -> dict:
+    """Quality of each mode (unless `quality` is False), then `passes` speed passes, each running every mode back to
+    back (on a shared machine the passes show the spread; the rows carry every pass and their medians)."""
     from omnivox.models.checkpoint import load_tokenizer
     from omnivox.models.loading import load_decoder
     from omnivox.models.quant import weight_bytes
@@ -177,10 +181,12 @@ def run(model_path: str, modes: list[str], threads: int, speed: bool) -> dict:
         "machine": platform.processor() or platform.machine(),
         "commit": _commit(),
         "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "load_average_at_start": list(os.getloadavg()),
         "modes": {},
     }
     reference = None
-    for mode in ["none", *[m for m in modes if m != "none"]]:
+    order = ["none", *[m for m in modes if m != "none"]]
+    for mode in order if quality else []:
         quantization = None if mode == "native" else mode
         t0 = time.perf_counter()
         model = load_decoder(model_path, quantization=quantization).eval()
@@ -192,8 +198,6 @@ def run(model_path: str, modes: list[str], threads: int, speed: bool) -> dict:
             reference = outs
         row["greedy"] = agreement(reference, outs)
         row["greedy"]["teacher_forced_top1"] = teacher_forced_top1(model, prompts, reference)
-        if speed:
-            row |= engine_speed(model, tokenizer, prompts)
         base = results["modes"].get("none")
         if base is not None:
             row["perplexity_vs_float32"] = row["perplexity"] / base["perplexity"] - 1
@@ -201,6 +205,17 @@ def run(model_path: str, modes: list[str], threads: int, speed: bool) -> dict:
         results["modes"][mode] = row
         print(mode, json.dumps(row), flush=True)
         del model
+    if speed:
+        models = {m: load_decoder(model_path, quantization=None if m == "native" else m).eval() for m in order}
+        for i in range(passes):
+            for mode in order:
+                row = results["modes"].setdefault(mode, {"weight_mb": weight_bytes(models[mode]) / 1e6})
+                row.setdefault("speed_passes", []).append(engine_speed(models[mode], tokenizer, prompts))
+                print(f"pass {i + 1} {mode}", row["speed_passes"][-1], flush=True)
+        for row in results["modes"].values():
+            for key in ("itl_batch1_ms", "total_tps_16"):
+                values = sorted(p[key] for p in row["speed_passes"])
+                row[key] = values[len(values) // 2]
     return results
 
 
@@ -218,6 +233,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", default="none,int8,int4,native", help="comma-separated: none,int8,int4,native")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-speed", action="store_true", help="quality only")
+    parser.add_argument("--no-quality", action="store_true", help="speed only")
+    parser.add_argument("--passes", type=int, default=1, help="speed passes (each runs every mode; medians kept)")
     parser.add_argument("--output", default=None, help="write the results JSON here")
     args = parser.parse_args(argv)
     model = args.model
@@ -225,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
         from omnivox.services.defaults import ensure_default_model
 
         model = str(ensure_default_model())
-    results = run(model, args.modes.split(","), args.threads, not args.no_speed)
+    results = run(model, args.modes.split(","), args.threads, not args.no_speed, not args.no_quality, args.passes)
     if args.output:
         Path(args.output).write_text(json.dumps(results, indent=2) + "\n")
 
