@@ -76,6 +76,7 @@ if [ -d .whl ] && [ "$DRY" = 0 ]; then
 fi
 SHIM=/tmp/omnivox-shim-$$
 rm -rf "$SHIM" && mkdir -p "$SHIM/omnivox"
+trap 'rm -rf "$SHIM"' EXIT
 cp -r protos/omnivox/. "$SHIM/omnivox/"
 for pkg in services engine models codecs benchmarks; do ln -s "$PWD/$pkg" "$SHIM/omnivox/$pkg"; done
 SITE=:/tmp/site
@@ -133,7 +134,6 @@ if wanted 4; then
     fi
   fi
 fi
-rm -rf "$SHIM"
 summary "total $(( $(date +%s) - START ))s"
 if [ "${#FAILED[@]}" -gt 0 ]; then
   summary "FAILED: $(IFS=';'; echo "${FAILED[*]}")"
