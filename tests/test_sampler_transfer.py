@@ -170,3 +170,28 @@ def test_cuda_sampler_step_has_no_synchronising_call() -> None:
     cpu = Sampler(V, torch.device("cpu"))(logits.clone(), _mixed_batch(torch.device("cpu")))
     greedy = [i for i, r in enumerate(reqs) if r.params.is_greedy]
     assert [out.token_ids[i] for i in greedy] == [cpu.token_ids[i] for i in greedy]
+
+
+def test_engine_samples_the_runners_logits_without_a_copy(engine) -> None:
+    """A step whose rows all sample (no drafts) hands the runner's logits tensor itself to the sampler."""
+    core = engine.core
+    seen: dict[str, list[int]] = {"runner": [], "sampler": []}
+    execute, sampler = core.runner.execute, core.sampler
+
+    def recording_execute(plan):
+        logits, sampling = execute(plan)
+        if logits is not None:
+            seen["runner"].append(logits.data_ptr())
+        return logits, sampling
+
+    class RecordingSampler:
+        def __call__(self, logits, reqs):
+            seen["sampler"].append(logits.data_ptr())
+            return sampler(logits, reqs)
+
+    core.runner.execute, core.sampler = recording_execute, RecordingSampler()
+    try:
+        engine.generate([[20, 21, 22], [30, 31]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    finally:
+        core.runner.execute, core.sampler = execute, sampler
+    assert seen["sampler"] and seen["sampler"] == seen["runner"]
