@@ -49,6 +49,7 @@ from omnivox.models.tensor_parallel_worker import (
     Stop,
     portable,
     send,
+    without_decode_mask,
     worker_main,
 )
 
@@ -116,7 +117,8 @@ class TensorParallelModel(nn.Module):
             if key != self._cache_key:  # a new cache (the runner's, after a profiling run's): the workers follow
                 send(Caches(len(kv_caches), tuple(k0.shape), k0.dtype), self._control)
                 self._cache_key = key
-            msg = Forward(portable((meta, *args), None), portable(kwargs, None), input_ids.cpu(), positions.cpu())
+            sent = (without_decode_mask(meta), *args)
+            msg = Forward(portable(sent, None), portable(kwargs, None), input_ids.cpu(), positions.cpu())
             send(msg, self._control)
             return self.shard(input_ids, positions, kv_caches, meta, *args, **kwargs)
 

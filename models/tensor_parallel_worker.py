@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import pickle
 import threading
 import time
 from datetime import timedelta
@@ -101,8 +102,23 @@ def portable(obj: Any, device: torch.device | None) -> Any:
     return obj
 
 
-def _rebuild_flex(meta: Any) -> None:
-    """On a worker: the decode block mask from the tables and lengths the metadata already carries."""
+def without_decode_mask(meta: Any) -> Any:
+    """A shallow copy of the metadata without its dense decode mask ([decodes, 1, 1, max_blocks * block_size] bool:
+    128 KiB for 64 requests at 2k tokens), which the worker rebuilds from the decode lengths it carries anyway."""
+    if getattr(meta, "decode_mask", None) is None or getattr(meta, "decode_lens", None) is None:
+        return meta
+    out = copy.copy(meta)
+    out.decode_mask = None
+    return out
+
+
+def rebuild_masks(meta: Any) -> None:
+    """On a worker: the masks left out of the message, from the tables and lengths the metadata carries (built as
+    the runner builds them)."""
+    if getattr(meta, "decode_mask", 1) is None and getattr(meta, "decode_lens", None) is not None:
+        lens, tables = meta.decode_lens, meta.decode_block_tables
+        span = torch.arange(tables.shape[1] * meta.block_size, device=lens.device)
+        meta.decode_mask = (span[None, :] < lens[:, None]).view(lens.shape[0], 1, 1, -1)
     spec = getattr(meta, "decode_block_mask", None)
     if isinstance(spec, _FlexMask):
         meta.decode_block_mask = paged_block_mask(
@@ -110,14 +126,34 @@ def _rebuild_flex(meta: Any) -> None:
         )
 
 
+# One broadcast of a fixed-size buffer carries a message's length and, when it fits, the message itself: one gloo
+# round trip per message where broadcast_object_list takes two (its size, then its bytes). A step's messages are a
+# few KiB (decode of 64 requests: ~6 KiB); only large embedding segments take the second broadcast.
+_INLINE_BYTES = 64 * 1024
+
+
 def send(msg: Any, group: dist.ProcessGroup) -> None:
-    dist.broadcast_object_list([msg], src=0, group=group)
+    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    buf = torch.zeros(8 + _INLINE_BYTES, dtype=torch.uint8)
+    buf[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+    inline = len(data) <= _INLINE_BYTES
+    if inline:
+        buf[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    dist.broadcast(buf, src=0, group=group)
+    if not inline:
+        dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=0, group=group)
 
 
 def receive(group: dist.ProcessGroup) -> Any:
-    box: list[Any] = [None]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
+    buf = torch.empty(8 + _INLINE_BYTES, dtype=torch.uint8)
+    dist.broadcast(buf, src=0, group=group)
+    n = int(buf[:8].view(torch.int64))
+    if n <= _INLINE_BYTES:
+        data = buf[8 : 8 + n]
+    else:
+        data = torch.empty(n, dtype=torch.uint8)
+        dist.broadcast(data, src=0, group=group)
+    return pickle.loads(data.numpy().tobytes())
 
 
 # ---- workers -------------------------------------------------------------------------------------------------------
@@ -198,7 +234,7 @@ def _serve(shard: DecoderModel, control: dist.ProcessGroup, device: torch.device
             ]
         elif isinstance(msg, Forward):
             meta, *args = portable(msg.args, device)
-            _rebuild_flex(meta)
+            rebuild_masks(meta)
             ids, positions = msg.input_ids.to(device), msg.positions.to(device)
             shard(ids, positions, caches, meta, *args, **portable(msg.kwargs, device))
         elif isinstance(msg, Logits):

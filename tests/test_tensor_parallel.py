@@ -22,6 +22,7 @@ from omnivox.models.attention import AttentionMetadata, PrefillChunk
 from omnivox.models.config import ModelConfig
 from omnivox.models.loading import load_decoder
 from omnivox.models.tensor_parallel import check_divisible, load_shard, local_kv_heads, shard_decoder
+from omnivox.models.tensor_parallel_worker import receive, send
 
 # Name -> (family, config overrides). "llama-tied": tied embeddings and an odd vocabulary (the last shard is padded).
 MODELS = {
@@ -76,6 +77,15 @@ def _worker(rank: int, root: str, init_file: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
+        # The engine's control channel (models/tensor_parallel_worker.py): a message within the inline buffer, and
+        # one past it (400 KB: a second broadcast), arrive whole.
+        for message in ({"ids": torch.arange(5)}, {"embeds": torch.arange(100_000, dtype=torch.float32)}):
+            if rank == 0:
+                send(message, None)
+            else:
+                got = receive(None)
+                assert got.keys() == message.keys()
+                assert all(torch.equal(got[k], message[k]) for k in message)
         for family in MODELS:
             with torch.no_grad():
                 model = shard_decoder(load_decoder(Path(root) / family))

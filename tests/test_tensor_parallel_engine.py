@@ -22,6 +22,7 @@ from checkpoints import make_checkpoint
 from omnivox.engine import EmbeddingSegment, Engine, SamplingParams
 from omnivox.engine.tensor_parallel import TensorParallelModel
 from omnivox.models.tensor_parallel import check_world
+from omnivox.models.tensor_parallel_worker import portable, rebuild_masks, without_decode_mask
 
 PROMPTS = [
     [1, 17, 42, 99, 7],
@@ -76,7 +77,15 @@ def test_two_ranks_serve_as_one(checkpoints: dict[str, Path], family: str, decod
     kwargs = dict(device="cpu", dtype="float32", max_num_batched_tokens=24, max_num_seqs=len(PROMPTS))
     single = Engine.from_pretrained(checkpoints[family], kv_cache_gib=KV_GIB, **kwargs)
     single.runner.set_decode_attention(decode_attention)
+    metas = []  # what the runner passes the model: a worker rebuilds the dense decode mask left out of the message
+    single.model.register_forward_pre_hook(lambda _m, args: metas.append(args[3]))
     want_tokens, want_logits = run(single)
+    for meta in metas:
+        if meta.num_decode:
+            sent = portable(without_decode_mask(meta), None)
+            assert sent.decode_mask is None and meta.decode_mask is not None
+            rebuild_masks(sent)
+            assert torch.equal(sent.decode_mask, meta.decode_mask)
     tp = Engine.from_pretrained(checkpoints[family], kv_cache_gib=KV_GIB / 2, tensor_parallel=2, **kwargs)
     tp.runner.set_decode_attention(decode_attention)
     try:
