@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 18, in the issue's order, as one bounded run (TOTAL_S, 7.5 minutes, wheel install included) on a machine with a GPU:
+# The GPU checks of issue 18, in the issue's order, as one bounded run on a machine with a GPU (TOTAL_S: 7.5 minutes,
+# the wheel install included):
 #   1. a tiny Llama with Llama 3 rope loaded on CUDA, checked against the CPU engine (benchmarks/gpu_smoke.py);
 #   2. the service and speech tests with OMNIVOX_TEST_DEVICE=cuda;
 #   3. decoder parity, the static-decode twin, the in-place (flex) decode attention and the codec's CUDA graphs
