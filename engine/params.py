@@ -27,6 +27,10 @@ class TokenConstraint(Protocol):
     A constraint may also define `allowed_ids(output_token_ids) -> LongTensor | None`: the admitted ids, ascending.
     The sampler then works on those candidates alone (O(candidates) instead of O(vocabulary) per step).
 
+    A constraint may also define `adjust_logits(logits, output_token_ids) -> None`: it edits its row of logits ([V]
+    float32, bias and mask applied) in place, on the device and without a host sync (e.g. Whisper's "a timestamp when
+    the timestamps' total probability beats every text token": services/whisper_rules.py).
+
     `advance(token_ids)` is called with the tokens the request accepted this step (in order); `rollback(n)` takes
     back the last n advanced tokens (speculative tokens that were rejected after the constraint saw them). Both are
     optional: a constraint that reads everything from `output_token_ids` keeps no state and needs neither.

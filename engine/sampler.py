@@ -73,6 +73,23 @@ def _checked_mask(mask: torch.Tensor, vocab: int) -> torch.Tensor:
     return mask
 
 
+def _adjust(logits: torch.Tensor, reqs: list, failed: list[int] | None) -> None:
+    """Constraints with an `adjust_logits` hook edit their row in place (after bias and mask; Whisper's timestamp
+    rule reads the distribution), on the device, with no host sync. One that raises is added to `failed` (None:
+    the exception propagates)."""
+    for i, r in enumerate(reqs):
+        adjust = getattr(r.constraint, "adjust_logits", None)
+        if adjust is None or (failed is not None and i in failed):
+            continue
+        try:
+            adjust(logits[i], r.output_token_ids)
+        except Exception:
+            if failed is None:
+                raise
+            log.exception("token constraint of %s failed", r.request_id)
+            failed.append(i)
+
+
 def _apply_masks(logits: torch.Tensor, masked: list[tuple[int, torch.Tensor]]) -> None:
     """Set what each row's mask forbids to -inf (masks [V] bool; host masks go to the device in one copy)."""
     dev = logits.device
@@ -145,8 +162,9 @@ class Sampler:
                     ids = None
             candidates.append(ids)
         _apply_masks(logits, masked)
+        _adjust(logits, reqs, failed)
         full = [i for i, c in enumerate(candidates) if c is None and i not in failed]
-        compact = [i for i, c in enumerate(candidates) if c is not None]
+        compact = [i for i, c in enumerate(candidates) if c is not None and i not in failed]
         groups: list[tuple[list[int], _Drawn]] = []
         for rows, cands in ((full, None), (compact, [candidates[i] for i in compact])):
             if rows:
@@ -172,6 +190,7 @@ class Sampler:
             if allowed is not None:
                 masked.append((i, _checked_mask(allowed, logits.shape[1])))
         _apply_masks(logits, masked)
+        _adjust(logits, reqs, None)
         self._apply_penalties(logits, reqs, None)
         sampled = [i for i, r in enumerate(reqs) if not r.params.is_greedy]
         if sampled:

@@ -6,13 +6,14 @@
   `<|notimestamps|>`: `<|0.00|>`, `<|0.02|>`, ... (0.02 s each).
 - `suppress_bias`: suppress_tokens as a logit bias of -inf at every step (transformers' SuppressTokensLogitsProcessor).
 - `FirstStepBan`: begin_suppress_tokens banned at the first generated step only (SuppressTokensAtBeginLogitsProcessor).
-- `TimestampRules`: transformers' WhisperTimeStampLogitsProcessor as far as a mask can express it:
+- `TimestampRules`: transformers' WhisperTimeStampLogitsProcessor as a mask plus a logits hook:
   `<|notimestamps|>` never; the first token is a timestamp no later than max_initial_timestamp_index (1.0 s);
   timestamps come in pairs (after a lone timestamp: another timestamp or end-of-text; after a pair: text); and they
   never decrease (a closing timestamp may repeat the opening one; a new opening one must be later).
-  Left out: its last rule, "sample a timestamp when the timestamps' total probability exceeds every text token's"
-  (it reads the probabilities; a mask cannot). openai-whisper has the same rule; without it the model writes longer
-  segments now and then, never wrong pairs.
+  Its last rule, "a timestamp when the timestamps' total probability beats every text token's", reads the
+  distribution: `adjust_logits` (the constraint hook the sampler runs after the masks, on the device). It matters:
+  whisper-base on a 32.6 s espeak-ng paragraph of 14 sentences gave 2 segments (0-30 s, 30-32.65 s) without it and
+  14 sentence segments with it (word error rate 0.263 -> 0.175).
 - `LanguageOnly`: the language tokens alone (language detection: one greedy step on `<|startoftranscript|>`, as
   transformers' `detect_language` takes the argmax of the first step's logits over the language tokens).
 """
@@ -166,6 +167,12 @@ class TimestampRules:
         if last is not None:  # never decreasing; a new segment starts strictly later than the last timestamp
             mask[tb : last if last_ts and not penultimate_ts else last + 1] = False
         return mask
+
+    def adjust_logits(self, logits: torch.Tensor, output_token_ids: Sequence[int]) -> None:
+        """A timestamp, when the timestamps' total probability beats the likeliest text token (logits [V], masked)."""
+        logprobs = logits.log_softmax(-1)
+        force = logprobs[self.tb :].logsumexp(-1) > logprobs[: self.tb].max()  # a 0-dim bool on the device: no sync
+        logits[: self.tb].masked_fill_(force, float("-inf"))
 
 
 class WhisperRules:

@@ -267,9 +267,10 @@ def test_probe_recognises_whisper_folders(served, tmp_path):
     assert embedded.whisper and embedded.embedded.name == "whisper-base" and not embedded.untrained_components
 
 
-def test_timestamp_rules_equal_transformers_processor_masks():
-    """TimestampRules bans what WhisperTimeStampLogitsProcessor bans (its probability rule off: a mask cannot read
-    probabilities), on text, end-of-text and timestamp ids, along random sequences that follow the rules."""
+def test_timestamp_rules_equal_transformers_processor():
+    """TimestampRules (mask + adjust_logits) bans what WhisperTimeStampLogitsProcessor bans, on text, end-of-text
+    and timestamp ids, along random sequences that follow the rules: with random logits (its probability rule on) and
+    with logits where text always wins (the mask rules alone)."""
     from transformers import GenerationConfig
     from transformers.generation.logits_process import WhisperTimeStampLogitsProcessor
 
@@ -280,19 +281,27 @@ def test_timestamp_rules_equal_transformers_processor_masks():
     rules = TimestampRules(vocab)
     config = GenerationConfig(eos_token_id=eot, no_timestamps_token_id=notimestamps, max_initial_timestamp_index=50)
     prompt = [51, 52, 55]
-    reference = WhisperTimeStampLogitsProcessor(config, begin_index=len(prompt), _detect_timestamp_from_logprob=False)
+    reference = WhisperTimeStampLogitsProcessor(config, begin_index=len(prompt))
     compared = [*range(eot + 1), *range(notimestamps + 1, vocab_size)]
     rng = np.random.default_rng(0)
-    for _ in range(20):
+    forced = 0
+    for walk in range(40):
         seq: list[int] = []
         for _ in range(12):
-            banned = reference(torch.tensor([prompt + seq]), torch.zeros(1, vocab_size))[0].isinf()
-            ours = rules.allowed(seq)
-            assert torch.equal(~ours[compared], banned[compared]), seq
-            options = [i for i in compared if ours[i] and i != eot]
+            logits = torch.tensor(rng.normal(0, 3, vocab_size), dtype=torch.float32)
+            if walk % 2:  # text always likelier than all timestamps together: the mask rules alone decide
+                logits[:eot] += 20
+            logits[eot + 1 : notimestamps + 1] = float("-inf")  # the specials between (a checkpoint suppresses them)
+            banned = reference(torch.tensor([prompt + seq]), logits[None].clone())[0].isinf()
+            ours = logits.masked_fill(~rules.allowed(seq), float("-inf"))
+            rules.adjust_logits(ours, seq)
+            assert torch.equal(ours.isinf()[compared], banned[compared]), seq
+            forced += bool(rules.allowed(seq)[:eot].any()) and bool(ours[:eot].isinf().all())  # the rule fired
+            options = [i for i in compared if not ours[i].isinf() and i != eot]
             if not options:
                 break
             seq.append(int(rng.choice(options)))
+    assert forced > 5
 
 
 def test_timestamp_segments_split_at_pairs_and_stay_inside_the_audio():
@@ -312,3 +321,28 @@ def test_timestamp_segments_split_at_pairs_and_stay_inside_the_audio():
     # A pair past the end of a 0.3 s clip (the window is padded to 30 s): clamped, start <= end.
     assert segment_seconds(40, 50, 0.0, 0.3) == (0.3, 0.3)
     assert segment_seconds(5, 10, 30.0, 60.0) == (30.1, 30.2) and segment_seconds(5, -1, 30.0, 45.0) == (30.1, 45.0)
+
+
+def test_adjust_logits_hook_applies_per_request_and_a_failing_one_fails_only_its_request(tmp_path):
+    from engines import tiny_engine
+
+    from omnivox.engine import SamplingParams
+
+    class Only7:
+        def allowed(self, output_token_ids):
+            return None
+
+        def adjust_logits(self, logits, output_token_ids):
+            logits[:7] = float("-inf")
+            logits[8:] = float("-inf")
+
+    class Broken(Only7):
+        def adjust_logits(self, logits, output_token_ids):
+            raise RuntimeError("broken constraint")
+
+    engine = tiny_engine(make_checkpoint(tmp_path / "text", family="llama"))
+    params = [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True) for _ in range(3)]
+    params[0].constraint_factory, params[1].constraint_factory = Only7, Broken
+    forced, broken, free = engine.generate([[1, 2, 3]] * 3, params)
+    assert forced.token_ids == [7] * 4 and broken.finish_reason == "error" and len(free.token_ids) == 4
+    engine.core.check_integrity()
