@@ -6,8 +6,8 @@ runner built (`Forward`: ids, positions, attention metadata, embedding rows/valu
 logits of hidden rows that follow as a broadcast (`Logits`), an embedding lookup (`Embed`), a gather of the cache
 (`GatherKV`, for tests) and `Stop`. A worker holds no scheduling state: its cache is indexed by the slots it is sent.
 
-This module imports only models/ (not the engine package), so a spawned rank starts in about half the time.
-A worker exits on `Stop`, when the control channel breaks (rank 0 gone: its socket closes), or when its parent
+This module imports only models/, not the engine package: a spawned rank's imports took 6.7 s instead of 11.9 s on
+this busy machine. A worker exits on `Stop`, when the control channel breaks (rank 0 gone: its socket closes), or when its parent
 process is gone (polled once a second), so a killed server leaves no orphans.
 """
 
