@@ -7,8 +7,8 @@ logits of hidden rows that follow as a broadcast (`Logits`), an embedding lookup
 (`GatherKV`, for tests) and `Stop`. A worker holds no scheduling state: its cache is indexed by the slots it is sent.
 
 This module imports only models/, not the engine package: a spawned rank's imports took 6.7 s instead of 11.9 s on
-this busy machine. A worker exits on `Stop`, when the control channel breaks (rank 0 gone: its socket closes), or when its parent
-process is gone (polled once a second), so a killed server leaves no orphans.
+this busy machine. A worker exits on `Stop`, when the control channel breaks (rank 0 gone: its socket closes), or
+when its parent process is gone (polled once a second), so a killed server leaves no orphans.
 """
 
 from __future__ import annotations
