@@ -346,3 +346,27 @@ def test_adjust_logits_hook_applies_per_request_and_a_failing_one_fails_only_its
     forced, broken, free = engine.generate([[1, 2, 3]] * 3, params)
     assert forced.token_ids == [7] * 4 and broken.finish_reason == "error" and len(free.token_ids) == 4
     engine.core.check_integrity()
+
+
+def test_cancelling_the_transcribe_task_frees_everything(served):
+    """What StreamingTranscribe relies on: cancelling the coroutine mid-detection or mid-window releases it all."""
+    server, part = served["server"], served["part"]
+    engine = server.engine("tiny-whisper")
+
+    async def cancel_after(delay: float) -> None:
+        task = asyncio.ensure_future(transcribe(part, noise(45.0, seed=9), language=None))
+        await asyncio.sleep(delay)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    for delay in (0.0, 0.05, 0.5):
+        server.run(cancel_after(delay))
+        for _ in range(100):  # the abort lands at the engine's next step
+            if not engine.has_unfinished() and part.cache.total_refs() == 0:
+                break
+            server.run(asyncio.sleep(0.05))
+        assert not engine.has_unfinished() and part.cache.total_refs() == 0, delay
+        free, total = server.wait_kv_free("tiny-whisper")
+        assert free == total
+    engine.core.check_integrity()
