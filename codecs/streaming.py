@@ -121,7 +121,7 @@ def startup_options(
     codec_s: float,
     frame_s: float,
     margin: float = 1.2,
-    growths: tuple[float, ...] = (2.0, 1.5),
+    growths: tuple[float, ...] = (2.0, 1.5, 1.25),  # 1.25: half the first audio of 1.5 at 1 stream (gen 40 ms/frame)
 ) -> StreamingOptions:
     """The first chunk and hop growth that let playback started on the first chunk never run dry, at measured rates:
     a start-up buffer sized from the measured rate, as streaming players size theirs, held as the first chunk.

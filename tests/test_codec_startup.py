@@ -31,7 +31,7 @@ def test_slower_rates_get_a_start_that_never_runs_dry(gen_s, codec_s):
     assert lateness <= 0 and chosen.first_hop_frames > 1
     # The earliest such start: one frame less in the first chunk would run dry with every growth tried.
     if chosen.first_hop_frames > 1:
-        for growth in (2.0, 1.5):
+        for growth in (2.0, 1.5, 1.25):
             smaller = StreamingOptions(first_hop_frames=chosen.first_hop_frames - 1, hop_growth=growth)
             assert simulate_start(smaller, gen_s * 1.2, codec_s * 1.2, FRAME_S)[1] > 0
 
