@@ -11,15 +11,19 @@ One transcription, window by window (sequential: each window's prompt holds the 
   suppress_tokens as a -inf logit bias; begin_suppress_tokens (or the timestamp rules) as a token constraint.
 - Language detection (language empty, multilingual model): a 1-token request on `[<|startoftranscript|>]` whose
   only candidates are the language tokens, with the first window's EncoderInput: the audio is encoded once (the
-  transcription request takes a second reference to the same cache entry before detection starts).
+  transcription request takes a second reference to the same cache entry before detection starts). The same step
+  (on `[previous text] <|startoftranscript|>` when the language is known) gives `<|nospeech|>`'s probability for
+  openai-whisper's no-speech skip: above 0.6, with the window's text at a mean logprob below -1, the window is silence
+  and its text is dropped (such a window's text is held back until that is known). Measured on whisper-base: 5 s of
+  faint noise "I'm going to put the oil in the pan." (no-speech 0.80) and 40 s of silence after a sentence "you"
+  (0.88) are dropped; 5 s of pure silence "you" (0.93) is kept, as openai-whisper keeps it (confident text).
 - Long audio, timestamps off: windows cut at the quietest 100 ms near each 30 s edge (codecs/audio_split.py), one
   segment per window. Timestamps on: openai-whisper's seek: a window ending inside a segment is cut at its last
   complete timestamp pair, and the next window starts there; segments come from the timestamp pairs
   (time = (token - <|0.00|>) * 0.02 s + the window's offset).
 - Prompting with the previous text as openai-whisper (`condition_on_previous_text`), and a user prompt as its
   `initial_prompt` (" " + the prompt, before the first window). Left out: the temperature fallback (a window whose
-  text compresses too well or scores too low is decoded again, sampled), the no-speech skip (a window whose
-  `<|nospeech|>` probability is high is dropped) and word timestamps.
+  text compresses too well or scores too low is decoded again, sampled) and word timestamps.
 Cancelling the coroutine aborts its engine request (KV blocks and cross K/V freed at once) and releases every
 encoder-cache reference it still holds.
 """
@@ -43,6 +47,7 @@ from omnivox.models.audio.transcription import TranscriptionRequestError
 from omnivox.services.whisper_part import SAMPLE_RATE, WhisperPart, whisper_part_of
 from omnivox.services.whisper_rules import (
     SECONDS_PER_TIMESTAMP,
+    FirstStepProbe,
     segment_seconds,
     timestamp_segments,
 )
@@ -51,6 +56,11 @@ __all__ = ["WhisperPart", "WhisperResult", "transcribe"]
 
 MAX_PREV_TOKENS = 223  # openai-whisper: n_text_ctx // 2 - 1 tokens of previous text
 MAX_WINDOW_TOKENS = 224  # openai-whisper's sample_len: n_text_ctx // 2
+# openai-whisper's no-speech skip: a window whose <|nospeech|> probability (at <|startoftranscript|>) is above
+# NO_SPEECH_THRESHOLD and whose tokens' mean logprob is below LOGPROB_THRESHOLD is silence, and its text is dropped
+# (Whisper writes "Thank you." and the like over silence and noise).
+NO_SPEECH_THRESHOLD = 0.6
+LOGPROB_THRESHOLD = -1.0
 
 OnText = Callable[[str, int], Awaitable[None]]  # (text delta, segment index)
 
@@ -62,6 +72,7 @@ class WhisperResult:
     segments: list[tuple[float, float, str]]  # (start s, end s, text) from the start of the audio
     num_tokens: int  # tokens generated, over all windows (language detection included)
     token_ids: list[int] = field(default_factory=list)  # every window's generated tokens, in order (no end-of-text)
+    no_speech_probs: list[float] = field(default_factory=list)  # per window, where the model has <|nospeech|>
 
 
 async def transcribe(
@@ -95,6 +106,7 @@ class _Transcription:
         self.prev: list[int] = []
         self.segments: list[tuple[float, float, str]] = []
         self.token_ids: list[int] = []
+        self.no_speech_probs: list[float] = []
         self.num_tokens = 0
         self.emitted_any = False
         rules = part.rules
@@ -114,7 +126,7 @@ class _Transcription:
                 seek, lang = await self._window_timestamps(samples[seek:end], seek, end, lang)
         code = next((c for c, t in self.part.vocab.languages.items() if t == lang), None)
         text = " ".join(t for _, _, t in self.segments if t)
-        return WhisperResult(text, code, self.segments, self.num_tokens, self.token_ids)
+        return WhisperResult(text, code, self.segments, self.num_tokens, self.token_ids, self.no_speech_probs)
 
     async def _inputs(self, clip: np.ndarray, detect: bool) -> tuple[EncoderInput, EncoderInput | None]:
         part = self.part
@@ -123,30 +135,47 @@ class _Transcription:
         main = part.encoder_input(key, features)
         return main, part.encoder_input(key, features) if detect else None
 
-    async def _prepare(self, clip: np.ndarray, lang: int | None) -> tuple[EncoderInput, int | None]:
-        """The window's EncoderInput, and its language (detected here when not given)."""
-        detect = lang is None and self.part.vocab.multilingual
-        main, second = await self._inputs(clip, detect)
+    async def _prepare(self, clip: np.ndarray, lang: int | None) -> tuple[EncoderInput, int | None, bool]:
+        """The window's EncoderInput, its language (detected here when not given) and whether it may be silence.
+
+        One step on `[previous text] <|startoftranscript|>` (just `<|startoftranscript|>` when detecting, as
+        transformers and openai-whisper detect) reads `<|nospeech|>`'s probability and, when detecting, picks the
+        likeliest language token; the transcription's prompt then shares its KV blocks (prefix cache)."""
+        v = self.part.vocab
+        detect = lang is None and v.multilingual
+        main, second = await self._inputs(clip, detect or v.no_speech is not None)
         if second is None:
-            return main, lang
+            return main, lang, False
+        probe = FirstStepProbe(v, self.part.rules.languages if detect else None)
+        prompt = [v.sot] if detect else [*self._prev_prompt(), v.sot]
         try:
-            ids = await self._generate([self.part.vocab.sot], 1, second, shared(self.part.rules.languages), {})
+            ids, _ = await self._generate(prompt, 1, second, lambda: probe, {}, counted=detect)
         except BaseException:
             main.release()  # never queued: ours to drop
             raise
-        return main, ids[0]
+        if probe.no_speech_prob is not None:
+            self.no_speech_probs.append(float(probe.no_speech_prob))
+        silent = probe.no_speech_prob is not None and self.no_speech_probs[-1] > NO_SPEECH_THRESHOLD
+        return main, ids[0] if detect else lang, silent
+
+    def _prev_prompt(self) -> list[int]:
+        v = self.part.vocab
+        return [v.sot_prev, *self.prev[-MAX_PREV_TOKENS:]] if self.prev and v.sot_prev is not None else []
 
     def _prompt(self, lang: int | None) -> list[int]:
-        v = self.part.vocab
-        prev = [v.sot_prev, *self.prev[-MAX_PREV_TOKENS:]] if self.prev and v.sot_prev is not None else []
-        return prev + self.part.task_prompt(lang, self.task, self.timestamps)
+        return self._prev_prompt() + self.part.task_prompt(lang, self.task, self.timestamps)
+
+    @staticmethod
+    def _is_silence(maybe: bool, tokens: list[int], logprob_sum: float) -> bool:
+        """openai-whisper's rule: no speech likely and the text unlikely (mean logprob, end-of-text included)."""
+        return maybe and logprob_sum / (len(tokens) + 1) < LOGPROB_THRESHOLD
 
     def _budget(self, prompt: list[int]) -> int:
         room = self.part.engine.model_config.max_model_len - len(prompt)
         return max(1, min(self.max_tokens, room))
 
     async def _window(self, clip: np.ndarray, start: int, end: int, lang: int | None) -> int | None:
-        enc, lang = await self._prepare(clip, lang)
+        enc, lang, maybe_silent = await self._prepare(clip, lang)
         prompt = self._prompt(lang)
         index = len(self.segments)
         detok = IncrementalDetokenizer(self.part.tokenizer, [], None, False, skip_special_tokens=True)
@@ -159,7 +188,12 @@ class _Transcription:
             await self._emit(detok.text.strip(), state, index, final=False)
 
         bias = self.part.rules.suppress
-        tokens = await self._generate(prompt, self._budget(prompt), enc, self.constraint, bias, stream)
+        budget = self._budget(prompt)  # a window that may be silence streams nothing until it is known not to be
+        tokens, logprob = await self._generate(prompt, budget, enc, self.constraint, bias,
+                                               None if maybe_silent else stream, logprobs=maybe_silent)  # fmt: skip
+        if self._is_silence(maybe_silent, tokens, logprob):
+            self.segments.append((start / SAMPLE_RATE, end / SAMPLE_RATE, ""))
+            return lang
         text_ids = [t for t in tokens if self.part.vocab.is_text(t)]
         text = self.part.tokenizer.decode(text_ids, skip_special_tokens=True).strip()
         await self._emit(text, state, index, final=True)
@@ -171,10 +205,13 @@ class _Transcription:
     async def _window_timestamps(
         self, clip: np.ndarray, seek: int, end: int, lang: int | None
     ) -> tuple[int, int | None]:
-        enc, lang = await self._prepare(clip, lang)
+        enc, lang, maybe_silent = await self._prepare(clip, lang)
         prompt = self._prompt(lang)
         bias = self.part.rules.suppress
-        tokens = await self._generate(prompt, self._budget(prompt), enc, self.constraint, bias)
+        budget = self._budget(prompt)
+        tokens, logprob = await self._generate(prompt, budget, enc, self.constraint, bias, logprobs=maybe_silent)
+        if self._is_silence(maybe_silent, tokens, logprob):
+            return end, lang  # the whole window skipped
         pieces, used, next_step = timestamp_segments(tokens, self.part.vocab)
         offset = seek / SAMPLE_RATE
         for a, b, ids in pieces:
@@ -213,11 +250,15 @@ class _Transcription:
         constraint: Any,
         bias: dict[int, float],
         on_tokens: Callable[[list[int]], Awaitable[None]] | None = None,
-    ) -> list[int]:
-        """One greedy engine request; its generated tokens without end-of-text. `enc` belongs to the engine once
-        queued (released on finish / abort / error); refused before that, it is released here."""
+        logprobs: bool = False,
+        counted: bool = True,
+    ) -> tuple[list[int], float]:
+        """One greedy engine request: its generated tokens without end-of-text, and the sum of their logprobs (with
+        end-of-text's; 0.0 unless `logprobs`). `enc` belongs to the engine once queued (released on finish / abort /
+        error); refused before that, it is released here. `counted`: its tokens count in num_tokens."""
         engine = self.part.engine
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logit_bias=bias or None)
+        params.logprobs = 0 if logprobs else None
         params.constraint_factory = constraint
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -234,6 +275,7 @@ class _Transcription:
             enc.release()
             raise
         tokens: list[int] = []
+        logprob = 0.0
         finished = False
         try:
             while not finished:
@@ -241,7 +283,8 @@ class _Transcription:
                 finished = out.finished
                 new = [t for t in out.new_token_ids if t != self.part.vocab.eot]
                 tokens += new
-                self.num_tokens += len(out.new_token_ids)
+                logprob += sum(lp.logprob for lp in out.new_logprobs or ())
+                self.num_tokens += len(out.new_token_ids) if counted else 0
                 if new and on_tokens is not None:
                     await on_tokens(new)
         finally:
@@ -249,4 +292,4 @@ class _Transcription:
                 engine.abort(rid)
         if out.finish_reason == "error":
             raise RuntimeError("the engine failed while computing this transcription; see the server log")
-        return tokens
+        return tokens, logprob

@@ -16,6 +16,8 @@
   14 sentence segments with it (word error rate 0.263 -> 0.175).
 - `LanguageOnly`: the language tokens alone (language detection: one greedy step on `<|startoftranscript|>`, as
   transformers' `detect_language` takes the argmax of the first step's logits over the language tokens).
+- `FirstStepProbe`: that same step read for `<|nospeech|>`'s probability too (openai-whisper reads it at the
+  `<|startoftranscript|>` position, before any suppression), for the no-speech skip (services/whisper.py).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class WhisperVocab:
     suppress: tuple[int, ...]
     begin_suppress: tuple[int, ...]
     max_initial_timestamp_index: int | None = 50  # 1.0 s, as openai-whisper and transformers
+    no_speech: int | None = None  # <|nospeech|> (<|nocaptions|> in older tokenizers)
 
     @property
     def timestamp_begin(self) -> int | None:
@@ -93,6 +96,7 @@ class WhisperVocab:
             suppress=suppress,
             begin_suppress=tuple(int(t) for t in (begin if begin is not None else [token(" "), eot]) if t is not None),
             max_initial_timestamp_index=gen.get("max_initial_timestamp_index", 50),
+            no_speech=token("<|nospeech|>") or token("<|nocaptions|>"),
         )
 
     def suppress_bias(self) -> dict[int, float]:
@@ -133,6 +137,26 @@ class LanguageOnly:
 
     def allowed(self, output_token_ids: Sequence[int]) -> torch.Tensor | None:
         return self.mask
+
+
+class FirstStepProbe:
+    """One request's constraint for the step after `... <|startoftranscript|>`: keeps `<|nospeech|>`'s probability
+    (a device scalar, read once the request is done) and, when `languages` is given, admits only the language tokens.
+    Made per request: it holds that request's result."""
+
+    def __init__(self, vocab: WhisperVocab, languages: LanguageOnly | None) -> None:
+        self.no_speech = vocab.no_speech
+        self.languages = languages
+        self.no_speech_prob: torch.Tensor | None = None
+
+    def allowed(self, output_token_ids: Sequence[int]) -> torch.Tensor | None:
+        return None
+
+    def adjust_logits(self, logits: torch.Tensor, output_token_ids: Sequence[int]) -> None:
+        if self.no_speech is not None:
+            self.no_speech_prob = logits.softmax(-1)[self.no_speech].clone()  # the request's bias is empty
+        if self.languages is not None:
+            logits.masked_fill_(~self.languages.mask, float("-inf"))
 
 
 class TimestampRules:

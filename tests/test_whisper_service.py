@@ -373,3 +373,29 @@ def test_cancelling_the_transcribe_task_frees_everything(served):
         free, total = server.wait_kv_free("tiny-whisper")
         assert free == total
     engine.core.check_integrity()
+
+
+def test_no_speech_probability_equals_transformers_and_silence_is_skipped(served, monkeypatch):
+    import omnivox.services.whisper as whisper_module
+
+    server, part, hf = served["server"], served["part"], served["hf"]
+    clip = chirp(1.0)
+    result = server.run(transcribe(part, clip, language="en", max_tokens=8))
+    with torch.no_grad():  # openai-whisper reads it at <|startoftranscript|>, before any suppression
+        sot = torch.tensor([[part.vocab.sot]])
+        logits = hf(input_features=features(served, clip), decoder_input_ids=sot).logits[0, -1]
+    assert result.no_speech_probs == pytest.approx([float(logits.softmax(-1)[part.vocab.no_speech])], abs=1e-6)
+    deltas: list[str] = []
+
+    async def on_text(delta: str, index: int) -> None:
+        deltas.append(delta)
+
+    monkeypatch.setattr(whisper_module, "NO_SPEECH_THRESHOLD", -1.0)  # every window may be silence
+    monkeypatch.setattr(whisper_module, "LOGPROB_THRESHOLD", 1.0)  # and its text is always unlikely: skipped
+    for timestamps in (False, True):
+        silent = server.run(transcribe(part, clip, language="en", timestamps=timestamps, on_text=on_text))
+        assert silent.text == "" and deltas == [] and silent.token_ids == []
+        assert silent.segments == ([] if timestamps else [(0.0, 1.0, "")])
+    monkeypatch.setattr(whisper_module, "LOGPROB_THRESHOLD", -1e9)  # likely enough: kept, its text sent at the end
+    kept = server.run(transcribe(part, clip, language="en", max_tokens=8, on_text=on_text))
+    assert kept.token_ids == result.token_ids and "".join(deltas) == kept.text == result.text
