@@ -210,6 +210,39 @@ static inline void unpack_q8(const block_q8_0 *b, __m256i *w0, __m256i *w1) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+// One weight row against R (2..4, a constant after inlining) activation rows: each block unpacked once.
+static inline __attribute__((always_inline)) void rows_q16(const void *row_ptr, int is_q4, const int16_t *qx,
+                                                           const float *dx, const float *sx, int K, int G,
+                                                           float *out, const int R) {
+    const block_q4_1 *r4 = (const block_q4_1 *)row_ptr;
+    const block_q8_0 *r8 = (const block_q8_0 *)row_ptr;
+    __m256 acc[4];
+    float mt[4];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm256_setzero_ps();
+        mt[r] = 0.f;
+    }
+    for (int g = 0; g < G; g++) {
+        __m256i w0, w1;
+        float d;
+        if (is_q4) {
+            unpack_q4(r4 + g, &w0, &w1);
+            d = fp16_to_f32(r4[g].d);
+            const float m = fp16_to_f32(r4[g].m);
+            for (int r = 0; r < R; r++) mt[r] += m * sx[(size_t)r * G + g];
+        } else {
+            unpack_q8(r8 + g, &w0, &w1);
+            d = fp16_to_f32(r8[g].d);
+        }
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[(size_t)r * G + g]), dot16(w0, w1, qx + (size_t)r * K + g * 32),
+                                     acc[r]);
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum256(acc[r]) + mt[r];
+}
+#endif
+
 // One weight row against R <= 4 activation rows: out[r] = sum over groups of d dx dot (+ m sx for Q4_1).
 // IS_Q4 is a compile-time constant at each call, so each format gets its own loop.
 static inline void block_row(const void *row_ptr, int is_q4, const int16_t *qx, const float *dx, const float *sx,
@@ -255,30 +288,11 @@ static inline void block_row(const void *row_ptr, int is_q4, const int16_t *qx, 
         out[0] = hsum256(_mm256_add_ps(a0, a1)) + mt;
         return;
     }
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-    float m0 = 0.f, m1 = 0.f, m2 = 0.f, m3 = 0.f;
-    const size_t r1 = R > 1 ? 1 : 0, r2 = R > 2 ? 2 : 0, r3 = R > 3 ? 3 : 0;  // rows past R repeat row 0, dropped
-    for (int g = 0; g < G; g++) {
-        float d;
-        if (is_q4) {
-            unpack_q4(r4 + g, &w0, &w1);
-            d = fp16_to_f32(r4[g].d);
-            const float m = fp16_to_f32(r4[g].m);
-            m0 += m * sx[g];
-            m1 += m * sx[r1 * G + g];
-            m2 += m * sx[r2 * G + g];
-            m3 += m * sx[r3 * G + g];
-        } else {
-            unpack_q8(r8 + g, &w0, &w1);
-            d = fp16_to_f32(r8[g].d);
-        }
-        a0 = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[g]), dot16(w0, w1, qx + g * 32), a0);
-        a1 = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[r1 * G + g]), dot16(w0, w1, qx + r1 * K + g * 32), a1);
-        a2 = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[r2 * G + g]), dot16(w0, w1, qx + r2 * K + g * 32), a2);
-        a3 = _mm256_fmadd_ps(_mm256_set1_ps(d * dx[r3 * G + g]), dot16(w0, w1, qx + r3 * K + g * 32), a3);
+    switch (R) {  // a constant row count per call: no dummy rows computed, accumulators kept in registers
+        case 2: rows_q16(row_ptr, is_q4, qx, dx, sx, K, G, out, 2); return;
+        case 3: rows_q16(row_ptr, is_q4, qx, dx, sx, K, G, out, 3); return;
+        default: rows_q16(row_ptr, is_q4, qx, dx, sx, K, G, out, 4); return;
     }
-    const float res[4] = {hsum256(a0) + m0, hsum256(a1) + m1, hsum256(a2) + m2, hsum256(a3) + m3};
-    for (int r = 0; r < R; r++) out[r] = res[r];
 #else
     for (int r = 0; r < R; r++) {
         float acc = 0.f, mt = 0.f;
