@@ -1,4 +1,6 @@
-"""Small C kernels for decode on CPU (paged attention, batch-1 matrix-vector), built on first use with cc.
+"""Small C kernels for decode on CPU, built on first use with cc: paged decode attention, the batch-1 float32
+matrix-vector product, the Q8_0 / Q4_1 block matmuls of quantised layers (models/quant.py) and a whole decoder step
+in one call (models/fused_decode.py).
 
 torch has no paged attention on CPU: the portable path gathers each request's KV blocks into a contiguous copy before
 attending, which at large batch moves the KV cache through memory three times per step. The kernel reads the cache
