@@ -78,9 +78,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--quantization",
         choices=("none", "auto", "int8", "int4"),
-        default=None,
-        help="weights of both omnivox systems (as `omnivox serve --quantization`): auto serves a GGUF at its own "
-        "bit widths; default: float",
+        default="auto",
+        help="weights of both omnivox systems, as `omnivox serve --quantization` (whose default is also auto: a GGUF "
+        "at its own bit widths on CPU, float elsewhere); none = float",
     )
     ap.add_argument(
         "--threads",
@@ -151,7 +151,7 @@ def make_systems(
                     address=args.address,
                     server_args=[
                         *("--dtype", args.dtype, "--device", args.device, "--threads", str(args.threads)),
-                        *(("--quantization", args.quantization) if args.quantization else ()),
+                        *("--quantization", args.quantization),
                         *args.server_arg,
                     ],
                     log_path=args.out / "omnivox-server.log",
@@ -258,7 +258,7 @@ def run(args: argparse.Namespace) -> dict:
         "started": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "model": model,
         "dtype": args.dtype,
-        "quantization": args.quantization or "none",
+        "quantization": args.quantization,
         "machine": machine_description(args.device),
         "load_average_at_start": list(os.getloadavg()),
         "command": " ".join(sys.argv),
