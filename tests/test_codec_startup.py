@@ -83,3 +83,16 @@ def test_worker_measures_rates_and_sizes_new_streams(tmp_path):
     fixed = DecodeWorker(decoder, sized_start=False)  # serve --speech-first-hop N: the options as given
     fixed.stats = stats
     assert fixed.startup_options() == decoder.options
+
+
+def test_speech_part_sizes_the_start_unless_options_are_given(tmp_path):
+    """`serve --speech-first-hop N` passes options: every stream starts with them; without, starts are sized."""
+    from omnivox.services.bundle import load_speech_part
+    from omnivox.services.defaults import save_random_speech_model
+
+    folder = save_random_speech_model(tmp_path / "speech", snac_config=dict(SNAC_24KHZ_CONFIG, encoder_dim=8,
+                                                                            decoder_dim=64))  # fmt: skip
+    vocab = 200_000
+    assert load_speech_part(folder, vocab).worker.sized_start
+    fixed = load_speech_part(folder, vocab, options=StreamingOptions(first_hop_frames=1))
+    assert not fixed.worker.sized_start and fixed.worker.startup_options().first_hop_frames == 1
