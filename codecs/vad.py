@@ -7,13 +7,16 @@ Chunks of any size go in (`feed`); the remainder that does not fill a frame wait
 last voiced frame, each with the stream position at which it was decided (`decided_at`, for latency accounting).
 
 The thresholds, and why:
-- Noise floor: tracks the lower envelope of the frame energies. It falls at once to any quieter frame and rises by at
-  most FLOOR_RISE_IDLE_DB_PER_S (6 dB/s) between utterances, FLOOR_RISE_SPEECH_DB_PER_S (3 dB/s) inside one. Speech
-  has gaps (between words, stop closures) every few hundred ms that pull the floor straight back down, so the rise in
-  speech only matters for sound without dips: a steady noise or hum that got louder (a fan turned on) is learnt, and
-  the utterance it opened ends, within about 3 s per 9 dB. Frames under FLOOR_MIN_DBFS (-70 dBFS) leave the floor
-  where it is: digital silence (-inf, or -100 dBFS of dither) says nothing about the room, and following it down would
-  make the room's own noise count as speech when it comes back. The floor starts at the first frame's energy capped at
+- Noise floor: tracks the lower envelope of the frame energies. It falls fast, by at most FLOOR_FALL_DB_PER_FRAME
+  (3 dB per 30 ms frame: a 100 ms pause brings it down 9 dB, one odd quiet frame only 3 dB; measured: falling at
+  once, the single frame where espeak-ng's digital silence meets the room's -60 dBFS noise, at -69.7 dBFS, pulled
+  the floor 18 dB down, and the pause before the next sentence counted as speech). It rises by at most
+  FLOOR_RISE_IDLE_DB_PER_S (6 dB/s) between utterances, FLOOR_RISE_SPEECH_DB_PER_S (3 dB/s) inside one. Speech has
+  gaps (between words, stop closures) every few hundred ms that pull the floor back down, so the rise in speech only
+  matters for sound without dips: a steady noise or hum that got louder (a fan turned on) is learnt, and the
+  utterance it opened ends, within about 3 s per 9 dB. Frames under FLOOR_MIN_DBFS (-70 dBFS) leave the floor where
+  it is: digital silence (-inf, or -100 dBFS of dither) says nothing about the room, and following it down would make
+  the room's own noise count as speech when it comes back. The floor starts at the first frame's energy capped at
   INITIAL_FLOOR_DBFS (-45 dBFS), so speech from the very first frame (espeak-ng starts at sample 0; normal speech is
   -35 .. -15 dBFS) is still heard; the price: a stream that opens with steady noise louder than -33 dBFS is heard as
   speech for its first seconds, until the floor catches up.
@@ -42,6 +45,7 @@ FLOOR_MIN_DBFS = -70.0
 INITIAL_FLOOR_DBFS = -45.0
 FLOOR_RISE_IDLE_DB_PER_S = 6.0
 FLOOR_RISE_SPEECH_DB_PER_S = 3.0
+FLOOR_FALL_DB_PER_FRAME = 3.0
 START_MARGIN_DB = 12.0
 CONTINUE_MARGIN_DB = 6.0
 FRAME_MS = 30
@@ -77,6 +81,7 @@ class VadConfig:
     initial_floor_dbfs: float = INITIAL_FLOOR_DBFS
     floor_rise_idle_db_per_s: float = FLOOR_RISE_IDLE_DB_PER_S
     floor_rise_speech_db_per_s: float = FLOOR_RISE_SPEECH_DB_PER_S
+    floor_fall_db_per_frame: float = FLOOR_FALL_DB_PER_FRAME
 
     def __post_init__(self) -> None:
         if self.sample_rate <= 0 or self.frame_ms <= 0:
@@ -159,12 +164,12 @@ class VoiceActivityDetector:
             self.floor_db = max(c.floor_min_dbfs, min(energy, c.initial_floor_dbfs))
         margin = c.continue_margin_db if self.in_speech else c.start_margin_db
         voiced = energy >= self.floor_db + margin
-        # The floor: down at once, up slowly (slower inside an utterance). Frames under the minimum (digital silence,
+        # The floor: down fast, up slowly (slower inside an utterance). Frames under the minimum (digital silence,
         # a muted microphone, espeak-ng's gaps between words) say nothing about the room's noise: left out.
         if energy < c.floor_min_dbfs:
             pass
         elif energy < self.floor_db:
-            self.floor_db = energy
+            self.floor_db = max(energy, self.floor_db - c.floor_fall_db_per_frame)
         else:
             rise = self._rise_speech if self.in_speech or self._run else self._rise_idle
             self.floor_db += min(energy - self.floor_db, rise)

@@ -86,6 +86,15 @@ def test_click_and_steady_noise_are_not_speech():
     assert run(concat(quiet(1.0), np.zeros(RATE, np.float32), quiet(1.0, 2), noise(1.0, amp=0.002, seed=6))) == []
 
 
+def test_one_frame_between_digital_silence_and_room_noise_does_not_drag_the_floor():
+    # Speech, digital silence, then room noise starting 51 samples before a frame boundary: that frame is at about
+    # -70 dBFS. Falling to it at once, the floor would put the room noise 10 dB above it: "speech" for the whole pause.
+    head = concat(quiet(1.0), tone(1.0, amp=0.2))
+    noise_at = (len(head) + 4800) // FRAME * FRAME + FRAME - 51
+    audio = concat(head, np.zeros(noise_at - len(head), np.float32), quiet(1.5, 2), tone(1.0, amp=0.2), quiet(1.0, 3))
+    assert len(spans(run(audio))) == 2
+
+
 def test_short_pause_stays_inside_the_utterance():
     # A 300 ms gap (between words) does not end the utterance; 800 ms (between sentences) does.
     word = tone(0.4, amp=0.2)
