@@ -86,16 +86,13 @@ def linear16(samples: np.ndarray) -> bytes:
     return float_to_int16(samples).astype("<i2").tobytes()
 
 
-def requests(samples: np.ndarray, chunk_s: float = 0.1, pace_s: float = 0.0, finalize_at: float | None = None,
-             **config):  # fmt: skip
+def requests(samples: np.ndarray, chunk_s: float = 0.1, pace_s: float = 0.0, **config):
     config.setdefault("model", "whisper")
     config.setdefault("sample_rate_hertz", RATE)
     yield transcription_pb2.StreamingTranscribeRequest(config=transcription_pb2.StreamingTranscriptionConfig(**config))
     data, step = linear16(samples), 2 * round(chunk_s * RATE)
     for at in range(0, len(data), step):
         yield transcription_pb2.StreamingTranscribeRequest(audio=data[at : at + step])
-        if finalize_at is not None and at <= finalize_at * RATE * 2 < at + step:
-            yield transcription_pb2.StreamingTranscribeRequest(finalize=True)
         if pace_s:
             time.sleep(pace_s)
 
