@@ -329,6 +329,9 @@ class Engine:
             try:
                 self.step()
                 getattr(self.model, "raise_if_broken", lambda: None)()  # a tensor-parallel rank lost: stop too
+                if self.last_step is not None and self.last_step.plan.is_empty:  # all wait on encoders: no spinning
+                    with self._cond:  # (191,972 empty steps in one short transcription stole the encoder's CPU)
+                        self._cond.wait(0.002)
             except Exception as exc:  # crash-only: after a step that raised, no state here can be trusted
                 log.exception("engine step failed: every request fails and the engine stops")
                 self._fail_all(exc)
