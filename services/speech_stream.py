@@ -35,6 +35,7 @@ from omnivox.services.errors import FieldViolation
 from omnivox.services.generation import seconds_to_duration
 from omnivox.services.metrics import SpeechStreamMetrics
 from omnivox.services.speech_validation import invalid, validate_speech
+from omnivox.services.streaming_transcription import next_item
 from omnivox.v1 import content_pb2, generation_pb2, speech_pb2
 
 if TYPE_CHECKING:
@@ -196,22 +197,6 @@ async def streaming_synthesize(
             )
             tasks = [asyncio.create_task(read()), asyncio.create_task(produce())]
 
-            async def next_chunk():
-                """The next item of the audio queue; a failed reader or producer ends the call with its error."""
-                getter = asyncio.ensure_future(stream.chunks.get())
-                try:
-                    while True:
-                        pending = [t for t in tasks if not t.done()]
-                        await asyncio.wait([getter, *pending], return_when=asyncio.FIRST_COMPLETED)
-                        for t in tasks:
-                            if t.done() and not t.cancelled() and t.exception() is not None:
-                                raise t.exception()  # type: ignore[misc]
-                        if getter.done():
-                            return getter.result()
-                finally:
-                    if not getter.done():
-                        getter.cancel()
-
             codec_samples = 0  # handed to the encoder so far (codec rate)
             started = 0  # clauses whose first audio was sent
 
@@ -228,7 +213,7 @@ async def streaming_synthesize(
                     speech_pb2.StreamingSynthesizeSpeechResponse(audio=speech_pb2.AudioChunk(data=data))
                 )
 
-            while (item := await next_chunk()) is not END:
+            while (item := await next_item(stream.chunks, tasks)) is not END:
                 if isinstance(item, BaseException):
                     raise item
                 codec_samples += len(item)

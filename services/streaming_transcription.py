@@ -299,7 +299,7 @@ async def streaming_transcribe(
     with model.admit():
         tasks = [asyncio.create_task(stream.read(requests)), asyncio.create_task(stream.run_finals())]
         try:
-            while (item := await _next(stream.out, tasks)) is not None:
+            while (item := await next_item(stream.out, tasks)) is not None:
                 if isinstance(item, Exception):
                     raise item
                 await context.write(item)
@@ -323,8 +323,9 @@ async def streaming_transcribe(
     await context.write(Response(summary=summary))
 
 
-async def _next(queue: asyncio.Queue, tasks: list[asyncio.Task]):
-    """The queue's next item; a failed task (reader, finals, or a pass) ends the call with its error."""
+async def next_item(queue: asyncio.Queue, tasks: list[asyncio.Task]):
+    """The queue's next item; a failed task (a reader, a producer, a pass) ends the call with its error (both
+    bidirectional streams: StreamingTranscribe and StreamingSynthesizeSpeech)."""
     getter = asyncio.ensure_future(queue.get())
     try:
         while True:
