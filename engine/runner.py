@@ -13,6 +13,7 @@ import torch
 
 from omnivox.engine.scheduler import ScheduledChunk, SchedulePlan
 from omnivox.engine.static_decode import StaticDecoder
+from omnivox.engine.transfer import to_device
 from omnivox.models.attention import (
     AttentionMetadata,
     PrefillChunk,
@@ -172,7 +173,7 @@ class ModelRunner:
                     embed_vals.append(seg.embeds()[lo - seg.start : hi - seg.start])
             if k >= len(singles):
                 slot_parts.append(self._slots(req.block_table, c.start, c.end))
-                table = torch.tensor(req.block_table[: -(-c.end // bs)], device=dev)
+                table = to_device(req.block_table[: -(-c.end // bs)], dev, torch.long)
                 prefills.append(PrefillChunk(row, c.num_tokens, c.end, table))
             row += c.num_tokens
 
@@ -185,18 +186,18 @@ class ModelRunner:
             for i, c in enumerate(singles):
                 bt = c.request.block_table[:max_blocks]
                 table[i, : len(bt)] = torch.tensor(bt)
-            decode_tables = table.to(dev)
+            decode_tables = to_device(table, dev)
             lens_t = torch.tensor(lens)
             span = torch.arange(max_blocks * bs)
-            decode_mask = (span[None, :] < lens_t[:, None]).view(nd, 1, 1, -1).to(dev)
-            decode_lens = lens_t.to(dev)
+            decode_mask = to_device((span[None, :] < lens_t[:, None]).view(nd, 1, 1, -1), dev)
+            decode_lens = to_device(lens_t, dev)
             last = lens_t - 1  # each decode token's own slot
             own = table.gather(1, (last // bs).unsqueeze(1)).squeeze(1) * bs + last % bs
             slot_parts.insert(0, own)
 
         meta = AttentionMetadata(
             block_size=bs,
-            slot_mapping=torch.cat(slot_parts).to(dev),
+            slot_mapping=to_device(torch.cat(slot_parts), dev),
             num_decode=nd,
             decode_block_tables=decode_tables,
             decode_mask=decode_mask,
@@ -206,9 +207,9 @@ class ModelRunner:
         if nd and self.use_flex:
             rows = max(nd, self.max_num_seqs)  # one compiled shape for every step
             meta.decode_block_mask = paged_block_mask(decode_tables, decode_lens, bs, self.num_cache_blocks, rows)
-        input_ids = torch.tensor(ids, device=dev)
-        positions = torch.cat(pos, dim=-1).to(dev)
-        rows = torch.cat(embed_rows).to(dev) if embed_rows else None
+        input_ids = to_device(ids, dev, torch.long)
+        positions = to_device(torch.cat(pos, dim=-1), dev)
+        rows = to_device(torch.cat(embed_rows), dev) if embed_rows else None
         vals = torch.cat([v.to(dev) for v in embed_vals]) if embed_vals else None
         if cross_attends:
             hidden = self.model(input_ids, positions, self.kv_caches, meta, rows, vals, cross=cross)
@@ -223,5 +224,5 @@ class ModelRunner:
             logit_rows.extend(range(row - c.num_verify, row))
         logits = None
         if sampling:
-            logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(logit_rows, device=dev)))
+            logits = self.model.compute_logits(hidden.index_select(0, to_device(logit_rows, dev, torch.long)))
         return logits, sampling
