@@ -2,7 +2,9 @@
 
 Text is released only when it is final: never half of a multi-byte character (a byte-level token sequence can end
 inside an emoji or a CJK character; the tokenizer then renders U+FFFD, and we wait for the next token), and never the
-start of what may still become a stop string (up to len(longest stop) - 1 characters are held back).
+start of what may still become a stop string: only the longest tail of the text that some stop string starts with
+is held back (at most len(longest stop) - 1 characters), so with stop=["\n\n"] a delta still ends where its token
+does unless that token ended in a newline.
 """
 
 from __future__ import annotations
@@ -54,10 +56,18 @@ class IncrementalDetokenizer:
 
     def take(self, final: bool) -> str:
         """The text that became final since the last call (all of it once the request has finished)."""
-        end = len(self.text) if final or not self.stop else max(self.released, len(self.text) - self.hold)
+        end = len(self.text) if final or not self.stop else max(self.released, len(self.text) - self._held())
         delta = self.text[self.released : end]
         self.released = end
         return delta
+
+    def _held(self) -> int:
+        """Characters at the end of the text that a stop string starts with (they may still become one)."""
+        for n in range(min(self.hold, len(self.text) - self.released), 0, -1):
+            tail = self.text[-n:]
+            if any(s.startswith(tail) for s in self.stop):
+                return n
+        return 0
 
     @property
     def released_text(self) -> str:

@@ -53,3 +53,22 @@ def test_stop_string_included_when_asked(tokenizer):
         if detok.add(t):
             break
     assert detok.take(final=True) == TEXT[: TEXT.index("日本") + 2]
+
+
+def test_only_a_possible_stop_start_is_held_back(tokenizer):
+    # A delta ends where its token does unless the text's tail could still begin a stop string (the old rule held
+    # back len(stop) - 1 characters always: with stop "\n\n" every delta lagged one character behind its token).
+    text = "Hello there.\nGood day\n\nbye"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, [1], stop=["\n\n", "xyz"], include_stop=False, skip_special_tokens=True)
+    released = ""
+    for t in ids:
+        hit = detok.add(t)
+        released += detok.take(final=hit)
+        if hit:
+            break
+        tail = detok.text[len(released) :]
+        assert tail == "" or any(s.startswith(tail) for s in ["\n\n", "xyz"])
+        if not detok.text.endswith(("\n", "x", "xy")):
+            assert released == detok.text
+    assert released == "Hello there.\nGood day"
