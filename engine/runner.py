@@ -13,7 +13,7 @@ import torch
 
 from omnivox.engine.scheduler import ScheduledChunk, SchedulePlan
 from omnivox.engine.static_decode import StaticDecoder
-from omnivox.engine.transfer import to_device
+from omnivox.engine.transfer import DeviceStaging
 from omnivox.models.attention import (
     AttentionMetadata,
     PrefillChunk,
@@ -52,6 +52,7 @@ class ModelRunner:
         if decode_attention not in ("flex", "native"):
             raise ValueError(f"decode_attention must be 'flex' or 'native', got {decode_attention!r}")
         self.use_flex = decode_attention == "flex"
+        self.staging = DeviceStaging(self.device)  # the dynamic path's int64 inputs: one host-to-device copy a step
         # One block past the pool's: the scratch block that padded rows of static decode steps write to.
         shape = ((num_blocks + 1) * block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [
@@ -155,7 +156,8 @@ class ModelRunner:
         slot_parts: list[torch.Tensor] = []
         embed_rows: list[torch.Tensor] = []
         embed_vals: list[torch.Tensor] = []
-        prefills: list[PrefillChunk] = []
+        prefill_spans: list[tuple[int, int, int]] = []  # (first row, rows, context length) per multi-token chunk
+        prefill_tables: list[torch.Tensor] = []
         cross: list[tuple[int, int, torch.Tensor]] = []  # encoder-decoder: (first row, rows, cross K/V) per chunk
         row = 0
         for k, c in enumerate(chunks):
@@ -173,48 +175,22 @@ class ModelRunner:
                     embed_vals.append(seg.embeds()[lo - seg.start : hi - seg.start])
             if k >= len(singles):
                 slot_parts.append(self._slots(req.block_table, c.start, c.end))
-                table = to_device(req.block_table[: -(-c.end // bs)], dev, torch.long)
-                prefills.append(PrefillChunk(row, c.num_tokens, c.end, table))
+                prefill_tables.append(torch.tensor(req.block_table[: -(-c.end // bs)], dtype=torch.long))
+                prefill_spans.append((row, c.num_tokens, c.end))
             row += c.num_tokens
 
         nd = len(singles)
-        decode_tables = decode_mask = decode_lens = None
+        decode_parts: list[torch.Tensor] = []
         if nd:
             lens = [c.end for c in singles]
             max_blocks = -(-max(lens) // bs)
-            table = torch.zeros(nd, max_blocks, dtype=torch.long)
-            for i, c in enumerate(singles):
-                bt = c.request.block_table[:max_blocks]
-                table[i, : len(bt)] = torch.tensor(bt)
-            decode_tables = to_device(table, dev)
-            lens_t = torch.tensor(lens)
-            span = torch.arange(max_blocks * bs)
-            decode_mask = to_device((span[None, :] < lens_t[:, None]).view(nd, 1, 1, -1), dev)
-            decode_lens = to_device(lens_t, dev)
+            padded = [bt + [0] * (max_blocks - len(bt)) for bt in (c.request.block_table[:max_blocks] for c in singles)]
+            table = torch.tensor(padded, dtype=torch.long)  # [nd, max_blocks]
+            lens_t = torch.tensor(lens, dtype=torch.long)
             last = lens_t - 1  # each decode token's own slot
             own = table.gather(1, (last // bs).unsqueeze(1)).squeeze(1) * bs + last % bs
             slot_parts.insert(0, own)
-
-        meta = AttentionMetadata(
-            block_size=bs,
-            slot_mapping=to_device(torch.cat(slot_parts), dev),
-            num_decode=nd,
-            decode_block_tables=decode_tables,
-            decode_mask=decode_mask,
-            decode_lens=decode_lens,
-            prefills=prefills,
-        )
-        if nd and self.use_flex:
-            rows = max(nd, self.max_num_seqs)  # one compiled shape for every step
-            meta.decode_block_mask = paged_block_mask(decode_tables, decode_lens, bs, self.num_cache_blocks, rows)
-        input_ids = to_device(ids, dev, torch.long)
-        positions = to_device(torch.cat(pos, dim=-1), dev)
-        rows = to_device(torch.cat(embed_rows), dev) if embed_rows else None
-        vals = torch.cat([v.to(dev) for v in embed_vals]) if embed_vals else None
-        if cross_attends:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, rows, vals, cross=cross)
-        else:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, rows, vals)
+            decode_parts = [table, lens_t]
 
         sampling = [c for c in chunks if c.samples]
         logit_rows: list[int] = []
@@ -222,7 +198,46 @@ class ModelRunner:
         for c in chunks:
             row += c.num_tokens
             logit_rows.extend(range(row - c.num_verify, row))
+        # Every int64 input of the step goes up in one copy (pinned and non-blocking on CUDA).
+        staged = iter(
+            self.staging(
+                [
+                    torch.tensor(ids, dtype=torch.long),
+                    torch.cat(pos, dim=-1).long(),
+                    torch.cat(slot_parts),
+                    torch.tensor(logit_rows, dtype=torch.long),
+                    *decode_parts,
+                    *prefill_tables,
+                    *([torch.cat(embed_rows)] if embed_rows else []),
+                ]
+            )
+        )
+        input_ids, positions, slot_mapping, logit_index = next(staged), next(staged), next(staged), next(staged)
+        decode_tables = decode_mask = decode_lens = None
+        if nd:
+            decode_tables, decode_lens = next(staged), next(staged)
+            span = torch.arange(decode_tables.shape[1] * bs, device=dev)
+            decode_mask = (span[None, :] < decode_lens[:, None]).view(nd, 1, 1, -1)
+        prefills = [PrefillChunk(*s, next(staged)) for s in prefill_spans]
+        rows = next(staged) if embed_rows else None
+        meta = AttentionMetadata(
+            block_size=bs,
+            slot_mapping=slot_mapping,
+            num_decode=nd,
+            decode_block_tables=decode_tables,
+            decode_mask=decode_mask,
+            decode_lens=decode_lens,
+            prefills=prefills,
+        )
+        if nd and self.use_flex:
+            n_rows = max(nd, self.max_num_seqs)  # one compiled shape for every step
+            meta.decode_block_mask = paged_block_mask(decode_tables, decode_lens, bs, self.num_cache_blocks, n_rows)
+        vals = torch.cat([v.to(dev) for v in embed_vals]) if embed_vals else None
+        if cross_attends:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, rows, vals, cross=cross)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, rows, vals)
         logits = None
         if sampling:
-            logits = self.model.compute_logits(hidden.index_select(0, to_device(logit_rows, dev, torch.long)))
+            logits = self.model.compute_logits(hidden.index_select(0, logit_index))
         return logits, sampling

@@ -54,3 +54,43 @@ class HostTransfer:
         done.record(torch.cuda.current_stream(flat.device))
         done.synchronize()  # the only wait of the step: for the sampler's last kernel and this copy
         return host.tolist()
+
+
+class DeviceStaging:
+    """The small int64 tensors of a step (token ids, positions, KV slots, block tables, lengths, row indices) sent to
+    the device in one copy: packed on the host into one buffer (persistent and pinned on CUDA), copied with a single
+    non-blocking copy, and handed back as views of one device tensor, each in its original shape. A step built from
+    eight separate tensors would make eight copies (vLLM's input batch and nano-vllm's `prepare_*` keep the same
+    one-buffer habit). On the CPU the packed tensor is split directly: the CPU tests run this very packing."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self._pinned: torch.Tensor | None = None  # int64, grown to the largest step seen (CUDA only)
+        self._copied: torch.cuda.Event | None = None  # the last copy out of the pinned buffer (it is reused)
+        self.num_copies = 0  # host-to-device copies made (tests count them)
+
+    def __call__(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        for p in parts:
+            if p.dtype != torch.long or p.device.type != "cpu":
+                raise TypeError(f"staging takes int64 host tensors, got {p.dtype} on {p.device}")
+        if not parts:
+            return []
+        sizes = [p.numel() for p in parts]
+        flats = [p.reshape(-1) for p in parts]
+        self.num_copies += 1
+        if self.device.type != "cuda":
+            flat = torch.cat(flats)
+        else:
+            n = sum(sizes)
+            if self._copied is not None:
+                self._copied.synchronize()  # queued before the previous forward pass: long done in the steady state
+            if self._pinned is None or self._pinned.numel() < n:
+                size = n if self._pinned is None else max(n, 2 * self._pinned.numel())
+                self._pinned = torch.empty(size, dtype=torch.long, pin_memory=True)
+            host = self._pinned[:n]
+            torch.cat(flats, out=host)
+            flat = torch.empty(n, dtype=torch.long, device=self.device)
+            flat.copy_(host, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record(torch.cuda.current_stream(self.device))
+        return [v.view(p.shape) for v, p in zip(flat.split(sizes), parts, strict=True)]
