@@ -21,11 +21,11 @@ from itertools import islice
 
 import torch
 
+from omnivox.engine.logit_filters import NEG_INF, apply_top_k_top_p_min_p, counts_among, filters_of, token_counts
 from omnivox.engine.outputs import TokenLogprob
 from omnivox.engine.request import Request
 from omnivox.engine.transfer import HostTransfer, take_rows, to_device
 
-NEG_INF = float("-inf")
 log = logging.getLogger(__name__)
 
 
@@ -102,36 +102,6 @@ def _apply_masks(logits: torch.Tensor, masked: list[tuple[int, torch.Tensor]]) -
         logits[i].masked_fill_(~m, NEG_INF)
 
 
-def apply_top_k_top_p_min_p(
-    logits: torch.Tensor,  # [B, V], already divided by temperature
-    top_k: torch.Tensor | None,  # [B] int, 0 = off
-    top_p: torch.Tensor | None,  # [B] float, 1 = off
-    min_p: torch.Tensor | None,  # [B] float, 0 = off
-) -> torch.Tensor:
-    """Set every token outside the kept support to -inf. Top-k keeps the k largest logits (ties at the k-th value
-    are kept); top-p keeps the smallest set of most likely tokens whose probability reaches p; min-p keeps tokens
-    whose probability is at least min_p times the most likely one's."""
-    if top_k is not None or top_p is not None:
-        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-        remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
-        vocab = logits.shape[-1]
-        if top_k is not None:
-            k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
-            kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))  # [B, 1]
-            remove |= sorted_logits < kth
-        if top_p is not None:
-            probs = sorted_logits.masked_fill(remove, NEG_INF).softmax(dim=-1)
-            before = probs.cumsum(dim=-1) - probs  # probability mass of strictly more likely tokens
-            remove |= before >= top_p.unsqueeze(1)
-            remove[:, 0] = False
-        logits = logits.masked_fill(remove.scatter(1, sorted_idx, remove), NEG_INF)
-    if min_p is not None:
-        probs = logits.softmax(dim=-1)
-        threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
-        logits = logits.masked_fill(probs < threshold, NEG_INF)
-    return logits
-
-
 class Sampler:
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
@@ -197,7 +167,7 @@ class Sampler:
             dev = logits.device
             temp = to_device([reqs[i].params.temperature for i in sampled], dev)[:, None]
             rows = [reqs[i] for i in sampled]
-            filtered = apply_top_k_top_p_min_p(take_rows(logits, sampled) / temp, *_filters(rows, dev))
+            filtered = apply_top_k_top_p_min_p(take_rows(logits, sampled) / temp, *filters_of(rows, dev))
             logits.index_copy_(0, to_device(sampled, dev, torch.long), filtered)
         return logits.softmax(dim=-1)
 
@@ -276,8 +246,8 @@ class Sampler:
 
         def counts_of(id_lists: list[list[int]]) -> torch.Tensor:
             if cand is None:
-                return _counts(id_lists, len(rows), vocab, dev)  # [R, V]
-            return _counts_among(id_lists, take_rows(cand, rows))  # [R, K]
+                return token_counts(id_lists, len(rows), vocab, dev)  # [R, V]
+            return counts_among(id_lists, take_rows(cand, rows))  # [R, K]
 
         # Which penalties apply is read from the host values: `(t != 0).any()` on a device tensor waits for the GPU.
         params = [reqs[i].params for i in rows]
@@ -299,7 +269,7 @@ class Sampler:
         dev = logits.device
         temp = to_device([r.params.temperature for r in reqs], dev).unsqueeze(1)
         logits = logits / temp
-        logits = apply_top_k_top_p_min_p(logits, *_filters(reqs, dev))
+        logits = apply_top_k_top_p_min_p(logits, *filters_of(reqs, dev))
         probs = logits.softmax(dim=-1)
         unseeded = [j for j, r in enumerate(reqs) if r.generator is None]
         if len(unseeded) == len(reqs):
@@ -313,44 +283,3 @@ class Sampler:
             if r.generator is not None:  # exactly this row's own number of draws, whatever shares the batch
                 noise[j, : sizes[j]].exponential_(generator=r.generator)
         return (probs / noise).argmax(dim=-1)
-
-
-def _filters(reqs: list, dev: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Per-row top-k, top-p and min-p tensors, each None when no row uses that filter."""
-    top_k = top_p = min_p = None
-    if any(r.params.top_k > 0 for r in reqs):
-        top_k = to_device([r.params.top_k for r in reqs], dev)
-    if any(r.params.top_p < 1.0 for r in reqs):
-        top_p = to_device([r.params.top_p for r in reqs], dev)
-    if any(r.params.min_p > 0.0 for r in reqs):
-        min_p = to_device([r.params.min_p for r in reqs], dev)
-    return top_k, top_p, min_p
-
-
-def _counts(id_lists: list[list[int]], rows: int, vocab: int, device: torch.device) -> torch.Tensor:
-    """[rows, vocab] float counts of each token id per row."""
-    counts = torch.zeros(rows, vocab + 1, device=device)
-    longest = max((len(x) for x in id_lists), default=0)
-    if longest:
-        padded = torch.full((rows, longest), vocab, dtype=torch.long)
-        for i, ids in enumerate(id_lists):
-            if ids:
-                padded[i, : len(ids)] = torch.tensor(ids)
-        padded = to_device(padded, device)
-        counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
-    return counts[:, :vocab]
-
-
-def _counts_among(id_lists: list[list[int]], cand: torch.Tensor) -> torch.Tensor:
-    """[rows, K] counts of each row's candidate ids (cand [rows, K], ascending per row) in that row's id list."""
-    counts = torch.zeros(cand.shape, device=cand.device)
-    longest = max((len(x) for x in id_lists), default=0)
-    if longest:  # all rows at once, and no host sync (a miss adds 0.0 where `int(hit.sum())` waited for the GPU)
-        padded = torch.full((len(id_lists), longest), -1, dtype=torch.long)  # -1: never a candidate
-        for i, ids in enumerate(id_lists):
-            if ids:
-                padded[i, : len(ids)] = torch.tensor(ids)
-        ids_t = to_device(padded, cand.device)  # [rows, L]
-        pos = torch.searchsorted(cand, ids_t).clamp(max=cand.shape[1] - 1)  # [rows, L]
-        counts.scatter_add_(1, pos, (cand.gather(1, pos) == ids_t).to(counts.dtype))
-    return counts

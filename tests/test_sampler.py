@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from omnivox.engine.sampler import apply_top_k_top_p_min_p
+from omnivox.engine.logit_filters import apply_top_k_top_p_min_p
 
 # Probabilities 0.4, 0.25, 0.15, 0.1, 0.06, 0.04 (token ids shuffled so that order is not index order).
 PROBS = torch.tensor([0.1, 0.4, 0.04, 0.25, 0.06, 0.15])

@@ -1,0 +1,82 @@
+"""Row-wise pieces of sampling that see only a logits tensor and token ids: the top-k / top-p / min-p filters and the
+token counts the penalties read. The sampler (engine/sampler.py) composes them; speculative verification reuses the
+filters through `Sampler.distributions`."""
+
+from __future__ import annotations
+
+import torch
+
+from omnivox.engine.transfer import to_device
+
+NEG_INF = float("-inf")
+
+
+def apply_top_k_top_p_min_p(
+    logits: torch.Tensor,  # [B, V], already divided by temperature
+    top_k: torch.Tensor | None,  # [B] int, 0 = off
+    top_p: torch.Tensor | None,  # [B] float, 1 = off
+    min_p: torch.Tensor | None,  # [B] float, 0 = off
+) -> torch.Tensor:
+    """Set every token outside the kept support to -inf. Top-k keeps the k largest logits (ties at the k-th value
+    are kept); top-p keeps the smallest set of most likely tokens whose probability reaches p; min-p keeps tokens
+    whose probability is at least min_p times the most likely one's."""
+    if top_k is not None or top_p is not None:
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+        remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        vocab = logits.shape[-1]
+        if top_k is not None:
+            k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+            kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))  # [B, 1]
+            remove |= sorted_logits < kth
+        if top_p is not None:
+            probs = sorted_logits.masked_fill(remove, NEG_INF).softmax(dim=-1)
+            before = probs.cumsum(dim=-1) - probs  # probability mass of strictly more likely tokens
+            remove |= before >= top_p.unsqueeze(1)
+            remove[:, 0] = False
+        logits = logits.masked_fill(remove.scatter(1, sorted_idx, remove), NEG_INF)
+    if min_p is not None:
+        probs = logits.softmax(dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+        logits = logits.masked_fill(probs < threshold, NEG_INF)
+    return logits
+
+
+def filters_of(reqs: list, dev: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Per-row top-k, top-p and min-p tensors, each None when no row uses that filter."""
+    top_k = top_p = min_p = None
+    if any(r.params.top_k > 0 for r in reqs):
+        top_k = to_device([r.params.top_k for r in reqs], dev)
+    if any(r.params.top_p < 1.0 for r in reqs):
+        top_p = to_device([r.params.top_p for r in reqs], dev)
+    if any(r.params.min_p > 0.0 for r in reqs):
+        min_p = to_device([r.params.min_p for r in reqs], dev)
+    return top_k, top_p, min_p
+
+
+def token_counts(id_lists: list[list[int]], rows: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """[rows, vocab] float counts of each token id per row."""
+    counts = torch.zeros(rows, vocab + 1, device=device)
+    longest = max((len(x) for x in id_lists), default=0)
+    if longest:
+        padded = torch.full((rows, longest), vocab, dtype=torch.long)
+        for i, ids in enumerate(id_lists):
+            if ids:
+                padded[i, : len(ids)] = torch.tensor(ids)
+        padded = to_device(padded, device)
+        counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
+    return counts[:, :vocab]
+
+
+def counts_among(id_lists: list[list[int]], cand: torch.Tensor) -> torch.Tensor:
+    """[rows, K] counts of each row's candidate ids (cand [rows, K], ascending per row) in that row's id list."""
+    counts = torch.zeros(cand.shape, device=cand.device)
+    longest = max((len(x) for x in id_lists), default=0)
+    if longest:  # all rows at once, and no host sync (a miss adds 0.0 where `int(hit.sum())` waited for the GPU)
+        padded = torch.full((len(id_lists), longest), -1, dtype=torch.long)  # -1: never a candidate
+        for i, ids in enumerate(id_lists):
+            if ids:
+                padded[i, : len(ids)] = torch.tensor(ids)
+        ids_t = to_device(padded, cand.device)  # [rows, L]
+        pos = torch.searchsorted(cand, ids_t).clamp(max=cand.shape[1] - 1)  # [rows, L]
+        counts.scatter_add_(1, pos, (cand.gather(1, pos) == ids_t).to(counts.dtype))
+    return counts
