@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import time
+import wave
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -225,6 +226,8 @@ def test_cli_speak_writes_a_wav_file(server, tmp_path, capsys):
     assert main(["speak", "Hello there", "--voice", "tara", "-o", str(out), "--server", server.address]) == 0
     audio, rate = sf.read(out)
     assert rate == 24000 and len(audio) > 0
+    with wave.open(str(out)) as w:  # the streamed header's "unknown length" sizes were replaced by the real ones
+        assert w.getnframes() == len(audio)
     assert "real-time factor" in capsys.readouterr().err
     ogg = tmp_path / "hello.ogg"
     assert main(["speak", "Hi", "-o", str(ogg), "--sample-rate", "16000", "-q", "--server", server.address]) == 0

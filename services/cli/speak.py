@@ -138,4 +138,25 @@ def _run(args: argparse.Namespace) -> int:
         finally:
             if out is not sys.stdout.buffer:
                 out.close()
+    if args.output != "-":
+        _fix_wav_sizes(Path(args.output))
     return 0
+
+
+def _fix_wav_sizes(path: Path) -> None:
+    """Write the real RIFF and data sizes into a streamed WAV file's header.
+
+    The server streams WAV with "as long as the file" sizes (0xFFFFFFFF); soundfile copes, but Python's `wave` and
+    other readers then report two billion frames. A file on disk is seekable, so it gets the sizes it has.
+    """
+    if not path.is_file():
+        return
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        header = f.read(44)
+        if size < 44 or header[:4] != b"RIFF" or header[8:12] != b"WAVE" or header[36:40] != b"data":
+            return
+        f.seek(4)
+        f.write((size - 8).to_bytes(4, "little"))
+        f.seek(40)
+        f.write((size - 44).to_bytes(4, "little"))
