@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from omnivox.engine.request import Request
+from omnivox.engine.transfer import to_device
 
 NEG_INF = float("-inf")
 
@@ -114,29 +115,50 @@ def resolve(
     return accept, torch.where(accept, drafts, resampled)
 
 
-def verify(
-    probs: torch.Tensor,  # [k + 1, V] processed target distributions p_0..p_k (greedy rows: argmax is the token)
+@dataclass
+class _Draws:
+    """One request's verification, drawn on the device and read back with the step's other requests in one copy."""
+
+    drafts: list[int]
+    greedy: bool
+    offset: int  # greedy: its first row in the step's argmax picks; sampled: where its draws start in the copy
+    gen: torch.Generator | None = None
+    state: torch.Tensor | None = None  # gen's state before the bonus draw (restored when a draft is rejected)
+
+    def tokens(self, values: list[float]) -> list[int]:
+        """The tokens this request accepts: the accepted drafts, then one corrected or bonus token."""
+        k, o = len(self.drafts), self.offset
+        if self.greedy:  # values[o + j]: argmax p_j
+            picks = [int(v) for v in values[o : o + k + 1]]
+            n = next((j for j in range(k) if self.drafts[j] != picks[j]), k)
+            return self.drafts[:n] + [picks[n]]
+        accept, tokens, bonus = values[o : o + k], values[o + k : o + 2 * k], values[o + 2 * k]
+        n = next((j for j in range(k) if not accept[j]), k)
+        if n == k:
+            return self.drafts + [int(bonus)]
+        if self.gen is not None:  # the bonus draw was not needed: the generator continues as if never made
+            self.gen.set_state(self.state)
+        return self.drafts[:n] + [int(tokens[n])]
+
+
+def _draw_sampled(
+    probs: torch.Tensor,  # [k + 1, V] processed target distributions p_0..p_k
     drafts: list[int],  # k draft tokens
     q: torch.Tensor | None,  # [k, V] draft distributions, None = point masses
-    greedy: bool,
     gen: torch.Generator | None,
-) -> list[int]:
-    """The tokens one request accepts: the accepted drafts, then one corrected or bonus token."""
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """The rejection scheme's draws for one sampled request, on the device: [accepted k | token k | bonus 1], and the
+    generator's state before the bonus draw. The bonus is drawn before knowing whether every draft is accepted (that
+    would need a host read per request); a seeded request's generator is set back when it was not needed, so its
+    stream is the one it would be with the bonus drawn only when needed."""
     k = len(drafts)
-    if greedy:
-        picks = probs.argmax(dim=-1).tolist()
-        n = next((j for j in range(k) if drafts[j] != picks[j]), k)
-        return drafts[:n] + [picks[n]]
     dev = probs.device
     u = torch.rand(k, generator=gen, device=dev) if gen is not None else torch.rand(k, device=dev)
     noise = torch.empty_like(probs[:k]).exponential_(generator=gen)
-    accept, tokens = resolve(probs[:k], q, torch.tensor(drafts, device=dev), u, noise)
-    accept_l, tokens_l = accept.tolist(), tokens.tolist()
-    n = next((j for j in range(k) if not accept_l[j]), k)
-    if n < k:
-        return drafts[:n] + [tokens_l[n]]
+    accept, tokens = resolve(probs[:k], q, to_device(drafts, dev, torch.long), u, noise)
+    state = gen.get_state() if gen is not None else None
     bonus = (probs[k] / torch.empty_like(probs[k]).exponential_(generator=gen)).argmax()
-    return drafts + [int(bonus)]
+    return [accept, tokens, bonus], state
 
 
 class _FixedMask:
@@ -219,15 +241,26 @@ def verify_requests(
     if not views:
         return [None] * len(reqs)
     probs = sampler.distributions(torch.cat([c for c in cut if c is not None]), views)
-    results: list[list[int] | None] = []
+    # Everything the host needs goes down in one copy (the sampler's transfer): greedy picks for every row at once,
+    # then each sampled request's draws.
+    greedy = any(req.params.is_greedy for req, c in zip(reqs, cut, strict=True) if c is not None)
+    parts: list[torch.Tensor] = [probs.argmax(dim=-1)] if greedy else []
+    offset = probs.shape[0] if greedy else 0
+    pending: list[_Draws | None] = []
     spans_iter = iter(spans)
     for req, c, q in zip(reqs, cut, qs, strict=True):
         if c is None:
-            results.append(None)
+            pending.append(None)
             continue
         start, n = next(spans_iter)
+        drafts = req.draft_token_ids
+        if req.params.is_greedy:
+            pending.append(_Draws(drafts, True, start))
+            continue
         q_rows = q[: n - 1] if q is not None else None
-        results.append(
-            verify(probs[start : start + n], req.draft_token_ids, q_rows, req.params.is_greedy, req.generator)
-        )
-    return results
+        draws, state = _draw_sampled(probs[start : start + n], drafts, q_rows, req.generator)
+        pending.append(_Draws(drafts, False, offset, req.generator, state))
+        parts += draws
+        offset += 2 * len(drafts) + 1
+    values = sampler.transfer(parts)
+    return [d.tokens(values) if d is not None else None for d in pending]

@@ -196,3 +196,74 @@ def test_first_two_tokens_keep_their_distribution_at_temperature_1(spread):  # n
     ok, stat, limit = chi_square_ok(counts, joint)
     assert ok, (stat, limit)
     engine.check_integrity()
+
+
+def _drafted(i: int, params: SamplingParams, drafts: list[int], seed: int | None = None):
+    from omnivox.engine.request import Request
+
+    req = Request(f"v{i}", [3, 4, 5 + i], params, 32, (2,))
+    req.draft_token_ids = list(drafts)
+    req.generator = None if seed is None else torch.Generator().manual_seed(seed)
+    return req
+
+
+def test_verification_reads_the_host_once_per_step(monkeypatch):
+    """Greedy and sampled requests, with and without draft distributions, seeded or not: their verification reads
+    the device once in all (the sampler's transfer), not once per request."""
+    from omnivox.engine.sampler import Sampler
+    from omnivox.engine.speculative import verify_requests
+
+    V = 64
+    sampler = Sampler(V, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    q = torch.softmax(torch.randn(2, V, generator=g), -1)
+    reqs = [
+        _drafted(0, SamplingParams(temperature=0), [7, 8, 9]),
+        _drafted(1, SamplingParams(temperature=1.0, seed=3), [10, 11], seed=3),
+        _drafted(2, SamplingParams(temperature=0.8, top_p=0.9), [12, 13]),
+        _drafted(3, SamplingParams(temperature=0), [14]),
+    ]
+    rows = [torch.randn(len(r.draft_token_ids) + 1, V, generator=g) for r in reqs]
+    calls: dict[str, int] = {}
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _name=name, _original=original, **k):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _original(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    out = verify_requests(sampler, rows, reqs, [None, q, None, None])
+    monkeypatch.undo()
+    assert calls == {"tolist": 1} and sampler.transfer.num_copies == 1
+    for r, tokens, logits in zip(reqs, out, rows, strict=True):
+        assert 1 <= len(tokens) <= len(r.draft_token_ids) + 1 and tokens[:-1] == r.draft_token_ids[: len(tokens) - 1]
+        if r.params.is_greedy:  # greedy: the drafts that match the argmax, then the argmax
+            picks = logits.argmax(-1).tolist()
+            n = next((j for j, d in enumerate(r.draft_token_ids) if d != picks[j]), len(r.draft_token_ids))
+            assert tokens == r.draft_token_ids[:n] + [picks[n]]
+
+
+@pytest.mark.parametrize("accepted", [False, True])
+def test_seeded_stream_as_if_the_bonus_were_drawn_only_when_needed(accepted):
+    """The bonus token is drawn before the host knows whether every draft passed (one read per step); a seeded
+    request whose drafts were not all accepted gets its generator set back, so its stream (and every later token)
+    is what drawing the bonus only when needed gives."""
+    from omnivox.engine.sampler import Sampler
+    from omnivox.engine.speculative import verify_requests
+
+    V, k = 50, 3
+    logits = torch.randn(k + 1, V, generator=torch.Generator().manual_seed(1))
+    best = logits.argmax(-1).tolist()
+    logits[range(k + 1), best] += 200.0  # p is a point mass on the argmax (exp(-200) is 0 in float32)
+    drafts = best[:k] if accepted else [(best[0] + 1) % V, 0, 0]
+    req = _drafted(0, SamplingParams(temperature=1.0, seed=5), drafts, seed=5)
+    assert not req.params.is_greedy
+    (tokens,) = verify_requests(Sampler(V, torch.device("cpu")), [logits], [req], [None])
+    assert tokens == (best if accepted else best[:1])
+    ref = torch.Generator().manual_seed(5)
+    torch.rand(k, generator=ref)
+    torch.empty(k, V).exponential_(generator=ref)
+    if accepted:
+        torch.empty(V).exponential_(generator=ref)
+    assert torch.equal(req.generator.get_state(), ref.get_state())
