@@ -29,6 +29,7 @@ from omnivox.engine.scheduler import ScheduledChunk, SchedulePlan, Scheduler
 from omnivox.engine.speculative import AcceptanceGate, Proposal, Proposer, verify_requests
 from omnivox.engine.structured import GrammarMasks
 from omnivox.engine.transfer import take_rows
+from omnivox.engine.vocab_window import logit_window
 from omnivox.models.decoder import DecoderModel
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class EngineCore:
         self.runner = ModelRunner(
             model, num_blocks, block_size, param.device, param.dtype, max_num_seqs, static_decode=static_decode
         )
+        self.vocab_size = model.config.vocab_size
         self.sampler = Sampler(model.config.vocab_size, param.device)
         self.grammar_masks = GrammarMasks(model.config.vocab_size)  # filled while the model runs (structured.py)
         self.proposer = proposer
@@ -166,8 +168,9 @@ class EngineCore:
 
     def _run(self, plan: SchedulePlan, result: StepResult) -> None:
         try:
+            window = self._logit_window(plan)  # project only the vocabulary rows the samples can be (vocab_window.py)
             with self.grammar_masks.overlap(c.request for c in plan.chunks):
-                logits, sampling = self.runner.execute(plan)
+                logits, sampling = self.runner.execute(plan, window) if window else self.runner.execute(plan)
         except Exception:
             log.exception("engine step failed; failing the %d requests in it", len(plan.chunks))
             result.failed += [c.request for c in plan.chunks]
@@ -186,16 +189,27 @@ class EngineCore:
         spec = [(c, f) for c, f in zip(sampling, firsts, strict=True) if c.num_verify > 1]
         if plain:
             with torch.inference_mode():  # the sampler writes into the runner's logits, which are inference tensors
-                self._sample_plain(logits, plain, result)
+                self._sample_plain(logits, plain, result, window[0] if window else 0)
         if spec:
             self._verify(logits, spec, result)
 
-    def _sample_plain(self, logits: torch.Tensor, chunks: list[tuple[ScheduledChunk, int]], result: StepResult) -> None:
+    def _logit_window(self, plan: SchedulePlan) -> tuple[int, int] | None:
+        """The vocabulary rows this step's samples need (None: all); a step with drafts to verify needs them all."""
+        sampling = [c for c in plan.chunks if c.samples]
+        if any(c.num_verify > 1 for c in sampling):
+            return None
+        return logit_window([c.request for c in sampling], self.vocab_size)
+
+    def _sample_plain(
+        self, logits: torch.Tensor, chunks: list[tuple[ScheduledChunk, int]], result: StepResult, first_id: int = 0
+    ) -> None:
+        """first_id: the logits are a vocabulary window, column j being token first_id + j (0 with a full row)."""
         reqs = [c.request for c, _ in chunks]
         try:
             # Every step without drafts samples all rows in order: the logits themselves go in (the sampler writes
             # into them; nothing reads them after). With drafts in the step, the plain rows are copied out.
-            out = self.sampler(take_rows(logits, [f for _, f in chunks]), reqs)
+            rows = take_rows(logits, [f for _, f in chunks])
+            out = self.sampler(rows, reqs, first_id) if first_id else self.sampler(rows, reqs)
         except Exception:  # a sampler bug must not take the engine down: fail these requests, serve the rest
             log.exception("sampling failed; failing the %d requests it served", len(reqs))
             result.failed += reqs

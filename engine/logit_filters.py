@@ -53,8 +53,11 @@ def filters_of(reqs: list, dev: torch.device) -> tuple[torch.Tensor | None, torc
     return top_k, top_p, min_p
 
 
-def token_counts(id_lists: list[list[int]], rows: int, vocab: int, device: torch.device) -> torch.Tensor:
-    """[rows, vocab] float counts of each token id per row."""
+def token_counts(
+    id_lists: list[list[int]], rows: int, vocab: int, device: torch.device, first_id: int = 0
+) -> torch.Tensor:
+    """[rows, vocab] float counts of each token id per row; with `first_id`, of ids first_id..first_id+vocab-1 (a
+    vocabulary window: column j counts token first_id + j)."""
     counts = torch.zeros(rows, vocab + 1, device=device)
     longest = max((len(x) for x in id_lists), default=0)
     if longest:
@@ -62,6 +65,9 @@ def token_counts(id_lists: list[list[int]], rows: int, vocab: int, device: torch
         for i, ids in enumerate(id_lists):
             if ids:
                 padded[i, : len(ids)] = torch.tensor(ids)
+        if first_id:
+            padded -= first_id
+        padded = padded.masked_fill_((padded < 0) | (padded > vocab), vocab)  # outside the window: the spare column
         padded = to_device(padded, device)
         counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
     return counts[:, :vocab]

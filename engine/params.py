@@ -26,6 +26,8 @@ class TokenConstraint(Protocol):
 
     A constraint may also define `allowed_ids(output_token_ids) -> LongTensor | None`: the admitted ids, ascending.
     The sampler then works on those candidates alone (O(candidates) instead of O(vocabulary) per step).
+    With them, `allowed_span(output_token_ids) -> (lo, hi) | None` says that every admitted id lies in [lo, hi): a
+    step whose sampled rows all name one projects only the union of their spans (engine/vocab_window.py).
 
     A constraint may also define `adjust_logits(logits, output_token_ids) -> None`: it edits its row of logits ([V]
     float32, bias and mask applied) in place, on the device and without a host sync (e.g. Whisper's "a timestamp when

@@ -129,9 +129,12 @@ class ModelRunner:
         return slots[start - first * bs : end - first * bs]
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulePlan) -> tuple[torch.Tensor | None, list[ScheduledChunk]]:
+    def execute(
+        self, plan: SchedulePlan, window: tuple[int, int] | None = None
+    ) -> tuple[torch.Tensor | None, list[ScheduledChunk]]:
         """Run the plan; returns logits [R, vocab] (float32) and the chunks that sample, in row order: each sampling
-        chunk owns `num_verify` consecutive rows (the logits of its last num_verify positions)."""
+        chunk owns `num_verify` consecutive rows (the logits of its last num_verify positions). With `window`
+        (lo, hi) the logits are [R, hi - lo], of vocabulary rows lo..hi-1 only (engine/vocab_window.py)."""
         singles = [c for c in plan.decodes if c.num_tokens == 1]  # one token each: the decode attention path
         multis = [c for c in plan.decodes if c.num_tokens > 1] + plan.prefills  # chunks over a cached context
         mrope = any(c.request.rope_positions is not None for c in plan.chunks)
@@ -148,7 +151,7 @@ class ModelRunner:
                 [c.start for c in singles],
                 [c.request.block_table for c in singles],
             )
-            return logits, list(singles)
+            return (logits if window is None else logits[:, window[0] : window[1]]), list(singles)
         dev, bs = self.device, self.block_size
         chunks = singles + multis
         ids: list[int] = []
@@ -239,5 +242,6 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.kv_caches, meta, rows, vals)
         logits = None
         if sampling:
-            logits = self.model.compute_logits(hidden.index_select(0, logit_index))
+            last = hidden.index_select(0, logit_index)
+            logits = self.model.compute_logits(last) if window is None else self.model.compute_logits(last, window)
         return logits, sampling

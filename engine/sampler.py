@@ -90,9 +90,12 @@ def _adjust(logits: torch.Tensor, reqs: list, failed: list[int] | None) -> None:
             failed.append(i)
 
 
-def _apply_masks(logits: torch.Tensor, masked: list[tuple[int, torch.Tensor]]) -> None:
-    """Set what each row's mask forbids to -inf (masks [V] bool; host masks go to the device in one copy)."""
+def _apply_masks(logits: torch.Tensor, masked: list[tuple[int, torch.Tensor]], first_id: int = 0) -> None:
+    """Set what each row's mask forbids to -inf (masks [V] bool; host masks go to the device in one copy). Logits of a
+    vocabulary window (column j = token first_id + j) take the masks' columns of that window."""
     dev = logits.device
+    if masked and (first_id or logits.shape[1] < masked[0][1].shape[0]):
+        masked = [(i, m[first_id : first_id + logits.shape[1]]) for i, m in masked]
     moved = [(i, m) for i, m in masked if m.device == dev]
     host = [(i, m) for i, m in masked if m.device != dev]
     if host:
@@ -108,10 +111,13 @@ class Sampler:
         self.device = device
         self.transfer = HostTransfer()
 
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:  # logits [B, V] float32
+    def __call__(self, logits: torch.Tensor, reqs: list[Request], first_id: int = 0) -> SamplerOutput:
         """One token per row. Writes into `logits` (no copy: the engine passes rows it does not read again) and makes
-        one device-to-host copy in all (`HostTransfer`): ids, chosen logprobs and top-N together."""
-        self._apply_bias_and_bans(logits, reqs)
+        one device-to-host copy in all (`HostTransfer`): ids, chosen logprobs and top-N together.
+
+        logits: [B, V] float32, or [B, W] over a vocabulary window (column j = token first_id + j) that holds every
+        id the rows' constraints admit (engine/vocab_window.py); ids outside it are never drawn."""
+        self._apply_bias_and_bans(logits, reqs, first_id)
         candidates: list[torch.Tensor | None] = []
         failed: list[int] = []
         masked: list[tuple[int, torch.Tensor]] = []
@@ -131,14 +137,15 @@ class Sampler:
                     failed.append(i)
                     ids = None
             candidates.append(ids)
-        _apply_masks(logits, masked)
+        _apply_masks(logits, masked, first_id)
         _adjust(logits, reqs, failed)
         full = [i for i, c in enumerate(candidates) if c is None and i not in failed]
         compact = [i for i, c in enumerate(candidates) if c is not None and i not in failed]
         groups: list[tuple[list[int], _Drawn]] = []
         for rows, cands in ((full, None), (compact, [candidates[i] for i in compact])):
             if rows:
-                groups.append((rows, self._sample_group(take_rows(logits, rows), [reqs[i] for i in rows], cands)))
+                sub = take_rows(logits, rows)
+                groups.append((rows, self._sample_group(sub, [reqs[i] for i in rows], cands, first_id)))
         values = iter(self.transfer([t for _, g in groups for t in g.parts()]))
         tokens: list[int] = [0] * len(reqs)
         logprobs: list[TokenLogprob | None] = [None] * len(reqs)
@@ -171,9 +178,11 @@ class Sampler:
             logits.index_copy_(0, to_device(sampled, dev, torch.long), filtered)
         return logits.softmax(dim=-1)
 
-    def _sample_group(self, logits: torch.Tensor, reqs: list[Request], cands: list[torch.Tensor] | None) -> _Drawn:
-        """Draw one token per row of a group (all rows on the full vocabulary, or all compacted to candidates);
-        returns the draws on the device, read back by the caller's one transfer."""
+    def _sample_group(
+        self, logits: torch.Tensor, reqs: list[Request], cands: list[torch.Tensor] | None, first_id: int = 0
+    ) -> _Drawn:
+        """Draw one token per row of a group (all rows on the full vocabulary or window, or all compacted to
+        candidates); returns the draws on the device, read back by the caller's one transfer."""
         dev = logits.device
         cand = None
         sizes = [logits.shape[1]] * len(reqs)
@@ -181,10 +190,10 @@ class Sampler:
             sizes = [len(c) for c in cands]
             width = max(sizes)
             cand = to_device(torch.stack([torch.cat([c, c[-1:].expand(width - len(c))]) for c in cands]), dev)  # [R,K]
-            logits = logits.gather(1, cand)
+            logits = logits.gather(1, cand - first_id if first_id else cand)
             if min(sizes) < width:
                 logits.masked_fill_(torch.arange(width, device=dev)[None, :] >= to_device(sizes, dev)[:, None], NEG_INF)
-        self._apply_penalties(logits, reqs, cand)
+        self._apply_penalties(logits, reqs, cand, first_id)
 
         lp_rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         logprobs_all = take_rows(logits, lp_rows).log_softmax(dim=-1) if lp_rows else None
@@ -200,7 +209,7 @@ class Sampler:
             picked.index_copy_(0, g, logits.index_select(0, g).argmax(dim=-1))
             sub = self._sample(logits.index_select(0, s), [reqs[i] for i in sampled], [sizes[i] for i in sampled])
             picked.index_copy_(0, s, sub)
-        drawn = _Drawn(picked if cand is None else cand.gather(1, picked.unsqueeze(1)).squeeze(1), lp_rows)
+        drawn = _Drawn(picked + first_id if cand is None else cand.gather(1, picked.unsqueeze(1)).squeeze(1), lp_rows)
         if lp_rows:
             assert logprobs_all is not None
             top_n = max(reqs[i].params.logprobs for i in lp_rows)
@@ -208,22 +217,27 @@ class Sampler:
             drawn.chosen = logprobs_all.gather(1, lp_picked.unsqueeze(1)).squeeze(1)  # [L]
             if top_n:
                 drawn.top_vals, top_cols = logprobs_all.topk(min(top_n, logprobs_all.shape[1]), dim=-1)  # [L, n]
-                drawn.top_ids = top_cols if cand is None else take_rows(cand, lp_rows).gather(1, top_cols)
+                drawn.top_ids = top_cols + first_id if cand is None else take_rows(cand, lp_rows).gather(1, top_cols)
         return drawn
 
-    def _apply_bias_and_bans(self, logits: torch.Tensor, reqs: list[Request]) -> None:
+    def _apply_bias_and_bans(self, logits: torch.Tensor, reqs: list[Request], first_id: int = 0) -> None:
+        """Bans (-inf) and bias at vocabulary ids; over a window (column j = token first_id + j) ids outside it are
+        skipped: the rows' constraints forbid them anyway."""
+        width = logits.shape[1]
         bias_rows, bias_cols, bias_vals = [], [], []
         ban_rows, ban_cols = [], []
         for i, r in enumerate(reqs):
             p = r.params
             if p.logit_bias:
                 for tok, b in p.logit_bias.items():
-                    bias_rows.append(i)
-                    bias_cols.append(tok)
-                    bias_vals.append(float(b))
+                    if first_id <= tok < first_id + width:
+                        bias_rows.append(i)
+                        bias_cols.append(tok - first_id)
+                        bias_vals.append(float(b))
             if r.num_output_tokens < p.min_tokens and not getattr(r.constraint, "must_end", False):
                 # a finished grammar admits only EOS: it wins over min_tokens (engine/structured.py)
                 banned = list(p.stop_token_ids or ()) + ([] if p.ignore_eos else list(r.eos_token_ids))
+                banned = [t - first_id for t in banned if first_id <= t < first_id + width]
                 ban_rows += [i] * len(banned)
                 ban_cols += banned
         dev = logits.device
@@ -234,7 +248,9 @@ class Sampler:
             idx = (to_device(bias_rows, dev, torch.long), to_device(bias_cols, dev, torch.long))
             logits.index_put_(idx, to_device(bias_vals, dev), accumulate=True)
 
-    def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request], cand: torch.Tensor | None) -> None:
+    def _apply_penalties(
+        self, logits: torch.Tensor, reqs: list[Request], cand: torch.Tensor | None, first_id: int = 0
+    ) -> None:
         rows = [
             i
             for i, r in enumerate(reqs)
@@ -242,11 +258,11 @@ class Sampler:
         ]
         if not rows:
             return
-        dev, vocab = logits.device, self.vocab_size
+        dev = logits.device
 
         def counts_of(id_lists: list[list[int]]) -> torch.Tensor:
             if cand is None:
-                return token_counts(id_lists, len(rows), vocab, dev)  # [R, V]
+                return token_counts(id_lists, len(rows), logits.shape[1], dev, first_id)  # [R, V] (or [R, W])
             return counts_among(id_lists, take_rows(cand, rows))  # [R, K]
 
         # Which penalties apply is read from the host values: `(t != 0).any()` on a device tensor waits for the GPU.

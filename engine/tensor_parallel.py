@@ -122,12 +122,14 @@ class TensorParallelModel(nn.Module):
             send(msg, self._control)
             return self.shard(input_ids, positions, kv_caches, meta, *args, **kwargs)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, vocab] float32
+    def compute_logits(self, hidden: torch.Tensor, window: tuple[int, int] | None = None) -> torch.Tensor:
+        """[R, hidden] -> [R, vocab] float32 (every row on the workers; `window` (lo, hi) keeps columns lo..hi-1)."""
         with self._step():
             hidden = hidden.contiguous()
             send(Logits(hidden.shape[0]), self._control)
             dist.broadcast(hidden, src=0)
-            return self.shard.compute_logits(hidden)
+            logits = self.shard.compute_logits(hidden)
+            return logits if window is None else logits[:, window[0] : window[1]]
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         with self._step():

@@ -115,10 +115,16 @@ class DecoderModel(nn.Module):
             x = layer(x, rope, kv, meta)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
+    def compute_logits(self, hidden: torch.Tensor, window: tuple[int, int] | None = None) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32; with `window` (lo, hi) only the vocabulary rows lo..hi-1 are projected
+        ([N, hi - lo]: the sampler's candidates all lie there, engine/vocab_window.py)."""
+        lo, hi = window if window is not None else (0, self.config.vocab_size)
         if self.lm_head is None:  # tied: the embedding matrix is the output projection
-            return linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()  # Linear, or a quantised layer (models/quant.py)
+            return linear(hidden, self.embed_tokens.weight[lo:hi]).float()
+        if type(self.lm_head) is Linear:
+            bias = self.lm_head.bias[lo:hi] if self.lm_head.bias is not None else None
+            return linear(hidden, self.lm_head.weight[lo:hi], bias).float()
+        return self.lm_head(hidden)[:, lo:hi].float()  # a quantised layer (models/quant.py): every row, then the window
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (transformers names) into place, one at a time.

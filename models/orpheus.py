@@ -240,6 +240,8 @@ class SpeechTokenConstraint:
         # The same sets as id lists (4096 or 4097 of ~157k): a sampler may work on these logits alone.
         self._position_ids = [m.nonzero().flatten() for m in self._position_masks]
         self._boundary_ids = self._boundary_mask.nonzero().flatten()
+        self._position_spans = [(int(ids[0]), int(ids[-1]) + 1) for ids in self._position_ids]
+        self._boundary_span = (int(self._boundary_ids[0]), int(self._boundary_ids[-1]) + 1)
 
     def _at_boundary(self, n: int) -> bool:
         return n % self.layout.frame_size == 0 and n // self.layout.frame_size >= self.min_frames
@@ -252,6 +254,11 @@ class SpeechTokenConstraint:
         """The ids `allowed` admits, ascending (int64, on the masks' device): an optional fast path for samplers."""
         n = len(output_token_ids)
         return self._boundary_ids if self._at_boundary(n) else self._position_ids[n % self.layout.frame_size]
+
+    def allowed_span(self, output_token_ids: Sequence[int]) -> tuple[int, int]:
+        """[lo, hi) holding every id `allowed_ids` gives: the engine projects only these vocabulary rows."""
+        n = len(output_token_ids)
+        return self._boundary_span if self._at_boundary(n) else self._position_spans[n % self.layout.frame_size]
 
     def advance(self, token_ids: Sequence[int]) -> None:
         """Nothing to track: the frame position is the number of output tokens."""

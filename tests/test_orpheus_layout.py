@@ -64,6 +64,8 @@ def test_constraint_admits_exactly_the_codes_of_each_frame_position():
             expected.add(L.end_of_speech)  # end of speech only at a frame boundary, after a frame
         assert set(mask.nonzero().flatten().tolist()) == expected
         assert c.allowed_ids(out).tolist() == sorted(expected)
+        lo, hi = c.allowed_span(out)  # the rows the engine projects: every admitted id, 4096 or 4104 of ~157k
+        assert lo <= min(expected) and max(expected) < hi and hi - lo <= 4096 + 8
         out.append(128266 + 4096 * k + n)
     # masks are built once and reused
     assert c.allowed([0] * 3) is c.allowed([0] * 10)

@@ -236,7 +236,10 @@ class WhisperModel(nn.Module):
             x = layer(x, kv, meta, cross, i)
         return dec.layer_norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, d] -> [N, vocab] float32
+    def compute_logits(self, hidden: torch.Tensor, window: tuple[int, int] | None = None) -> torch.Tensor:
+        """[N, d] -> [N, vocab] float32; `window` (lo, hi): only vocabulary rows lo..hi-1 ([N, hi - lo])."""
+        if window is not None:
+            return self.compute_logits(hidden)[:, window[0] : window[1]]
         if self.proj_out is None:  # tied: the token embedding is the output projection
             return linear(hidden, self.decoder.embed_tokens.weight).float()
         return self.proj_out(hidden).float()
