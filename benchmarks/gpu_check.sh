@@ -1,20 +1,27 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 18, in the issue's order, as one bounded run on a machine with a GPU (TOTAL_S: 7.5 minutes,
-# the wheel install included):
+# The GPU checks of issue 18, in the issue's order, as one bounded run on a machine with a GPU (TOTAL_S: 6.5 minutes,
+# the wheel install included; a task's device time is 15 minutes in all, the machine's start included, so one call
+# of ~8 minutes leaves room for a rerun of the stages that failed, with STAGES and a smaller TOTAL_S):
 #   1. a tiny Llama with Llama 3 rope loaded on CUDA, checked against the CPU engine (benchmarks/gpu_smoke.py);
-#   2. the service and speech tests with OMNIVOX_TEST_DEVICE=cuda;
+#   2. the service, speech and Whisper service tests with OMNIVOX_TEST_DEVICE=cuda (Whisper: the default speech
+#      recognition model, with its encoder worker thread and cross-attention on the GPU);
 #   3. decoder parity, the static-decode twin, the in-place (flex) decode attention and the codec's CUDA graphs
 #      (tests/test_codec_graphs.py: graph replay == eager, bucket passes == dynamic decode) on CUDA in float32, the
 #      sampler's one host copy per step under torch's sync debug mode (tests/test_sampler_transfer.py) and the
-#      Whisper encoder-decoder engine (tests/test_whisper_engine.py), and a model capturing its graphs at load while
-#      another serves (tests/test_load_while_serving.py);
-#   4. bash benchmarks/gpu.sh (with what is left of the budget), then the server log searched for failed steps.
+#      Whisper encoder-decoder engine (tests/test_whisper_engine.py), a model capturing its graphs at load while
+#      another serves (tests/test_load_while_serving.py), the dynamic path's one staged copy per step under the sync
+#      debug mode (tests/test_runner_staging.py) and speculative decoding's one host read per step
+#      (tests/test_speculative.py);
+#   4. bash benchmarks/gpu.sh with what is left of the budget, on a trimmed workload that fits it (omnivox against
+#      transformers' continuous batching at concurrency 1 and 16, 15-s levels; the full workload is
+#      `bash benchmarks/gpu.sh` alone, ~8 minutes), then the server log searched for failed steps.
+# Not checked here: tensor parallelism (one GPU; CUDA graphs are off under TP anyway).
 # Every stage appends its line to summary.txt as it ends, so a run cut short keeps what it saw. The script exits 1,
 # naming them on its last line ("FAILED: ..."), when the environment does not import or any stage fails, runs out of
 # budget, or the server log shows failed steps.
 #
 # On the device machine (its image lacks a few of our packages; their wheels travel in .whl, see below):
-#   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=520)
+#   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=420)
 # Here, first: `bash benchmarks/gpu_check.sh --dry-run` (CPU, ~1 min): the same environment set-up and stage plumbing,
 # each stage only collecting its tests / importing its modules (tests/test_gpu_script.py runs it).
 # The files come back from $OUT (8 at most): summary.txt, smoke.json, smoke.log, tests-service.log, tests-cuda.log,
@@ -32,15 +39,15 @@
 #                     # nothing of the engine imports). The image's huggingface_hub 1.33, tokenizers 0.23, torch 2.11,
 #                     # numpy, safetensors, prometheus-client, pytest, pytest-timeout and hypothesis serve as they are.
 #
-# Environment: OUT (default gpu-check), PYTHON (default python3), TOTAL_S (default 450), STAGES (default "1 2 3 4":
-# a rerun may pick some).
+# Environment: OUT (default gpu-check), PYTHON (default python3), TOTAL_S (default 390), STAGES (default "1 2 3 4":
+# a rerun may pick some, e.g. STAGES="3" TOTAL_S=200 with timeout_s=230).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DRY=0
 [ "${1:-}" = "--dry-run" ] && DRY=1
 OUT="${OUT:-gpu-check}"
 PY="${PYTHON:-python3}"
-TOTAL_S="${TOTAL_S:-450}"
+TOTAL_S="${TOTAL_S:-390}"
 STAGES="${STAGES:-1 2 3 4}"
 mkdir -p "$OUT"
 START=$(date +%s)
@@ -101,14 +108,15 @@ fi
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider --timeout 100 -o "addopts=" -W ignore::UserWarning)
 [ "$DRY" = 1 ] && PYTEST+=(--collect-only)
 if wanted 2; then
-  OMNIVOX_TEST_DEVICE=cuda stage "2 service+speech tests (cuda)" 100 "$OUT/tests-service.log" \
-    "${PYTEST[@]}" tests/test_service_generate.py tests/test_speech_service.py
+  OMNIVOX_TEST_DEVICE=cuda stage "2 service+speech tests (cuda)" 120 "$OUT/tests-service.log" \
+    "${PYTEST[@]}" tests/test_service_generate.py tests/test_speech_service.py tests/test_whisper_service.py
 fi
 if wanted 3; then
-  OMNIVOX_TEST_DEVICE=cuda stage "3 parity+twin+flex fp32 (cuda)" 130 "$OUT/tests-cuda.log" \
+  OMNIVOX_TEST_DEVICE=cuda stage "3 parity+twin+flex fp32 (cuda)" 150 "$OUT/tests-cuda.log" \
     "${PYTEST[@]}" tests/test_static_decode.py tests/test_decoder_parity.py tests/test_paged_flex.py \
     tests/test_engine.py tests/test_meta_build.py tests/test_codec_graphs.py tests/test_sampler_transfer.py \
-    tests/test_whisper_engine.py tests/test_load_while_serving.py
+    tests/test_whisper_engine.py tests/test_load_while_serving.py tests/test_runner_staging.py \
+    tests/test_speculative.py
 fi
 if wanted 4; then
   budget=$(( $(left) - 15 ))
@@ -119,7 +127,8 @@ if wanted 4; then
     FAILED+=("4 gpu.sh (budget spent)")
   else
     BENCH_OUT=/tmp/gpu-bench
-    stage "4 gpu.sh" "$budget" "$OUT/gpu.log" env OUT="$BENCH_OUT" BUDGET_S="$budget" PYTHON="$PY" bash benchmarks/gpu.sh
+    stage "4 gpu.sh" "$budget" "$OUT/gpu.log" env OUT="$BENCH_OUT" BUDGET_S="$budget" PYTHON="$PY" bash benchmarks/gpu.sh \
+      -- --concurrency 1,16 --level-seconds 15 --systems omnivox,hf-cb
     cp "$BENCH_OUT/results.json" "$OUT/results.json" 2>/dev/null
     if [ -f "$BENCH_OUT/omnivox-server.log" ]; then
       {
