@@ -2,8 +2,8 @@
 
 A bundle's parts are declared by its checkpoint and decide what it accepts and produces:
 - every bundle: a text decoder (the engine) and a prompt builder (its chat template);
-- speech out: `speech_layout.json` + a SNAC codec folder (models/orpheus.py) -> a SpeechPart (layout, codec, decode
-  worker, token constraint), output modality audio instead of text;
+- speech out: `speech_layout.json` + a SNAC codec folder (models/orpheus.py) -> a SpeechPart (services/speech_part.py:
+  layout, codec, decode worker, token constraint), output modality audio instead of text;
 - audio in: an audio-LLM checkpoint (Qwen2-Audio, Qwen3-ASR: `models.audio.audio_family`) -> an AudioInputPart
   (services/audio_prompt.py: encoder, encoder worker + cache, the processor's chat template), input modality audio;
 - speech recognition: a Whisper checkpoint (config model_type "whisper"; a CTranslate2 folder is converted into the
@@ -27,13 +27,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omnivox.services.defaults import UNTRAINED_FILE, EmbeddedDefault, embedded_default
+from omnivox.services.speech_part import SpeechPart, is_speech_checkpoint, load_speech_part
 
 if TYPE_CHECKING:
-    from omnivox.codecs.decode_worker import DecodeWorker
-    from omnivox.codecs.snac import SnacDecoder
-    from omnivox.codecs.streaming import StreamingOptions
     from omnivox.engine import Engine
-    from omnivox.models.orpheus import SpeechLayout, SpeechTokenConstraint
     from omnivox.services.audio_prompt import AudioInputPart
     from omnivox.services.image_prompt import ImageInputPart
     from omnivox.services.loading import EngineOptions, ModelSpec
@@ -82,12 +79,6 @@ def _read_untrained(folder: Path | None) -> tuple[str, ...]:
     except (OSError, json.JSONDecodeError):
         return ()
     return tuple(str(n) for n in names) if isinstance(names, list) else ()
-
-
-def is_speech_checkpoint(path: Path | None) -> bool:
-    from omnivox.models.orpheus import LAYOUT_FILE
-
-    return path is not None and path.is_dir() and (path / LAYOUT_FILE).is_file()
 
 
 @dataclass(frozen=True)
@@ -185,55 +176,6 @@ def _planned_parts(folder: Path) -> tuple[str, ...]:
         return tuple(sorted(p for p in checkpoint_parts(folder) if p != DECODER))
     except (OSError, ValueError):
         return ()
-
-
-@dataclass
-class SpeechPart:
-    """The speech side of a bundle: where audio tokens live (layout), the codec, its decode worker, the constraint."""
-
-    layout: SpeechLayout
-    codec: SnacDecoder
-    worker: DecodeWorker
-    constraint: SpeechTokenConstraint  # stateless: shared by every request through engine.params.shared
-
-    def sampling_defaults(self) -> dict[str, Any]:
-        """The layout's sampling values (they win over the decoder's generation_config.json)."""
-        layout = self.layout
-        return {
-            "temperature": layout.temperature,
-            "top_p": layout.top_p,
-            "repetition_penalty": layout.repetition_penalty,
-        }
-
-
-def load_speech_part(
-    folder: Path, vocab_size: int, device: str | None = None, options: StreamingOptions | None = None
-) -> SpeechPart:
-    """Layout, codec, decode worker and token constraint of the speech model in `folder` (blocking)."""
-    from omnivox.codecs.decode_worker import DecodeWorker
-    from omnivox.codecs.snac import SnacDecoder
-    from omnivox.codecs.streaming import BatchedStreamDecoder
-    from omnivox.models.orpheus import LAYOUT_FILE, SpeechLayout, SpeechTokenConstraint
-
-    layout = SpeechLayout.load(folder)
-    if layout is None:
-        raise ValueError(f"{folder} has no {LAYOUT_FILE}: it is not a speech model")
-    codec = SnacDecoder.from_folder(folder / layout.codec_folder, device=device)
-    if codec.sample_rate != layout.sample_rate:
-        raise ValueError(f"the codec runs at {codec.sample_rate} Hz, the layout says {layout.sample_rate} Hz")
-    static = None
-    if codec.device.type == "cuda":  # fixed-shape passes as CUDA graphs, on the codec's own stream, built here at load
-        from omnivox.codecs.codec_graphs import StaticCodec, frame_buckets_for
-        from omnivox.codecs.streaming import StreamingOptions
-
-        window = (options or StreamingOptions()).window_frames()
-        static = StaticCodec(codec, layout.frame_levels, frame_buckets_for(window))
-        static.build_all()
-    decoder = BatchedStreamDecoder(codec, layout.frame_levels, options, static=static)
-    constraint = SpeechTokenConstraint(layout, vocab_size, device=device)
-    # Options given (serve --speech-first-hop): every stream starts with them; else sized from the measured rates.
-    worker = DecodeWorker(decoder, sized_start=options is None)
-    return SpeechPart(layout=layout, codec=codec, worker=worker, constraint=constraint)
 
 
 @dataclass

@@ -29,12 +29,12 @@ from omnivox.codecs.decode_worker import END, AudioStream
 from omnivox.engine import InvalidRequest, SamplingParams, shared
 from omnivox.models.orpheus import SpeechLayout
 from omnivox.services import errors
-from omnivox.services.bundle import SpeechPart
 from omnivox.services.errors import FieldViolation, rpc_method
 from omnivox.services.generation import seconds_to_duration
 from omnivox.services.logs import current_call
 from omnivox.services.metrics import Metrics, SpeechStreamMetrics
 from omnivox.services.registry import AUDIO, ModelRegistry, ServedModel
+from omnivox.services.speech_part import SpeechPart
 from omnivox.services.speech_stream import streaming_synthesize
 from omnivox.services.speech_text import MAX_SEGMENT_CHARS, split_text
 from omnivox.services.speech_validation import SpeechPlan, invalid, language_matches, validate_speech
