@@ -14,6 +14,8 @@
 `python -m omnivox.benchmarks.quality [--model PATH] [--modes none,int8,int4,native] [--no-quality | --no-speed]
 [--passes N] [--output results.json]`;
 the default model is the embedded SmolLM2-135M-Instruct (Q4_1 GGUF): mode "native" serves it at its own precision.
+A mode suffixed "/a8" (e.g. "native/a8") runs the decoder layers' many-row VNNI kernel with 8-bit activations
+(llama.cpp's Q8_1) instead of 15 bits (`quant.set_act_bits`); the lm_head keeps 15.
 """
 
 from __future__ import annotations
@@ -161,7 +163,6 @@ def run(model_path: str, modes: list[str], threads: int, speed: bool, quality: b
     """Quality of each mode (unless `quality` is False), then `passes` speed passes, each running every mode back to
     back (on a shared machine the passes show the spread; the rows carry every pass and their medians)."""
     from omnivox.models.checkpoint import load_tokenizer
-    from omnivox.models.loading import load_decoder
     from omnivox.models.quant import weight_bytes
 
     if speed:
@@ -187,9 +188,8 @@ def run(model_path: str, modes: list[str], threads: int, speed: bool, quality: b
     reference = None
     order = ["none", *[m for m in modes if m != "none"]]
     for mode in order if quality else []:
-        quantization = None if mode == "native" else mode
         t0 = time.perf_counter()
-        model = load_decoder(model_path, quantization=quantization).eval()
+        model = _load(model_path, mode)
         row: dict = {"load_s": time.perf_counter() - t0, "weight_mb": weight_bytes(model) / 1e6}
         row["perplexity"] = perplexity(model, text_ids)
         row["perplexity_prefill"] = perplexity(model, text_ids, PREFILL_CHUNK)
@@ -206,7 +206,7 @@ def run(model_path: str, modes: list[str], threads: int, speed: bool, quality: b
         print(mode, json.dumps(row), flush=True)
         del model
     if speed:
-        models = {m: load_decoder(model_path, quantization=None if m == "native" else m).eval() for m in order}
+        models = {m: _load(model_path, m) for m in order}
         for i in range(passes):
             for mode in order:
                 row = results["modes"].setdefault(mode, {"weight_mb": weight_bytes(models[mode]) / 1e6})
@@ -217,6 +217,18 @@ def run(model_path: str, modes: list[str], threads: int, speed: bool, quality: b
                 values = sorted(p[key] for p in row["speed_passes"])
                 row[key] = values[len(values) // 2]
     return results
+
+
+def _load(model_path: str, mode: str) -> DecoderModel:
+    """The model of a mode: none / int8 / int4 / native, optionally suffixed /a8 (8-bit activations, see above)."""
+    from omnivox.models.loading import load_decoder
+    from omnivox.models.quant import set_act_bits
+
+    base, _, bits = mode.partition("/a")
+    model = load_decoder(model_path, quantization=None if base == "native" else base).eval()
+    if bits:
+        set_act_bits(model, int(bits))
+    return model
 
 
 def _commit() -> str:

@@ -25,10 +25,11 @@ from .cache import build_cached, omnivox_cache_dir
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_kernels.c")
+_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "block_kernels_vnni.c")]
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
 _lib: ctypes.CDLL | None = None
 _tried = False
+_vnni: bool | None = None  # whether block_kernels_vnni.c was built with its VNNI kernel (checked once)
 _failure: str | None = None  # why the kernels are unavailable although a compiler exists (a build or load error)
 
 
@@ -59,11 +60,12 @@ def _build() -> ctypes.CDLL | None:
     if cc is None:
         log.warning("no C compiler: CPU decode attention uses the portable (slower) path")
         return None
-    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join([cc, *_FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
+    source = b"".join(path.read_bytes() for path in _SOURCES)
+    key = hashlib.sha256(source + " ".join([cc, *_FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{key}.so"
 
     def compile_to(staged: Path) -> None:
-        proc = subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", str(staged), "-lm"], capture_output=True)
+        proc = subprocess.run([cc, *_FLAGS, *map(str, _SOURCES), "-o", str(staged), "-lm"], capture_output=True)
         if proc.returncode != 0:
             raise _BuildError(f"{cc} failed: {proc.stderr.decode()[-500:]}")
 
@@ -87,6 +89,11 @@ def _build() -> ctypes.CDLL | None:
         deq = getattr(lib, f"{name}_dequantize_f32")
         deq.restype = None
         deq.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
+    lib.vnni_available.restype = ctypes.c_int
+    lib.vnni_available.argtypes = []
+    vnni = lib.block_matmul_vnni
+    vnni.restype = None
+    vnni.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5
     layers = lib.decoder_layers_f32
     layers.restype = None
     layers.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 4
@@ -174,6 +181,42 @@ def block_matmul(kind: str, x: torch.Tensor, blocks: torch.Tensor, n: int, bias:
     fn = _lib.q4_matmul_f32 if kind == "q4" else _lib.q8_matmul_f32
     bias_ptr = None if bias is None else bias.data_ptr()
     fn(blocks.data_ptr(), x.data_ptr(), bias_ptr, out.data_ptr(), m, n, k, torch.get_num_threads())
+    return out
+
+
+def vnni_available() -> bool:
+    """Whether the many-row VNNI block kernel (block_kernels_vnni.c) was built for this CPU."""
+    global _vnni
+    if _vnni is None:
+        _vnni = kernel_available() and bool(_lib.vnni_available())
+    return _vnni
+
+
+def block_matmul_vnni(
+    kind: str, x: torch.Tensor, blocks: torch.Tensor, n: int, bias: torch.Tensor | None, act_bits: int = 15
+) -> torch.Tensor:
+    """As block_matmul, through the many-row VNNI kernel (block_kernels_vnni.c); vnni_available() only.
+
+    act_bits: activations per group of 32 as 15 bits (two int8 passes) or 8 (one pass, llama.cpp's Q8_1)."""
+    if act_bits not in (8, 15):
+        raise ValueError(f"act_bits must be 8 or 15, got {act_bits}")
+    assert _lib is not None, "call kernel_available() first"
+    x = x.contiguous()
+    m, k = x.shape
+    out = torch.empty(m, n, dtype=torch.float32)
+    bias_ptr = None if bias is None else bias.data_ptr()
+    _lib.block_matmul_vnni(
+        blocks.data_ptr(),
+        int(kind == "q4"),
+        x.data_ptr(),
+        bias_ptr,
+        out.data_ptr(),
+        m,
+        n,
+        k,
+        1 if act_bits == 8 else 2,
+        torch.get_num_threads(),
+    )
     return out
 
 

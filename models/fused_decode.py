@@ -48,6 +48,8 @@ class _FusedLinear(ctypes.Structure):
         ("kind", ctypes.c_int64),
         ("n", ctypes.c_int64),
         ("k", ctypes.c_int64),
+        ("vnni_passes", ctypes.c_int64),
+        ("vnni_min_rows", ctypes.c_int64),
     ]
 
 
@@ -80,9 +82,10 @@ def _linear(module: nn.Module) -> tuple[_FusedLinear, bool] | None:
         if module.padded_in != module.in_features or module.blocks.device.type != "cpu":
             return None
         kind = _Q8 if module.kind == "q8" else _Q4
-        return _FusedLinear(
-            module.blocks.data_ptr(), _ptr(module.bias), kind, module.out_features, module.in_features
-        ), True
+        passes = (1 if module.act_bits == 8 else 2) if cpu_kernels.vnni_available() else 0
+        entry = _FusedLinear(module.blocks.data_ptr(), _ptr(module.bias), kind, module.out_features, module.in_features)
+        entry.vnni_passes, entry.vnni_min_rows = passes, quant.VNNI_MIN_ROWS
+        return entry, True
     if type(module) in (Linear, PackedLinear):
         w = module.weight
         if w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous():

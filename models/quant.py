@@ -10,8 +10,12 @@ to int8 here (Q8_0 / Q8_1); on the embedded SmolLM2-135M that flipped the first 
 of France?" ("The" and "L" 0.08 logits apart in float; int8 activations at the lm_head put "L" first, and the engine
 answered "L'Étoile, ...") and 3 % of teacher-forced tokens. int16 activations are within ~1e-5 of float ones at the
 same speed (the loops are bound by unpacking weights, not by the activation width).
-From LARGE_BATCH rows (prefill) the layer is dequantised into a transient float32 matrix for torch's float GEMM,
-which is faster there than integer group dots. The portable torch path does the kernels' arithmetic and is tested
+From VNNI_MIN_ROWS rows (decode steps of several requests, prefill chunks), on CPUs with AVX-512 VNNI, the kernel in
+models/block_kernels_vnni.c unpacks 8 rows of weights at a time and multiplies them with `vpdpbusd` against
+activations quantised to 15 bits per group (two int8 halves; `act_bits=8`, one half, is llama.cpp's Q8_1 and twice
+as fast): 1.4x the int16 kernels at 16 rows and faster than float32 GEMM at 128. Without VNNI, from LARGE_BATCH rows
+(prefill) the layer is dequantised into a transient float32 matrix for torch's float GEMM, faster there than integer
+group dots. The portable torch path does the kernels' arithmetic and is tested
 equal to them. Off CPU (CUDA) a layer is dequantised inside each matmul (correct; not a speed path).
 
 torch's fbgemm dynamic int8 linear (`quantized::linear_dynamic`, per-channel weights) was measured first: 4.4x faster
@@ -37,6 +41,8 @@ ACT_LEVELS = 32767.0  # activations: int16 per group of 32 (see the module docst
 Q4_BLOCK_BYTES = 20  # fp16 d + fp16 m + 16 bytes of nibbles
 Q8_BLOCK_BYTES = 34  # fp16 d + 32 x int8
 LARGE_BATCH = 32  # rows from which a layer is dequantised for float GEMM (measured crossover, see BENCHMARKS)
+VNNI_MIN_ROWS = 8  # rows from which the VNNI kernel serves (where built): the int16 kernels win below (BENCHMARKS)
+ACT_BITS = (8, 15)  # activation precisions of the VNNI kernel: 127 or 127 * 128 levels per group of 32
 
 
 def _padded(k: int) -> int:
@@ -105,18 +111,27 @@ def dequantize_q4(blocks: torch.Tensor, in_features: int) -> torch.Tensor:
     return (q.float() * d[..., None] + m[..., None]).reshape(blocks.shape[0], -1)[:, :in_features]
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] (K % 32 == 0) -> (qx [M, G, 32] float holding int16 values, dx [M, G], sx [M, G]), as the C kernels
-    do: per group of 32, dx = max|x| / 32767, qx = round(x / dx), sx = the group's sum of x (the Q4_1 offset term)."""
+def _act_levels(act_bits: int) -> float:
+    """Largest activation level per group: 16 bits for the int16 kernels, 15 or 8 for the VNNI kernel."""
+    return {16: ACT_LEVELS, 15: 127.0 * 128.0, 8: 127.0}[act_bits]
+
+
+def quantize_activations(x: torch.Tensor, act_bits: int = 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] (K % 32 == 0) -> (qx [M, G, 32] float holding integer values, dx [M, G], sx [M, G]), as the C kernels
+    do: per group of 32, dx = max|x| / levels (32767 for int16), qx = round(x / dx), sx = the group's sum of x (the
+    Q4_1 offset term)."""
     xs = x.float().view(x.shape[0], -1, GROUP)
-    dx = xs.abs().amax(-1) / ACT_LEVELS
+    dx = xs.abs().amax(-1) / _act_levels(act_bits)
     inv = torch.where(dx > 0, 1.0 / dx, torch.zeros_like(dx))
     return torch.round(xs * inv[..., None]), dx, xs.sum(-1)
 
 
-def block_matmul_portable(kind: str, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The C kernels' arithmetic in torch: int16 activations per group, exact integer group dots (in float64)."""
-    qx, dx, sx = quantize_activations(x)  # [M, G, 32], [M, G], [M, G]
+def block_matmul_portable(
+    kind: str, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None, act_bits: int = 16
+) -> torch.Tensor:
+    """The C kernels' arithmetic in torch: activations per group (int16, or the VNNI kernel's 15 / 8 bits), exact
+    integer group dots (in float64)."""
+    qx, dx, sx = quantize_activations(x, act_bits)  # [M, G, 32], [M, G], [M, G]
     if kind == "q4":
         d, m, q = q4_parts(blocks)  # [N, G], [N, G], [N, G, 32]
         y = sx @ m.T  # [M, N]: the offset term
@@ -147,6 +162,7 @@ class BlockLinear(nn.Module):
             raise ValueError(f"{self.kind} blocks {tuple(blocks.shape)} do not hold {in_features} inputs")
         self.register_buffer("blocks", blocks.contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+        self.act_bits = 15  # activations of the many-row VNNI kernel (ACT_BITS); 16 below VNNI_MIN_ROWS
 
     @property
     def nbytes(self) -> int:
@@ -162,8 +178,13 @@ class BlockLinear(nn.Module):
         xf = x.float()
         if self.padded_in != self.in_features:
             xf = F.pad(xf, (0, self.padded_in - self.in_features))
+        vnni = xf.shape[0] >= VNNI_MIN_ROWS and cpu_kernels.vnni_available()
         if torch.is_grad_enabled() or not cpu_kernels.kernel_available():
-            return block_matmul_portable(self.kind, xf, self.blocks, self.bias).to(x.dtype)
+            bits = self.act_bits if vnni else 16
+            return block_matmul_portable(self.kind, xf, self.blocks, self.bias, bits).to(x.dtype)
+        if vnni:
+            out = cpu_kernels.block_matmul_vnni(self.kind, xf, self.blocks, self.out_features, self.bias, self.act_bits)
+            return out.to(x.dtype)
         if xf.shape[0] >= LARGE_BATCH:  # float GEMM beats integer group dots here; the float copy is transient
             w = cpu_kernels.block_dequantize(self.kind, self.blocks, self.out_features, self.padded_in)
             return F.linear(xf, w, self.bias).to(x.dtype)
@@ -254,6 +275,17 @@ def quantize_output(model: nn.Module) -> None:
         model.embed_tokens = Int8Embedding(model.lm_head, weight.dtype)
     elif isinstance(model.lm_head, Linear):
         model.lm_head = Int8Linear.from_float(model.lm_head.weight.detach())
+
+
+def set_act_bits(model: nn.Module, act_bits: int) -> None:
+    """The VNNI kernel's activation precision (ACT_BITS) for every quantised decoder layer (not the lm_head, which
+    keeps 15 bits: 8-bit activations there flip near-tied logits, see the module docstring)."""
+    if act_bits not in ACT_BITS:
+        raise ValueError(f"act_bits must be one of {ACT_BITS}, got {act_bits}")
+    for module in model.layers.modules():
+        if isinstance(module, BlockLinear):
+            module.act_bits = act_bits
+    model.__dict__.pop("_fused_decode", None)  # the fused step's table copies act_bits: rebuild it
 
 
 def _bias(module: nn.Module) -> torch.Tensor | None:

@@ -76,11 +76,12 @@ def test_decoder_linear_routes_single_rows_to_the_kernel():
 
 
 def test_kernel_source_ships_in_wheels():
-    """A wheel install (the Docker image) builds the kernels from models/cpu_kernels.c: it must be package data."""
+    """A wheel install (the Docker image) builds the kernels from models/*.c: they must be package data."""
     import tomllib
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     assert "*.c" in data["omnivox.models"]
-    assert cpu_kernels._SOURCE.exists() and cpu_kernels._SOURCE.parent == root / "models"
+    for source in cpu_kernels._SOURCES:  # cpu_kernels.c and block_kernels_vnni.c
+        assert source.exists() and source.parent == root / "models"

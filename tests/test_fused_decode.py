@@ -124,9 +124,11 @@ def test_fused_table_follows_replaced_layers(checkpoint, monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_fused_step_with_a_verify_chunk_equals_torch_layers(checkpoint, mode, monkeypatch):
-    """Decode rows plus a prefill chunk on a cached context (speculative verify rows: 1 + 4 tokens), as the runner
-    lays them out: the chunk's rows attend causally through the decode kernel, equal to the torch path's SDPA."""
+@pytest.mark.parametrize("chunk", [5, quant.VNNI_MIN_ROWS + 3])  # 2 + 11 rows: the many-row VNNI kernel, where built
+def test_fused_step_with_a_verify_chunk_equals_torch_layers(checkpoint, mode, chunk, monkeypatch):
+    """Decode rows plus a prefill chunk on a cached context (speculative verify rows: 1 + 4 tokens; a short prompt),
+    as the runner lays them out: the chunk's rows attend causally through the decode kernel, equal to the torch
+    path's SDPA."""
     require_kernels()
     model = load_decoder(checkpoint, quantization=mode).eval()
     results = []
@@ -134,8 +136,8 @@ def test_fused_step_with_a_verify_chunk_equals_torch_layers(checkpoint, mode, mo
         batch = Batch(model, PROMPTS)
         _, decode = batch.decode_meta([0, 1])
         start = batch.lens[2]
-        chunk_slots = batch._slots(2, range(start, start + 5))
-        table = batch.tables[2][: -(-(start + 5) // BLOCK)]
+        chunk_slots = batch._slots(2, range(start, start + chunk))
+        table = batch.tables[2][: -(-(start + chunk) // BLOCK)]
         meta = AttentionMetadata(
             BLOCK,
             torch.cat([decode.slot_mapping, chunk_slots]),
@@ -143,10 +145,10 @@ def test_fused_step_with_a_verify_chunk_equals_torch_layers(checkpoint, mode, mo
             decode.decode_block_tables,
             None,
             decode.decode_lens,
-            [PrefillChunk(2, 5, start + 5, table)],
+            [PrefillChunk(2, chunk, start + chunk, table)],
         )
-        positions = torch.cat([decode.decode_lens - 1, torch.arange(start, start + 5)])
-        ids = torch.tensor([40, 41, 50, 51, 52, 53, 54])
+        positions = torch.cat([decode.decode_lens - 1, torch.arange(start, start + chunk)])
+        ids = torch.tensor([40, 41, *range(50, 50 + chunk)])
         hidden = _forward(model, fused, monkeypatch, ids, positions, batch.kv, meta)
         results.append((hidden, [k[chunk_slots] for k, _ in batch.kv]))
     (h1, k1), (h0, k0) = results
