@@ -26,7 +26,7 @@ from omnivox.engine.block_pool import KVUsage
 from omnivox.engine.core import EngineCore, Proposer, StepResult
 from omnivox.engine.errors import InvalidRequest
 from omnivox.engine.intake import Prompt, RequestIntake
-from omnivox.engine.loading import cap_max_len, default_device, default_kv_gib, load_model, resolve_dtype
+from omnivox.engine.loading import default_device, load_model, resolve_dtype, size_kv_cache
 from omnivox.engine.output_processor import OutputCallback, OutputProcessor
 from omnivox.engine.outputs import RequestOutput
 from omnivox.engine.params import SamplingParams
@@ -59,17 +59,7 @@ class Engine:
         self.device, self.dtype = param.device, param.dtype
         self.model = model.eval()
         self.tokenizer = tokenizer
-        cfg = model.config
-        if kv_cache_gib is None:
-            kv_cache_gib = default_kv_gib(model, max_num_batched_tokens, max_num_seqs, block_size)
-        bytes_per_block = cfg.kv_bytes_per_token(param.element_size()) * block_size
-        num_blocks = int(kv_cache_gib * 2**30 // bytes_per_block)
-        if num_blocks < 2:
-            raise ValueError(f"kv_cache_gib={kv_cache_gib} holds {num_blocks} blocks of {block_size} tokens; need >= 2")
-        capacity = num_blocks * block_size
-        if capacity < cfg.max_model_len:  # a request must always fit the pool alone: no endless preempt/recompute
-            log.warning("KV cache holds %d tokens: context capped from %d", capacity, cfg.max_model_len)
-            cfg = cap_max_len(cfg, capacity)
+        num_blocks, cfg = size_kv_cache(model, kv_cache_gib, max_num_batched_tokens, max_num_seqs, block_size)
         self.model_config: ModelConfig = cfg
         self.block_size = block_size
         if max_num_batched_tokens is None:

@@ -189,3 +189,27 @@ def default_kv_gib(
         with torch.cuda.device(device):
             return kv_cache_gib_after_profile(model, max_num_batched_tokens or 2048, max_num_seqs, block_size)
     return 1.0
+
+
+def size_kv_cache(
+    model: DecoderModel,
+    kv_cache_gib: float | None,
+    max_num_batched_tokens: int | None,
+    max_num_seqs: int,
+    block_size: int,
+) -> tuple[int, ModelConfig]:
+    """The KV cache's number of blocks (`kv_cache_gib`, or `default_kv_gib` when None) and the model's config with its
+    context capped to what those blocks hold."""
+    param = next(model.parameters())
+    cfg = model.config
+    if kv_cache_gib is None:
+        kv_cache_gib = default_kv_gib(model, max_num_batched_tokens, max_num_seqs, block_size)
+    bytes_per_block = cfg.kv_bytes_per_token(param.element_size()) * block_size
+    num_blocks = int(kv_cache_gib * 2**30 // bytes_per_block)
+    if num_blocks < 2:
+        raise ValueError(f"kv_cache_gib={kv_cache_gib} holds {num_blocks} blocks of {block_size} tokens; need >= 2")
+    capacity = num_blocks * block_size
+    if capacity < cfg.max_model_len:  # a request must always fit the pool alone: no endless preempt/recompute
+        log.warning("KV cache holds %d tokens: context capped from %d", capacity, cfg.max_model_len)
+        cfg = cap_max_len(cfg, capacity)
+    return num_blocks, cfg
