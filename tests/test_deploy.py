@@ -21,9 +21,10 @@ from typing import Any
 import pytest
 import yaml
 
+from omnivox.services.bindings import omnivox_services
 from omnivox.services.cli import build_parser
 from omnivox.services.registry import ModelRegistry
-from omnivox.services.server import ServerOptions, omnivox_services
+from omnivox.services.server import ServerOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
