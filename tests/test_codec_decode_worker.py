@@ -58,7 +58,8 @@ def test_concurrent_streams_are_decoded_in_shared_passes(decoder):
         got = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
         assert got.shape == (len(frames) * 2048,)
         if len(frames):
-            np.testing.assert_allclose(got, decoder.decode_all(frames), atol=1e-6, rtol=0)
+            # shared passes: ~4e-6 from each stream alone with one frame of context (the default)
+            np.testing.assert_allclose(got, decoder.decode_all(frames), atol=1e-5, rtol=0)
     assert stats.max_batch > 1 and stats.passes < stats.windows
 
 
