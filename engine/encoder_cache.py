@@ -165,7 +165,17 @@ class EncodeHandle:
 class EncoderWorker:
     """The thread that runs `encode_batch` over everything queued, at most `max_batch` inputs per call."""
 
-    def __init__(self, encode_batch: EncodeBatch, cache: EncoderCache, max_batch: int = 16, name: str = "encoder"):
+    def __init__(
+        self,
+        encode_batch: EncodeBatch,
+        cache: EncoderCache,
+        max_batch: int = 16,
+        name: str = "encoder",
+        device: torch.device | str | None = None,
+    ):
+        """device: where the encoder runs; on CUDA the thread makes it its current device (`--device cuda:1`: kernels
+        and allocations that name no device would otherwise go to cuda:0, as the engine thread's would)."""
+        self.device = torch.device(device) if device is not None else None
         self.encode_batch = encode_batch
         self.cache = cache
         self.max_batch = max_batch
@@ -194,6 +204,8 @@ class EncoderWorker:
         self._thread.join(timeout=30)
 
     def _loop(self) -> None:
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         while True:
             with self._cond:
                 while not self._queue and not self._stopping:

@@ -124,7 +124,7 @@ def load_audio_part(folder: Path, device: Any, dtype: Any, model_key: str) -> Au
     if not getattr(processor, "chat_template", None) or not hasattr(processor, "tokenizer"):
         raise ValueError(f"{folder}: its processor has no chat template; audio prompts need one")
     encoder = load_audio_encoder(folder, device=device, dtype=dtype)
-    worker = EncoderWorker(encoder.encode, EncoderCache(ENCODER_CACHE_BYTES), name=f"audio-{family}")
+    worker = EncoderWorker(encoder.encode, EncoderCache(ENCODER_CACHE_BYTES), name=f"audio-{family}", device=device)
     return AudioInputPart(family, encoder, worker, processor, model_key)
 
 

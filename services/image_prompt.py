@@ -206,7 +206,7 @@ def load_image_part(
     processor = encoder.processor
     if not getattr(processor, "chat_template", None) or not hasattr(processor, "tokenizer"):
         raise ValueError(f"{folder}: its processor has no chat template; image prompts need one")
-    worker = EncoderWorker(encoder.encode, EncoderCache(cache_bytes), name=f"vision-{encoder.family}")
+    worker = EncoderWorker(encoder.encode, EncoderCache(cache_bytes), name=f"vision-{encoder.family}", device=device)
     return ImageInputPart(encoder, worker, model_key)
 
 

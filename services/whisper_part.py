@@ -182,7 +182,7 @@ def load_whisper_part(folder: Path, engine: Any, model_key: str) -> WhisperPart:
     def encode(batch: Sequence[torch.Tensor]) -> list[torch.Tensor]:  # [n_mels, 3000] each -> cross K/V each
         return model.encode_cross([f.to(device, dtype) for f in batch])
 
-    worker = EncoderWorker(encode, EncoderCache(WHISPER_CACHE_BYTES), name="whisper")
+    worker = EncoderWorker(encode, EncoderCache(WHISPER_CACHE_BYTES), name="whisper", device=device)
     rules = WhisperRules(vocab, device)
     return WhisperPart(engine, engine.tokenizer, vocab, LogMelExtractor(settings), worker, model_key, rules)
 

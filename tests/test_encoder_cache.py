@@ -143,3 +143,24 @@ def test_a_feature_larger_than_the_budget_stays_while_referenced():
     h.release()
     assert "big" not in cache
     worker.shutdown()
+
+
+def test_the_worker_thread_runs_on_the_encoders_cuda_device(monkeypatch):
+    """`--device cuda:1`: the encoder thread makes that device its current one before its first encode, as the engine
+    thread does (kernels and allocations naming no device would otherwise land on cuda:0). torch's set_device is
+    recorded here instead of called, so this runs without a GPU; a CPU worker never calls it."""
+    calls: list[tuple[str, torch.device]] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append((threading.current_thread().name, d)))
+
+    def encode(ps):
+        calls.append((threading.current_thread().name, "encode"))
+        return [torch.ones(2, 2) for _ in ps]
+
+    for device, expected in (("cuda:1", [("omnivox-gpu1", torch.device("cuda:1"))]), ("cpu", [])):
+        calls.clear()
+        worker = EncoderWorker(encode, EncoderCache(1 << 20), name="gpu1", device=device)
+        h = worker.handle("x", "payload")
+        h.start()
+        assert h.result().shape == (2, 2)
+        worker.shutdown()
+        assert calls == [*expected, ("omnivox-gpu1", "encode")]
