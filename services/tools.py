@@ -6,7 +6,8 @@ Formats (chosen from the chat template's text):
 - Llama 3 JSON: `{"name": ..., "parameters": {...}}` (optionally after `<|python_tag|>`), calls separated by `; `.
 
 Grammars (llguidance Lark, the call object as an embedded `%json` schema per tool):
-- `required` / a named function: the output is one (or, with parallel_tool_calls, several) calls from the first token.
+- `required` / a named function: the output is one (or, with parallel_tool_calls, up to MAX_PARALLEL_CALLS) calls
+  from the first token.
 - `auto`: free text that never contains the opening tag, or free text up to the tag (a lazy lexeme) and then calls:
   the grammar is armed only by the tag. Llama's `auto` arms on a `{` (or the python tag) at the start of the output.
 - `none`: free text that never contains the opening tag (Hermes), so a call can never appear.
@@ -32,6 +33,10 @@ from omnivox.v1 import content_pb2, generation_pb2
 
 NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 MAX_TOOLS = 128
+# Calls one answer may make. Unbounded, a small model at temperature 0 repeated the same call until the context was
+# full (8,000 tokens, minutes) on `tool_choice: required` with no max_output_tokens; after this many only the end of
+# the message is allowed.
+MAX_PARALLEL_CALLS = 16
 AUTO, NONE, REQUIRED = "auto", "none", "required"
 # Separators as the chat templates' tojson writes them, with no other whitespace: what the model saw, and bounded.
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -88,7 +93,8 @@ def _grammar(fmt: ToolFormat, calls: list[dict], choice: str, parallel: bool, py
     schema["x-guidance"] = _JSON_STYLE
     body = f"%json {json.dumps(schema)}"
     call = f"{json.dumps(fmt.open_tag)} {body} {json.dumps(fmt.close_tag)}" if fmt.open_tag else body
-    calls_rule = f"calls: call ({json.dumps(fmt.separator)} call)*" if parallel else "calls: call"
+    more = f" ({json.dumps(fmt.separator)} call){{0,{MAX_PARALLEL_CALLS - 1}}}" if parallel else ""
+    calls_rule = f"calls: call{more}"
     lines = [calls_rule, f"call: {call}"]
     tag = fmt.open_tag.strip() or "{"
     free = f"FREE: /(?s:.*)/ & ~/(?s:.*{re.escape(tag)}.*)/"
@@ -98,7 +104,7 @@ def _grammar(fmt: ToolFormat, calls: list[dict], choice: str, parallel: bool, py
         after = (
             f"{json.dumps(rest)} {body} {json.dumps(fmt.close_tag)}" if rest else f"{body} {json.dumps(fmt.close_tag)}"
         )
-        lines.append(f"calls_after_tag: {after}" + (f" ({json.dumps(fmt.separator)} call)*" if parallel else ""))
+        lines.append(f"calls_after_tag: {after}{more}")
     elif choice == AUTO:  # Llama: plain text that does not start with a call, or calls
         lines += ["start: TEXT | tagged", r"TEXT: /(?s:.*)/ & ~/(?s:\s*\{.*)/"]
     elif choice == NONE and fmt.open_tag:

@@ -121,6 +121,27 @@ def test_llama3_grammar_with_python_tag(tmp_path) -> None:
     assert not accepts(tools.NONE, [tag, *ids(call_text)])
 
 
+@pytest.mark.parametrize("mode", [tools.REQUIRED, tools.AUTO])
+def test_parallel_calls_are_bounded(tmp_path, mode) -> None:
+    """At most MAX_PARALLEL_CALLS calls, then only the end: unbounded, the embedded SmolLM2 at temperature 0 repeated
+    one call for 8,000 tokens on the README's tool_choice required example."""
+    import llguidance
+    import llguidance.hf
+
+    ckpt = make_checkpoint(tmp_path / "t", family="qwen2", num_hidden_layers=1, hidden_size=32, intermediate_size=64)
+    tok = transformers.AutoTokenizer.from_pretrained(ckpt)
+    llg = llguidance.hf.from_tokenizer(tok, n_vocab=len(tok))
+    grammar = tools._grammar(tools.HERMES, [tools._call_schema(tools.HERMES, "get_time", TIME, True)], mode, True)
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": 3}}\n</tool_call>'
+
+    def accepts(n: int) -> bool:
+        m = llguidance.LLMatcher(llg, grammar, log_level=0)
+        text = tools.HERMES.separator.join([call] * n)
+        return m.consume_tokens(tok.encode(text, add_special_tokens=False)) and m.is_accepting()
+
+    assert accepts(1) and accepts(tools.MAX_PARALLEL_CALLS) and not accepts(tools.MAX_PARALLEL_CALLS + 1)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
     ckpt = make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-tools", family="qwen2", max_position_embeddings=2048)
