@@ -205,10 +205,41 @@ def messages(contents: list[content_pb2.Content]) -> list[dict]:
 
 
 def prompt_ids(tokenizer: Any, contents: list[content_pb2.Content], tool_plan: ToolPlan) -> list[int]:
+    msgs = messages(contents)
+    if tool_plan.tools and "tools" not in str(getattr(tokenizer, "chat_template", "") or ""):
+        msgs = _hermes_in_text(msgs, tool_plan.tools)
     text = tokenizer.apply_chat_template(
-        messages(contents), tools=tool_plan.tools or None, tokenize=False, add_generation_prompt=True
+        msgs, tools=tool_plan.tools or None, tokenize=False, add_generation_prompt=True
     )
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _hermes_in_text(msgs: list[dict], tools: list[dict]) -> list[dict]:
+    """For a chat template that ignores `tools` (the embedded SmolLM2's): the tools, calls and results written into
+    the turns' text as Qwen2.5's template writes them, so the model sees the tools the grammar lets it call (else
+    `auto` never called and `required` called blind)."""
+    block = (
+        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
+        "function signatures within <tools></tools> XML tags:\n<tools>\n"
+        + "\n".join(json.dumps(t) for t in tools)
+        + "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+        '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}'
+        "\n</tool_call>"
+    )
+    out = [dict(m) for m in msgs]
+    if out and out[0]["role"] == "system":
+        out[0]["content"] = f"{out[0]['content']}\n\n{block}"
+    else:
+        out.insert(0, {"role": "system", "content": block})
+    for m in out:
+        calls = m.pop("tool_calls", None)
+        if calls:
+            text = "\n".join(f"<tool_call>\n{json.dumps(c['function'])}\n</tool_call>" for c in calls)
+            m["content"] = f"{m['content']}\n{text}" if m["content"] else text
+        if m["role"] == "tool":
+            m.pop("tool_call_id", None)
+            m.update(role="user", content=f"<tool_response>\n{m['content']}\n</tool_response>")
+    return out
 
 
 async def constrain(tool_plan: ToolPlan | None, params: Any, engine: Any) -> None:

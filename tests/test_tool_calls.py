@@ -299,3 +299,24 @@ def test_bad_tools_are_invalid_argument(stub) -> None:
         "tool_choice.function_name",
         "contents[1].tool_call_id",
     } <= found.keys(), found
+
+
+def test_a_template_without_tools_gets_them_in_the_text(tmp_path) -> None:
+    """A chat template that ignores `tools` (the embedded SmolLM2's plain ChatML) still shows the model the tools,
+    its earlier calls and their results (before: the prompt was the same as without tools)."""
+    ckpt = make_checkpoint(tmp_path / "t", family="qwen2", num_hidden_layers=1, hidden_size=32, intermediate_size=64)
+    tok = transformers.AutoTokenizer.from_pretrained(ckpt)
+    assert "tools" not in tok.chat_template
+    call = content_pb2.ToolCall(id="call_1", name="get_weather", arguments='{"city": "Paris"}')
+    request = user_request("Weather in Paris?", tools=TOOLS)
+    request.contents.append(content_pb2.Content(role="assistant", tool_calls=[call]))
+    request.contents.append(
+        content_pb2.Content(role="tool", tool_call_id="call_1", parts=[content_pb2.Part(text='{"temp": 21}')])
+    )
+    text = tok.decode(tools.prompt_ids(tok, request.contents, tools.plan(request, tok)))
+    assert text.count('"name": "get_weather"') == 2 and '"name": "get_time"' in text  # both tools, and the call
+    assert '<tool_response>\n{"temp": 21}\n</tool_response>' in text and "<tools>" in text
+    plain = user_request("Weather in Paris?")
+    assert "<tools>" not in tok.decode(
+        tools.prompt_ids(tok, plain.contents, tools.ToolPlan([], "none", True, tools.HERMES))
+    )
