@@ -102,3 +102,33 @@ def test_cuda_staging_makes_no_synchronising_call() -> None:
     syncs = [str(w.message).splitlines()[0] for w in seen if "synchroniz" in str(w.message)]
     assert syncs == [], syncs
     assert all(torch.equal(g.cpu(), p) for g, p in zip(got, parts, strict=True))
+
+
+@pytest.mark.skipif(device_under_test().type != "cuda", reason="needs OMNIVOX_TEST_DEVICE=cuda (gpu_check.sh)")
+def test_cuda_dynamic_step_makes_no_synchronising_call(ckpt) -> None:
+    """The whole dynamic step (chunked prefills batched with decodes: staging, attention metadata, the forward pass,
+    the logit rows) queues its work without waiting for the GPU; the warnings name any call that does."""
+    engine = tiny_engine(ckpt, max_num_batched_tokens=7, static_decode=False)
+    dev = engine.core.runner.device
+    execute = engine.core.runner.execute
+    syncs: list[str] = []
+
+    def watched(plan):
+        torch.cuda.synchronize(dev)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                out = execute(plan)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs.extend(str(w.message).splitlines()[0] for w in seen if "synchroniz" in str(w.message))
+        return out
+
+    engine.generate(PROMPTS, PARAMS)  # warm-up: compiled decode attention, first allocations
+    engine.core.runner.execute = watched
+    try:
+        engine.generate([p[::-1] for p in PROMPTS], PARAMS)
+    finally:
+        engine.core.runner.execute = execute
+    assert syncs == [], sorted(set(syncs))

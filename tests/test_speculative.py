@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from engines import tiny_checkpoint, tiny_engine
+from engines import device_under_test, tiny_checkpoint, tiny_engine
 from test_sampling_distribution import PROMPT, chi_square_ok
 from test_sampling_distribution import spread as spread  # noqa: F401  (fixture)
 
@@ -198,13 +198,22 @@ def test_first_two_tokens_keep_their_distribution_at_temperature_1(spread):  # n
     engine.check_integrity()
 
 
-def _drafted(i: int, params: SamplingParams, drafts: list[int], seed: int | None = None):
+def _drafted(i: int, params: SamplingParams, drafts: list[int], seed: int | None = None, device: str = "cpu"):
     from omnivox.engine.request import Request
 
     req = Request(f"v{i}", [3, 4, 5 + i], params, 32, (2,))
     req.draft_token_ids = list(drafts)
-    req.generator = None if seed is None else torch.Generator().manual_seed(seed)
+    req.generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
     return req
+
+
+def _mixed_drafts(device: str = "cpu"):
+    return [
+        _drafted(0, SamplingParams(temperature=0), [7, 8, 9], device=device),
+        _drafted(1, SamplingParams(temperature=1.0, seed=3), [10, 11], seed=3, device=device),
+        _drafted(2, SamplingParams(temperature=0.8, top_p=0.9), [12, 13], device=device),
+        _drafted(3, SamplingParams(temperature=0), [14], device=device),
+    ]
 
 
 def test_verification_reads_the_host_once_per_step(monkeypatch):
@@ -217,12 +226,7 @@ def test_verification_reads_the_host_once_per_step(monkeypatch):
     sampler = Sampler(V, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     q = torch.softmax(torch.randn(2, V, generator=g), -1)
-    reqs = [
-        _drafted(0, SamplingParams(temperature=0), [7, 8, 9]),
-        _drafted(1, SamplingParams(temperature=1.0, seed=3), [10, 11], seed=3),
-        _drafted(2, SamplingParams(temperature=0.8, top_p=0.9), [12, 13]),
-        _drafted(3, SamplingParams(temperature=0), [14]),
-    ]
+    reqs = _mixed_drafts()
     rows = [torch.randn(len(r.draft_token_ids) + 1, V, generator=g) for r in reqs]
     calls: dict[str, int] = {}
     for name in ("tolist", "item", "__bool__", "__int__", "__float__"):
@@ -267,3 +271,34 @@ def test_seeded_stream_as_if_the_bonus_were_drawn_only_when_needed(accepted):
     if accepted:
         torch.empty(V).exponential_(generator=ref)
     assert torch.equal(req.generator.get_state(), ref.get_state())
+
+
+@pytest.mark.skipif(device_under_test().type != "cuda", reason="needs OMNIVOX_TEST_DEVICE=cuda (gpu_check.sh)")
+def test_cuda_verification_makes_no_synchronising_call():
+    """On the GPU the verification of a mixed batch waits only in the one transfer (an event wait, which torch's sync
+    debug mode does not count); greedy requests accept what the CPU accepts."""
+    import warnings
+
+    from omnivox.engine.sampler import Sampler
+    from omnivox.engine.speculative import verify_requests
+
+    V, dev = 64, device_under_test()
+    g = torch.Generator().manual_seed(0)
+    q = torch.softmax(torch.randn(2, V, generator=g), -1)
+    rows = [torch.randn(n + 1, V, generator=g) for n in (3, 2, 2, 1)]
+    sampler = Sampler(V, dev)
+    verify_requests(sampler, [r.to(dev) for r in rows], _mixed_drafts(str(dev)), [None, q.to(dev), None, None])
+    on_device = [r.to(dev) for r in rows]
+    reqs = _mixed_drafts(str(dev))
+    torch.cuda.synchronize(dev)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = verify_requests(sampler, on_device, reqs, [None, q.to(dev), None, None])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message).splitlines()[0] for w in seen if "synchroniz" in str(w.message)]
+    assert syncs == [], syncs
+    cpu = verify_requests(Sampler(V, torch.device("cpu")), rows, _mixed_drafts(), [None, q, None, None])
+    assert [out[i] for i in (0, 3)] == [cpu[i] for i in (0, 3)]
