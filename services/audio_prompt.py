@@ -65,7 +65,7 @@ class AudioInputPart:
         try:
             return decode_audio(
                 part.data,
-                content_pb2.AudioEncoding.Name(part.encoding),
+                encoding_name(part.encoding),
                 part.sample_rate_hertz,
                 self.encoder.sample_rate,
                 limits or self.encoder.limits,
@@ -105,6 +105,12 @@ class AudioInputPart:
 
     def close(self) -> None:
         self.worker.shutdown()
+
+
+def encoding_name(value: int) -> str:
+    """An AudioPart's encoding as the codec names it; a number outside the enum stays a number, which the codec
+    refuses as `encoding` (INVALID_ARGUMENT; `AudioEncoding.Name` raised ValueError: INTERNAL)."""
+    return content_pb2.AudioEncoding.Name(value) if value in content_pb2.AudioEncoding.values() else str(value)
 
 
 def load_audio_part(folder: Path, device: Any, dtype: Any, model_key: str) -> AudioInputPart:
