@@ -61,18 +61,23 @@ class DeviceStaging:
     the device in one copy: packed on the host into one buffer (persistent and pinned on CUDA), copied with a single
     non-blocking copy, and handed back as views of one device tensor, each in its original shape. A step built from
     eight separate tensors would make eight copies (vLLM's input batch and nano-vllm's `prepare_*` keep the same
-    one-buffer habit). On the CPU the packed tensor is split directly: the CPU tests run this very packing."""
+    one-buffer habit). `pack` defaults to on for CUDA only: on the CPU there is no copy to save, and views of one
+    buffer would cost elsewhere (a tensor-parallel step pickles each view with its whole buffer). The CPU tests pack
+    with pack=True, where the packed tensor is split directly."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, pack: bool | None = None) -> None:
         self.device = torch.device(device)
+        self.pack = self.device.type == "cuda" if pack is None else pack
         self._pinned: torch.Tensor | None = None  # int64, grown to the largest step seen (CUDA only)
         self._copied: torch.cuda.Event | None = None  # the last copy out of the pinned buffer (it is reused)
-        self.num_copies = 0  # host-to-device copies made (tests count them)
+        self.num_copies = 0  # packed copies made (tests count them)
 
     def __call__(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
         for p in parts:
             if p.dtype != torch.long or p.device.type != "cpu":
                 raise TypeError(f"staging takes int64 host tensors, got {p.dtype} on {p.device}")
+        if not self.pack:  # one copy per part (none on the CPU)
+            return [p.to(self.device) for p in parts]
         if not parts:
             return []
         sizes = [p.numel() for p in parts]

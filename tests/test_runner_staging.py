@@ -24,7 +24,8 @@ PARAMS = [
 
 def test_parts_come_back_equal_in_their_shapes_from_one_tensor() -> None:
     dev = device_under_test()
-    staging = DeviceStaging(dev)
+    assert DeviceStaging(dev).pack == (dev.type == "cuda")  # on the CPU there is no copy to save
+    staging = DeviceStaging(dev, pack=True)
     parts = [
         torch.tensor([7, 8, 9]),
         torch.arange(12).view(3, 4),
@@ -71,14 +72,15 @@ def _run(engine) -> list[torch.Tensor]:
 def test_one_copy_per_step_and_the_same_logits_as_one_tensor_per_input(ckpt) -> None:
     packed = tiny_engine(ckpt, max_num_batched_tokens=7, static_decode=False)
     runner = packed.core.runner
+    runner.staging = DeviceStaging(runner.device, pack=True)  # the CUDA default, here on any device
     steps = packed.core.num_steps
     got = _run(packed)
     assert runner.staging.num_copies == packed.core.num_steps - steps > len(PROMPTS)
 
     apart = tiny_engine(ckpt, max_num_batched_tokens=7, static_decode=False)
-    dev = apart.core.runner.device
-    apart.core.runner.staging = lambda parts: [p.to(dev) for p in parts]  # one copy per input, as before
+    apart.core.runner.staging = DeviceStaging(apart.core.runner.device, pack=False)  # one copy per input, as before
     want = _run(apart)
+    assert apart.core.runner.staging.num_copies == 0
     assert len(got) == len(want)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
