@@ -95,15 +95,22 @@ async def streaming_synthesize(
         raise errors.invalid_argument(
             [FieldViolation("config.max_clause_chars", f"must be in [0, {servicer.limits.max_segment_chars}]")]
         )
-    model = servicer._speech_model(cfg.model)
-    assert model.bundle is not None and model.bundle.speech is not None and model.engine is not None
+    try:  # the checks of SynthesizeSpeech, their fields named as this request has them: `config.<field>`
+        model = servicer._speech_model(cfg.model)
+        assert model.bundle is not None and model.bundle.speech is not None and model.engine is not None
+        created = {v.name: v for v in servicer.voices.list(model.name)}
+        probe = speech_pb2.SynthesizeSpeechRequest(
+            model=cfg.model, text=".", voice=cfg.voice, audio_config=cfg.audio_config, sampling=cfg.sampling
+        )
+        plan = validate_speech(probe, model, model.bundle.speech.layout, servicer.limits.max_text_chars, created)
+    except errors.ServiceError as err:
+        if err.code != grpc.StatusCode.INVALID_ARGUMENT:
+            raise
+        raise errors.invalid_argument(
+            [FieldViolation(f"config.{v.field}", v.description) for v in err.field_violations]
+        ) from None
     bundle, engine = model.bundle.speech, model.engine
     layout = bundle.layout
-    created = {v.name: v for v in servicer.voices.list(model.name)}
-    probe = speech_pb2.SynthesizeSpeechRequest(
-        model=cfg.model, text=".", voice=cfg.voice, audio_config=cfg.audio_config, sampling=cfg.sampling
-    )
-    plan = validate_speech(probe, model, layout, servicer.limits.max_text_chars, created)
     ref = created.get(plan.voice) if plan.voice not in layout.voices else None
     builtin_voice = "" if ref is not None else plan.voice
     cutter = ClauseCutter(cfg.max_clause_chars or DEFAULT_MAX_CLAUSE_CHARS)
@@ -122,8 +129,12 @@ async def streaming_synthesize(
             kind = req.WhichOneof("request")
             if kind == "end":
                 break
-            if kind != "text":
+            if kind == "config":
                 raise errors.invalid_argument([FieldViolation("config", "only the first message may be a config")])
+            if kind != "text":
+                raise errors.invalid_argument(
+                    [FieldViolation("request", "a message after the config sets none of text, end")]
+                )
             total += len(req.text)
             if total > servicer.limits.max_text_chars:
                 raise errors.invalid_argument(

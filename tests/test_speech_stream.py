@@ -184,3 +184,29 @@ def test_underrun_meter_tells_waiting_for_text_from_underruns():
     assert (meter.count, meter.text_wait_s) == (0, pytest.approx(0.8))
     assert meter.chunk(1.5, 0.2, ready=0.9) == pytest.approx(0.3)  # text there since 0.9, dry at 1.2: an underrun
     assert (meter.count, meter.seconds) == (1, pytest.approx(0.3))
+
+
+def test_config_errors_name_the_config_fields(server):
+    """The config's sampling / model checks are SynthesizeSpeech's, named as this request has them (`config.`...;
+    they were `sampling.temperature`, `model`); a message that sets nothing is not called a second config."""
+    from google.rpc import error_details_pb2
+
+    from omnivox.services.errors import status_details
+
+    stub = speech_pb2_grpc.SpeechServiceStub(server.channel())
+    R = speech_pb2.StreamingSynthesizeSpeechRequest
+
+    def fields(*messages) -> set[str]:
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.StreamingSynthesizeSpeech(iter(messages), timeout=30))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        return {v.field for d in status_details(info.value) if isinstance(d, error_details_pb2.BadRequest) for v in d.field_violations}  # fmt: skip
+
+    bad_sampling = speech_pb2.StreamingSpeechConfig(sampling={"temperature": -1, "top_p": 2})
+    assert fields(R(config=bad_sampling), R(text="Hi."), R(end=True)) == {
+        "config.sampling.temperature",
+        "config.sampling.top_p",
+    }
+    bad_rate = speech_pb2.StreamingSpeechConfig(audio_config={"sample_rate_hertz": 7})
+    assert fields(R(config=bad_rate), R(text="Hi."), R(end=True)) == {"config.audio_config.sample_rate_hertz"}
+    assert fields(R(config=speech_pb2.StreamingSpeechConfig()), R(text="Hi."), R()) == {"request"}
