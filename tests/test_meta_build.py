@@ -62,6 +62,26 @@ def test_builds_on_meta_without_mixing_devices(family: str, rope: str) -> None:
     assert model.rotary.cos.shape == (cfg.max_model_len, cfg.head_dim)
 
 
+@pytest.mark.parametrize("kind", ["qwen2.5-vl text (M-RoPE)", "mistral (sliding window)"])
+def test_multimodal_text_decoders_build_on_meta(kind: str) -> None:
+    """The decoders of the vision-language checkpoints too: Qwen2.5-VL's text model (its M-RoPE band index is a
+    buffer made at build time) and LLaVA-NeXT-Mistral's (Llama plus a sliding window that caps the context)."""
+    import transformers
+
+    if kind.startswith("qwen"):
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+        hf = transformers.Qwen2Config(**{**_BASE, "rope_parameters": rope})
+    else:
+        hf = transformers.MistralConfig(**{**_BASE, "sliding_window": 32})
+    cfg = ModelConfig.from_hf(hf, None)
+    model = build_model(cfg, torch.device("meta"), torch.bfloat16)
+    assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"meta"}
+    if kind.startswith("qwen"):
+        assert model.rotary.mrope_axis is not None and model.rotary.mrope_axis.shape == (16,)
+    else:
+        assert cfg.family == "llama" and cfg.max_model_len == 32
+
+
 @pytest.mark.parametrize("rope", sorted(ROPES))
 def test_tables_equal_transformers_rotary(rope: str) -> None:
     """The tables, built on the CPU and moved, are transformers' own cos/sin (attention scaling included)."""
