@@ -30,8 +30,8 @@ from snac.layers import DecoderBlock, NoiseBlock, Snake1d
 from torch import nn
 from torch.nn.utils import parametrize
 
+from omnivox.codecs.codec_kernels import fuse_snakes
 from omnivox.codecs.snac_fast import speed_up_convs
-from omnivox.codecs.snake import fuse_snakes
 
 # hubertsiuzdak/snac_24khz config.json: the codec of Orpheus.
 SNAC_24KHZ_CONFIG: dict = {
@@ -227,7 +227,7 @@ class SnacDecoder:
                         layer += 1
         if fast_convs:  # the same convolutions in faster CPU forms (codecs/snac_fast.py: measured there)
             speed_up_convs(model.decoder)
-            fuse_snakes(model.decoder, _EagerSnake)  # Snake in one C pass (codecs/snake.py)
+            fuse_snakes(model.decoder, _EagerSnake)  # Snake in one C pass (codecs/codec_kernels.py)
         self.model = model.to(device=self.device, dtype=self.dtype)
         self._call_start_latent = torch.zeros(1, dtype=torch.int64)
         self._lock = threading.Lock()
