@@ -11,9 +11,9 @@ of France?" ("The" and "L" 0.08 logits apart in float; int8 activations at the l
 answered "L'Étoile, ...") and 3 % of teacher-forced tokens. int16 activations are within ~1e-5 of float ones at the
 same speed (the loops are bound by unpacking weights, not by the activation width).
 From VNNI_MIN_ROWS rows (decode steps of several requests, prefill chunks), on CPUs with AVX-512 VNNI, the kernel in
-models/block_kernels_vnni.c unpacks 8 rows of weights at a time and multiplies them with `vpdpbusd` against
-activations quantised to 15 bits per group (two int8 halves; `act_bits=8`, one half, is llama.cpp's Q8_1 and twice
-as fast): 1.4x the int16 kernels at 16 rows and faster than float32 GEMM at 128. Without VNNI, from LARGE_BATCH rows
+models/block_kernels_vnni.c unpacks 16 rows of weights at a time and multiplies them with `vpdpbusd` against
+activations quantised to 15 bits per group (two int8 halves; `act_bits=8`, one half, is llama.cpp's Q8_1, ~1.5x as
+fast and measurably worse, see `set_act_bits`): ~2.4x the int16 kernels at 16 rows and ~1.8x float32 GEMM at 128. Without VNNI, from LARGE_BATCH rows
 (prefill) the layer is dequantised into a transient float32 matrix for torch's float GEMM, faster there than integer
 group dots. The portable torch path does the kernels' arithmetic and is tested
 equal to them. Off CPU (CUDA) a layer is dequantised inside each matmul (correct; not a speed path).
@@ -41,7 +41,7 @@ ACT_LEVELS = 32767.0  # activations: int16 per group of 32 (see the module docst
 Q4_BLOCK_BYTES = 20  # fp16 d + fp16 m + 16 bytes of nibbles
 Q8_BLOCK_BYTES = 34  # fp16 d + 32 x int8
 LARGE_BATCH = 32  # rows from which a layer is dequantised for float GEMM (measured crossover, see BENCHMARKS)
-VNNI_MIN_ROWS = 8  # rows from which the VNNI kernel serves (where built): the int16 kernels win below (BENCHMARKS)
+VNNI_MIN_ROWS = 3  # rows from which the VNNI kernel serves (where built): the int16 kernels win at 1 row, tie at 2
 ACT_BITS = (8, 15)  # activation precisions of the VNNI kernel: 127 or 127 * 128 levels per group of 32
 
 
