@@ -52,6 +52,10 @@ def json_schema_grammar(schema_text: str, field: str) -> str:
         raise _bad(field, f"not valid JSON: {exc}") from exc
     if not isinstance(schema, dict | bool):
         raise _bad(field, f"a JSON schema is an object or a boolean, got {type(schema).__name__}")
+    if schema is False:
+        raise _bad(field, "the schema false admits no value")
+    if schema is True:  # any JSON value (llguidance takes only an object: "Expecting object schema to apply options")
+        schema = {}
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
     except ValueError as exc:

@@ -98,3 +98,23 @@ def test_a_huge_whisper_prompt_costs_only_its_tail(served):
     request = transcription_pb2.TranscribeRequest(model="whisper", audio=_audio(0), prompt=huge)
     assert list(transcribe.Transcribe(request, timeout=60))[-1].WhichOneof("response") == "summary"
     _all_free(server)
+
+
+@pytest.mark.parametrize(("schema", "ok"), [("true", True), ("false", False)])
+def test_boolean_json_schemas(served, schema, ok):
+    """`true` (any JSON value) and `false` (none) are JSON schemas, as the validator's own message says; both failed in
+    llguidance with "Expecting object schema to apply options"."""
+    server, generate, _ = served
+    request = generation_pb2.GenerateRequest(
+        model="text",
+        contents=[content_pb2.Content(parts=[content_pb2.Part(text="Any JSON")])],
+        response_format=generation_pb2.ResponseFormat(json_schema=schema),
+        max_output_tokens=8,
+    )
+    if ok:
+        assert list(generate.Generate(request, timeout=60))[-1].WhichOneof("response") == "summary"
+    else:
+        with pytest.raises(grpc.RpcError) as info:
+            list(generate.Generate(request, timeout=60))
+        assert _fields(info.value) == {"response_format.json_schema"}
+    _all_free(server)
