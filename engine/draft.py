@@ -67,12 +67,13 @@ class DraftModelProposer:
         self.kv.rollback(shadow, min(shadow.num_computed_tokens, same, shadow.num_tokens - 1))
         return shadow
 
-    def _step(self, shadow: Request, n: int) -> torch.Tensor:
-        """Compute the shadow's next n tokens; returns the logits [vocab] after the last one."""
+    def _step(self, shadow: Request, n: int, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Compute the shadow's next n tokens (input_ids: their ids on the device, when the host does not hold them
+        yet); returns the logits [vocab] after the last one."""
         if not self.kv.allocate(shadow, n):
             raise MemoryError("draft KV pool full")
         chunk = ScheduledChunk(shadow, shadow.num_computed_tokens, n, 1)
-        logits, _ = self.runner.execute(SchedulePlan(prefills=[chunk]))  # a chunk over the cached context, any n
+        logits, _ = self.runner.execute(SchedulePlan(prefills=[chunk]), input_ids=input_ids)  # over the cached context
         shadow.num_computed_tokens += n
         return logits[0].float()
 
@@ -82,25 +83,26 @@ class DraftModelProposer:
             return Proposal([])  # the draft sees text only
         shadow = self._shadow(req)
         temperature = 0.0 if req.params.is_greedy else req.params.temperature
-        tokens: list[int] = []
+        drawn: list[torch.Tensor] = []  # [1] each, on the device: read back once, after the k steps
         qs: list[torch.Tensor] = []
         try:
             logits = self._step(shadow, shadow.num_tokens - shadow.num_computed_tokens)
             for j in range(self.k):
                 if temperature == 0.0:
-                    token, q = int(logits.argmax()), None
+                    token = logits.argmax().view(1)
                 else:
                     q = (logits / temperature).softmax(dim=-1)
-                    token = int(torch.multinomial(q, 1, generator=req.generator))
-                tokens.append(token)
-                if q is not None:
+                    token = torch.multinomial(q, 1, generator=req.generator)
                     qs.append(q)
-                shadow.output_token_ids.append(token)
+                drawn.append(token)
+                shadow.output_token_ids.append(-1)  # a placeholder: the next step reads the id from `token`
                 if j + 1 < self.k:
-                    logits = self._step(shadow, 1)
+                    logits = self._step(shadow, 1, input_ids=token)
         except MemoryError:
             self.forget(req.request_id)
             return Proposal([])
+        tokens = [int(t) for t in torch.cat(drawn).tolist()]  # one host read per proposal (was one per token)
+        shadow.output_token_ids[-self.k :] = tokens
         return Proposal(tokens, torch.stack(qs) if qs else None)
 
 

@@ -130,17 +130,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, plan: SchedulePlan, window: tuple[int, int] | None = None
+        self, plan: SchedulePlan, window: tuple[int, int] | None = None, input_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor | None, list[ScheduledChunk]]:
         """Run the plan; returns logits [R, vocab] (float32) and the chunks that sample, in row order: each sampling
         chunk owns `num_verify` consecutive rows (the logits of its last num_verify positions). With `window`
-        (lo, hi) the logits are [R, hi - lo], of vocabulary rows lo..hi-1 only (engine/vocab_window.py)."""
+        (lo, hi) the logits are [R, hi - lo], of vocabulary rows lo..hi-1 only (engine/vocab_window.py).
+        input_ids: the step's token ids [T] already on the device (a draft model's last sample, not yet read back),
+        used instead of the requests' own (dynamic path only)."""
         singles = [c for c in plan.decodes if c.num_tokens == 1]  # one token each: the decode attention path
         multis = [c for c in plan.decodes if c.num_tokens > 1] + plan.prefills  # chunks over a cached context
         mrope = any(c.request.rope_positions is not None for c in plan.chunks)
         cross_attends = getattr(self.model, "is_encoder_decoder", False)
         if (
             self.static is not None
+            and input_ids is None
             and not cross_attends  # the static buffers carry no per-request cross-attention state
             and not multis
             and not mrope  # static buffers hold 1-D positions that double as KV slots
@@ -215,7 +218,8 @@ class ModelRunner:
                 ]
             )
         )
-        input_ids, positions, slot_mapping, logit_index = next(staged), next(staged), next(staged), next(staged)
+        staged_ids, positions, slot_mapping, logit_index = next(staged), next(staged), next(staged), next(staged)
+        input_ids = staged_ids if input_ids is None else input_ids
         decode_tables = decode_mask = decode_lens = None
         if nd:
             decode_tables, decode_lens = next(staged), next(staged)

@@ -302,3 +302,40 @@ def test_cuda_verification_makes_no_synchronising_call():
     assert syncs == [], syncs
     cpu = verify_requests(Sampler(V, torch.device("cpu")), rows, _mixed_drafts(), [None, q, None, None])
     assert [out[i] for i in (0, 3)] == [cpu[i] for i in (0, 3)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_draft_model_reads_its_tokens_back_once_per_proposal(tmp_path, monkeypatch, temperature):
+    """The draft's k tokens stay on the device between its steps (each feeds the next step's input ids) and come
+    back in one read at the end, not one per token; the shadow then holds the real tokens, and a second proposal
+    (after the target accepted some) continues from them."""
+    from omnivox.engine.request import Request
+
+    target = tiny_checkpoint(tmp_path, "llama")
+    prop = DraftModelProposer.from_pretrained(target, device="cpu", k=3, kv_cache_gib=0.01)
+    params = SamplingParams(temperature=temperature, seed=5 if temperature else None)
+    req = Request("d", [5, 6, 7, 5, 6, 7, 5, 6], params, 64, (2,))
+    req.generator = torch.Generator().manual_seed(5) if temperature else None
+    calls: dict[str, int] = {}
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__", "__index__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _name=name, _original=original, **k):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _original(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    first = prop(req)
+    monkeypatch.undo()
+    assert calls == {"tolist": 1}, calls
+    assert len(first.tokens) == 3 and all(isinstance(t, int) and 0 <= t < 384 for t in first.tokens)
+    assert (first.q is None) == (temperature == 0.0)
+    shadow = prop._shadows["d"]
+    assert shadow.output_token_ids == first.tokens and -1 not in shadow.output_token_ids
+    req.output_token_ids = first.tokens[:2]  # the target accepted two drafts
+    second = prop(req)
+    assert len(second.tokens) == 3 and prop._shadows["d"].output_token_ids == first.tokens[:2] + second.tokens
+    if temperature == 0.0:  # greedy: the draft is the target model itself, so its proposal is the target's tokens
+        engine = tiny_engine(target)
+        out = engine.generate([[5, 6, 7, 5, 6, 7, 5, 6]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+        assert first.tokens == out[0].token_ids[:3] and second.tokens == out[0].token_ids[2:5]
