@@ -16,18 +16,31 @@ from omnivox.v1 import generation_pb2_grpc
 PROMPTS = [("word " * n + f"number {n}").strip() for n in (1, 2, 4, 6, 9, 12, 15, 18)]
 CONFIGS = {
     "one-seq-tiny-chunks": dict(max_num_seqs=1, max_num_batched_tokens=8),
-    # 12 KV blocks of 16 tokens (kv_cache_gib set per family below): 2-3 of these requests at once, the rest wait
+    # 12 KV blocks of 16 tokens (kv_cache_gib per family, below): 2-3 of these requests at once, the rest wait
     # or are preempted
     "tiny-kv-preempts": dict(max_num_seqs=8, max_num_batched_tokens=16),
     "no-prefix-cache": dict(max_num_seqs=4, max_num_batched_tokens=24),
+    # n-gram drafts verified while requests are preempted and recomputed; int8 weights on the block kernels
+    "ngram-spec-tiny-kv": dict(max_num_seqs=8, max_num_batched_tokens=16, speculative="ngram"),
+    "int8-one-seq": dict(max_num_seqs=1, max_num_batched_tokens=8, quantization="int8"),
 }
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
-def checkpoint(request, tmp_path_factory):
-    path = make_checkpoint(tmp_path_factory.mktemp(request.param) / "tiny", family=request.param, seed=3)
-    head_dim = 32 if request.param == "qwen3" else 16  # tests/checkpoints.py: 2 layers, 2 KV heads, float32
-    return path, 12 * 16 * (2 * 2 * 2 * head_dim * 4) / 2**30
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Each family's tiny checkpoint and the kv_cache_gib of 12 blocks for it."""
+    out = {}
+    for family in ("llama", "qwen2", "qwen3"):
+        path = make_checkpoint(tmp_path_factory.mktemp(family) / "tiny", family=family, seed=3)
+        head_dim = 32 if family == "qwen3" else 16  # tests/checkpoints.py: 2 layers, 2 KV heads, float32
+        out[family] = (path, 12 * 16 * (2 * 2 * 2 * head_dim * 4) / 2**30)
+    return out
+
+
+# Every family under preemption; the other settings one family each (each server run costs ~3 s on 2 cores).
+CASES = [("llama", "tiny-kv-preempts"), ("qwen2", "tiny-kv-preempts"), ("qwen3", "tiny-kv-preempts"),
+         ("qwen2", "one-seq-tiny-chunks"), ("qwen3", "no-prefix-cache"), ("llama", "ngram-spec-tiny-kv"),
+         ("qwen3", "int8-one-seq")]  # fmt: skip
 
 
 def _answer(stub, prompt: str) -> list[int]:
@@ -42,20 +55,24 @@ def _answer(stub, prompt: str) -> list[int]:
     return ids
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
-def test_concurrent_answers_equal_one_by_one(checkpoint, config):
-    path, twelve_blocks_gib = checkpoint
-    options = EngineOptions(**CONFIGS[config], kv_cache_gib=twelve_blocks_gib if config == "tiny-kv-preempts" else None)
+@pytest.mark.parametrize(("family", "config"), CASES)
+def test_concurrent_answers_equal_one_by_one(checkpoints, family, config):
+    path, twelve_blocks_gib = checkpoints[family]
+    options = EngineOptions(**CONFIGS[config], kv_cache_gib=twelve_blocks_gib if "tiny-kv" in config else None)
     with ServerThread([ModelSpec(path=path, name="m")], options) as server:
         engine = server.engine("m")
         if config == "no-prefix-cache":
             engine.core.pool.enable_prefix_caching = False
+        drafted = []
+        engine.step_observers.append(lambda result: drafted.append(result.stats.num_drafted))
         stub = generation_pb2_grpc.GenerationServiceStub(server.channel())
         alone = [_answer(stub, p) for p in PROMPTS]
         with ThreadPoolExecutor(len(PROMPTS) * 2) as pool:
             together = list(pool.map(lambda p: _answer(stub, p), PROMPTS * 2))
         assert together == alone * 2
-        if config == "tiny-kv-preempts":
+        if "spec" in config:
+            assert sum(drafted) > 0  # drafts were verified
+        if "tiny-kv" in config:
             assert engine.core.scheduler.num_preemptions > 0  # the setting did what it is for
         free, total = server.wait_kv_free("m", timeout=5.0)
         assert free == total
