@@ -15,6 +15,10 @@ The headline number is the highest level at which every stream stayed faster tha
 rates; N = 1 is the earliest first audio), alternating the two servers level by level. Each server first serves one
 warm-up stream (not counted): the start is sized from rates it measured on earlier streams. `--repeats R` runs each
 level R times; the table gives medians over repeats and how many repeats stayed faster than real time.
+
+`--compare-checkout DIR` does the same against a second server running the code of another checkout of this
+repository (e.g. `git worktree add /tmp/omnivox-before <commit>`), same arguments: before/after of a code change in
+one run.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -185,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="runs of each level (medians reported)")
     ap.add_argument("--compare-first-hop", type=int, metavar="N",
                     help="also run a server with --speech-first-hop N, alternating with the default one")  # fmt: skip
+    ap.add_argument("--compare-checkout", type=Path, metavar="DIR",
+                    help="also run a server on the code in DIR (an older worktree), alternating")  # fmt: skip
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     args = ap.parse_args(argv)
     levels = [int(v) for v in args.concurrency.split(",") if v.strip()]
@@ -203,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     from omnivox.benchmarks.systems.omnivox_grpc import ServerProcess
 
     model = args.model
-    if model is None and (address is None or args.compare_first_hop is not None):
+    compare = args.compare_first_hop is not None or args.compare_checkout is not None
+    if model is None and (address is None or compare):
         from omnivox.services.defaults import ensure_default_speech_model
 
         model = str(ensure_default_speech_model())
@@ -211,8 +219,15 @@ def main(argv: list[str] | None = None) -> int:
         if address is None:
             servers.append(ServerProcess(model, args.server_arg, Path("bench-results") / "speech-server.log"))
             address = servers[-1].address
-        if args.compare_first_hop is None:
+        if not compare:
             result = run_levels(address, levels, args.text, args.voice, repeats=args.repeats)
+        elif args.compare_checkout is not None:
+            servers.append(_checkout_server(args.compare_checkout, model, args.server_arg))
+            head = subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=args.compare_checkout, capture_output=True
+            )
+            meta["before"] = f"omnivox serve from {args.compare_checkout} (commit {head.stdout.decode().strip()})"
+            result = run_compare(address, servers[-1].address, levels, args.text, args.voice, args.repeats)
         else:
             before_args = [*args.server_arg, "--speech-first-hop", str(args.compare_first_hop)]
             servers.append(ServerProcess(model, before_args, Path("bench-results") / "speech-server-before.log"))
@@ -226,6 +241,35 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps({**meta, **result}, indent=2))
     print(format_table(result))
     return 0
+
+
+def _checkout_server(checkout: Path, model: str, server_args: list[str]):
+    """`omnivox serve` importing omnivox from `checkout`: its pyproject's package-dir laid out as symbolic links in
+    a temporary folder put first on PYTHONPATH (ahead of this environment's editable install)."""
+    import tempfile
+    import tomllib
+
+    from omnivox.benchmarks.systems.omnivox_grpc import ServerProcess
+
+    checkout = checkout.resolve()
+    dirs = tomllib.loads((checkout / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    farm = Path(tempfile.mkdtemp(prefix="omnivox-checkout-"))
+    for package, folder in sorted(dirs.items()):  # "omnivox" first: its folder holds the others' links
+        target = farm.joinpath(*package.split("."))
+        if package == "omnivox":
+            target.mkdir(parents=True)
+            (target / "__init__.py").symlink_to(checkout / folder / "__init__.py")
+        elif not target.exists():
+            target.symlink_to(checkout / folder, target_is_directory=True)
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(farm), *([saved] if saved else [])])
+    try:
+        return ServerProcess(model, server_args, Path("bench-results") / "speech-server-before.log")
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
 
 
 if __name__ == "__main__":
