@@ -118,3 +118,21 @@ def test_boolean_json_schemas(served, schema, ok):
             list(generate.Generate(request, timeout=60))
         assert _fields(info.value) == {"response_format.json_schema"}
     _all_free(server)
+
+
+@pytest.mark.parametrize("command", ["speak", "transcribe", "transcribe --stream"])
+def test_cli_output_path_that_cannot_be_written_is_one_line(served, tmp_path, capsys, command):
+    """`-o` into a folder that does not exist was a FileNotFoundError traceback."""
+    from omnivox.services.cli import main
+
+    server, _, _ = served
+    clip = tmp_path / "clip.wav"
+    clip.write_bytes(WAV)
+    out = str(tmp_path / "missing" / "out.txt")
+    args = ["speak", "Hi", "-o", out] if command == "speak" else [*command.split(), str(clip), "-o", out, "--pace", "0"]
+    if command == "transcribe":
+        args.remove("--pace")
+        args.remove("0")
+    assert main([*args, "--model", "whisper" if "transcribe" in command else "", "--server", server.address]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"omnivox: error: cannot write {out}: No such file or directory"]

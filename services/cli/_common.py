@@ -15,6 +15,15 @@ class CliError(Exception):
     """A failure the user can act on; printed as one line, no traceback."""
 
 
+def open_output(path: str, binary: bool = False):
+    """The -o file, opened for writing; one that cannot be (no such folder, no permission) is a one-line CliError,
+    not a traceback."""
+    try:
+        return open(path, "wb") if binary else open(path, "w", encoding="utf-8")  # noqa: SIM115
+    except OSError as err:
+        raise CliError(f"cannot write {path}: {err.strerror or err}") from None
+
+
 def add_connection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--server",

@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from omnivox.services.cli._common import CliError, add_connection_args, connect, rpc_error_line
+from omnivox.services.cli._common import CliError, add_connection_args, connect, open_output, rpc_error_line
 
 ENCODINGS = ("wav", "linear16", "flac", "ogg_opus", "mulaw")
 _BY_SUFFIX = {".wav": "wav", ".flac": "flac", ".ogg": "ogg_opus", ".opus": "ogg_opus", ".raw": "linear16",
@@ -124,7 +124,7 @@ def _run(args: argparse.Namespace) -> int:
             args.voice = _voice_from(stub, args)
         text = sys.stdin.read() if args.text in (None, "-") else args.text
         request = build_request(args, text)
-        out = sys.stdout.buffer if args.output == "-" else open(args.output, "wb")  # noqa: SIM115
+        out = sys.stdout.buffer if args.output == "-" else open_output(args.output, binary=True)
         try:
             for response in stub.SynthesizeSpeech(request, timeout=args.timeout):
                 kind = response.WhichOneof("response")

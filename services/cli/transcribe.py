@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from omnivox.services.cli._common import CliError, add_connection_args, connect, rpc_error_line
+from omnivox.services.cli._common import CliError, add_connection_args, connect, open_output, rpc_error_line
 
 FORMATS = ("text", "srt", "vtt", "json")
 
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         timestamps=args.format != "text",
         task=args.task,
     )
-    out = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")  # noqa: SIM115
+    out = sys.stdout if args.output == "-" else open_output(args.output)
     summary = None
     try:
         with connect(args) as channel:

@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from omnivox.services.cli._common import CliError, connect, rpc_error_line
+from omnivox.services.cli._common import CliError, connect, open_output, rpc_error_line
 
 CHUNK_S = 0.1
 
@@ -126,7 +126,7 @@ def run_stream(args: argparse.Namespace) -> int:
     encoding, rate, chunks, paced = audio_source(args.audio, args.sample_rate)
     pace = args.pace if paced else 0.0
     live = args.interim and args.format == "text" and sys.stderr.isatty()
-    out = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")  # noqa: SIM115
+    out = sys.stdout if args.output == "-" else open_output(args.output)
     finals: list[tuple[float, float, str]] = []
     summary = None
     try:
