@@ -28,6 +28,7 @@ class IncrementalDetokenizer:
         self.stop = stop or []
         self.include_stop = include_stop
         self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self._firsts = {s[0] for s in self.stop if s}  # a held tail starts with one of these
         self.ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -63,9 +64,9 @@ class IncrementalDetokenizer:
 
     def _held(self) -> int:
         """Characters at the end of the text that a stop string starts with (they may still become one)."""
-        for n in range(min(self.hold, len(self.text) - self.released), 0, -1):
-            tail = self.text[-n:]
-            if any(s.startswith(tail) for s in self.stop):
+        text, firsts = self.text, self._firsts
+        for n in range(min(self.hold, len(text) - self.released), 0, -1):
+            if text[-n] in firsts and any(s.startswith(text[-n:]) for s in self.stop):
                 return n
         return 0
 
