@@ -1,11 +1,13 @@
-"""SNAC decode cost on CPU: seconds of codec time per second of audio, before and after the faster convolutions.
+"""SNAC decode cost on CPU: seconds of codec time per second of audio, for each form of the decoder.
 
     python -m omnivox.benchmarks.codec [--frames 141] [--threads 1] [--out benchmarks/results/codec-cpu.json]
 
 One run measures every variant on the same random full-size 24 kHz SNAC and the same codes: the unmodified float32
-decoder (`fast_convs=False`) and the fast one, each one-shot (the whole utterance in one pass) and streamed through
-`BatchedStreamDecoder` (windows with 2 frames of context each side; hop 8, and hop 16), for 1 and 2 streams at once,
-frames arriving one at a time per stream as the engine produces them (the ready windows decoded after each).
+decoder (`fast_convs=False`), the fast convolutions in torch (`c_kernels=False`) and with the C kernels (the default:
+codecs/codec_kernels.py), each one-shot (the whole utterance in one pass) and streamed through `BatchedStreamDecoder`
+at hop 16 with 2 and with 1 frame of context each side, for 1 and 2 streams at once, frames arriving one at a time per
+stream as the engine produces them (the ready windows decoded after each). Variants alternate repeat by repeat, and
+each streamed variant's largest difference from the float32 one-shot decode is recorded.
 """
 
 from __future__ import annotations
@@ -13,24 +15,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from omnivox.codecs.snac import SnacDecoder, save_random_snac
 from omnivox.codecs.streaming import BatchedStreamDecoder, StreamingOptions
 
 ORPHEUS_LEVELS = ((0,), (1, 4), (2, 3, 5, 6))
-
-
-def _time(fn, reps: int) -> float:
-    fn()  # warm-up
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - start) / reps
 
 
 def main() -> None:
@@ -41,28 +37,26 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    from omnivox.benchmarks.main import git_commit
+
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    load = list(os.getloadavg())
     folder = save_random_snac(Path(tempfile.mkdtemp()) / "snac", seed=0)
     decoders = {
-        "float32 (before)": SnacDecoder.from_folder(folder, fast_convs=False),
-        "fast convs (after)": SnacDecoder.from_folder(folder),
+        "float32 as built": SnacDecoder.from_folder(folder, fast_convs=False),
+        "fast convs, torch": SnacDecoder.from_folder(folder, c_kernels=False),
+        "fast convs + C kernels": SnacDecoder.from_folder(folder),
     }
     g = torch.Generator().manual_seed(0)
     frames = [torch.randint(0, 4096, (args.frames, 7), generator=g) for _ in range(2)]
     audio_s = args.frames * 2048 / 24000
-    rows = []
+    reference = decoders["float32 as built"].decode_frames(frames[0][None], ORPHEUS_LEVELS)[0].numpy()
+    cases = []  # (decoder, mode, streams, context, fn)
     for name, dec in decoders.items():
-        rows.append(
-            {
-                "decoder": name,
-                "mode": "one-shot",
-                "streams": 1,
-                "s_per_audio_s": _time(lambda d=dec: d.decode_frames(frames[0][None], ORPHEUS_LEVELS), args.reps)
-                / audio_s,
-            }
-        )
-        for hop in (8, 16):
-            bsd = BatchedStreamDecoder(dec, ORPHEUS_LEVELS, StreamingOptions(hop_frames=hop))
+        cases.append((name, "one-shot", 1, None, lambda d=dec: d.decode_frames(frames[0][None], ORPHEUS_LEVELS)))
+        for context in (2, 1):
+            opts = StreamingOptions(hop_frames=16, left_context_frames=context, lookahead_frames=context)
+            bsd = BatchedStreamDecoder(dec, ORPHEUS_LEVELS, opts)
             for streams in (1, 2):
 
                 def run(bsd=bsd, streams=streams) -> None:
@@ -77,13 +71,31 @@ def main() -> None:
                         s.finish()
                     bsd.decode_ready(states)
 
-                per = _time(run, args.reps) / (audio_s * streams)
-                rows.append({"decoder": name, "mode": f"streamed hop {hop}", "streams": streams, "s_per_audio_s": per})
-        for r in rows[-5:]:
-            print(f"{r['decoder']:20s} {r['mode']:16s} streams={r['streams']}  {r['s_per_audio_s']:.3f} s per audio s")
+                cases.append((name, f"streamed hop 16, context {context}", streams, bsd, run))
+    times: list[list[float]] = [[] for _ in cases]
+    for _ in range(args.reps + 1):  # the first round warms up
+        for k, (*_, fn) in enumerate(cases):
+            start = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - start)
+    rows = []
+    for (name, mode, streams, bsd, _), t in zip(cases, times, strict=True):
+        row = {"decoder": name, "mode": mode, "streams": streams}
+        row["s_per_audio_s"] = float(np.median(t[1:])) / (audio_s * streams)
+        if bsd is not None and streams == 1:
+            row["max_abs_diff_vs_float32_one_shot"] = float(np.abs(bsd.decode_all(frames[0]) - reference).max())
+        rows.append(row)
+        diff = row.get("max_abs_diff_vs_float32_one_shot")
+        print(
+            f"{name:24s} {mode:28s} streams={streams}  {row['s_per_audio_s']:.3f} s per audio s"
+            + (f"  max diff {diff:.1e}" if diff is not None else "")
+        )
     report = {
         "started": started,
-        "load_average_at_end": os.getloadavg(),
+        "commit": git_commit(),
+        "load_average_at_start": load,
+        "load_average_at_end": list(os.getloadavg()),
+        "command": "python -m omnivox.benchmarks.codec " + " ".join(sys.argv[1:]),
         "threads": args.threads,
         "frames": args.frames,
         "audio_s_per_stream": audio_s,

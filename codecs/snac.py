@@ -191,6 +191,7 @@ class SnacDecoder:
         noise: str | NoiseSource | None = "positional",
         noise_seed: int = 0,
         fast_convs: bool = True,
+        c_kernels: bool = True,
     ) -> None:
         self.config = dict(config)
         self.shape = snac_config_shape(config)
@@ -226,8 +227,9 @@ class SnacDecoder:
                         self._steps_per_latent.append(rate)
                         layer += 1
         if fast_convs:  # the same convolutions in faster CPU forms (codecs/snac_fast.py: measured there)
-            speed_up_convs(model.decoder)
-            fuse_snakes(model.decoder, _EagerSnake)  # Snake in one C pass (codecs/codec_kernels.py)
+            speed_up_convs(model.decoder, c_kernels)
+            if c_kernels:  # Snake in one C pass (codecs/codec_kernels.py)
+                fuse_snakes(model.decoder, _EagerSnake)
         self.model = model.to(device=self.device, dtype=self.dtype)
         self._call_start_latent = torch.zeros(1, dtype=torch.int64)
         self._lock = threading.Lock()
@@ -241,6 +243,7 @@ class SnacDecoder:
         noise: str | NoiseSource | None = "positional",
         noise_seed: int = 0,
         fast_convs: bool = True,
+        c_kernels: bool = True,
     ) -> SnacDecoder:
         """Load `config.json` + `pytorch_model.bin` (the published SNAC format) from a local folder."""
         path = Path(path)
@@ -251,7 +254,16 @@ class SnacDecoder:
         model = SNAC(**config)
         state = torch.load(weights_path, map_location="cpu", weights_only=True)
         model.load_state_dict(state)  # the legacy weight_g/weight_v names are converted by torch's weight_norm hook
-        return cls(model, config, device=device, dtype=dtype, noise=noise, noise_seed=noise_seed, fast_convs=fast_convs)
+        return cls(
+            model,
+            config,
+            device=device,
+            dtype=dtype,
+            noise=noise,
+            noise_seed=noise_seed,
+            fast_convs=fast_convs,
+            c_kernels=c_kernels,
+        )
 
     @property
     def sample_rate(self) -> int:

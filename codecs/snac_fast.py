@@ -36,8 +36,9 @@ POINTWISE = False
 class ShiftedDepthwise(nn.Module):
     """A depthwise Conv1d (groups == channels, stride 1) as `kernel_size` shifted multiply-adds."""
 
-    def __init__(self, conv: nn.Conv1d) -> None:
+    def __init__(self, conv: nn.Conv1d, c_kernel: bool = True) -> None:
         super().__init__()
+        self.c_kernel = c_kernel  # one C pass where it applies (codecs/codec_kernels.py), else the torch form below
         self.weight = nn.Parameter(conv.weight.detach()[:, 0, :].clone(), requires_grad=False)  # (C x K)
         bias = conv.bias.detach() if conv.bias is not None else torch.zeros(conv.out_channels)
         self.bias = nn.Parameter(bias.clone(), requires_grad=False)  # (C,)
@@ -45,7 +46,7 @@ class ShiftedDepthwise(nn.Module):
         self.padding = int(conv.padding[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B x C x T)
-        fused = depthwise_conv(x, self.weight, self.bias, self.dilation, self.padding)  # one C pass, same sums
+        fused = depthwise_conv(x, self.weight, self.bias, self.dilation, self.padding) if self.c_kernel else None
         if fused is not None:
             return fused
         k, d = self.weight.shape[1], self.dilation
@@ -112,15 +113,16 @@ class MatmulConvTranspose(nn.Module):
         return out[..., self.padding : length - self.padding] + self.bias.to(x.dtype)[:, None]
 
 
-def speed_up_convs(module: nn.Module) -> int:
-    """Replace the decoder's convolutions in place with the forms above where they apply; returns how many."""
+def speed_up_convs(module: nn.Module, c_kernels: bool = True) -> int:
+    """Replace the decoder's convolutions in place with the forms above where they apply; returns how many.
+    c_kernels=False: the depthwise ones stay in torch (no C kernel), as benchmarks/codec.py compares."""
     replaced = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             new: nn.Module | None = None
             if type(child) is nn.Conv1d and child.stride[0] == 1 and child.padding_mode == "zeros":
                 if child.groups == child.in_channels == child.out_channels and child.groups > 1:
-                    new = ShiftedDepthwise(child)
+                    new = ShiftedDepthwise(child, c_kernels)
                 elif POINTWISE and child.groups == 1 and child.kernel_size[0] == 1 and child.padding[0] == 0:
                     new = Pointwise(child)
             elif type(child) is nn.ConvTranspose1d and MatmulConvTranspose.applies(child):
