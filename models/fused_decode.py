@@ -84,7 +84,7 @@ def _linear(module: nn.Module) -> tuple[_FusedLinear, bool] | None:
         kind = _Q8 if module.kind == "q8" else _Q4
         passes = (1 if module.act_bits == 8 else 2) if cpu_kernels.vnni_available() else 0
         entry = _FusedLinear(module.blocks.data_ptr(), _ptr(module.bias), kind, module.out_features, module.in_features)
-        entry.vnni_passes, entry.vnni_min_rows = passes, quant.VNNI_MIN_ROWS
+        entry.vnni_passes, entry.vnni_min_rows = passes, quant.VNNI_MIN_ROWS[module.kind]
         return entry, True
     if type(module) in (Linear, PackedLinear):
         w = module.weight

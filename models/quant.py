@@ -10,12 +10,12 @@ to int8 here (Q8_0 / Q8_1); on the embedded SmolLM2-135M that flipped the first 
 of France?" ("The" and "L" 0.08 logits apart in float; int8 activations at the lm_head put "L" first, and the engine
 answered "L'Étoile, ...") and 3 % of teacher-forced tokens. int16 activations are within ~1e-5 of float ones at the
 same speed (the loops are bound by unpacking weights, not by the activation width).
-From VNNI_MIN_ROWS rows (decode steps of several requests, prefill chunks), on CPUs with AVX-512 VNNI, the kernel in
-models/block_kernels_vnni.c unpacks 16 rows of weights at a time and multiplies them with `vpdpbusd` against
+From VNNI_MIN_ROWS rows (6 or 8: decode steps of several requests, prefill chunks), on CPUs with AVX-512 VNNI, the
+kernel in models/block_kernels_vnni.c unpacks 16 rows of weights at a time and multiplies them with `vpdpbusd` against
 activations quantised to 15 bits per group (two int8 halves; `act_bits=8`, one half, is llama.cpp's Q8_1, ~1.5x as
-fast and measurably worse, see `set_act_bits`): ~2.4x the int16 kernels at 16 rows and ~1.8x float32 GEMM at 128. Without VNNI, from LARGE_BATCH rows
-(prefill) the layer is dequantised into a transient float32 matrix for torch's float GEMM, faster there than integer
-group dots. The portable torch path does the kernels' arithmetic and is tested
+fast and measurably worse, see `set_act_bits`): ~2.2x the int16 kernels at 16 rows and ~1.7x float32 GEMM at 128.
+Without VNNI, from LARGE_BATCH rows (prefill) the layer is dequantised into a transient float32 matrix for torch's
+float GEMM, faster there than integer group dots. The portable torch path does the kernels' arithmetic and is tested
 equal to them. Off CPU (CUDA) a layer is dequantised inside each matmul (correct; not a speed path).
 
 torch's fbgemm dynamic int8 linear (`quantized::linear_dynamic`, per-channel weights) was measured first: 4.4x faster
@@ -41,7 +41,11 @@ ACT_LEVELS = 32767.0  # activations: int16 per group of 32 (see the module docst
 Q4_BLOCK_BYTES = 20  # fp16 d + fp16 m + 16 bytes of nibbles
 Q8_BLOCK_BYTES = 34  # fp16 d + 32 x int8
 LARGE_BATCH = 32  # rows from which a layer is dequantised for float GEMM (measured crossover, see BENCHMARKS)
-VNNI_MIN_ROWS = 3  # rows from which the VNNI kernel serves (where built): the int16 kernels win at 1 row, tie at 2
+# Rows from which the VNNI kernel serves (where built), per block kind. Measured on the embedded SmolLM2 (weights
+# streamed from memory; one thread): its 30 Q4_1 layers at 4 / 6 / 8 rows took 19 / 29 / 37 ms with the int16 kernels
+# and 25 / 28 / 31 with VNNI (its per-call unpacking of 16-row tiles costs ~15 ms a step at any row count); the Q8_0
+# lm_head crosses over at 8 rows (3.6 vs 6.1 ms at 4 rows, 7.1 vs 7.6 at 8, 10.1 vs 8.1 at 12).
+VNNI_MIN_ROWS = {"q4": 6, "q8": 8}
 ACT_BITS = (8, 15)  # activation precisions of the VNNI kernel: 127 or 127 * 128 levels per group of 32
 
 
@@ -162,7 +166,7 @@ class BlockLinear(nn.Module):
             raise ValueError(f"{self.kind} blocks {tuple(blocks.shape)} do not hold {in_features} inputs")
         self.register_buffer("blocks", blocks.contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
-        self.act_bits = 15  # activations of the many-row VNNI kernel (ACT_BITS); 16 below VNNI_MIN_ROWS
+        self.act_bits = 15  # activations of the many-row VNNI kernel (ACT_BITS); int16 below VNNI_MIN_ROWS
 
     @property
     def nbytes(self) -> int:
@@ -178,7 +182,7 @@ class BlockLinear(nn.Module):
         xf = x.float()
         if self.padded_in != self.in_features:
             xf = F.pad(xf, (0, self.padded_in - self.in_features))
-        vnni = xf.shape[0] >= VNNI_MIN_ROWS and cpu_kernels.vnni_available()
+        vnni = xf.shape[0] >= VNNI_MIN_ROWS[self.kind] and cpu_kernels.vnni_available()
         if torch.is_grad_enabled() or not cpu_kernels.kernel_available():
             bits = self.act_bits if vnni else 16
             return block_matmul_portable(self.kind, xf, self.blocks, self.bias, bits).to(x.dtype)

@@ -124,7 +124,7 @@ def test_fused_table_follows_replaced_layers(checkpoint, monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-@pytest.mark.parametrize("chunk", [5, quant.VNNI_MIN_ROWS + 3])  # 2 + 11 rows: the many-row VNNI kernel, where built
+@pytest.mark.parametrize("chunk", [5, 9])  # 2 + 9 rows: the many-row VNNI kernel (where built) for both block kinds
 def test_fused_step_with_a_verify_chunk_equals_torch_layers(checkpoint, mode, chunk, monkeypatch):
     """Decode rows plus a prefill chunk on a cached context (speculative verify rows: 1 + 4 tokens; a short prompt),
     as the runner lays them out: the chunk's rows attend causally through the decode kernel, equal to the torch
