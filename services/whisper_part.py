@@ -161,8 +161,8 @@ class WhisperPart:
 
     def prompt_tokens(self, text: str) -> list[int]:
         """A user prompt's tokens, as openai-whisper's initial_prompt (" " + text) and transformers' get_prompt_ids.
-        Only the last 223 are ever used, so only the prompt's tail is tokenised (a 1 MB prompt took 0.8 s on the event loop,
-        every other call waiting; its tail 4 ms)."""
+        Only the last 223 are ever used, so only the prompt's tail is tokenised (a whole 1 MB prompt took 0.8 s on
+        the event loop, every other call waiting; its tail 4 ms)."""
         text = text.strip()
         return list(self.tokenizer(" " + text[-MAX_PROMPT_CHARS:], add_special_tokens=False).input_ids)
 

@@ -83,7 +83,8 @@ def test_a_generate_audio_part_outside_the_enum_names_the_part(served, model):
 
 
 def test_a_huge_whisper_prompt_costs_only_its_tail(served):
-    """Only the last 223 prompt tokens are used; a 1 MB prompt was tokenised whole on the event loop (0.8 s on whisper-base; the tail: 4 ms)."""
+    """Only the last 223 prompt tokens are used; a 1 MB prompt was tokenised whole on the event loop (0.8 s on
+    whisper-base; the tail: 4 ms)."""
     server, _, transcribe = served
     part = server.registry.lookup("whisper").bundle.whisper
     tail = "alpha beta gamma delta " * (MAX_PROMPT_CHARS // 23 + 1)
