@@ -133,7 +133,9 @@ class _InjectedNoise(nn.Module):
         upsample = owner._steps_per_latent[self.layer]
         start = owner._call_start_latent * upsample  # (B,)
         noise = owner.noise(self.layer, start, x.shape[-1], x.dtype, x.device)
-        return x + noise * self.linear(x)
+        # one fused pass: `x + noise * linear(x)` broadcast (B x 1 x T) over the channels at ~1/10 the speed here
+        # (2 x 128 x 18432, one thread: 26.8 vs 2.8 ms); the same value up to the fused multiply-add's rounding
+        return torch.addcmul(x, noise, self.linear(x))
 
 
 @dataclass(frozen=True)
