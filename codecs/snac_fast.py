@@ -15,7 +15,8 @@ kernel 16, stride 8) ~10 %; the pointwise convolutions go through the slow im2co
 
 Whole decoder, one 12-frame window: 269 -> 219 ms (0.26 -> 0.21 s per second of audio), max difference 6e-8.
 A fused Snake (torch.compile of x + sin(ax)^2 / a) measured 2-4x faster than the eager one per call, but compiling
-takes ~25 s per process here, so it is left out of the default path.
+takes ~25 s per process here; the Snake and these depthwise convolutions now run as C kernels where a compiler exists
+(codecs/codec_kernels.py: ~6x and 3-4x), the torch forms here being their fallback.
 
 bf16 weights were measured too (depthwise 2x faster through oneDNN, pointwise up to 2x) but change the audio by
 ~1e-2 relative, 10^4 times the float32 differences here, so they are not used.

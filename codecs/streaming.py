@@ -53,8 +53,8 @@ class StreamingOptions:
 
     first_hop_frames: int = 1  # frames of audio in the first chunk (first audio after first_hop + lookahead frames)
     hop_frames: int = 16  # frames per chunk once the hops, doubling from first_hop_frames, reach it (16, not 8:
-    # windows of 2 + 16 + 2 frames decode 1.25x the audio instead of 1.5x; benchmarks/codec.py measured 20 % less codec
-    # time per audio second; first audio is unchanged, the hops double from first_hop_frames)
+    # with two frames of context, windows of 2 + 16 + 2 frames decoded 1.25x the audio instead of 1.5x, 20 % less codec
+    # time per audio second (benchmarks/codec.py); with one, 1 + 16 + 1 decode 1.125x; the hops double from the first)
     left_context_frames: int = 1  # frames decoded before the emitted audio (re-decoded, not emitted again)
     lookahead_frames: int = 1  # frames decoded after the emitted audio (waited for before emitting)
     crossfade_samples: int = 256  # overlap-add length at each join
