@@ -137,3 +137,21 @@ def test_cli_output_path_that_cannot_be_written_is_one_line(served, tmp_path, ca
     assert main([*args, "--model", "whisper" if "transcribe" in command else "", "--server", server.address]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"omnivox: error: cannot write {out}: No such file or directory"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--port", "99999"], "--port must be in [0, 65535], got 99999"),
+        (["--port", "-5"], "--port must be in [0, 65535], got -5"),
+        (["--metrics-port", "70000"], "--metrics-port must be in [0, 65535], got 70000"),
+        (["--max-message-mib", "0"], "--max-message-mib must be at least 1"),
+    ],
+)
+def test_serve_flags_out_of_range_are_one_line(tmp_path, capsys, flags, message):
+    """`serve --port 99999` served on port 34463 (gRPC wraps it), -5 on 65531; --max-message-mib 0 served too."""
+    from omnivox.services.cli import main
+
+    model = make_checkpoint(tmp_path / "m", family="llama")
+    assert main(["serve", "--model", str(model), *flags]) == 1
+    assert message in capsys.readouterr().err

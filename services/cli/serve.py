@@ -257,6 +257,11 @@ def run(args: argparse.Namespace) -> int:
     for path in (args.tls_cert, args.tls_key, args.api_keys, args.tls_client_ca):
         if path is not None and not path.is_file():
             raise CliError(f"no such file: {path}")
+    for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+        if port is not None and not 0 <= port <= 65535:  # gRPC bound --port 99999 as 34463, saying so only in a log
+            raise CliError(f"{flag} must be in [0, 65535], got {port}")
+    if args.max_message_mib < 1 or args.grace_period < 0:
+        raise CliError("--max-message-mib must be at least 1 and --grace-period at least 0")
     if args.max_queue < 1:
         raise CliError("--max-queue must be at least 1")
     if args.max_batched_tokens is not None and args.max_batched_tokens < 1:
