@@ -10,7 +10,7 @@ to int8 here (Q8_0 / Q8_1); on the embedded SmolLM2-135M that flipped the first 
 of France?" ("The" and "L" 0.08 logits apart in float; int8 activations at the lm_head put "L" first, and the engine
 answered "L'Étoile, ...") and 3 % of teacher-forced tokens. int16 activations are within ~1e-5 of float ones at the
 same speed (the loops are bound by unpacking weights, not by the activation width).
-From VNNI_MIN_ROWS rows (6 or 8: decode steps of several requests, prefill chunks), on CPUs with AVX-512 VNNI, the
+From VNNI_MIN_ROWS rows (3: decode steps of several requests, prefill chunks), on CPUs with AVX-512 VNNI, the
 kernel in models/block_kernels_vnni.c unpacks 16 rows of weights at a time and multiplies them with `vpdpbusd` against
 activations quantised to 15 bits per group (two int8 halves; `act_bits=8`, one half, is llama.cpp's Q8_1, ~1.5x as
 fast and measurably worse, see `set_act_bits`): ~2.2x the int16 kernels at 16 rows and ~1.7x float32 GEMM at 128.
@@ -42,10 +42,10 @@ Q4_BLOCK_BYTES = 20  # fp16 d + fp16 m + 16 bytes of nibbles
 Q8_BLOCK_BYTES = 34  # fp16 d + 32 x int8
 LARGE_BATCH = 32  # rows from which a layer is dequantised for float GEMM (measured crossover, see BENCHMARKS)
 # Rows from which the VNNI kernel serves (where built), per block kind. Measured on the embedded SmolLM2 (weights
-# streamed from memory; one thread): its 30 Q4_1 layers at 4 / 6 / 8 rows took 19 / 29 / 37 ms with the int16 kernels
-# and 25 / 28 / 31 with VNNI (its per-call unpacking of 16-row tiles costs ~15 ms a step at any row count); the Q8_0
-# lm_head crosses over at 8 rows (3.6 vs 6.1 ms at 4 rows, 7.1 vs 7.6 at 8, 10.1 vs 8.1 at 12).
-VNNI_MIN_ROWS = {"q4": 6, "q8": 8}
+# streamed from memory; one thread; CPU ms): its 30 Q4_1 layers at 2 / 3 / 4 / 6 rows took 11.7 / 15.5 / 20 / 29.5
+# with the int16 kernels and 13.3 / 14.9 / 16.6 / 20.7 with VNNI; the Q8_0 lm_head 2.0 / 2.8 / 3.5 / 5.2 against
+# 2.3 / 2.4 / 2.7 / 3.3. (Before the kernel prefetched the next tile's rows, it crossed over only at 6 / 8 rows.)
+VNNI_MIN_ROWS = {"q4": 3, "q8": 3}
 ACT_BITS = (8, 15)  # activation precisions of the VNNI kernel: 127 or 127 * 128 levels per group of 32
 
 
