@@ -146,6 +146,7 @@ def test_cli_output_path_that_cannot_be_written_is_one_line(served, tmp_path, ca
         (["--port", "-5"], "--port must be in [0, 65535], got -5"),
         (["--metrics-port", "70000"], "--metrics-port must be in [0, 65535], got 70000"),
         (["--max-message-mib", "0"], "--max-message-mib must be at least 1"),
+        (["--speech-first-hop", "-3"], "--speech-first-hop must be at least 1"),
     ],
 )
 def test_serve_flags_out_of_range_are_one_line(tmp_path, capsys, flags, message):

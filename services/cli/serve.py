@@ -262,6 +262,8 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"{flag} must be in [0, 65535], got {port}")
     if args.max_message_mib < 1 or args.grace_period < 0:
         raise CliError("--max-message-mib must be at least 1 and --grace-period at least 0")
+    if args.speech_first_hop is not None and args.speech_first_hop < 1:  # else only a speech model's load failed
+        raise CliError("--speech-first-hop must be at least 1")
     if args.max_queue < 1:
         raise CliError("--max-queue must be at least 1")
     if args.max_batched_tokens is not None and args.max_batched_tokens < 1:
