@@ -153,6 +153,10 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
     @rpc_method
     async def DeleteVoice(self, request: speech_pb2.DeleteVoiceRequest, context: grpc.aio.ServicerContext):
         model = self._speech_model(request.model)
+        if request.name in self._layout_of(model).voices:
+            raise errors.failed_precondition(
+                f"voice {request.name!r} is built into model {model.name!r}: only created voices can be deleted"
+            )
         self.voices.delete(model.name, request.name)
         return speech_pb2.DeleteVoiceResponse()
 

@@ -101,6 +101,8 @@ def test_created_voice_is_cached_survives_restart_and_deletes(model_path, tmp_pa
         bad = speech_pb2.CreateVoiceRequest(name="../x", transcript="")
         assert code_of(stub.CreateVoice, bad) == grpc.StatusCode.INVALID_ARGUMENT
         assert code_of(stub.DeleteVoice, speech_pb2.DeleteVoiceRequest(name="nobody")) == grpc.StatusCode.NOT_FOUND
+        built_in = speech_pb2.DeleteVoiceRequest(name="tara")
+        assert code_of(stub.DeleteVoice, built_in) == grpc.StatusCode.FAILED_PRECONDITION
     finally:
         srv.stop()
 
