@@ -134,7 +134,9 @@ def _decode_container(data: bytes, container: str, limits: AudioLimits) -> tuple
             pcm = f.read(dtype="float32", always_2d=True)  # [frames, channels]
     except AudioInputError:
         raise
-    except (soundfile.LibsndfileError, RuntimeError, ValueError, TypeError) as e:
+    except soundfile.LibsndfileError as e:  # its str() names the BytesIO object's address
+        raise AudioInputError("data", f"cannot decode the {container} audio: {e.error_string}") from None
+    except (RuntimeError, ValueError, TypeError) as e:
         raise AudioInputError("data", f"cannot decode the {container} audio: {e}") from None
     return pcm, rate
 

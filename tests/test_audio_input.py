@@ -93,6 +93,7 @@ def _assert_error(field: str, match: str, *args, **kwargs) -> None:
     with pytest.raises(AudioInputError, match=match) as info:
         decode_audio(*args, **kwargs)
     assert info.value.field == field
+    assert " at 0x" not in str(info.value), "an object's address is not a message for a client"
 
 
 def test_bad_inputs_raise_typed_errors_naming_the_field():
