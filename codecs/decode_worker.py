@@ -1,9 +1,11 @@
 """One asyncio task per codec that decodes the ready windows of every open stream together.
 
 Producers (one per audio stream, on the event loop) push frames as the engine yields them; the worker wakes up,
-plans the windows every stream can decode now, runs them through the codec in one batched call in a worker thread,
-and hands each stream its chunks through an asyncio queue. While a codec pass runs, more frames arrive, and the next
-pass takes them all: windows that become ready in the same engine step end up in the same forward pass.
+plans the windows every stream can decode now, runs the next window of each stream through the codec in one batched
+call in a worker thread (on a CPU: only the window whose stream's playback runs dry first), and hands each stream its chunks through an asyncio queue. While a codec pass runs, more
+frames arrive; a stream whose frames got ahead of the codec keeps its later windows queued, so each pass delivers every
+stream's earliest missing audio (taking a whole backlog in one pass held the first of it back until the last was
+decoded: at 2 streams the playback ran dry seconds at RTF 0.8).
 Stream state is planned and applied on the event loop only; the codec forward alone runs in the thread.
 
 Start-up: the worker measures how fast frames arrive per stream (the engine's pace at the current load) and how long
@@ -17,9 +19,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from omnivox.codecs.streaming import BatchedStreamDecoder, StreamDecoderState, StreamingOptions, startup_options
 
@@ -38,6 +42,16 @@ class AudioStream:
     codec_span: tuple[float, float] | None = None  # time.monotonic() of its first pass's start, last pass's end
     measured: bool = True  # its frame pace feeds the worker's rate (False: frames wait on outside input, e.g. text)
     last_push: float | None = None  # time.monotonic() of its last push that carried frames
+    pending: deque = field(default_factory=deque)  # planned windows not yet decoded, in order
+    opened_at: float = field(default_factory=time.monotonic)
+    first_chunk_at: float | None = None  # time.monotonic() when its first chunk was queued (playback starts)
+
+    def deadline(self, sample_rate: int) -> float:
+        """When its playback, started at the first chunk, would have played all it was given: its next chunk is
+        due then (a stream without audio yet: due since it opened)."""
+        if self.first_chunk_at is None:
+            return self.opened_at
+        return self.first_chunk_at + self.state.emitted_samples / sample_rate
 
 
 @dataclass
@@ -62,6 +76,9 @@ class DecodeWorker:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        # On a CPU a pass costs about the same per window (compute-bound), so batching windows saves nothing and
+        # delays the most urgent one: one window a pass, earliest deadline first. On a GPU, one of each stream.
+        self.one_window_per_pass = torch.device(getattr(decoder.codec, "device", "cpu")).type == "cpu"
 
     @property
     def sample_rate(self) -> int:
@@ -85,9 +102,10 @@ class DecodeWorker:
         if not self.sized_start or s.gen_s_per_frame is None or s.codec_s_per_frame is None:
             return base
         frame_s = self.decoder.codec.frame_samples / self.decoder.sample_rate
-        # A pass costs about the same per window (CPU: compute-bound), and the new stream's windows share passes with
-        # every open stream's.
-        codec_s = s.codec_s_per_frame * (len(self._streams) + 1)
+        # A pass costs about the same per window (CPU: compute-bound), and the new stream's windows share the codec
+        # with every open stream's and with one more that may open right after it (streams often arrive together: a
+        # first stream sized for itself alone ran dry ~50 ms when a second opened next to it).
+        codec_s = s.codec_s_per_frame * (len(self._streams) + 2)
         return startup_options(base, s.gen_s_per_frame, codec_s, frame_s)
 
     def open(self, options: StreamingOptions | None = None, measured: bool = True) -> AudioStream:
@@ -151,7 +169,14 @@ class DecodeWorker:
             await self._wake.wait()
             self._wake.clear()
             try:
-                windows = [w for s in list(self._streams) for w in s.plan()]
+                for state, stream in list(self._streams.items()):
+                    stream.pending.extend(state.plan())
+                # One window per stream a pass: a stream's next chunk is never held back behind its own later
+                # windows (a backlog decoded in one pass arrived all at once, after the playback had run dry).
+                ready = [stream for stream in self._streams.values() if stream.pending]
+                if self.one_window_per_pass and ready:
+                    ready = [min(ready, key=lambda st: st.deadline(self.sample_rate))]
+                windows = [stream.pending.popleft() for stream in ready]
             except Exception as exc:  # a bug in planning fails the open streams, never leaves them waiting
                 log.exception("codec window planning failed")
                 self._fail(list(self._streams.values()), exc)
@@ -177,8 +202,12 @@ class DecodeWorker:
                             continue
                         chunk: np.ndarray = w.stream.apply(w, a)
                         if len(chunk):
+                            if stream.first_chunk_at is None:
+                                stream.first_chunk_at = time.monotonic()
                             stream.chunks.put_nowait(chunk)
                 except Exception as exc:  # a broken codec fails the streams it was decoding, not the server
                     log.exception("codec decode failed")
                     self._fail(involved, exc)
+            if any(stream.pending for stream in self._streams.values()):
+                self._wake.set()  # the backlog's next windows, without waiting for new frames
             self._deliver_ends()

@@ -88,6 +88,7 @@ class StreamingOptions:
         return self.left_context_frames + self.hop_frames + self.lookahead_frames
 
 
+START_MARGIN = 1.5  # start-up sized for rates this much worse than measured (1.2 ran dry ~20 ms in 1 of 3 streams)
 PAD_CONTEXT_FRAMES = 1  # real context beyond which other frames change a window's audio by ~4e-6 at most
 
 
@@ -123,7 +124,7 @@ def startup_options(
     gen_s: float,
     codec_s: float,
     frame_s: float,
-    margin: float = 1.2,
+    margin: float = START_MARGIN,
     growths: tuple[float, ...] = (2.0, 1.5, 1.25),  # 1.25: half the first audio of 1.5 at 1 stream (gen 40 ms/frame)
 ) -> StreamingOptions:
     """The first chunk and hop growth that let playback started on the first chunk never run dry, at measured rates:

@@ -30,12 +30,15 @@ async def drain(stream) -> list:
     return items
 
 
-def test_concurrent_streams_are_decoded_in_shared_passes(decoder):
+@pytest.mark.parametrize("one_window_per_pass", [False, True])  # GPU: each stream's next window together; CPU: one
+def test_concurrent_streams_are_decoded_in_shared_passes(decoder, one_window_per_pass):
     g = torch.Generator().manual_seed(0)
     all_frames = [torch.randint(0, 4096, (n, 7), generator=g) for n in (7, 9, 0, 5)]
 
     async def main():
         worker = DecodeWorker(decoder)
+        assert worker.one_window_per_pass  # a CPU codec
+        worker.one_window_per_pass = one_window_per_pass
         streams = [worker.open() for _ in all_frames]
 
         async def produce(stream, frames):
@@ -60,7 +63,27 @@ def test_concurrent_streams_are_decoded_in_shared_passes(decoder):
         if len(frames):
             # shared passes: ~4e-6 from each stream alone with one frame of context (the default)
             np.testing.assert_allclose(got, decoder.decode_all(frames), atol=1e-5, rtol=0)
-    assert stats.max_batch > 1 and stats.passes < stats.windows
+    if one_window_per_pass:  # earliest deadline first, never a stream's backlog in one pass
+        assert stats.max_batch == 1 and stats.passes == stats.windows
+    else:
+        assert stats.max_batch > 1 and stats.passes < stats.windows
+
+
+def test_the_stream_whose_playback_runs_dry_first_is_due_first(decoder):
+    async def main():
+        worker = DecodeWorker(decoder)
+        fresh, playing, ahead = worker.open(), worker.open(), worker.open()
+        now = fresh.opened_at
+        playing.first_chunk_at, ahead.first_chunk_at = now - 1.0, now - 1.0
+        playing.state.emitted_samples, ahead.state.emitted_samples = 24000 // 2, 24000 * 3
+        rate = worker.sample_rate
+        # played 1 s of 0.5 s given: overdue; a new stream: due since it opened; 3 s given: due in 2 s
+        assert playing.deadline(rate) < fresh.deadline(rate) < ahead.deadline(rate)
+        for s in (fresh, playing, ahead):
+            worker.close(s)
+        await worker.shutdown()
+
+    asyncio.run(main())
 
 
 def test_a_bad_frame_fails_only_its_producer_and_close_drops_state(decoder):

@@ -10,7 +10,13 @@ import torch
 
 from omnivox.codecs.decode_worker import END, DecodeWorker
 from omnivox.codecs.snac import SNAC_24KHZ_CONFIG, SnacDecoder, save_random_snac
-from omnivox.codecs.streaming import BatchedStreamDecoder, StreamingOptions, simulate_start, startup_options
+from omnivox.codecs.streaming import (
+    START_MARGIN,
+    BatchedStreamDecoder,
+    StreamingOptions,
+    simulate_start,
+    startup_options,
+)
 
 FRAME_S = 2048 / 24000
 DEFAULT = StreamingOptions()
@@ -23,17 +29,17 @@ def test_fast_rates_keep_the_default_start():
 @pytest.mark.parametrize(("gen_s", "codec_s"), [(0.02, 0.025), (0.03, 0.03), (0.04, 0.04), (0.05, 0.05)])
 def test_slower_rates_get_a_start_that_never_runs_dry(gen_s, codec_s):
     """At these rates (about 1 and 2 served streams on this CPU) hops doubling from one frame run dry, as measured
-    (benchmarks/speech.py: 77 ms / 1.1 s); the chosen start does not, even with the rates 20 % worse."""
+    (benchmarks/speech.py: 77 ms / 1.1 s); the chosen start does not, even with the rates START_MARGIN times worse."""
     _, default_lateness = simulate_start(DEFAULT, gen_s, codec_s, FRAME_S)
     assert default_lateness > 0
     chosen = startup_options(DEFAULT, gen_s, codec_s, FRAME_S)
-    first, lateness = simulate_start(chosen, gen_s * 1.2, codec_s * 1.2, FRAME_S)
+    first, lateness = simulate_start(chosen, gen_s * START_MARGIN, codec_s * START_MARGIN, FRAME_S)
     assert lateness <= 0 and chosen.first_hop_frames > 1
     # The earliest such start: one frame less in the first chunk would run dry with every growth tried.
     if chosen.first_hop_frames > 1:
         for growth in (2.0, 1.5, 1.25):
             smaller = StreamingOptions(first_hop_frames=chosen.first_hop_frames - 1, hop_growth=growth)
-            assert simulate_start(smaller, gen_s * 1.2, codec_s * 1.2, FRAME_S)[1] > 0
+            assert simulate_start(smaller, gen_s * START_MARGIN, codec_s * START_MARGIN, FRAME_S)[1] > 0
 
 
 def test_slower_than_real_time_keeps_the_earliest_first_audio():
