@@ -24,6 +24,12 @@ T = gguf.GGMLQuantizationType
 PROMPTS = [[5, 17, 33, 9], [100, 4, 250, 61, 7, 7], [3], [301, 302, 303, 304, 305, 306, 307, 308]]
 
 
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    """The GGUF metadata of the files these tests write goes to a private cache, not the user's."""
+    monkeypatch.setenv("OMNIVOX_CACHE", str(tmp_path / "omnivox-cache"))
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("tiny"), "llama", seed=3)
