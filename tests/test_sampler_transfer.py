@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 from engines import device_under_test, tiny_checkpoint, tiny_engine
+from host_reads import count_host_reads
 
 from omnivox.engine import SamplingParams
 from omnivox.engine.sampler import Sampler
@@ -75,15 +76,7 @@ def test_one_copy_and_no_other_sync_per_sampler_call(monkeypatch) -> None:
     sampler = Sampler(V, dev)
     reqs = _mixed_batch(dev)
     logits = torch.randn(len(reqs), V, generator=torch.Generator().manual_seed(0))
-    calls: dict[str, int] = {}
-    for name in ("tolist", "item", "__bool__", "__int__", "__float__"):
-        original = getattr(torch.Tensor, name)
-
-        def counted(self, *a, _name=name, _original=original, **k):
-            calls[_name] = calls.get(_name, 0) + 1
-            return _original(self, *a, **k)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
+    calls = count_host_reads(monkeypatch)
     out = sampler(logits, reqs)
     monkeypatch.undo()
     assert calls == {"tolist": 1}  # the one transfer; nothing else read a tensor on the host

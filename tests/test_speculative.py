@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from engines import device_under_test, tiny_checkpoint, tiny_engine
+from host_reads import count_host_reads
 from test_sampling_distribution import PROMPT, chi_square_ok
 from test_sampling_distribution import spread as spread  # noqa: F401  (fixture)
 
@@ -228,15 +229,7 @@ def test_verification_reads_the_host_once_per_step(monkeypatch):
     q = torch.softmax(torch.randn(2, V, generator=g), -1)
     reqs = _mixed_drafts()
     rows = [torch.randn(len(r.draft_token_ids) + 1, V, generator=g) for r in reqs]
-    calls: dict[str, int] = {}
-    for name in ("tolist", "item", "__bool__", "__int__", "__float__"):
-        original = getattr(torch.Tensor, name)
-
-        def counted(self, *a, _name=name, _original=original, **k):
-            calls[_name] = calls.get(_name, 0) + 1
-            return _original(self, *a, **k)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
+    calls = count_host_reads(monkeypatch)
     out = verify_requests(sampler, rows, reqs, [None, q, None, None])
     monkeypatch.undo()
     assert calls == {"tolist": 1} and sampler.transfer.num_copies == 1
@@ -316,15 +309,7 @@ def test_draft_model_reads_its_tokens_back_once_per_proposal(tmp_path, monkeypat
     params = SamplingParams(temperature=temperature, seed=5 if temperature else None)
     req = Request("d", [5, 6, 7, 5, 6, 7, 5, 6], params, 64, (2,))
     req.generator = torch.Generator().manual_seed(5) if temperature else None
-    calls: dict[str, int] = {}
-    for name in ("tolist", "item", "__bool__", "__int__", "__float__", "__index__"):
-        original = getattr(torch.Tensor, name)
-
-        def counted(self, *a, _name=name, _original=original, **k):
-            calls[_name] = calls.get(_name, 0) + 1
-            return _original(self, *a, **k)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
+    calls = count_host_reads(monkeypatch)
     first = prop(req)
     monkeypatch.undo()
     assert calls == {"tolist": 1}, calls
