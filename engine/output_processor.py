@@ -23,7 +23,7 @@ OutputCallback = Callable[[RequestOutput], None]
 
 @dataclass
 class OutputState:
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | None  # None: the request asked for token ids only (detokenize=False)
     on_output: OutputCallback | None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_emitted_tokens: int = 0
@@ -39,9 +39,11 @@ class OutputProcessor:
 
     def add(self, req: Request, on_output: OutputCallback | None) -> None:
         p = req.params
-        detok = IncrementalDetokenizer(
-            self.tokenizer, req.prompt_token_ids, p.stop, p.include_stop_str_in_output, p.skip_special_tokens
-        )
+        detok = None
+        if p.detokenize:
+            detok = IncrementalDetokenizer(
+                self.tokenizer, req.prompt_token_ids, p.stop, p.include_stop_str_in_output, p.skip_special_tokens
+            )
         self._states[req.request_id] = OutputState(detok, on_output)
 
     def process(
@@ -53,7 +55,7 @@ class OutputProcessor:
         output; the caller finishes it and calls `finish` — or (None, the output delivered to its consumer, if any).
         """
         state = self._states[req.request_id]
-        p = req.params
+        p, detok = req.params, state.detok
         if state.first_token_time is None:
             state.first_token_time = now
         n_before = req.num_output_tokens - len(token_ids)
@@ -65,7 +67,7 @@ class OutputProcessor:
             if (
                 (not p.ignore_eos and token in req.eos_token_ids)
                 or (p.stop_token_ids and token in p.stop_token_ids)
-                or state.detok.add(token)
+                or (detok is not None and detok.add(token))
             ):
                 reason = "stop"
             elif num_out >= req.max_tokens or len(req.prompt_token_ids) + num_out >= self.max_model_len:
@@ -84,7 +86,8 @@ class OutputProcessor:
 
     def _emit(self, req: Request, state: OutputState, finished: bool) -> RequestOutput | None:
         new_tokens = req.output_token_ids[state.num_emitted_tokens :]
-        new_text = state.detok.take(final=finished)
+        detok = state.detok
+        new_text = detok.take(final=finished) if detok is not None else ""
         if not new_tokens and not new_text and not finished:
             return None
         state.num_emitted_tokens = len(req.output_token_ids)
@@ -95,7 +98,7 @@ class OutputProcessor:
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
             token_ids=list(req.output_token_ids),
-            text=state.detok.released_text,
+            text=detok.released_text if detok is not None else "",
             new_token_ids=list(new_tokens),
             new_text=new_text,
             new_logprobs=new_lp,

@@ -124,6 +124,7 @@ _RULES: dict[str, FieldRule] = {
     "stop": FieldRule(_check_stop, optional=True),
     "stop_token_ids": FieldRule(_check_ids, optional=True),
     "logprobs": _rule(lambda v: _is_int(v) and 0 <= v <= 20, "must be an integer in [0, 20]", optional=True),
+    "detokenize": _rule(lambda v: isinstance(v, bool), "must be a bool"),
 }
 
 
@@ -146,6 +147,9 @@ class SamplingParams:
     logprobs: int | None = None  # None = off; N >= 0: chosen token's logprob plus the top N
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # False: outputs carry token ids only (empty text), and no step decodes them: speech's audio-code tokens are
+    # read as ids, and decoding them was ~10 % of a 2-stream speech step. Stop strings need the text, so not both.
+    detokenize: bool = True
     constraint_factory: ConstraintFactory | None = field(default=None, repr=False)  # one constraint per request
 
     @property
@@ -169,6 +173,10 @@ class SamplingParams:
             and self.min_tokens > self.max_tokens
         ):
             found.append(InvalidRequest("min_tokens", f"{self.min_tokens} exceeds max_tokens {self.max_tokens}"))
+        if self.detokenize is False and self.stop and "stop" not in names:
+            found.append(
+                InvalidRequest("stop", "stop strings need the output text; they cannot be used with detokenize=False")
+            )
         if self.constraint_factory is not None and not callable(self.constraint_factory):
             found.append(InvalidRequest("constraint_factory", "must be a callable that returns a new constraint"))
         return found

@@ -294,6 +294,7 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
             **kwargs,  # type: ignore[arg-type]
             max_tokens=frames * layout.frame_size,
             stop_token_ids=[layout.end_of_speech],
+            detokenize=False,  # the audio codes are read as token ids; their text is never used
             constraint_factory=shared(bundle.constraint),
         )
         try:
