@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 from engines import tiny_checkpoint, tiny_engine
@@ -94,3 +95,13 @@ def test_speech_audio_is_the_same_with_and_without_detokenizing(tmp_path, monkey
         )
         decoded = synthesize()
     assert len(skipped) > 0 and skipped == decoded
+
+
+def test_speech_step_benchmark_runs_and_compares_the_same_tokens(tmp_path):
+    from omnivox.benchmarks import speech_step
+
+    out = tmp_path / "step.json"
+    speech_step.main(["--streams", "2", "--frames", "3", "--repeats", "1", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["identical_token_ids"] is True and result["steps_per_run"] >= 3
+    assert set(result["median_step_ms"]) == {"detokenize", "token_ids_only"}
