@@ -7,6 +7,7 @@ library know how to read.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -110,6 +111,12 @@ def rpc_method(handler: F) -> F:
 
     ServiceError becomes the final status with its details; any other exception becomes INTERNAL (logged with its
     traceback, reported as one line). Cancellation passes through untouched so that `finally` blocks below run.
+
+    A send that grpc core refuses (grpc.aio.InternalError, i.e. ExecuteBatchError from `context.write`) means the
+    call is already over underneath us: the client cancelled or its deadline passed, and core finished the call a
+    moment before grpc cancels this task (a race that shows under load). Nobody is left to answer, and answering
+    would fail too (GRPC_CALL_ERROR_TOO_MANY_OPERATIONS), so it ends the handler as the cancellation it is: no
+    traceback, and the call is counted CANCELLED / DEADLINE_EXCEEDED instead of INTERNAL.
     """
 
     @functools.wraps(handler)
@@ -120,6 +127,9 @@ def rpc_method(handler: F) -> F:
             await context.abort_with_status(err.to_status())
         except grpc.aio.AbortError:
             raise
+        except grpc.aio.InternalError as exc:
+            log.debug("%s: the call ended under it (%s); treated as cancelled", handler.__qualname__, exc)
+            raise asyncio.CancelledError(f"the call ended: {exc}") from exc
         except Exception as exc:  # noqa: BLE001 - the last line of defence: report, do not crash the server
             log.exception("%s failed", handler.__qualname__)
             await context.abort_with_status(internal(f"{type(exc).__name__}: {exc}").to_status())
