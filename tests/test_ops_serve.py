@@ -51,9 +51,14 @@ def test_sigterm_under_load_with_keys_and_metrics(tmp_path: Path) -> None:
              "soak", "--seconds", "6", "--concurrency", "12"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
         )  # fmt: skip
-        time.sleep(3.0)  # under load
-        scrape = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
-        assert 'omnivox_grpc_requests_total{grpc_code="OK",method="Generate"}' in scrape
+        # Under load: signal once the soak's calls are being served (polled rather than a fixed 3 s sleep, which
+        # assumed the load client starts and gets answers within 3 s); its 6 s run then has seconds left to meet
+        # the drain.
+        served = 'omnivox_grpc_requests_total{grpc_code="OK",method="Generate"}'
+        deadline = time.monotonic() + 60
+        while served not in urllib.request.urlopen(metrics_url, timeout=10).read().decode():
+            assert load.poll() is None and time.monotonic() < deadline, "no Generate served under the soak"
+            time.sleep(0.1)
         signaled = time.monotonic()
         os.kill(serve.proc.pid, signal.SIGTERM)
         wait_for_log(serve, "shutting down")
