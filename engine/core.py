@@ -170,7 +170,7 @@ class EngineCore:
         try:
             window = self._logit_window(plan)  # project only the vocabulary rows the samples can be (vocab_window.py)
             with self.grammar_masks.overlap(c.request for c in plan.chunks):
-                logits, sampling = self.runner.execute(plan, window) if window else self.runner.execute(plan)
+                logits, sampling = self.runner.execute(plan, window)
         except Exception:
             log.exception("engine step failed; failing the %d requests in it", len(plan.chunks))
             result.failed += [c.request for c in plan.chunks]
@@ -209,7 +209,7 @@ class EngineCore:
             # Every step without drafts samples all rows in order: the logits themselves go in (the sampler writes
             # into them; nothing reads them after). With drafts in the step, the plain rows are copied out.
             rows = take_rows(logits, [f for _, f in chunks])
-            out = self.sampler(rows, reqs, first_id) if first_id else self.sampler(rows, reqs)
+            out = self.sampler(rows, reqs, first_id)
         except Exception:  # a sampler bug must not take the engine down: fail these requests, serve the rest
             log.exception("sampling failed; failing the %d requests it served", len(reqs))
             result.failed += reqs

@@ -54,8 +54,8 @@ def _run(engine) -> list[torch.Tensor]:
     seen: list[torch.Tensor] = []
     execute = engine.core.runner.execute
 
-    def recording(plan):
-        logits, sampling = execute(plan)
+    def recording(plan, *args):
+        logits, sampling = execute(plan, *args)
         if logits is not None:
             seen.append(logits.cpu().clone())
         return logits, sampling
@@ -115,13 +115,13 @@ def test_cuda_dynamic_step_makes_no_synchronising_call(ckpt) -> None:
     execute = engine.core.runner.execute
     syncs: list[str] = []
 
-    def watched(plan):
+    def watched(plan, *args):
         torch.cuda.synchronize(dev)
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                out = execute(plan)
+                out = execute(plan, *args)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         syncs.extend(str(w.message).splitlines()[0] for w in seen if "synchroniz" in str(w.message))

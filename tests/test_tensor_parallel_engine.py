@@ -48,8 +48,8 @@ def run(engine: Engine) -> tuple[list[list[int]], list[torch.Tensor]]:
     step_logits: list[torch.Tensor] = []
     execute = engine.runner.execute
 
-    def recording(plan):
-        logits, sampling = execute(plan)
+    def recording(plan, *args):
+        logits, sampling = execute(plan, *args)
         if logits is not None:
             step_logits.append(logits.clone())
         return logits, sampling
