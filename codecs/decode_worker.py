@@ -10,7 +10,7 @@ Stream state is planned and applied on the event loop only; the codec forward al
 
 Start-up: the worker measures how fast frames arrive per stream (the engine's pace at the current load) and how long
 a codec pass takes per decoded frame, and sizes each new stream's first chunk and hop growth from them
-(`streaming.startup_options`), so that playback started on the first chunk does not run dry. Until both are
+(`codecs/startup.py`), so that playback started on the first chunk does not run dry. Until both are
 measured, streams start with the decoder's options (first hop 1 frame, hops doubling).
 """
 
@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from omnivox.codecs.streaming import BatchedStreamDecoder, StreamDecoderState, StreamingOptions, startup_options
+from omnivox.codecs.startup import startup_options
+from omnivox.codecs.streaming import BatchedStreamDecoder, StreamDecoderState, StreamingOptions
 
 log = logging.getLogger(__name__)
 

@@ -10,13 +10,8 @@ import torch
 
 from omnivox.codecs.decode_worker import END, DecodeWorker
 from omnivox.codecs.snac import SNAC_24KHZ_CONFIG, SnacDecoder, save_random_snac
-from omnivox.codecs.streaming import (
-    START_MARGIN,
-    BatchedStreamDecoder,
-    StreamingOptions,
-    simulate_start,
-    startup_options,
-)
+from omnivox.codecs.startup import START_MARGIN, simulate_start, startup_options
+from omnivox.codecs.streaming import BatchedStreamDecoder, StreamingOptions
 
 FRAME_S = 2048 / 24000
 DEFAULT = StreamingOptions()
@@ -83,8 +78,8 @@ def test_worker_measures_rates_and_sizes_new_streams(tmp_path):
 
     worker, stats = asyncio.run(main())
     assert 0.03 <= stats.gen_s_per_frame < 0.2 and stats.codec_s_per_frame > 0
-    chosen = worker.startup_options()  # no stream open: the new one's windows have the passes to themselves
-    expected = startup_options(decoder.options, stats.gen_s_per_frame, stats.codec_s_per_frame, FRAME_S)
+    chosen = worker.startup_options()  # no stream open: the codec shared by the new one and one more that may follow
+    expected = startup_options(decoder.options, stats.gen_s_per_frame, stats.codec_s_per_frame * 2, FRAME_S)
     assert chosen == expected
     fixed = DecodeWorker(decoder, sized_start=False)  # serve --speech-first-hop N: the options as given
     fixed.stats = stats
