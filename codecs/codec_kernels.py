@@ -21,8 +21,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
-import os
-import shutil
 import subprocess
 import tempfile
 import threading
@@ -32,6 +30,7 @@ import torch
 from torch import nn
 
 from omnivox.models.cache import build_cached, omnivox_cache_dir
+from omnivox.models.cpu_kernels import compiler, cpu_id
 
 log = logging.getLogger(__name__)
 
@@ -48,15 +47,11 @@ class _BuildError(Exception):
 
 
 def _build() -> ctypes.CDLL | None:
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    cc = compiler()  # found as for the model kernels (models/cpu_kernels.py), keyed by the same CPU line
     if cc is None:
         log.info("no C compiler: the SNAC decoder runs in torch alone")
         return None
-    try:
-        cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        cpu = ""
-    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join([cc, *_COMPILE, *_LINK, cpu]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join([cc, *_COMPILE, *_LINK, cpu_id()]).encode()).hexdigest()[:16]
     target = omnivox_cache_dir() / "kernels" / f"codec_kernels-{key}.so"
 
     def compile_to(staged: Path) -> None:

@@ -37,7 +37,8 @@ def _cache_dir() -> Path:
     return omnivox_cache_dir() / "kernels"
 
 
-def _cpu_id() -> str:
+def cpu_id() -> str:
+    """This CPU's model line from /proc/cpuinfo: part of a kernel build's cache key (-march=native)."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((line for line in f if line.startswith(("model name", "flags"))), "")
@@ -61,7 +62,7 @@ def _build() -> ctypes.CDLL | None:
         log.warning("no C compiler: CPU decode attention uses the portable (slower) path")
         return None
     source = b"".join(path.read_bytes() for path in _SOURCES)
-    key = hashlib.sha256(source + " ".join([cc, *_FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join([cc, *_FLAGS, cpu_id()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{key}.so"
 
     def compile_to(staged: Path) -> None:
