@@ -171,16 +171,16 @@ def test_engine_samples_the_runners_logits_without_a_copy(engine) -> None:
     seen: dict[str, list[int]] = {"runner": [], "sampler": []}
     execute, sampler = core.runner.execute, core.sampler
 
-    def recording_execute(plan):
-        logits, sampling = execute(plan)
+    def recording_execute(plan, *args):
+        logits, sampling = execute(plan, *args)
         if logits is not None:
             seen["runner"].append(logits.data_ptr())
         return logits, sampling
 
     class RecordingSampler:
-        def __call__(self, logits, reqs):
+        def __call__(self, logits, reqs, *args):
             seen["sampler"].append(logits.data_ptr())
-            return sampler(logits, reqs)
+            return sampler(logits, reqs, *args)
 
     core.runner.execute, core.sampler = recording_execute, RecordingSampler()
     try:
