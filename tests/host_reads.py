@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -20,3 +24,20 @@ def count_host_reads(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 
         monkeypatch.setattr(torch.Tensor, name, counted)
     return calls
+
+
+@contextlib.contextmanager
+def synchronising_calls(device: torch.device) -> Iterator[list[str]]:
+    """Record, into the yielded list, the first line of each warning torch's CUDA sync debug mode gives for a call
+    in the block that waits for the GPU (an event wait is not one). The device is synchronised first, so work queued
+    before the block cannot be blamed on it; the list is filled when the block ends. CUDA only."""
+    found: list[str] = []
+    torch.cuda.synchronize(device)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield found
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    found.extend(str(w.message).splitlines()[0] for w in seen if "synchroniz" in str(w.message))

@@ -4,11 +4,10 @@ pinned and non-blocking on CUDA, and the step computes exactly what it computed 
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from engines import device_under_test, tiny_checkpoint, tiny_engine
+from host_reads import synchronising_calls
 
 from omnivox.engine import SamplingParams
 from omnivox.engine.transfer import DeviceStaging
@@ -93,15 +92,8 @@ def test_cuda_staging_makes_no_synchronising_call() -> None:
     staging = DeviceStaging(dev)
     parts = [torch.arange(40), torch.arange(64).view(8, 8), torch.tensor([3, 1])]
     staging(parts)  # warm-up: the pinned buffer is allocated once
-    torch.cuda.synchronize(dev)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            got = staging(parts)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message).splitlines()[0] for w in seen if "synchroniz" in str(w.message)]
+    with synchronising_calls(dev) as syncs:
+        got = staging(parts)
     assert syncs == [], syncs
     assert all(torch.equal(g.cpu(), p) for g, p in zip(got, parts, strict=True))
 
@@ -116,15 +108,9 @@ def test_cuda_dynamic_step_makes_no_synchronising_call(ckpt) -> None:
     syncs: list[str] = []
 
     def watched(plan, *args):
-        torch.cuda.synchronize(dev)
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                out = execute(plan, *args)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        syncs.extend(str(w.message).splitlines()[0] for w in seen if "synchroniz" in str(w.message))
+        with synchronising_calls(dev) as seen:
+            out = execute(plan, *args)
+        syncs.extend(seen)
         return out
 
     engine.generate(PROMPTS, PARAMS)  # warm-up: compiled decode attention, first allocations

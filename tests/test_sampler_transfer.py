@@ -6,12 +6,10 @@ benchmarks/gpu_check.sh runs it) torch's own sync debug mode checks every synchr
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from engines import device_under_test, tiny_checkpoint, tiny_engine
-from host_reads import count_host_reads
+from host_reads import count_host_reads, synchronising_calls
 
 from omnivox.engine import SamplingParams
 from omnivox.engine.sampler import Sampler
@@ -150,15 +148,8 @@ def test_cuda_sampler_step_has_no_synchronising_call() -> None:
     sampler = Sampler(V, dev)
     sampler(logits.to(dev), _mixed_batch(dev))  # warm-up: first-use allocations are not the steady state
     on_device = logits.to(dev)
-    torch.cuda.synchronize(dev)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            out = sampler(on_device, reqs)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message).splitlines()[0] for w in seen if "synchroniz" in str(w.message)]
+    with synchronising_calls(dev) as syncs:
+        out = sampler(on_device, reqs)
     assert syncs == [], syncs
     cpu = Sampler(V, torch.device("cpu"))(logits.clone(), _mixed_batch(torch.device("cpu")))
     greedy = [i for i, r in enumerate(reqs) if r.params.is_greedy]

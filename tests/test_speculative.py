@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from engines import device_under_test, tiny_checkpoint, tiny_engine
-from host_reads import count_host_reads
+from host_reads import count_host_reads, synchronising_calls
 from test_sampling_distribution import PROMPT, chi_square_ok
 from test_sampling_distribution import spread as spread  # noqa: F401  (fixture)
 
@@ -270,8 +270,6 @@ def test_seeded_stream_as_if_the_bonus_were_drawn_only_when_needed(accepted):
 def test_cuda_verification_makes_no_synchronising_call():
     """On the GPU the verification of a mixed batch waits only in the one transfer (an event wait, which torch's sync
     debug mode does not count); greedy requests accept what the CPU accepts."""
-    import warnings
-
     from omnivox.engine.sampler import Sampler
     from omnivox.engine.speculative import verify_requests
 
@@ -283,15 +281,8 @@ def test_cuda_verification_makes_no_synchronising_call():
     verify_requests(sampler, [r.to(dev) for r in rows], _mixed_drafts(str(dev)), [None, q.to(dev), None, None])
     on_device = [r.to(dev) for r in rows]
     reqs = _mixed_drafts(str(dev))
-    torch.cuda.synchronize(dev)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            out = verify_requests(sampler, on_device, reqs, [None, q.to(dev), None, None])
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message).splitlines()[0] for w in seen if "synchroniz" in str(w.message)]
+    with synchronising_calls(dev) as syncs:
+        out = verify_requests(sampler, on_device, reqs, [None, q.to(dev), None, None])
     assert syncs == [], syncs
     cpu = verify_requests(Sampler(V, torch.device("cpu")), rows, _mixed_drafts(), [None, q, None, None])
     assert [out[i] for i in (0, 3)] == [cpu[i] for i in (0, 3)]
