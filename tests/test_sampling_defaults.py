@@ -13,7 +13,7 @@ from service_harness import ServerThread, user_request
 from omnivox.engine import SamplingParams
 from omnivox.services.bundle import read_generation_config
 from omnivox.services.cli._common import CliError
-from omnivox.services.cli.serve import model_specs, parse_sampling_default
+from omnivox.services.cli._serve_flags import model_specs, parse_sampling_default
 from omnivox.services.defaults import DEFAULT_GENERATION_CONFIG, DEFAULT_MODEL_NAME, DEFAULT_SPEECH_MODEL_NAME
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.v1 import generation_pb2_grpc, model_pb2, model_pb2_grpc, sampling_pb2

@@ -13,7 +13,7 @@ from omnivox.engine import Engine, SamplingParams
 from omnivox.engine.speculative import NgramProposer
 from omnivox.models.quant import Int8Linear
 from omnivox.services.cli._common import CliError
-from omnivox.services.cli.serve import model_specs
+from omnivox.services.cli._serve_flags import model_specs
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.v1 import generation_pb2_grpc, sampling_pb2
 

@@ -1,0 +1,226 @@
+"""`omnivox serve`'s flags: their definitions, and the values of those that name models, turned into ModelSpecs."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from omnivox.services.cli._common import CliError
+
+if TYPE_CHECKING:
+    from omnivox.services.loading import ModelSpec
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """Every `omnivox serve` flag (checked in serve.run and model_specs)."""
+    p.add_argument(
+        "--model",
+        dest="models",
+        metavar="PATH",
+        type=Path,
+        action="append",
+        default=[],
+        help="a Hugging Face checkpoint folder or a .gguf file; repeat to serve several (the first is the default)",
+    )
+    p.add_argument(
+        "--name",
+        dest="names",
+        metavar="NAME",
+        action="append",
+        default=[],
+        help="the name requests use for the matching --model (in order); default: the folder or file name",
+    )
+    p.add_argument(
+        "--sampling-default",
+        dest="sampling_defaults",
+        metavar="[NAME:]KEY=VALUE",
+        action="append",
+        default=[],
+        help="replace a model's own sampling default (its generation_config.json); repeatable. KEY is one of "
+        f"{', '.join(SAMPLING_DEFAULT_KEYS)}. With NAME: for the model served under that name; without: for the "
+        "default model (the first --model, or the embedded default). Requests that set the field still win",
+    )
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        help="where created voices are kept (default: $OMNIVOX_DATA_DIR or ~/.local/share/omnivox)",
+    )
+    p.add_argument(
+        "--asr-model",
+        metavar="NAME",
+        help="a served Whisper model (e.g. whisper-base) that transcribes the audio parts of Generate requests to "
+        "text-only models first: a cascade (audio-LLMs read audio themselves)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=50051, help="port to listen on (0 = any free port)")
+    p.add_argument("--tls-cert", type=Path, help="PEM certificate chain; with --tls-key, serve TLS")
+    p.add_argument("--tls-key", type=Path, help="PEM private key")
+    p.add_argument("--max-queue", type=int, default=256, help="requests admitted at once per model, waiting + running")
+    p.add_argument("--max-message-mib", type=int, default=64, help="largest request accepted (images, audio)")
+    p.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight streams get after SIGTERM")
+    p.add_argument(
+        "--max-connection-age",
+        type=float,
+        default=1800.0,
+        help="seconds before a client connection is closed gracefully (GOAWAY), so clients rebalance onto new replicas",
+    )
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at http://HOST:PORT/metrics")
+    p.add_argument("--api-keys", type=Path, help="file of API keys (one per line, or id:key); RPCs then need one")
+    p.add_argument("--tls-client-ca", type=Path, help="PEM CA: require client certificates it signed (mTLS)")
+    p.add_argument("--max-streams-per-key", type=int, default=0, help="concurrent calls per caller (0: no limit)")
+    p.add_argument("--max-rpm-per-key", type=int, default=0, help="calls per minute per caller (0: no limit)")
+    p.add_argument("--trace-console", action="store_true", help="OpenTelemetry spans to stdout (omnivox[tracing])")
+    p.add_argument("--otlp-endpoint", help="OpenTelemetry spans to this OTLP/gRPC collector (tracing is off without)")
+    p.add_argument("--kv-cache-gib", type=float, help="KV cache size per model (default: the engine decides)")
+    p.add_argument("--max-model-len", type=int, help="cap the context length")
+    p.add_argument(
+        "--image-cache-mib",
+        type=int,
+        default=256,
+        help="encoded images each vision model keeps for reuse; a single image whose features exceed it is refused",
+    )
+    p.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        help="tokens one engine step may compute (decodes + prefill chunks): lower bounds inter-token latency, "
+        "higher gives faster time to first token (default: 128 on CPU, 2048 on CUDA)",
+    )
+    p.add_argument(
+        "--quantization",
+        metavar="[NAME=]MODE",
+        action="append",
+        default=[],
+        help="weights: auto (default: what the checkpoint carries: a GGUF at its own bit widths on CPU, several "
+        "times faster batch-1 steps at float quality; float elsewhere), none (float), int8 or int4 (linear layers "
+        "quantised at load); with NAME= for one model, else for every model",
+    )
+    p.add_argument(
+        "--quantize-lm-head", action="store_true", default=None, help="also quantise the output projection (int8)"
+    )
+    p.add_argument(
+        "--speculative",
+        metavar="[NAME=]KIND",
+        action="append",
+        default=[],
+        help="speculative decoding: ngram (prompt lookup) or draft:PATH (a small checkpoint with the same "
+        "tokenizer); with NAME= for one model, else for every model",
+    )
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens proposed per step (default 4)")
+    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when present)")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="weights and activations dtype")
+    p.add_argument(
+        "--threads",
+        type=int,
+        help="CPU threads for model compute (default: all cores but one, which serves gRPC; measured: on 2 busy "
+        "cores, 2 compute threads stall each other and the server for up to 10x slower steps); with "
+        "--tensor-parallel, per rank (default: those cores shared out between the ranks)",
+    )
+    p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the model's decoder over N processes (attention heads, KV heads and MLP per rank; NCCL on CUDA, "
+        "one GPU per rank; gloo on the CPU); N must divide the head counts. Encoders and the codec stay on rank 0",
+    )
+    p.add_argument(
+        "--speech-first-hop",
+        type=int,
+        metavar="FRAMES",
+        help="speech: frames in a stream's first audio chunk, hops doubling from it (default: first chunk and hop "
+        "growth sized from the measured engine and codec rates, so playback started on the first chunk does not run "
+        "dry; 1 = the earliest first audio)",
+    )
+    p.add_argument("--demo", action="store_true", help="once loaded, send one chat request to itself and print it")
+
+
+# SamplingParams fields `--sampling-default` may set (a default seed would make every unseeded request the same).
+SAMPLING_DEFAULT_KEYS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+def parse_sampling_default(text: str) -> tuple[str | None, str, float | int]:
+    """`[NAME:]KEY=VALUE` -> (NAME or None, KEY, VALUE), the value checked with the engine's own table."""
+    from omnivox.engine import SamplingParams
+
+    target, sep, assignment = text.rpartition(":")
+    key, eq, raw = assignment.partition("=")
+    key = key.strip()
+    if not eq or key not in SAMPLING_DEFAULT_KEYS:
+        raise CliError(
+            f"--sampling-default {text!r}: expected [NAME:]KEY=VALUE with KEY one of {', '.join(SAMPLING_DEFAULT_KEYS)}"
+        )
+    try:
+        value: float | int = int(raw) if key == "top_k" else float(raw)
+    except ValueError:
+        raise CliError(f"--sampling-default {text!r}: {raw!r} is not a number") from None
+    for problem in SamplingParams(**{key: value}).violations(vocab_size=1):  # type: ignore[arg-type]
+        raise CliError(f"--sampling-default {text!r}: {problem.field} {problem.description}")
+    return (target.strip() or None) if sep else None, key, value
+
+
+QUANTIZATION_MODES = ("auto", "none", "int8", "int4")
+
+
+def engine_overrides(served: list[str], quantization: list[str], speculative: list[str]) -> list[dict[str, str]]:
+    """Per served model, the EngineOptions fields `--quantization` / `--speculative` ([NAME=]VALUE) set for it."""
+    out: list[dict[str, str]] = [{} for _ in served]
+    for flag, field, values in (
+        ("--quantization", "quantization", quantization),
+        ("--speculative", "speculative", speculative),
+    ):
+        for text in values:
+            name, sep, value = text.rpartition("=") if "=" in text else ("", "", text)
+            if field == "quantization" and value not in QUANTIZATION_MODES:
+                raise CliError(f"{flag} {text!r}: the mode must be one of {', '.join(QUANTIZATION_MODES)}")
+            if field == "speculative" and value != "ngram" and not (value.startswith("draft:") and len(value) > 6):
+                raise CliError(f"{flag} {text!r}: expected ngram or draft:PATH")
+            if name and name not in served:
+                raise CliError(f"{flag} {text!r}: no model is served as {name!r} (served: {', '.join(served)})")
+            for i, model in enumerate(served):
+                if not name or name == model:
+                    out[i][field] = value
+    return out
+
+
+def model_specs(
+    models: list[Path],
+    names: list[str],
+    sampling_defaults: list[str] = (),
+    quantization: list[str] = (),
+    speculative: list[str] = (),
+) -> list[ModelSpec]:
+    """One ModelSpec per --model (the embedded defaults without any), each with its --sampling-default overrides."""
+    from omnivox.services.defaults import DEFAULT_ASR_MODEL_NAME, DEFAULT_MODEL_NAME, DEFAULT_SPEECH_MODEL_NAME
+    from omnivox.services.loading import ModelSpec, model_name_for
+
+    if len(names) > max(len(models), 1):
+        raise CliError(f"{len(names)} --name given for {len(models)} --model")
+    if not models:  # the embedded defaults: the text model, the random speech model, whisper-base
+        specs = [ModelSpec(path=None, name=names[0] if names else None), ModelSpec(path=None, speech=True)]
+        specs.append(ModelSpec(path=None, asr=True))
+        served = [specs[0].name or DEFAULT_MODEL_NAME, DEFAULT_SPEECH_MODEL_NAME, DEFAULT_ASR_MODEL_NAME]
+    else:
+        specs = [ModelSpec(path=path, name=names[i] if i < len(names) else None) for i, path in enumerate(models)]
+        served = [spec.name or model_name_for(path.expanduser()) for spec, path in zip(specs, models, strict=True)]
+    overrides: list[dict[str, float | int]] = [{} for _ in specs]
+    for text in sampling_defaults:
+        target, key, value = parse_sampling_default(text)
+        if target is not None and target not in served:
+            raise CliError(
+                f"--sampling-default {text!r}: no model is served as {target!r} (served: {', '.join(served)})"
+            )
+        overrides[served.index(target) if target is not None else 0][key] = value
+    engine = engine_overrides(served, list(quantization), list(speculative))
+    return [
+        ModelSpec(path=s.path, name=s.name, speech=s.speech, asr=s.asr, sampling_overrides=o, engine_overrides=e)
+        for s, o, e in zip(specs, overrides, engine, strict=True)
+    ]
