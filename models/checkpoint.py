@@ -162,7 +162,22 @@ def load_hf_config(path: str | os.PathLike) -> transformers.PretrainedConfig:
         return config
     if not (path / "config.json").is_file():
         raise ValueError(f"checkpoint folder {path} has no config.json{_gguf_hint(path)}")
-    return transformers.AutoConfig.from_pretrained(path)
+    config = transformers.AutoConfig.from_pretrained(path)
+    _use_generation_eos(config, path / "generation_config.json")
+    return config
+
+
+def _use_generation_eos(config: transformers.PretrainedConfig, file: Path) -> None:
+    """A generation_config.json's eos_token_id (an id or a list: Llama 3 instruct stops on three) replaces the model
+    config's, as transformers' generate does: the decoder then stops on any of them."""
+    if getattr(config, "model_type", "") == "whisper" or not file.is_file():
+        return  # Whisper's stops are its own rules (services/whisper_rules.py)
+    try:
+        eos = json.loads(file.read_text()).get("eos_token_id")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return  # services/bundle.py warns about an unreadable file once
+    if isinstance(eos, int) or (isinstance(eos, list) and eos and all(isinstance(i, int) for i in eos)):
+        config.get_text_config().eos_token_id = eos
 
 
 def load_tokenizer(path: str | os.PathLike) -> transformers.PreTrainedTokenizerBase | None:

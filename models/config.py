@@ -42,6 +42,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     hf_config: Any = field(repr=False, compare=False, default=None)  # the transformers config, for rope init
+    o_proj_bias: bool = False  # the attention output projection carries a bias (Llama / Qwen3 `attention_bias`)
 
     @classmethod
     def from_hf(cls, hf_config: Any, max_model_len: int | None = None) -> ModelConfig:
@@ -64,9 +65,10 @@ class ModelConfig:
             eos = getattr(hf_config, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (int(eos),))
         max_pos = int(getattr(text, "max_position_embeddings", 2048))
-        window = getattr(text, "sliding_window", None) if getattr(text, "model_type", "") == "mistral" else None
+        window = attention_window(text)
         if window:  # keys further back than the window are masked: exact only up to the window's length
-            max_pos = min(max_pos, int(window))
+            max_pos = min(max_pos, window)
+        check_supported(text)
         if max_model_len is not None and max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         tie = getattr(hf_config, "tie_word_embeddings", None)
@@ -86,6 +88,8 @@ class ModelConfig:
             max_model_len=min(max_pos, max_model_len) if max_model_len else max_pos,
             tie_word_embeddings=bool(tie),
             attention_bias=family == "qwen2" or bool(getattr(text, "attention_bias", False)),
+            # Llama / Qwen3 / Mistral put `attention_bias` on o_proj too; Qwen2 biases q/k/v only.
+            o_proj_bias=family != "qwen2" and bool(getattr(text, "attention_bias", False)),
             mlp_bias=bool(getattr(text, "mlp_bias", False)),
             qk_norm=family == "qwen3",
             eos_token_ids=eos_ids,
@@ -95,3 +99,45 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+# Rope types whose tables are a fixed inv_freq plus an attention scale (models/layers.py RotaryEmbedding).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+SUPPORTED_HIDDEN_ACTS = ("silu",)  # the torch MLP and the fused C decode step both compute SiLU(gate) * up
+
+
+def check_supported(text: Any) -> None:
+    """Refuse, naming the config key, what our decoder would compute differently from transformers."""
+    act = getattr(text, "hidden_act", "silu")
+    if act not in SUPPORTED_HIDDEN_ACTS:
+        raise ValueError(
+            f"config hidden_act {act!r} is not supported (omnivox computes {', '.join(SUPPORTED_HIDDEN_ACTS)})"
+        )
+    params = getattr(text, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "dynamic":
+        raise ValueError(
+            "config rope_parameters['rope_type'] 'dynamic' is not supported (NTK scaling that changes with the length)"
+        )
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"config rope_parameters['rope_type'] {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    partial = params.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", None))
+    if partial is not None and float(partial) != 1.0:  # Llama / Qwen / Mistral rotate the whole head
+        raise ValueError(f"config partial_rotary_factor {partial} is not supported (only 1.0: the whole head rotates)")
+
+
+def attention_window(text: Any) -> int | None:
+    """The sliding attention window of a text config, or None when every layer attends to every earlier token.
+
+    Mistral slides every layer by `sliding_window`; Qwen2 / Qwen3 slide the layers `layer_types` marks
+    "sliding_attention" (from `use_sliding_window` and `max_window_layers`), and transformers clears their
+    `sliding_window` when `use_sliding_window` is false (the Qwen2.5 / Qwen3 releases: full attention everywhere)."""
+    window = getattr(text, "sliding_window", None)
+    if not window:
+        return None
+    if getattr(text, "model_type", "") == "mistral":
+        return int(window)
+    layer_types = getattr(text, "layer_types", None) or ()
+    return int(window) if "sliding_attention" in layer_types else None

@@ -26,7 +26,7 @@ class Attention(nn.Module):
         self.qkv_proj = PackedLinear(
             cfg.hidden_size, {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows}, cfg.attention_bias
         )
-        self.o_proj = Linear(q_rows, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(q_rows, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5

@@ -67,8 +67,13 @@ class RotaryEmbedding(nn.Module):
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+            # longrope: transformers picks the long factors for a forward whose sequence passes the original length
+            # and the short ones otherwise, so keys cached with one set meet queries rotated with the other. One set
+            # serves every position here, chosen by the served length as vLLM does: long when it passes the original
+            # length (equal to transformers for prompts longer than that), else short (equal for every sequence).
+            seq_len = max_positions if rope_type == "longrope" else None
             with torch.device(cpu):  # their own aranges follow the default device
-                inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, cpu)
+                inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, cpu, seq_len)
         t = torch.arange(max_positions, dtype=torch.float, device=cpu)
         freqs = torch.outer(t, inv_freq.to(cpu, torch.float))  # [P, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]

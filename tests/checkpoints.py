@@ -26,6 +26,8 @@ FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 32}),
+    # Mistral text models run on our Llama decoder (LLaVA-NeXT-Mistral's decoder); no window unless a test sets one
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": None}),
 }
 
 

@@ -14,7 +14,7 @@ from checkpoints import _BASE, FAMILIES
 from omnivox.engine.loading import build_model
 from omnivox.models.config import ModelConfig
 
-HEAD_DIM = {"llama": 16, "qwen2": 16, "qwen3": 32}  # hidden 64 / 4 heads, or Qwen3's explicit head_dim
+HEAD_DIM = {"llama": 16, "qwen2": 16, "qwen3": 32, "mistral": 16}  # hidden 64 / 4 heads, or Qwen3's explicit head_dim
 
 ROPES = {
     "default": lambda half: {"rope_type": "default", "rope_theta": 10000.0},

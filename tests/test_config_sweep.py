@@ -1,0 +1,210 @@
+"""The config knobs real checkpoints of our decoder families use, each on a tiny random checkpoint saved with
+save_pretrained: our engine against transformers (greedy tokens and top-5 log-probabilities), a clear refusal at load
+naming the config key where we do not compute what transformers does, and one variant per family through gRPC."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from checkpoints import load_reference, make_checkpoint
+from engines import tiny_engine
+from service_harness import ServerThread, user_request
+
+from omnivox.engine import Engine, SamplingParams
+from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.v1 import generation_pb2_grpc
+
+SHORT, LONG = [1, 5, 9, 33, 17, 200, 45], list(range(3, 43))  # 7 and 40 tokens
+STEPS = 6
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+# head_dim 16 in the tiny configs: 8 frequencies, one factor each (Phi-3 style lists)
+LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0 + 0.1 * i for i in range(8)],
+    "long_factor": [2.0 + 0.5 * i for i in range(8)],
+    "original_max_position_embeddings": 32,
+}
+LLAMA3 = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}  # fmt: skip
+
+
+def rope(theta: float = 10000.0, **params) -> dict:
+    return {"rope_parameters": {"rope_type": "default", "rope_theta": theta, **params}}
+
+
+# id -> (family, checkpoint overrides, engine kwargs, prompts compared)
+CASES = {
+    "llama-rope-linear": ("llama", rope(rope_type="linear", factor=2.0), {}, (SHORT, LONG)),
+    "llama-rope-yarn": ("llama", rope(**YARN), {}, (SHORT, LONG)),
+    "llama-rope-yarn-factors": (
+        "llama", rope(**YARN, attention_factor=1.3, beta_fast=16.0, beta_slow=2.0), {}, (SHORT, LONG)),
+    "qwen3-rope-yarn-theta1e6": ("qwen3", rope(1e6, **YARN), {}, (SHORT, LONG)),
+    "qwen2-rope-yarn-legacy-keys": ("qwen2", {"legacy_rope": {"type": "yarn", "factor": 4.0,
+                                    "original_max_position_embeddings": 64}, "rope_theta": 1e6}, {}, (SHORT, LONG)),
+    "llama-rope-llama3-legacy-keys": ("llama", {"legacy_rope": LLAMA3, "rope_theta": 500000.0}, {}, (SHORT, LONG)),
+    # longrope: one factor set for every position, picked by the served length (models/layers.py)
+    "llama-rope-longrope-served-short": ("llama", rope(**LONGROPE), {"max_model_len": 32}, ([1, 5, 9, 33, 17],)),
+    "llama-rope-longrope-served-long": ("llama", rope(**LONGROPE), {}, (LONG,)),
+    "llama-rope-theta1e6": ("llama", rope(1e6), {}, (SHORT, LONG)),
+    "llama-head-dim-32": ("llama", {"head_dim": 32}, {}, (SHORT, LONG)),
+    "mistral-nemo-head-dim-32-tied": ("mistral", {"head_dim": 32, "tie_word_embeddings": True}, {}, (SHORT, LONG)),
+    "llama-mqa-8-heads-odd-vocab": ("llama", {"num_attention_heads": 8, "num_key_value_heads": 1,
+                                    "vocab_size": 389}, {}, (SHORT, LONG)),
+    "qwen2-gqa4-odd-vocab-tied": ("qwen2", {"num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 391,
+                                  "tie_word_embeddings": True}, {}, (SHORT, LONG)),
+    "qwen3-gqa8-odd-vocab-tied": ("qwen3", {"num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 8,
+                                  "vocab_size": 397, "tie_word_embeddings": True}, {}, (SHORT, LONG)),
+    "llama-attention-and-mlp-bias-eps1e-5": ("llama", {"attention_bias": True, "mlp_bias": True,
+                                             "rms_norm_eps": 1e-5}, {}, (SHORT, LONG)),
+    "qwen3-attention-bias-head-dim-16": ("qwen3", {"attention_bias": True, "head_dim": 16}, {}, (SHORT, LONG)),
+    "llama-saved-bfloat16": ("llama", {"dtype": torch.bfloat16}, {}, (SHORT, LONG)),
+    "qwen2-saved-float16": ("qwen2", {"dtype": torch.float16}, {}, (SHORT, LONG)),
+    "qwen3-sharded-safetensors": ("qwen3", {"max_shard_size": "40KB"}, {}, (SHORT, LONG)),
+    "llama-no-bos-eos-pad": ("llama", {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}, {},
+                             (SHORT,)),
+    "mistral-window-chunked-prefill": ("mistral", {"sliding_window": 48}, {"max_num_batched_tokens": 8}, (LONG,)),
+    "qwen2-sliding-window-layers": ("qwen2", {"use_sliding_window": True, "sliding_window": 48,
+                                    "max_window_layers": 1}, {"max_num_batched_tokens": 8}, (LONG,)),
+    "qwen3-layer-types-mixed": ("qwen3", {"use_sliding_window": True, "sliding_window": 48,
+                                "layer_types": ["sliding_attention", "full_attention"]},
+                                {"max_num_batched_tokens": 8}, (LONG,)),
+}  # fmt: skip
+
+
+def build(root: Path, name: str, family: str, overrides: dict) -> Path:
+    """The case's checkpoint; `legacy_rope` rewrites config.json with the pre-transformers-5 keys (`rope_scaling`
+    with "type", top-level `rope_theta`) that most hub checkpoints still carry."""
+    overrides = dict(overrides)
+    legacy = overrides.pop("legacy_rope", None)
+    theta = overrides.pop("rope_theta", None) if legacy else None
+    path = make_checkpoint(root / name, family, seed=7, with_tokenizer=False, **overrides)
+    if legacy:
+        config = json.loads((path / "config.json").read_text())
+        config.pop("rope_parameters", None)
+        config |= {"rope_scaling": legacy, "rope_theta": theta}
+        (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def reference_greedy(ref, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens and each step's top-5 log-probabilities."""
+    gen = ref.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=steps,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    top = torch.stack([lg[0].float().log_softmax(-1).topk(5).values for lg in gen.logits])
+    return gen.sequences[0, len(prompt) :].tolist(), top
+
+
+def assert_matches(engine: Engine, ref, prompts, steps: int = STEPS) -> None:
+    ref.generation_config.eos_token_id = None  # like ignore_eos
+    outs = engine.generate(list(prompts), SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=5))
+    for prompt, out in zip(prompts, outs, strict=True):
+        tokens, top = reference_greedy(ref, prompt, steps)
+        assert out.token_ids == tokens
+        ours = torch.tensor([[lp for _, lp in step.top] for step in out.logprobs])
+        torch.testing.assert_close(ours, top, atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("sweep")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_engine_matches_transformers(root, case):
+    family, overrides, engine_kwargs, prompts = CASES[case]
+    path = build(root, case, family, overrides)
+    engine = tiny_engine(path, **engine_kwargs)
+    assert_matches(engine, load_reference(path), prompts)
+
+
+def test_sliding_window_caps_the_served_length(root):
+    """A window applies from the window's length on; we serve up to it (exact there) and refuse past it. Qwen2's
+    window with use_sliding_window false (every Qwen2.5 / Qwen3 release) is full attention: nothing is capped."""
+    for family, overrides in CASES["qwen2-sliding-window-layers"][:2], CASES["mistral-window-chunked-prefill"][:2]:
+        engine = tiny_engine(build(root, f"window-{family}", family, overrides))
+        assert engine.model_config.max_model_len == 48
+        with pytest.raises(Exception, match="prompt"):
+            engine.generate([list(range(3, 51))], SamplingParams(temperature=0, max_tokens=1))
+    off = build(root, "qwen2-window-off", "qwen2", {"use_sliding_window": False, "sliding_window": 48})
+    assert tiny_engine(off).model_config.max_model_len == 512
+
+
+REFUSED = {
+    "dynamic rope": ("llama", rope(rope_type="dynamic", factor=2.0), "rope_type"),
+    "partial rotary": ("llama", rope(partial_rotary_factor=0.5), "partial_rotary_factor"),
+    "gelu": ("llama", {"hidden_act": "gelu_pytorch_tanh"}, "hidden_act"),
+    "relu2 qwen3": ("qwen3", {"hidden_act": "relu2"}, "hidden_act"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_unsupported_config_is_refused_at_load_naming_the_key(root, case):
+    family, overrides, key = REFUSED[case]
+    path = build(root, "refused-" + case.replace(" ", "-"), family, overrides)
+    with pytest.raises(ValueError, match=key):
+        tiny_engine(path)
+
+
+def test_generation_config_eos_list_stops_on_any(root):
+    """Llama 3 instruct style: config.json names one eos, generation_config.json a list; like transformers' generate,
+    the engine stops on whichever of the list comes first, and not on config.json's one."""
+    path = build(root, "eos-list", "llama", {})
+    ref = load_reference(path)
+    free, _ = reference_greedy(ref, SHORT, 12)
+    first = free[4]  # an id that first appears at step 4
+    if first in free[:4]:
+        pytest.skip("the random checkpoint repeats its early tokens")  # seed 7: never taken
+    never = next(t for t in range(3, 384) if t not in free)
+    gen = {"eos_token_id": [never, first], "bos_token_id": 1}
+    (path / "generation_config.json").write_text(json.dumps(gen))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"eos_token_id": free[1]}))  # replaced by the list
+    engine = tiny_engine(path)
+    assert set(engine.model_config.eos_token_ids) == {never, first}
+    out = engine.generate([SHORT], SamplingParams(temperature=0, max_tokens=12))[0]
+    assert out.token_ids == free[:5] and out.finish_reason == "stop"
+    theirs = load_reference(path).generate(torch.tensor([SHORT]), max_new_tokens=12, do_sample=False)
+    assert theirs[0, len(SHORT) :].tolist() == out.token_ids
+
+
+# One variant per family through the gRPC server: the prompt the service builds (ChatML, tests/checkpoints.py).
+GRPC = {
+    "llama": "llama-rope-yarn-factors",
+    "qwen2": "qwen2-sliding-window-layers",
+    "qwen3": "qwen3-gqa8-odd-vocab-tied",
+    "mistral": "mistral-nemo-head-dim-32-tied",
+}
+
+
+def test_grpc_greedy_matches_transformers(root):
+    paths = {}
+    for family, case in GRPC.items():
+        overrides = CASES[case][1]
+        paths[family] = make_checkpoint(root / f"grpc-{family}", family, seed=7, **overrides)
+    text = "The capital of France is"
+    specs = [ModelSpec(path=p, name=f) for f, p in paths.items()]
+    with ServerThread(specs, EngineOptions(kv_cache_gib=0.01, max_num_batched_tokens=8)) as server:
+        stub = generation_pb2_grpc.GenerationServiceStub(server.channel())
+        for family, path in paths.items():
+            request = user_request(text, model=family, max_output_tokens=STEPS, ignore_eos=True)
+            request.sampling.temperature = 0.0
+            ours = [t for r in stub.Generate(request, timeout=60) if r.WhichOneof("response") == "delta"
+                    for t in r.delta.token_ids]  # fmt: skip
+            tok = transformers.AutoTokenizer.from_pretrained(path)
+            prompt = tok.encode(
+                f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+            )
+            ref = load_reference(path)
+            ref.generation_config.eos_token_id = None
+            assert ours == reference_greedy(ref, prompt, STEPS)[0], family
