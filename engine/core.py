@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -24,9 +25,9 @@ from omnivox.engine.kv_manager import KVCacheManager
 from omnivox.engine.outputs import TokenLogprob
 from omnivox.engine.request import Request
 from omnivox.engine.runner import ModelRunner
-from omnivox.engine.sampler import Sampler
+from omnivox.engine.sampler import PendingSample, Sampler
 from omnivox.engine.scheduler import ScheduledChunk, SchedulePlan, Scheduler
-from omnivox.engine.speculative import AcceptanceGate, Proposal, Proposer, verify_requests
+from omnivox.engine.speculative import AcceptanceGate, PendingVerification, Proposal, Proposer, draw_verification
 from omnivox.engine.structured import GrammarMasks
 from omnivox.engine.transfer import take_rows
 from omnivox.engine.vocab_window import logit_window
@@ -187,11 +188,13 @@ class EngineCore:
             row += c.num_verify
         plain = [(c, f) for c, f in zip(sampling, firsts, strict=True) if c.num_verify == 1]
         spec = [(c, f) for c, f in zip(sampling, firsts, strict=True) if c.num_verify > 1]
+        sample = verify = None
         if plain:
             with torch.inference_mode():  # the sampler writes into the runner's logits, which are inference tensors
-                self._sample_plain(logits, plain, result, window[0] if window else 0)
+                sample = self._draw_plain(logits, plain, result, window[0] if window else 0)
         if spec:
-            self._verify(logits, spec, result)
+            verify = self._draw_verify(logits, spec, result)
+        self._read_back(sample, verify, result)
 
     def _logit_window(self, plan: SchedulePlan) -> tuple[int, int] | None:
         """The vocabulary rows this step's samples need (None: all); a step with drafts to verify needs them all."""
@@ -200,41 +203,74 @@ class EngineCore:
             return None
         return logit_window([c.request for c in sampling], self.vocab_size)
 
-    def _sample_plain(
+    def _draw_plain(
         self, logits: torch.Tensor, chunks: list[tuple[ScheduledChunk, int]], result: StepResult, first_id: int = 0
-    ) -> None:
+    ) -> PendingSample | None:
         """first_id: the logits are a vocabulary window, column j being token first_id + j (0 with a full row)."""
         reqs = [c.request for c, _ in chunks]
         try:
             # Every step without drafts samples all rows in order: the logits themselves go in (the sampler writes
             # into them; nothing reads them after). With drafts in the step, the plain rows are copied out.
-            rows = take_rows(logits, [f for _, f in chunks])
-            out = self.sampler(rows, reqs, first_id)
+            return self.sampler.draw(take_rows(logits, [f for _, f in chunks]), reqs, first_id)
         except Exception:  # a sampler bug must not take the engine down: fail these requests, serve the rest
             log.exception("sampling failed; failing the %d requests it served", len(reqs))
             result.failed += reqs
+            return None
+
+    def _draw_verify(
+        self, logits: torch.Tensor, chunks: list[tuple[ScheduledChunk, int]], result: StepResult
+    ) -> PendingVerification | None:
+        """Requests with drafts: every row processed as plain sampling would, drafts accepted by rejection sampling
+        (exact in distribution; greedy rows by argmax), rejected drafts rolled back when read back."""
+        reqs = [c.request for c, _ in chunks]
+        rows = [logits[f : f + c.num_verify] for c, f in chunks]
+        qs = [self._draft_q.get(r.request_id) for r in reqs]
+        try:
+            return draw_verification(self.sampler, rows, reqs, qs)
+        except Exception:
+            log.exception("verifying drafts failed; failing the %d requests it served", len(reqs))
+            self._fail_drafted(reqs, result)
+            return None
+
+    def _read_back(self, sample: PendingSample | None, verify: PendingVerification | None, result: StepResult) -> None:
+        """The plain rows' draws and the verification's, read in one device-to-host copy (on a GPU every read waits
+        for the stream: a second one would wait for the step twice), then committed."""
+        parts = (sample.parts() if sample else []) + (verify.parts if verify else [])
+        try:
+            values = self.sampler.transfer(parts)
+        except Exception:
+            log.exception("reading the step's samples failed; failing its requests")
+            result.failed += sample.reqs if sample else []
+            self._fail_drafted(verify.reqs if verify else [], result)
             return
-        for i, req in enumerate(reqs):
+        num_plain = sum(p.numel() for p in sample.parts()) if sample else 0
+        if sample:
+            self._commit_sampled(sample, iter(values[:num_plain]), result)
+        if verify:
+            self._commit_verified(verify, values[num_plain:], result)
+
+    def _commit_sampled(self, sample: PendingSample, values: Iterator[float], result: StepResult) -> None:
+        try:
+            out = sample.read(values)
+        except Exception:
+            log.exception("sampling failed; failing the %d requests it served", len(sample.reqs))
+            result.failed += sample.reqs
+            return
+        for i, req in enumerate(sample.reqs):
             if i in out.failed:
                 result.failed.append(req)
             else:
                 self._commit(req, [out.token_ids[i]], [out.logprobs[i]], result)
 
-    def _verify(self, logits: torch.Tensor, chunks: list[tuple[ScheduledChunk, int]], result: StepResult) -> None:
-        """Requests with drafts: every row processed as plain sampling would, drafts accepted by rejection sampling
-        (exact in distribution; greedy rows by argmax), rejected drafts rolled back."""
-        reqs = [c.request for c, _ in chunks]
-        rows = [logits[f : f + c.num_verify] for c, f in chunks]
-        qs = [self._draft_q.get(r.request_id) for r in reqs]
+    def _commit_verified(self, verify: PendingVerification, values: list[float], result: StepResult) -> None:
         try:
-            accepted = verify_requests(self.sampler, rows, reqs, qs)
+            accepted = verify.read(values)
         except Exception:
-            log.exception("verifying drafts failed; failing the %d requests it served", len(reqs))
-            accepted = [None] * len(reqs)
-        for req, tokens in zip(reqs, accepted, strict=True):
+            log.exception("verifying drafts failed; failing the %d requests it served", len(verify.reqs))
+            accepted = [None] * len(verify.reqs)
+        for req, tokens in zip(verify.reqs, accepted, strict=True):
             if tokens is None:
-                req.draft_token_ids.clear()
-                result.failed.append(req)
+                self._fail_drafted([req], result)
                 continue
             drafted = len(req.draft_token_ids)
             result.stats.accepted_by_position += [0] * (drafted - len(result.stats.accepted_by_position))
@@ -243,6 +279,12 @@ class EngineCore:
             if self.gate is not None:
                 self.gate.record(req, drafted, len(tokens) - 1)
             self._commit(req, tokens, [None] * len(tokens), result)
+
+    @staticmethod
+    def _fail_drafted(reqs: list[Request], result: StepResult) -> None:
+        for req in reqs:
+            req.draft_token_ids.clear()
+            result.failed.append(req)
 
     def _commit(self, req: Request, tokens: list[int], lps: list, result: StepResult) -> None:
         try:

@@ -66,6 +66,30 @@ class _Drawn:
         return tokens, out
 
 
+@dataclass
+class PendingSample:
+    """A sampler call drawn on the device and not read back yet: `parts()` go down in the step's one device-to-host
+    copy (with whatever else the step reads, e.g. a speculative verification's draws), `read` turns their values,
+    in the order `parts()` gave them, into the output."""
+
+    reqs: list[Request]
+    groups: list[tuple[list[int], _Drawn]]  # (rows of reqs, their draws), full-vocabulary rows first
+    failed: list[int]  # rows whose own token constraint raised
+
+    def parts(self) -> list[torch.Tensor]:
+        return [t for _, g in self.groups for t in g.parts()]
+
+    def read(self, values: Iterator[float]) -> SamplerOutput:
+        """Consumes exactly this call's values from `values`."""
+        tokens: list[int] = [0] * len(self.reqs)
+        logprobs: list[TokenLogprob | None] = [None] * len(self.reqs)
+        for rows, g in self.groups:
+            toks, lps = g.unpack(values, [self.reqs[i] for i in rows])
+            for j, i in enumerate(rows):
+                tokens[i], logprobs[i] = toks[j], lps[j]
+        return SamplerOutput(tokens, logprobs, self.failed)
+
+
 def _checked_mask(mask: torch.Tensor, vocab: int) -> torch.Tensor:
     """A constraint's mask as given, if it is bool [vocab] (else the constraint fails, as a mask it raised)."""
     if mask.dtype != torch.bool or tuple(mask.shape) != (vocab,):
@@ -117,6 +141,12 @@ class Sampler:
 
         logits: [B, V] float32, or [B, W] over a vocabulary window (column j = token first_id + j) that holds every
         id the rows' constraints admit (engine/vocab_window.py); ids outside it are never drawn."""
+        pending = self.draw(logits, reqs, first_id)
+        return pending.read(iter(self.transfer(pending.parts())))
+
+    def draw(self, logits: torch.Tensor, reqs: list[Request], first_id: int = 0) -> PendingSample:
+        """`__call__` without the read back: every draw queued on the device, nothing read on the host. The engine
+        reads it together with the step's other draws (one copy per step)."""
         self._apply_bias_and_bans(logits, reqs, first_id)
         candidates: list[torch.Tensor | None] = []
         failed: list[int] = []
@@ -146,14 +176,7 @@ class Sampler:
             if rows:
                 sub = take_rows(logits, rows)
                 groups.append((rows, self._sample_group(sub, [reqs[i] for i in rows], cands, first_id)))
-        values = iter(self.transfer([t for _, g in groups for t in g.parts()]))
-        tokens: list[int] = [0] * len(reqs)
-        logprobs: list[TokenLogprob | None] = [None] * len(reqs)
-        for rows, g in groups:
-            toks, lps = g.unpack(values, [reqs[i] for i in rows])
-            for j, i in enumerate(rows):
-                tokens[i], logprobs[i] = toks[j], lps[j]
-        return SamplerOutput(tokens, logprobs, failed)
+        return PendingSample(reqs, groups, failed)
 
     def distributions(self, logits: torch.Tensor, reqs: list) -> torch.Tensor:
         """The next-token distributions [B, V] plain sampling would draw from, without drawing: the same processing

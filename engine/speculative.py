@@ -221,11 +221,32 @@ def constraint_masks(req: Request, drafts: list[int]) -> tuple[list[int], list[t
     return drafts, masks, ends
 
 
+@dataclass
+class PendingVerification:
+    """A verification drawn on the device and not read back yet: `parts` go down in the step's one device-to-host
+    copy (with the plain rows' draws), `read` takes their values (this verification's own, from index 0)."""
+
+    reqs: list[Request]
+    parts: list[torch.Tensor]
+    draws: list[_Draws | None]  # per request; None: its constraint raised
+
+    def read(self, values: list[float]) -> list[list[int] | None]:
+        return [d.tokens(values) if d is not None else None for d in self.draws]
+
+
 def verify_requests(
     sampler, rows: list[torch.Tensor], reqs: list[Request], qs: list[torch.Tensor | None]
 ) -> list[list[int] | None]:
     """Each request's accepted tokens (None: its constraint raised). rows[i]: the logits [1 + drafts, V] of request i
-    (whose draft_token_ids are cut here to what its constraint admits)."""
+    (whose draft_token_ids are cut here to what its constraint admits). One device-to-host copy."""
+    pending = draw_verification(sampler, rows, reqs, qs)
+    return pending.read(sampler.transfer(pending.parts))
+
+
+def draw_verification(
+    sampler, rows: list[torch.Tensor], reqs: list[Request], qs: list[torch.Tensor | None]
+) -> PendingVerification:
+    """`verify_requests` without the read back: the target distributions and every draw queued on the device."""
     views, spans, cut = [], [], []
     for req, logits in zip(reqs, rows, strict=True):
         try:
@@ -239,10 +260,10 @@ def verify_requests(
         spans.append((start, len(drafts) + 1))
         cut.append(logits[: len(drafts) + 1])
     if not views:
-        return [None] * len(reqs)
+        return PendingVerification(reqs, [], [None] * len(reqs))
     probs = sampler.distributions(torch.cat([c for c in cut if c is not None]), views)
-    # Everything the host needs goes down in one copy (the sampler's transfer): greedy picks for every row at once,
-    # then each sampled request's draws.
+    # Everything the host needs goes down in one copy (the sampler's transfer, shared with the step's plain rows):
+    # greedy picks for every row at once, then each sampled request's draws.
     greedy = any(req.params.is_greedy for req, c in zip(reqs, cut, strict=True) if c is not None)
     parts: list[torch.Tensor] = [probs.argmax(dim=-1)] if greedy else []
     offset = probs.shape[0] if greedy else 0
@@ -262,5 +283,4 @@ def verify_requests(
         pending.append(_Draws(drafts, False, offset, req.generator, state))
         parts += draws
         offset += 2 * len(drafts) + 1
-    values = sampler.transfer(parts)
-    return [d.tokens(values) if d is not None else None for d in pending]
+    return PendingVerification(reqs, parts, pending)

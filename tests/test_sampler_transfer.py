@@ -160,7 +160,7 @@ def test_engine_samples_the_runners_logits_without_a_copy(engine) -> None:
     """A step whose rows all sample (no drafts) hands the runner's logits tensor itself to the sampler."""
     core = engine.core
     seen: dict[str, list[int]] = {"runner": [], "sampler": []}
-    execute, sampler = core.runner.execute, core.sampler
+    execute, draw = core.runner.execute, core.sampler.draw
 
     def recording_execute(plan, *args):
         logits, sampling = execute(plan, *args)
@@ -168,14 +168,14 @@ def test_engine_samples_the_runners_logits_without_a_copy(engine) -> None:
             seen["runner"].append(logits.data_ptr())
         return logits, sampling
 
-    class RecordingSampler:
-        def __call__(self, logits, reqs, *args):
-            seen["sampler"].append(logits.data_ptr())
-            return sampler(logits, reqs, *args)
+    def recording_draw(logits, reqs, *args):  # the engine draws, then reads the step's draws in one copy
+        seen["sampler"].append(logits.data_ptr())
+        return draw(logits, reqs, *args)
 
-    core.runner.execute, core.sampler = recording_execute, RecordingSampler()
+    core.runner.execute, core.sampler.draw = recording_execute, recording_draw
     try:
         engine.generate([[20, 21, 22], [30, 31]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     finally:
-        core.runner.execute, core.sampler = execute, sampler
+        core.runner.execute = execute
+        del core.sampler.draw  # the class's method again
     assert seen["sampler"] and seen["sampler"] == seen["runner"]

@@ -241,6 +241,42 @@ def test_verification_reads_the_host_once_per_step(monkeypatch):
             assert tokens == r.draft_token_ids[:n] + [picks[n]]
 
 
+def test_mixed_step_reads_the_host_once(tmp_path, monkeypatch):
+    """A step with a chunked prefill, plain decodes and drafts to verify reads the device once in all: the plain
+    rows' draws and the verification's go down in one copy. Outputs equal each request run alone without drafts."""
+    path = tiny_checkpoint(tmp_path, "llama")
+    drafting = (
+        [5, 6, 7, 8] * 6,
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+    )
+    plain = (
+        list(range(20, 45)),  # logprobs: never drafted, always a plain row
+        SamplingParams(temperature=0.8, seed=1, max_tokens=8, ignore_eos=True, logprobs=2),
+    )
+    alone = [tiny_engine(path).generate([p], [s])[0] for p, s in (drafting, plain)]
+    engine = tiny_engine(path, proposer=NgramProposer(k=3, min_n=1, max_n=3), max_num_batched_tokens=12)
+    engine.core.gate.max_batch, engine.core.gate.min_acceptance = 10**6, 0.0
+    engine.add_request(*drafting, request_id="a")
+    finals, mixed, step = {}, 0, 0
+    while engine.has_unfinished():
+        if step == 4:  # its prefill (25 tokens, 12-token chunks) joins the drafting request's decodes
+            engine.add_request(*plain, request_id="b")
+        copies = engine.core.sampler.transfer.num_copies
+        calls = count_host_reads(monkeypatch)
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+        monkeypatch.undo()
+        verifies = [c.num_verify for c in engine.last_step.plan.chunks if c.samples]
+        mixed += max(verifies, default=0) > 1 and 1 in verifies
+        assert calls == ({"tolist": 1} if verifies else {}), (step, verifies, calls)
+        assert engine.core.sampler.transfer.num_copies - copies == (1 if verifies else 0)
+        step += 1
+    assert mixed >= 2, "the workload must hold steps with both plain and drafted rows"
+    assert [finals[i].token_ids for i in "ab"] == [a.token_ids for a in alone]
+    for x, y in zip(finals["b"].logprobs, alone[1].logprobs, strict=True):  # float32 sums vary with the batch
+        assert [t for t, _ in x.top] == [t for t, _ in y.top] and x.logprob == pytest.approx(y.logprob, abs=1e-4)
+    engine.check_integrity()
+
+
 @pytest.mark.parametrize("accepted", [False, True])
 def test_seeded_stream_as_if_the_bonus_were_drawn_only_when_needed(accepted):
     """The bonus token is drawn before the host knows whether every draft passed (one read per step); a seeded
