@@ -106,9 +106,11 @@ def reference_greedy(ref, prompt: list[int], steps: int) -> tuple[list[int], tor
 
 
 def assert_matches(engine: Engine, ref, prompts, steps: int = STEPS) -> None:
+    """Each prompt alone (CPU float32 batch-1 decode: the fused C step) and all together (the torch layers)."""
     ref.generation_config.eos_token_id = None  # like ignore_eos
-    outs = engine.generate(list(prompts), SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=5))
-    for prompt, out in zip(prompts, outs, strict=True):
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=5)
+    outs = engine.generate(list(prompts), params) + [engine.generate([p], params)[0] for p in prompts]
+    for prompt, out in zip(list(prompts) * 2, outs, strict=True):
         tokens, top = reference_greedy(ref, prompt, steps)
         assert out.token_ids == tokens
         ours = torch.tensor([[lp for _, lp in step.top] for step in out.logprobs])
