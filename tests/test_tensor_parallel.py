@@ -30,6 +30,7 @@ MODELS = {
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
     "llama-tied": ("llama", {"tie_word_embeddings": True, "vocab_size": 383}),
+    "llama-bias": ("llama", {"attention_bias": True, "mlp_bias": True}),  # o_proj and down_proj biases added once
 }
 WORLD = 2
 BLOCK = 16
