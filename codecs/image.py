@@ -23,11 +23,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 # Magic numbers -> our format name (also Pillow's plugin name). TIFF is recognised only to name it in the error.
 _JPEG, _PNG, _GIF, _WEBP, _BMP, _TIFF = "JPEG", "PNG", "GIF", "WEBP", "BMP", "TIFF"
 SUPPORTED_FORMATS = frozenset({_JPEG, _PNG, _GIF, _WEBP, _BMP})
+# Image modes holding more than 8 bits per sample (16-bit grayscale PNG opens as I;16); Pillow's own convert("RGB")
+# clips them at 255, so almost any 16-bit image came out white.
+_WIDE_GRAY_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N", "I"})
 
 
 class ImageDecodeError(ValueError):
@@ -87,6 +91,23 @@ def sniff_format(data: bytes) -> str | None:
     return None
 
 
+def refused_format_name(data: bytes) -> str | None:
+    """The name of an image format we recognise only to refuse it by name (SVG, HEIC/HEIF, AVIF, JPEG XL), else
+    None. Phones send HEIC and web pages SVG: "not an image in a known format" would leave the user guessing."""
+    head = data[:1024].lstrip(b"\xef\xbb\xbf \t\r\n").lower()
+    if head.startswith((b"<svg", b"<?xml", b"<!doctype svg")) and b"<svg" in head:
+        return "SVG"
+    if data[4:8] == b"ftyp":  # an ISO base media file: its major brand says which
+        brand = data[8:12]
+        if brand in (b"avif", b"avis"):
+            return "AVIF"
+        if brand in (b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"mif1", b"msf1"):
+            return "HEIC/HEIF"
+    if data.startswith(b"\xff\x0a") or data[:12] == b"\x00\x00\x00\x0cJXL \r\n\x87\n":
+        return "JPEG XL"
+    return None
+
+
 def decode_image(data: bytes, limits: ImageLimits = ImageLimits(), mime_type: str | None = None) -> DecodedImage:
     """Decode `data` to RGB under `limits`; raise ImageDecodeError naming the first problem.
 
@@ -99,6 +120,9 @@ def decode_image(data: bytes, limits: ImageLimits = ImageLimits(), mime_type: st
         raise ImageDecodeError(f"the image is {len(data)} bytes; the limit is {limits.max_bytes}")
     fmt = sniff_format(data)
     if fmt is None:
+        named = refused_format_name(data)
+        if named:
+            raise ImageDecodeError(f"{named} images are not accepted; send {_format_list(limits)}")
         hint = f" (mime_type says {mime_type!r})" if mime_type else ""
         raise ImageDecodeError(f"the bytes are not an image in a known format{hint}; send {_format_list(limits)}")
     if fmt not in limits.formats:
@@ -136,11 +160,25 @@ def to_rgb(im: Image.Image) -> Image.Image:
     exactly as transformers' `convert_to_rgb`; CMYK, YCbCr, grayscale and palette images convert as Pillow does."""
     if im.mode == "RGB":
         return im
+    if im.mode in _WIDE_GRAY_MODES:
+        im = _wide_gray_to_8_bit(im)
     if "A" in im.getbands() or im.info.get("transparency") is not None:
         rgba = im.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
     return im.convert("RGB")
+
+
+def _wide_gray_to_8_bit(im: Image.Image) -> Image.Image:
+    """16-bit (or 32-bit integer) grayscale -> 8-bit L by its high byte, as Pillow reads 16-bit RGB and LA PNGs; a
+    tRNS gray value becomes an alpha band (compared at full depth, before two values can share a high byte)."""
+    values = np.asarray(im).astype(np.int64)  # [H, W]
+    gray = Image.fromarray((np.clip(values, 0, 65535) >> 8).astype(np.uint8), "L")
+    transparent = im.info.get("transparency")
+    if not isinstance(transparent, int):
+        return gray
+    alpha = Image.fromarray(np.where(values == transparent, 0, 255).astype(np.uint8), "L")
+    return Image.merge("LA", (gray, alpha))
 
 
 def image_content_key(data: bytes, model: str, settings: Mapping[str, Any]) -> str:

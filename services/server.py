@@ -20,13 +20,13 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from omnivox.services import loading
 from omnivox.services.audio_prompt import log_message_limit
 from omnivox.services.auth import Quota
 from omnivox.services.bindings import omnivox_services
+from omnivox.services.health import HealthServicer
 from omnivox.services.interceptors import server_interceptors
 from omnivox.services.limits import GrpcLimits
 from omnivox.services.loading import EngineOptions, ModelLoadError, ModelSpec

@@ -1,0 +1,79 @@
+"""Second user's-eye audit: inputs, clients and configs the first audit (tests/test_bad_input_audit.py) did not try.
+Each test is a defect found by sending what a user sends (other files, other clients), with its fix."""
+
+from __future__ import annotations
+
+import io
+
+import grpc
+import numpy as np
+import pytest
+from checkpoints import make_checkpoint
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from PIL import Image
+from service_harness import ServerThread
+
+from omnivox.codecs.image import ImageDecodeError, decode_image
+from omnivox.services.loading import EngineOptions, ModelSpec
+
+
+def _png(im: Image.Image, **kwargs) -> bytes:
+    buf = io.BytesIO()
+    im.save(buf, "PNG", **kwargs)
+    return buf.getvalue()
+
+
+def test_a_16_bit_grayscale_png_keeps_its_shades():
+    """A 16-bit grayscale PNG (scans, medical and scientific images) opens as mode I;16, and Pillow's convert("RGB")
+    clips at 255: every pixel above 255 of 65535 came out white. Now its high byte, as Pillow reads 16-bit RGB."""
+    values = (np.arange(32 * 48).reshape(32, 48) * 40).astype(np.uint16)  # 0 .. 61400
+    out = np.asarray(decode_image(_png(Image.fromarray(values))).image)
+    assert out.shape == (32, 48, 3)
+    assert (out == (values >> 8)[..., None]).all()  # was 255 wherever values > 255 (all but 7 pixels)
+    # A tRNS gray value is transparency at full depth: composited on white, its neighbours (same high byte) kept.
+    keyed = int(values[0, 5])  # 200: high byte 0, as its neighbours 160 and 240
+    out = np.asarray(decode_image(_png(Image.fromarray(values), transparency=keyed)).image)
+    assert out[0, 5].tolist() == [255, 255, 255] and out[0, 4].tolist() == out[0, 6].tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize(
+    ("data", "name"),
+    [
+        (b'<?xml version="1.0"?>\n<svg xmlns="http://www.w3.org/2000/svg" width="9" height="9"/>', "SVG"),
+        (b"\xef\xbb\xbf  <svg xmlns='http://www.w3.org/2000/svg'></svg>", "SVG"),
+        (b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic" + bytes(64), "HEIC/HEIF"),
+        (b"\x00\x00\x00\x1cftypavif\x00\x00\x00\x00avifmif1miaf" + bytes(64), "AVIF"),
+        (b"\xff\x0a\xfa\x7f" + bytes(64), "JPEG XL"),
+    ],
+    ids=["svg-xml", "svg-bom", "heic", "avif", "jxl"],
+)
+def test_formats_phones_and_web_pages_send_are_refused_by_name(data, name):
+    """An iPhone's HEIC or a web page's SVG got "the bytes are not an image in a known format": now named."""
+    with pytest.raises(ImageDecodeError, match=rf"^{name} images are not accepted; send BMP, GIF, JPEG, PNG, WEBP$"):
+        decode_image(data, mime_type="image/heic")
+    with pytest.raises(ImageDecodeError, match="not an image in a known format"):
+        decode_image(b"<html><body>not an image</body></html>")  # XML-ish but no <svg: not named
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    spec = ModelSpec(path=make_checkpoint(tmp_path_factory.mktemp("audit2") / "text"), name="text")
+    with ServerThread([spec], EngineOptions(kv_cache_gib=0.01)) as server:
+        yield server
+
+
+def test_health_list_answers_every_service(served, caplog):
+    """grpc.health.v1 Health/List (in health.proto since 2024; grpcurl and Kubernetes tooling call it) answered
+    UNIMPLEMENTED "Unexpected <class 'NotImplementedError'>" and logged a traceback per call."""
+    stub = health_pb2_grpc.HealthStub(served.channel())
+    statuses = stub.List(health_pb2.HealthListRequest(), timeout=10).statuses
+    serving = health_pb2.HealthCheckResponse.SERVING
+    assert statuses[""].status == serving
+    assert statuses["omnivox.v1.GenerationService"].status == serving
+    assert statuses["model/text"].status == serving
+    for name, status in statuses.items():  # List says what Check says
+        assert stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=10).status == status.status
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "Traceback" not in caplog.text
