@@ -5,24 +5,21 @@ through the `snac` package, then makes two changes that do not alter the weights
 
 - weight norm is folded into plain weights once (the same arithmetic `snac` repeats on every call);
 - each decoder block's noise injection (`x + randn * linear(x)`, drawn from the global RNG in `snac`) draws its noise
-  from a `NoiseSource` instead. The default, `PositionalNoise`, is a hash of (seed, layer, absolute time step), so the
-  noise at a time step does not depend on the window, the batch or the call order: decoding a window of a stream gives
-  the same samples as decoding the whole stream, which is what seamless streaming and batched decoding rely on.
-  `noise="off"` drops the noise term.
+  from a `NoiseSource` instead (codecs/snac_noise.py). The default, `PositionalNoise`, is a hash of (seed, layer,
+  absolute time step), so the noise at a time step does not depend on the window, the batch or the call order:
+  decoding a window of a stream gives the same samples as decoding the whole stream, which is what seamless streaming
+  and batched decoding rely on. `noise="off"` drops the noise term.
 
-A code "frame" is the group of codes that covers `vq_strides[0]` latent steps: one code of the coarsest level, two of
-the next, ... (1 + 2 + 4 = 7 codes and 2048 samples for the 24 kHz model).
+A code "frame" covers `vq_strides[0]` latent steps (7 codes and 2048 samples for the 24 kHz model); the framing
+(`CodecShape`, `frames_to_codes`, `codes_to_frames`) is codecs/snac_frames.py.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
 from snac import SNAC
@@ -32,6 +29,8 @@ from torch.nn.utils import parametrize
 
 from omnivox.codecs.codec_kernels import fuse_snakes
 from omnivox.codecs.snac_fast import speed_up_convs
+from omnivox.codecs.snac_frames import frames_to_codes, snac_config_shape
+from omnivox.codecs.snac_noise import InjectedNoise, NoiseSource, PositionalNoise
 
 # hubertsiuzdak/snac_24khz config.json: the codec of Orpheus.
 SNAC_24KHZ_CONFIG: dict = {
@@ -52,55 +51,6 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "pytorch_model.bin"
 
 
-class NoiseSource(Protocol):
-    """Noise for the decoder's noise-injection layers.
-
-    `noise(layer, start_steps, num_steps, dtype, device)` returns a tensor (B x 1 x T) for the `layer`-th noise block;
-    row b covers that layer's time steps [start_steps[b], start_steps[b] + num_steps).
-    """
-
-    def __call__(
-        self, layer: int, start_steps: torch.Tensor, num_steps: int, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor: ...
-
-
-_MASK32 = 0xFFFFFFFF
-
-
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mix on int64 tensors holding values in [0, 2^32); no product exceeds 2^60."""
-    x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
-    x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
-    return (x >> 16) ^ x
-
-
-def _hash32_int(x: int) -> int:
-    """`_hash32` on one Python int: the same bits, no tensor, no device sync (usable inside a CUDA graph capture)."""
-    x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
-    x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
-    return (x >> 16) ^ x
-
-
-class PositionalNoise:
-    """Standard normal noise that is a pure function of (seed, layer, absolute time step) (Box-Muller on a hash)."""
-
-    def __init__(self, seed: int = 0) -> None:
-        self.seed = int(seed)
-
-    def __call__(
-        self, layer: int, start_steps: torch.Tensor, num_steps: int, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        salt = _hash32_int((self.seed * 131 + layer * 7919 + 12345) & _MASK32)  # no .item(): graph-capturable
-        steps = start_steps.to(device=device, dtype=torch.int64)[:, None] + torch.arange(num_steps, device=device)
-        key = (steps * 2) & _MASK32  # (B x T)
-        u1 = _hash32(key ^ salt)
-        u2 = _hash32(((key + 1) & _MASK32) ^ salt)
-        u1 = (u1.to(torch.float32) + 0.5) * 2.0**-32  # in (0, 1): log is finite
-        u2 = (u2.to(torch.float32) + 0.5) * 2.0**-32
-        normal = torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(2.0 * math.pi * u2)
-        return normal.to(dtype)[:, None, :]  # (B x 1 x T)
-
-
 class _EagerSnake(nn.Module):
     """snac's Snake1d, x + 1/alpha * sin(alpha x)^2, computed in place in eager mode: the same arithmetic in the same
     order (so the same bits), without TorchScript's per-shape profiling recompiles (seconds per new window length on
@@ -115,65 +65,6 @@ class _EagerSnake(nn.Module):
         t = torch.mul(self.alpha, x)
         t.sin_().square_().mul_(inv_alpha)
         return t.add_(x)
-
-
-class _InjectedNoise(nn.Module):
-    """Replaces snac's NoiseBlock: `x + noise * linear(x)` with noise from a NoiseSource (or none)."""
-
-    def __init__(self, block: NoiseBlock, layer: int, owner: SnacDecoder) -> None:
-        super().__init__()
-        self.linear = block.linear
-        self.layer = layer
-        self._owner = [owner]  # a list, so that the owner is not registered as a submodule
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B x C x T)
-        owner = self._owner[0]
-        if owner.noise is None:
-            return x
-        upsample = owner._steps_per_latent[self.layer]
-        start = owner._call_start_latent * upsample  # (B,)
-        noise = owner.noise(self.layer, start, x.shape[-1], x.dtype, x.device)
-        # one fused pass: `x + noise * linear(x)` broadcast (B x 1 x T) over the channels at ~1/10 the speed here
-        # (2 x 128 x 18432, one thread: 26.8 vs 2.8 ms); the same value up to the fused multiply-add's rounding
-        return torch.addcmul(x, noise, self.linear(x))
-
-
-@dataclass(frozen=True)
-class CodecShape:
-    """What a SNAC configuration implies for framing."""
-
-    sample_rate: int
-    hop_length: int  # samples per latent step
-    vq_strides: tuple[int, ...]  # latent steps per code, per level (coarsest first)
-    codebook_size: int
-
-    @property
-    def latent_steps_per_frame(self) -> int:
-        return self.vq_strides[0]
-
-    @property
-    def codes_per_level(self) -> tuple[int, ...]:
-        return tuple(self.vq_strides[0] // s for s in self.vq_strides)
-
-    @property
-    def codes_per_frame(self) -> int:
-        return sum(self.codes_per_level)
-
-    @property
-    def frame_samples(self) -> int:
-        return self.hop_length * self.latent_steps_per_frame
-
-
-def snac_config_shape(config: dict) -> CodecShape:
-    strides = tuple(int(s) for s in config["vq_strides"])
-    if any(strides[0] % s for s in strides):
-        raise ValueError(f"vq_strides {strides}: every stride must divide the first")
-    return CodecShape(
-        sample_rate=int(config["sampling_rate"]),
-        hop_length=int(math.prod(config["encoder_rates"])),
-        vq_strides=strides,
-        codebook_size=int(config["codebook_size"]),
-    )
 
 
 class SnacDecoder:
@@ -225,7 +116,7 @@ class SnacDecoder:
                 rate *= int(block.block[1].stride[0])
                 for i, sub in enumerate(block.block):
                     if isinstance(sub, NoiseBlock):
-                        block.block[i] = _InjectedNoise(sub, layer, self)
+                        block.block[i] = InjectedNoise(sub, layer, self)
                         self._steps_per_latent.append(rate)
                         layer += 1
         if fast_convs:  # the same convolutions in faster CPU forms (codecs/snac_fast.py: measured there)
@@ -348,32 +239,6 @@ class SnacDecoder:
             for row, i in enumerate(idx):
                 out[i] = audio[row]
         return out  # type: ignore[return-value]
-
-
-def frames_to_codes(frames: torch.Tensor, frame_levels: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-    """frames (B x T x F) -> one tensor per level (B x T*len(frame_levels[i])).
-
-    `frame_levels[i]` lists the positions within a frame that hold level i's codes, in time order; e.g. Orpheus'
-    ((0,), (1, 4), (2, 3, 5, 6)).
-    """
-    if frames.dim() != 3:
-        raise ValueError(f"frames must be (batch, frames, codes_per_frame), got shape {tuple(frames.shape)}")
-    width = sum(len(p) for p in frame_levels)
-    if frames.shape[2] != width:
-        raise ValueError(f"frames have {frames.shape[2]} codes each, the frame layout has {width}")
-    batch, count = frames.shape[0], frames.shape[1]
-    return [frames[:, :, list(pos)].reshape(batch, count * len(pos)) for pos in frame_levels]
-
-
-def codes_to_frames(codes: Sequence[torch.Tensor], frame_levels: Sequence[Sequence[int]]) -> torch.Tensor:
-    """The inverse of `frames_to_codes`."""
-    batch = codes[0].shape[0]
-    count = codes[0].shape[1] // len(frame_levels[0])
-    width = sum(len(p) for p in frame_levels)
-    frames = torch.empty(batch, count, width, dtype=codes[0].dtype, device=codes[0].device)
-    for c, pos in zip(codes, frame_levels, strict=True):
-        frames[:, :, list(pos)] = c.reshape(batch, count, len(pos))
-    return frames
 
 
 def save_random_snac(

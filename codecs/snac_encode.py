@@ -16,7 +16,8 @@ import torch
 from snac import SNAC
 from torch.nn.utils import parametrize
 
-from omnivox.codecs.snac import CONFIG_FILE, WEIGHTS_FILE, codes_to_frames
+from omnivox.codecs.snac import CONFIG_FILE, WEIGHTS_FILE
+from omnivox.codecs.snac_frames import codes_to_frames
 
 
 class SnacEncoder:

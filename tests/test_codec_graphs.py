@@ -10,7 +10,8 @@ import torch
 from engines import device_under_test
 
 from omnivox.codecs.codec_graphs import StaticCodec, frame_buckets_for
-from omnivox.codecs.snac import _MASK32, SNAC_24KHZ_CONFIG, SnacDecoder, _hash32, _hash32_int, save_random_snac
+from omnivox.codecs.snac import SNAC_24KHZ_CONFIG, SnacDecoder, save_random_snac
+from omnivox.codecs.snac_noise import _MASK32, _hash32, _hash32_int
 from omnivox.codecs.streaming import BatchedStreamDecoder, StreamingOptions
 
 LEVELS = ((0,), (1, 4), (2, 3, 5, 6))

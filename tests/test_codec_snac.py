@@ -7,14 +7,9 @@ import torch
 from snac import SNAC
 from snac.layers import NoiseBlock
 
-from omnivox.codecs.snac import (
-    SNAC_24KHZ_CONFIG,
-    PositionalNoise,
-    SnacDecoder,
-    codes_to_frames,
-    frames_to_codes,
-    save_random_snac,
-)
+from omnivox.codecs.snac import SNAC_24KHZ_CONFIG, SnacDecoder, save_random_snac
+from omnivox.codecs.snac_frames import codes_to_frames, frames_to_codes
+from omnivox.codecs.snac_noise import PositionalNoise
 
 ORPHEUS_LEVELS = ((0,), (1, 4), (2, 3, 5, 6))
 # The 24 kHz shape with narrow channels: same rates, framing and receptive field, a fraction of the compute.
