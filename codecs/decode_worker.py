@@ -8,6 +8,11 @@ stream's earliest missing audio (taking a whole backlog in one pass held the fir
 decoded: at 2 streams the playback ran dry seconds at RTF 0.8).
 Stream state is planned and applied on the event loop only; the codec forward alone runs in the thread.
 
+The thread is the worker's own (one pass at a time, never queued behind other `asyncio.to_thread` work), and on CUDA
+it makes the codec's device its current one once, at its start, as the engine's and the encoders' threads do: with
+`--device cuda:1` a thread would otherwise start on cuda:0. On a GPU the pass runs on the codec's own CUDA stream
+and copies its audio to the host in that thread (codecs/codec_graphs.py): the event loop only sees CPU tensors.
+
 Start-up: the worker measures how fast frames arrive per stream (the engine's pace at the current load) and how long
 a codec pass takes per decoded frame, and sizes each new stream's first chunk and hop growth from them
 (`codecs/startup.py`), so that playback started on the first chunk does not run dry. Until both are
@@ -20,6 +25,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -68,10 +74,24 @@ class DecodeStats:
 RATE_EWMA = 0.2  # weight of a new sample in the measured rates
 
 
+def thread_device(device: torch.device | str) -> torch.device:
+    """The device a worker thread makes current: a CUDA device with its index (`torch.device("cuda")` is the
+    current device of the thread that loaded the codec, and torch.cuda.set_device refuses a device without one)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class DecodeWorker:
-    def __init__(self, decoder: BatchedStreamDecoder, sized_start: bool = True) -> None:
+    def __init__(
+        self, decoder: BatchedStreamDecoder, sized_start: bool = True, device: torch.device | str | None = None
+    ) -> None:
+        """device: where the codec runs (default: the codec's own device); made current in the codec thread."""
         self.decoder = decoder
         self.sized_start = sized_start  # False: every stream starts with the decoder's options
+        self.device = thread_device(device if device is not None else getattr(decoder.codec, "device", "cpu"))
+        self._thread: ThreadPoolExecutor | None = None  # the codec passes' own thread, started with the first pass
         self.stats = DecodeStats()
         self._streams: dict[StreamDecoderState, AudioStream] = {}
         self._wake: asyncio.Event | None = None
@@ -84,6 +104,15 @@ class DecodeWorker:
     @property
     def sample_rate(self) -> int:
         return self.decoder.sample_rate
+
+    def _codec_thread(self) -> ThreadPoolExecutor:
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="omnivox-codec", initializer=self._thread_start)
+        return self._thread
+
+    def _thread_start(self) -> None:
+        if self.device.type == "cuda":  # this thread's kernels, allocations and streams: on the codec's device
+            torch.cuda.set_device(self.device)
 
     @property
     def open_streams(self) -> int:
@@ -149,6 +178,9 @@ class DecodeWorker:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        if self._thread is not None:
+            self._thread.shutdown(wait=False)  # a pass still running finishes there; nothing reads it
+            self._thread = None
         for stream in list(self._streams.values()):
             self.close(stream)
 
@@ -186,7 +218,8 @@ class DecodeWorker:
                 involved = list({id(s): s for w in windows if (s := self._streams.get(w.stream))}.values())
                 try:
                     started, mono = time.perf_counter(), time.monotonic()
-                    audio = await asyncio.to_thread(self.decoder.decode_windows, windows)
+                    loop = asyncio.get_running_loop()
+                    audio = await loop.run_in_executor(self._codec_thread(), self.decoder.decode_windows, windows)
                     elapsed = time.perf_counter() - started
                     self.stats.decode_seconds += elapsed
                     longest = max(w.num_frames for w in windows)

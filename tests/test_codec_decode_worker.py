@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import numpy as np
 import pytest
 import torch
 
-from omnivox.codecs.decode_worker import END, DecodeWorker
+from omnivox.codecs.decode_worker import END, DecodeWorker, thread_device
 from omnivox.codecs.snac import SNAC_24KHZ_CONFIG, SnacDecoder, save_random_snac
 from omnivox.codecs.streaming import BatchedStreamDecoder, StreamingOptions
 
@@ -108,3 +109,40 @@ def test_a_bad_frame_fails_only_its_producer_and_close_drops_state(decoder):
         await worker.shutdown()
 
     asyncio.run(main())
+
+
+def test_passes_run_in_the_codec_thread_on_the_codec_device(decoder, monkeypatch):
+    """The worker's own thread makes the codec's device current once, when it starts (`--device cuda:1`: a thread
+    starts on cuda:0), and every codec pass runs in it: not on the event loop, not in asyncio's shared pool. torch's
+    set_device is recorded instead of called, so this runs without a GPU; the audio equals a CPU worker's."""
+    calls: list[tuple[str, object]] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append((threading.current_thread().name, d)))
+    decode = decoder.decode_windows
+
+    def watched(windows):
+        calls.append((threading.current_thread().name, "pass"))
+        return decode(windows)
+
+    monkeypatch.setattr(decoder, "decode_windows", watched)
+    frames = torch.randint(0, 4096, (6, 7), generator=torch.Generator().manual_seed(3))
+
+    async def run(device):
+        worker = DecodeWorker(decoder, device=device)
+        stream = worker.open()
+        for row in frames.tolist():
+            worker.push(stream, [row])
+            await asyncio.sleep(0)
+        worker.finish(stream)
+        chunks = await drain(stream)
+        worker.close(stream)
+        await worker.shutdown()
+        return np.concatenate(chunks)
+
+    on_gpu1 = asyncio.run(run("cuda:1"))
+    assert calls[0][1] == torch.device("cuda:1") and [c for _, c in calls[1:]] == ["pass"] * (len(calls) - 1)
+    assert len(calls) > 2 and all(name.startswith("omnivox-codec") for name, _ in calls)
+    calls.clear()
+    on_cpu = asyncio.run(run(None))  # the codec's own device: the CPU, no set_device
+    assert calls and all(c == "pass" and name.startswith("omnivox-codec") for name, c in calls)
+    np.testing.assert_array_equal(on_gpu1, on_cpu)
+    assert thread_device("cuda:1") == torch.device("cuda", 1) and thread_device("cpu") == torch.device("cpu")
