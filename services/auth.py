@@ -107,10 +107,19 @@ class QuotaBook:
 
 
 def bearer_token(metadata: Any) -> str | None:
+    """The KEY of `authorization: Bearer KEY`; the scheme is case-insensitive (RFC 7235: clients send `bearer`)."""
     for key, value in metadata or ():
-        if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
-            return value[len("Bearer ") :].strip()
+        if key == "authorization" and isinstance(value, str):
+            scheme, _, token = value.strip().partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
     return None
+
+
+def _no_key_message(metadata: Any) -> str:
+    if any(key == "authorization" for key, _ in metadata or ()):
+        return "the authorization header is not 'Bearer KEY'"
+    return "missing API key"
 
 
 def certificate_name(context: Any) -> str | None:
@@ -164,7 +173,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 if self.api_keys:
                     key_id = self.caller_of_key(key)
                     if key_id is None:
-                        message = "missing API key" if key is None else "invalid API key"
+                        message = _no_key_message(details.invocation_metadata) if key is None else "invalid API key"
                         await context.abort(
                             grpc.StatusCode.UNAUTHENTICATED, f"{message}: send 'authorization: Bearer KEY'"
                         )

@@ -15,6 +15,7 @@ from service_harness import ServerThread
 
 from omnivox.codecs.image import ImageDecodeError, decode_image
 from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc
 
 
 def _png(im: Image.Image, **kwargs) -> bytes:
@@ -55,11 +56,48 @@ def test_formats_phones_and_web_pages_send_are_refused_by_name(data, name):
         decode_image(b"<html><body>not an image</body></html>")  # XML-ish but no <svg: not named
 
 
+KEY = "alice-key-0123456789"
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    spec = ModelSpec(path=make_checkpoint(tmp_path_factory.mktemp("audit2") / "text"), name="text")
-    with ServerThread([spec], EngineOptions(kv_cache_gib=0.01)) as server:
+    root = tmp_path_factory.mktemp("audit2")
+    spec = ModelSpec(path=make_checkpoint(root / "text"), name="text")
+    (root / "keys").write_text(f"alice:{KEY}\n")
+    with ServerThread([spec], EngineOptions(kv_cache_gib=0.01), api_keys=root / "keys") as server:
         yield server
+
+
+def _generate(server: ServerThread, metadata: tuple) -> list:
+    stub = generation_pb2_grpc.GenerationServiceStub(server.channel())
+    request = generation_pb2.GenerateRequest(
+        max_output_tokens=2, contents=[content_pb2.Content(parts=[content_pb2.Part(text="Hi")])]
+    )
+    return list(stub.Generate(request, metadata=metadata, timeout=30))
+
+
+@pytest.mark.parametrize("scheme", ["bearer", "BEARER", "Bearer "])
+def test_the_bearer_scheme_is_case_insensitive(served, scheme):
+    """RFC 7235: the auth scheme is case-insensitive, and clients do send `authorization: bearer KEY`; it was refused
+    as "missing API key"."""
+    assert _generate(served, (("authorization", f"{scheme} {KEY}"),))[-1].HasField("summary")
+
+
+@pytest.mark.parametrize(
+    ("metadata", "message"),
+    [
+        ((), "missing API key"),
+        ((("authorization", KEY),), "the authorization header is not 'Bearer KEY'"),  # was "missing API key"
+        ((("authorization", "Basic YWxpY2U6eA=="),), "the authorization header is not 'Bearer KEY'"),
+        ((("authorization", "Bearer wrong"),), "invalid API key"),
+    ],
+    ids=["none", "no-scheme", "basic", "wrong"],
+)
+def test_a_refused_key_says_what_was_wrong(served, metadata, message):
+    with pytest.raises(grpc.RpcError) as err:
+        _generate(served, metadata)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert err.value.details() == f"{message}: send 'authorization: Bearer KEY'"
 
 
 def test_health_list_answers_every_service(served, caplog):
