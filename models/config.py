@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -66,8 +69,15 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (int(eos),))
         max_pos = int(getattr(text, "max_position_embeddings", 2048))
         window = attention_window(text)
-        if window:  # keys further back than the window are masked: exact only up to the window's length
-            max_pos = min(max_pos, window)
+        if window and window < max_pos:  # keys further back than the window are masked: exact up to its length
+            log.warning(
+                "sliding_window %d caps the served length at %d tokens (max_position_embeddings %d): attention past "
+                "the window is not implemented",
+                window,
+                window,
+                max_pos,
+            )
+            max_pos = window
         check_supported(text)
         if max_model_len is not None and max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")

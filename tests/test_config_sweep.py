@@ -5,6 +5,7 @@ naming the config key where we do not compute what transformers does, and one va
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from engines import tiny_engine
 from service_harness import ServerThread, user_request
 
 from omnivox.engine import Engine, SamplingParams
+from omnivox.models.config import ModelConfig
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.v1 import generation_pb2_grpc
 
@@ -130,11 +132,15 @@ def test_engine_matches_transformers(root, case):
     assert_matches(engine, load_reference(path), prompts)
 
 
-def test_sliding_window_caps_the_served_length(root):
-    """A window applies from the window's length on; we serve up to it (exact there) and refuse past it. Qwen2's
-    window with use_sliding_window false (every Qwen2.5 / Qwen3 release) is full attention: nothing is capped."""
+def test_sliding_window_caps_the_served_length(root, caplog):
+    """A window applies from the window's length on; we serve up to it (exact there), say so at load, and refuse
+    prompts past it. Qwen2's window with use_sliding_window false (every Qwen2.5 / Qwen3 release) is full attention:
+    nothing is capped."""
     for family, overrides in CASES["qwen2-sliding-window-layers"][:2], CASES["mistral-window-chunked-prefill"][:2]:
-        engine = tiny_engine(build(root, f"window-{family}", family, overrides))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="omnivox.models.config"):
+            engine = tiny_engine(build(root, f"window-{family}", family, overrides))
+        assert "sliding_window 48 caps the served length" in caplog.text
         assert engine.model_config.max_model_len == 48
         with pytest.raises(Exception, match="prompt"):
             engine.generate([list(range(3, 51))], SamplingParams(temperature=0, max_tokens=1))
@@ -210,3 +216,23 @@ def test_grpc_greedy_matches_transformers(root):
             ref = load_reference(path)
             ref.generation_config.eos_token_id = None
             assert ours == reference_greedy(ref, prompt, STEPS)[0], family
+
+
+def test_multimodal_text_configs_as_released():
+    """The text decoders of the vision / audio checkpoints read the same knobs: Qwen2.5-VL as released (legacy
+    `rope_scaling` {"type": "mrope"}, a 32768 window that use_sliding_window false turns off) serves its whole
+    length; LLaVA-NeXT-Mistral's text config with a window is capped by it; Qwen2-Audio's Qwen2 text rejects gelu."""
+    from transformers import LlavaNextConfig, Qwen2_5_VLConfig, Qwen2AudioConfig
+
+    text = {"vocab_size": 384, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096}  # fmt: skip
+    vl = Qwen2_5_VLConfig(text_config={**text, "use_sliding_window": False, "sliding_window": 32768,
+                          "max_window_layers": 28, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+                          "rope_theta": 1e6})  # fmt: skip
+    cfg = ModelConfig.from_hf(vl)
+    assert (cfg.family, cfg.max_model_len) == ("qwen2", 4096)
+    llava = LlavaNextConfig(text_config={**text, "model_type": "mistral", "sliding_window": 1024})
+    assert ModelConfig.from_hf(llava).max_model_len == 1024
+    audio = Qwen2AudioConfig(text_config={**text, "model_type": "qwen2", "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="hidden_act"):
+        ModelConfig.from_hf(audio)
