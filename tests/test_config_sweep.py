@@ -236,3 +236,55 @@ def test_multimodal_text_configs_as_released():
     audio = Qwen2AudioConfig(text_config={**text, "model_type": "qwen2", "hidden_act": "gelu"})
     with pytest.raises(ValueError, match="hidden_act"):
         ModelConfig.from_hf(audio)
+
+
+# Whisper's decoder (and encoder) under the shapes its releases use: distil-whisper (fewer decoder layers and heads
+# than the encoder's), large-v3 (128 mel bins, a vocabulary that is no multiple of 8), and an untied output
+# projection with scale_embedding (which transformers' Whisper defines but never applies, nor do we).
+WHISPER = {
+    "distil-odd-vocab": dict(decoder_layers=1, decoder_attention_heads=2, decoder_ffn_dim=96, vocab_size=301),
+    "large-v3-mels": dict(num_mel_bins=128, vocab_size=333),
+    "untied-scale-embedding-8-heads": dict(tie_word_embeddings=False, scale_embedding=True,
+                                           encoder_attention_heads=8, decoder_attention_heads=8),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(WHISPER))
+def test_whisper_matches_transformers(root, case):
+    from test_whisper_model import BLOCK, _Seq, _step, tiny_whisper_config
+    from transformers import WhisperForConditionalGeneration
+
+    from omnivox.models.audio.whisper import load_whisper
+
+    torch.manual_seed(0)
+    hf = WhisperForConditionalGeneration(tiny_whisper_config(**WHISPER[case])).eval()
+    if not hf.config.tie_word_embeddings:
+        with torch.no_grad():
+            hf.proj_out.weight.normal_(0, 0.1)
+    hf.save_pretrained(root / f"whisper-{case}")
+    model = load_whisper(str(root / f"whisper-{case}"))
+    cfg = model.config
+    features = torch.randn(1, hf.config.num_mel_bins, 3000)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model.encode(features), hf.model.encoder(features).last_hidden_state, atol=1e-5, rtol=0
+        )
+    shape = (3 * BLOCK, cfg.num_kv_heads, cfg.head_dim)
+    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
+    seq = _Seq([2, 10, 11, 12], [0, 1, 2], model.encode_cross(features)[0])
+    _step(model, caches, [], [(seq, 4)])
+    while len(seq.tokens) < 20:  # decode rows through the paged cache
+        _step(model, caches, [seq], [])
+    with torch.no_grad():
+        ref = hf(input_features=features, decoder_input_ids=torch.tensor([seq.tokens[:-1]])).logits[0]
+    torch.testing.assert_close(torch.stack([seq.logits[p] for p in range(len(seq.tokens) - 1)]), ref, atol=1e-4, rtol=0)
+    assert seq.tokens[4:] == ref[3:].argmax(-1).tolist()
+
+
+def test_whisper_activation_refused_naming_the_key(root):
+    from test_whisper_model import tiny_whisper_config
+
+    from omnivox.models.audio.whisper import whisper_model_config
+
+    with pytest.raises(ValueError, match="activation_function"):
+        whisper_model_config(tiny_whisper_config(activation_function="relu"))

@@ -38,7 +38,9 @@ def whisper_model_config(hf_config: Any, max_model_len: int | None = None) -> Mo
     if getattr(hf_config, "model_type", None) != "whisper":
         raise ValueError(f"not a Whisper config: model_type {getattr(hf_config, 'model_type', None)!r}")
     if getattr(hf_config, "activation_function", "gelu") != "gelu":
-        raise ValueError(f"Whisper activation {hf_config.activation_function!r} is not supported (only 'gelu')")
+        raise ValueError(
+            f"Whisper config activation_function {hf_config.activation_function!r} is not supported (only 'gelu')"
+        )
     if max_model_len is not None and max_model_len < 1:
         raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
     heads, d = int(hf_config.decoder_attention_heads), int(hf_config.d_model)
