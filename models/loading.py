@@ -19,16 +19,10 @@ import torch
 from torch import nn
 
 from omnivox.models import quant
-from omnivox.models.checkpoint import (
-    GGUF_ARCHS,
-    _dequantize_gguf_tensors,
-    _gguf_tensor_table,
-    _ParameterNames,
-    iter_checkpoint_tensors,
-    load_hf_config,
-)
+from omnivox.models.checkpoint import iter_checkpoint_tensors, load_hf_config
 from omnivox.models.config import ModelConfig
 from omnivox.models.decoder import _PACKED, DecoderModel
+from omnivox.models.gguf_checkpoint import GGUF_ARCHS, _dequantize_gguf_tensors, _gguf_tensor_table, _ParameterNames
 from omnivox.models.layers import Linear, PackedLinear, RotaryEmbedding
 
 # GGML types served at their own precision (ggml_type ids from gguf.GGMLQuantizationType).

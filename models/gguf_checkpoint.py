@@ -1,0 +1,270 @@
+"""GGUF checkpoint files: tensors dequantized one at a time, and the config and tokenizer in their metadata.
+
+GGUF files are dequantized tensor by tensor to float32 (the caller casts to its dtype). The facts about GGUF (name map,
+llama.cpp's Q/K row permutation for Llama) come from transformers' GGUF utilities; the tensors themselves are never
+materialised all at once (which `load_gguf_checkpoint(return_tensors=True)` would do).
+
+Config and tokenizer of a GGUF file are parsed from its metadata once (~10 s for a 49k-token vocabulary) and cached as
+ordinary `save_pretrained` folders under the omnivox cache, keyed by file name, size, mtime and transformers version.
+
+models/checkpoint.py is the entry point (`iter_checkpoint_tensors`, `load_hf_config`, `load_tokenizer`): it hands
+`.gguf` paths to this module.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+
+from .cache import build_cached, omnivox_cache_dir
+
+logger = logging.getLogger(__name__)
+
+GGUF_ARCHS = ("llama", "qwen2", "qwen3")
+
+
+def load_gguf_config(path: Path) -> transformers.PretrainedConfig:
+    """The transformers config of the `.gguf` file at `path` (parsed from its metadata once, then cached)."""
+    _check_gguf_file(path)
+    cached = _gguf_cache_dir(path) / "config"
+    if (cached / "config.json").is_file():
+        config = transformers.AutoConfig.from_pretrained(cached)
+    else:
+        config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        _patch_gguf_config(config, _read_gguf_metadata(path), path)
+        _save_atomically(cached, config.save_pretrained, "config.json")
+    config.name_or_path = str(path)
+    return config
+
+
+def load_gguf_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase | None:
+    """The tokenizer of the `.gguf` file at `path` (parsed once, then cached), or None when it carries none."""
+    _check_gguf_file(path)
+    cached = _gguf_cache_dir(path) / "tokenizer"
+    if (cached / "tokenizer_config.json").is_file():
+        tokenizer = transformers.AutoTokenizer.from_pretrained(cached)
+    elif "tokenizer.ggml.model" not in _read_gguf_metadata(path):
+        return None
+    else:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        _save_atomically(cached, tokenizer.save_pretrained, "tokenizer_config.json")
+    tokenizer.name_or_path = str(path)
+    return tokenizer
+
+
+def _check_gguf_file(path: Path) -> None:
+    if path.suffix.lower() != ".gguf":
+        raise ValueError(f"checkpoint file {path} is not a .gguf file; pass a checkpoint folder or a .gguf file")
+
+
+def _read_gguf_metadata(path: Path) -> dict:
+    """The GGUF key/value metadata (string arrays such as the vocabulary are given as their lengths)."""
+    try:  # transformers' own header reader: ~30 ms, against seconds for gguf.GGUFReader on a 49k vocabulary
+        from transformers.integrations.gguf.reader import read_gguf_metadata
+    except ImportError:
+        import gguf
+
+        reader = gguf.GGUFReader(path)
+        return {key: field.contents() for key, field in reader.fields.items()}
+    metadata, _ = read_gguf_metadata(str(path))
+    return metadata
+
+
+class _GGUFBytes:
+    """One tensor's raw bytes in a GGUF file, read with plain reads when asked for (`np.asarray`).
+
+    Not memory-mapped: pages of a mapped file count in the process's resident memory until it is unmapped, so
+    dequantizing an F32 GGUF out of a map of the whole file peaked at 2.04x the weights; read tensor by tensor, under
+    1.5x (tests/test_gguf_loading.py).
+    """
+
+    def __init__(self, path: Path, offset: int, shape: tuple[int, ...]) -> None:
+        self.path, self.offset, self.shape = path, offset, shape
+        self.nbytes = int(np.prod(shape, dtype=np.int64))
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = np.empty(self.shape, dtype=np.uint8)
+        view, done = memoryview(out.reshape(-1)), 0
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(self.offset)
+            while done < self.nbytes:
+                n = f.readinto(view[done:])
+                if not n:
+                    raise ValueError(f"{self.path} is truncated")
+                done += n
+        return out if dtype is None else out.astype(dtype)
+
+
+def _gguf_tensor_table(path: Path) -> tuple[str, list[tuple[str, int, tuple[int, ...], np.ndarray | _GGUFBytes]]]:
+    """(architecture, [(gguf_name, ggml_type, torch shape, raw bytes)]) of a GGUF file.
+
+    The raw bytes have shape (*shape[:-1], bytes per row), which is what `gguf.quants.dequantize` takes; they are
+    read when `np.asarray` asks (a memory map only on the fallback reader for transformers without GgufHeader).
+    """
+    import gguf
+
+    try:
+        from transformers.integrations.gguf.reader import GgufHeader
+    except ImportError:
+        reader = gguf.GGUFReader(path)
+        arch = reader.fields["general.architecture"].contents()
+        table = [(t.name, int(t.tensor_type), tuple(int(d) for d in reversed(t.shape)), t.data) for t in reader.tensors]
+        return arch, table
+    header = GgufHeader.from_file(str(path))
+    size = path.stat().st_size
+    table = []
+    for info in header.tensors:
+        block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(info.ggml_type)]
+        row_bytes = info.shape[-1] // block_size * type_size
+        start = header.data_start + info.offset
+        raw = _GGUFBytes(path, start, (*info.shape[:-1], row_bytes))
+        if raw.nbytes != info.nbytes or start + info.nbytes > size:
+            raise ValueError(f"{path}: tensor {info.name} has inconsistent size or offset (truncated file?)")
+        table.append((info.name, info.ggml_type, info.shape, raw))
+    return header.architecture, table
+
+
+def _iter_gguf(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+    )
+
+    arch, table = _gguf_tensor_table(path)
+    if arch not in GGUF_ARCHS:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHS)})")
+    config = load_gguf_config(path)
+    processor_config = {
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+    }
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=processor_config)
+    name_map = get_gguf_hf_weights_map(_ParameterNames(config), processor)
+    return _dequantize_gguf_tensors(path, table, name_map, processor, gguf.quants.dequantize)
+
+
+class _ParameterNames:
+    """What `get_gguf_hf_weights_map` reads of a model: its config and parameter names, without submodules.
+
+    Passing the real model makes transformers rebuild gguf's name table once per submodule (seconds for 30 layers);
+    for decoder-only llama/qwen2/qwen3 the top level already maps every parameter.
+    """
+
+    def __init__(self, config: transformers.PretrainedConfig):
+        self.config = config
+        with torch.device("meta"):  # parameter names without allocating the weights
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        self._names = dict.fromkeys(model.state_dict())
+
+    def state_dict(self) -> dict[str, None]:
+        return self._names
+
+    def named_children(self) -> Iterator[tuple[str, object]]:
+        return iter(())
+
+
+def _dequantize_gguf_tensors(path, table, name_map, processor, dequantize) -> Iterator[tuple[str, torch.Tensor]]:
+    import gguf
+
+    for gguf_name, ggml_type, shape, raw in table:
+        if gguf_name not in name_map:
+            # e.g. llama.cpp's precomputed `rope_freqs.weight`: derived from the config, not a parameter.
+            logger.debug("%s: skipping GGUF tensor %s (no transformers parameter)", path, gguf_name)
+            continue
+        weights = dequantize(np.asarray(raw), gguf.GGMLQuantizationType(ggml_type))  # (*shape) float32
+        weights = processor.process(weights=weights, name=gguf_name).weights  # undoes llama.cpp's Q/K permutation
+        if not weights.flags.writeable or not weights.flags.c_contiguous:  # still a view of the mapped file
+            weights = np.array(weights, copy=True, order="C")
+        tensor = torch.from_numpy(weights.astype(np.float32, copy=False))
+        if tuple(tensor.shape) != tuple(shape):
+            raise ValueError(f"{path}: tensor {gguf_name} dequantized to {tuple(tensor.shape)}, expected {shape}")
+        yield name_map[gguf_name], tensor
+
+
+def _patch_gguf_config(config: transformers.PretrainedConfig, metadata: dict, path: Path) -> None:
+    """Fill what transformers' GGUF config mapping leaves out for our architectures."""
+    arch = metadata.get("general.architecture")
+    key_length = metadata.get(f"{arch}.attention.key_length")
+    # transformers maps no head size for qwen3 GGUFs; Qwen3's default (128) is wrong for other head sizes.
+    if arch == "qwen3" and key_length is not None:
+        config.head_dim = int(key_length)
+    if arch == "llama":
+        rope_freqs = next((raw for name, _, _, raw in _gguf_tensor_table(path)[1] if name == "rope_freqs.weight"), None)
+        if rope_freqs is not None:
+            config.rope_parameters = _llama3_rope_from_freq_factors(
+                np.asarray(rope_freqs).view(np.float32).reshape(-1), config, path
+            )
+
+
+def _llama3_freq_factors(theta: float, head_dim: int, rope: dict) -> np.ndarray:
+    """The per-frequency divisors llama.cpp's convert_hf_to_gguf.py stores as `rope_freqs.weight` for Llama 3.x."""
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / freqs
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_context = rope["original_max_position_embeddings"]
+    smooth = (old_context / wavelen - low) / (high - low)
+    factors = 1 / ((1 - smooth) / factor + smooth)
+    factors = np.where(wavelen < old_context / high, 1.0, factors)
+    return np.where(wavelen > old_context / low, factor, factors)
+
+
+def _llama3_rope_from_freq_factors(factors: np.ndarray, config: transformers.PretrainedConfig, path: Path) -> dict:
+    """Llama 3.x rope scaling recovered from the `rope_freqs.weight` llama.cpp stores instead of the parameters.
+
+    transformers' GGUF config ignores that tensor, which leaves Llama 3.1+ with plain rope: wrong at every position.
+    Only the ratios of (original context, low, high) matter to the frequencies, so the context is fixed and the two
+    factors are Llama 3's own or, failing that, fitted to the smooth band (the values strictly between 1 and `factor`).
+    """
+    theta = config.rope_parameters["rope_theta"]
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    factor = float(factors.max())
+    if factor <= 1.0 + 1e-6:
+        return dict(config.rope_parameters)
+    # Llama 3's own context (8192) unless the model's is shorter (transformers wants the original below it);
+    # scaling (context, low, high) together leaves the frequencies unchanged.
+    context = min(8192, config.max_position_embeddings // 2)
+    scale = context / 8192
+    candidates = [(1.0 * scale, 4.0 * scale)]  # every Llama 3.1 / 3.2 / 3.3 release: low 1, high 4, context 8192
+    wavelen = 2 * np.pi * theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    band = (factors > 1.0 + 1e-4) & (factors < factor - 1e-4)
+    if band.sum() >= 2:  # smooth = (context / wavelen - low) / (high - low) is linear in 1 / wavelen
+        smooth = (1 / factors[band] - 1 / factor) / (1 - 1 / factor)
+        slope, intercept = np.polyfit(1 / wavelen[band], smooth, 1)
+        span = context / slope
+        candidates.append((float(-intercept * span), float((1 - intercept) * span)))
+    for low, high in candidates:
+        rope = {"rope_type": "llama3", "rope_theta": theta, "factor": factor}
+        rope |= {"low_freq_factor": low, "high_freq_factor": high, "original_max_position_embeddings": context}
+        if np.allclose(_llama3_freq_factors(theta, head_dim, rope), factors, rtol=1e-4, atol=1e-5):
+            return rope
+    raise ValueError(
+        f"{path}: rope_freqs.weight does not match Llama 3 rope scaling; cannot derive the rope parameters"
+    )
+
+
+_GGUF_META_VERSION = 1  # bump when what we derive from GGUF metadata changes, so old cache entries are not reused
+
+
+def _gguf_cache_dir(path: Path) -> Path:
+    """Where the config and tokenizer parsed from a GGUF file are cached."""
+    stat = path.stat()
+    key = f"{path.name}-{stat.st_size}-{stat.st_mtime_ns}-tf{transformers.__version__}-v{_GGUF_META_VERSION}"
+    return omnivox_cache_dir() / "gguf-meta" / key
+
+
+def _save_atomically(target: Path, save, marker: str) -> None:
+    """Cache `save(folder)` at `target` through the one locked, atomic cache build (models/cache.py).
+
+    A read-only cache is not an error: the caller already holds what it parsed and works without the cache.
+    """
+    try:
+        build_cached(target, save, lambda t: (t / marker).is_file())
+    except OSError as e:
+        logger.warning("cannot cache GGUF metadata in %s: %s", target.parent, e)
