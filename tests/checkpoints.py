@@ -95,3 +95,17 @@ def load_reference(path: Path, dtype: torch.dtype = torch.float32):
     """transformers' own implementation of the checkpoint at path."""
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model.eval()
+
+
+def reference_greedy(ref, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens and each step's top-5 log-probabilities."""
+    gen = ref.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=steps,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    top = torch.stack([lg[0].float().log_softmax(-1).topk(5).values for lg in gen.logits])
+    return gen.sequences[0, len(prompt) :].tolist(), top

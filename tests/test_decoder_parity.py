@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from checkpoints import load_reference
+from checkpoints import load_reference, reference_greedy
 from engines import tiny_checkpoint, tiny_engine
 
 from omnivox.engine import SamplingParams
@@ -44,19 +44,11 @@ def test_greedy_tokens_and_logits_match_transformers(root, family, overrides):
     steps = 32
     outs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=5))
     for prompt, out in zip(PROMPTS, outs, strict=True):
-        gen = ref.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=steps,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-        assert out.token_ids == gen.sequences[0, len(prompt) :].tolist()
+        tokens, theirs = reference_greedy(ref, prompt, steps)
+        assert out.token_ids == tokens
         assert out.finish_reason == "length"
         # float32 logits close: our top-5 log-probabilities at every step against transformers' raw logits.
         ours = torch.tensor([[lp for _, lp in step.top] for step in out.logprobs])
-        theirs = torch.stack([lg[0].float().log_softmax(-1).topk(5).values for lg in gen.logits])
         torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
 
 
