@@ -4,16 +4,21 @@ Each test is a defect found by sending what a user sends (other files, other cli
 from __future__ import annotations
 
 import io
+import os
+import subprocess
+import sys
 
 import grpc
 import numpy as np
 import pytest
+import soundfile as sf
 from checkpoints import make_checkpoint
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
 from service_harness import ServerThread
 
 from omnivox.codecs.image import ImageDecodeError, decode_image
+from omnivox.services.cli.transcribe_stream import audio_source
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc
 
@@ -115,3 +120,35 @@ def test_health_list_answers_every_service(served, caplog):
         stub.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=10)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     assert "Traceback" not in caplog.text
+
+
+@pytest.mark.parametrize("subtype", ["FLOAT", "DOUBLE", "PCM_24", "PCM_U8", "PCM_16"])
+def test_transcribe_stream_sends_a_float_wav_as_its_samples(tmp_path, subtype):
+    """`omnivox transcribe --stream take.wav` of a 32-bit float WAV (Audacity's and most DAWs' export) streamed
+    silence: libsndfile reads float samples as int16 unscaled, so 0.84 became 0. The utterance was never heard."""
+    t = np.arange(8000) / 16000
+    x = (0.8 * np.sin(2 * np.pi * 300 * t)).astype(np.float32)
+    path = tmp_path / "take.wav"
+    sf.write(path, np.stack([x, x], axis=1), 16000, subtype=subtype)  # stereo: mixed to mono by the CLI
+    encoding, rate, chunks, paced = audio_source(path, 0)
+    pcm = np.frombuffer(b"".join(chunks), "<i2")
+    assert (encoding, rate, paced, len(pcm)) == ("LINEAR16", 16000, True, 8000)
+    tolerance = {"PCM_U8": 256, "PCM_16": 1}.get(subtype, 1)
+    assert np.abs(pcm.astype(np.int32) - np.round(x * 32768)).max() <= tolerance  # was max |pcm| = 0 for FLOAT
+
+
+def test_cli_output_into_a_closed_pipe_exits_quietly(served):
+    """`omnivox ... | head -1`: the reader leaves, the next write raises BrokenPipeError: a traceback (and another at
+    exit's flush). Now exit status 141 (128 + SIGPIPE, as a shell reports it) and nothing on stderr."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first write
+    cli = [sys.executable, "-m", "omnivox.services.cli", "generate", "Hi", "--max-tokens", "4"]
+    done = subprocess.run(
+        [*cli, "--server", served.address, "--api-key", KEY, "--quiet"],
+        stdout=write_end,
+        stderr=subprocess.PIPE,
+        timeout=120,
+        text=True,
+    )
+    os.close(write_end)
+    assert (done.returncode, done.stderr) == (141, "")

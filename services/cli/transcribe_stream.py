@@ -78,13 +78,17 @@ def audio_source(path: Path, sample_rate: int) -> tuple[str, int, Iterator[bytes
             raise CliError(f"{path} is headerless {raw} audio: give its rate with --sample-rate")
         encoding, rate = raw, sample_rate
     else:
+        import numpy as np
         import soundfile
 
         try:
-            pcm, rate = soundfile.read(io.BytesIO(data), dtype="int16", always_2d=True)
+            # As float, scaled here: libsndfile reads a float or double WAV as int16 unscaled (samples in [-1, 1]
+            # truncate to 0 and 1), so a 32-bit float file was streamed as silence.
+            pcm, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
         except (soundfile.LibsndfileError, RuntimeError, ValueError) as exc:
             raise CliError(f"cannot decode {path}: {exc}") from None
-        data = (pcm.mean(axis=1).round() if pcm.shape[1] > 1 else pcm[:, 0]).astype("<i2").tobytes()
+        mono = pcm.mean(axis=1) if pcm.shape[1] > 1 else pcm[:, 0]
+        data = np.clip(np.round(mono * 32768.0), -32768, 32767).astype("<i2").tobytes()
         encoding = "LINEAR16"
     size = round(CHUNK_S * rate) * (2 if encoding == "LINEAR16" else 1)
     return encoding, rate, (data[i : i + size] for i in range(0, len(data), size)), True
