@@ -144,18 +144,32 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.index_copy_(0, slots, v)
 
 
+def window_applies(meta: AttentionMetadata, window: int | None) -> bool:
+    """Whether a sliding window of `window` keys can mask any key of this step (from shapes and host ints only: no
+    device read). Below the window, sliding and full attention are the same and every kernel serves."""
+    if window is None:
+        return False
+    decode_span = meta.decode_block_tables.shape[1] * meta.block_size if meta.num_decode else 0
+    return decode_span > window or any(chunk.context_len > window for chunk in meta.prefills)
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, heads, head_dim]
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,  # sliding window: a query at position p sees keys p - window < j <= p (transformers')
 ) -> torch.Tensor:  # [T, heads, head_dim]
     out = torch.empty_like(q)
     gqa = q.shape[1] != k_cache.shape[1]
     nd = meta.num_decode
     if nd:
-        if meta.decode_block_mask is not None:
+        if window is not None and meta.decode_block_tables.shape[1] * meta.block_size > window:
+            # Keys may lie before the window: the gathered path, whose mask takes the window (the paged kernels and
+            # FlexAttention's block mask know only the context length).
+            out[:nd] = _decode_attention_gathered(q[:nd], k_cache, v_cache, meta, scale, window)
+        elif meta.decode_block_mask is not None:
             out[:nd] = decode_attention_flex(q[:nd], k_cache, v_cache, meta.decode_block_mask, scale)
         elif not q.is_cuda and q.dtype == torch.float32 and cpu_kernels.kernel_available():
             out[:nd] = cpu_kernels.paged_decode_attention(
@@ -168,33 +182,41 @@ def paged_attention(
         qp = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         kp = gather_blocks(k_cache, chunk.block_table, meta.block_size)[:ctx].transpose(0, 1).unsqueeze(0)
         vp = gather_blocks(v_cache, chunk.block_table, meta.block_size)[:ctx].transpose(0, 1).unsqueeze(0)
-        if ctx == n:
+        slide = window is not None and ctx > window
+        if ctx == n and not slide:
             op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            q_pos = torch.arange(ctx - n, ctx, device=q.device)
-            mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]  # [n, ctx]
+            q_pos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
+            k_pos = torch.arange(ctx, device=q.device)[None, :]
+            mask = (k_pos <= q_pos) & (k_pos > q_pos - window) if slide else k_pos <= q_pos  # [n, ctx]
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[s : s + n] = op.squeeze(0).transpose(0, 1)
     return out
 
 
-def _decode_attention_gathered(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _decode_attention_gathered(
+    q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None = None
+) -> torch.Tensor:
     """Portable decode attention: copy each request's blocks out of the cache, then attend (SDPA on CUDA)."""
-    b = meta.decode_block_tables.shape[0]
+    b, width = meta.decode_block_tables.shape
     flat = meta.decode_block_tables.flatten()
     kd = gather_blocks(k_cache, flat, meta.block_size).view(b, -1, *k_cache.shape[1:])  # [B, L, KVH, D]
     vd = gather_blocks(v_cache, flat, meta.block_size).view(b, -1, *v_cache.shape[1:])
+    mask = meta.decode_mask
+    if window is not None:  # the one query sits at lens - 1: keys from lens - window on
+        span = torch.arange(width * meta.block_size, device=q.device)
+        mask = mask & (span[None, :] >= (meta.decode_lens - window)[:, None]).view(b, 1, 1, -1)
     if q.is_cuda:
         gqa = q.shape[1] != k_cache.shape[1]
         return F.scaled_dot_product_attention(
             q.unsqueeze(2),
             kd.transpose(1, 2),
             vd.transpose(1, 2),
-            attn_mask=meta.decode_mask,
+            attn_mask=mask,
             scale=scale,
             enable_gqa=gqa,
         ).squeeze(2)
-    return _decode_attention_matmul(q, kd, vd, meta.decode_mask, scale)
+    return _decode_attention_matmul(q, kd, vd, mask, scale)
 
 
 def _decode_attention_matmul(q, k, v, mask, scale):

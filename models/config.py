@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any
-
-log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -14,8 +11,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 # Text configs of multimodal checkpoints map to the decoder they use (Qwen2.5-VL's text model is Qwen2 with M-RoPE).
-# Mistral (LLaVA-NeXT-Mistral's text model) is Llama's architecture plus an optional sliding window; with a window,
-# the served length is capped to it, where sliding and full attention are the same.
+# Mistral (LLaVA-NeXT-Mistral's text model) is Llama's architecture plus an optional sliding window (every layer).
 _MODEL_TYPE_TO_FAMILY = {
     "llama": "llama",
     "qwen2": "qwen2",
@@ -46,6 +42,8 @@ class ModelConfig:
     bos_token_id: int | None
     hf_config: Any = field(repr=False, compare=False, default=None)  # the transformers config, for rope init
     o_proj_bias: bool = False  # the attention output projection carries a bias (Llama / Qwen3 `attention_bias`)
+    sliding_window: int | None = None  # keys a sliding layer's query sees, itself included (transformers' meaning)
+    sliding_layers: tuple[int, ...] = ()  # the layers that slide (Mistral: all; Qwen2 / Qwen3: from layer_types)
 
     @classmethod
     def from_hf(cls, hf_config: Any, max_model_len: int | None = None) -> ModelConfig:
@@ -68,16 +66,7 @@ class ModelConfig:
             eos = getattr(hf_config, "eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (int(eos),))
         max_pos = int(getattr(text, "max_position_embeddings", 2048))
-        window = attention_window(text)
-        if window and window < max_pos:  # keys further back than the window are masked: exact up to its length
-            log.warning(
-                "sliding_window %d caps the served length at %d tokens (max_position_embeddings %d): attention past "
-                "the window is not implemented",
-                window,
-                window,
-                max_pos,
-            )
-            max_pos = window
+        window, sliding = attention_window(text)
         check_supported(text)
         if max_model_len is not None and max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
@@ -100,6 +89,8 @@ class ModelConfig:
             attention_bias=family == "qwen2" or bool(getattr(text, "attention_bias", False)),
             # Llama / Qwen3 / Mistral put `attention_bias` on o_proj too; Qwen2 biases q/k/v only.
             o_proj_bias=family != "qwen2" and bool(getattr(text, "attention_bias", False)),
+            sliding_window=window,
+            sliding_layers=sliding,
             mlp_bias=bool(getattr(text, "mlp_bias", False)),
             qk_norm=family == "qwen3",
             eos_token_ids=eos_ids,
@@ -138,16 +129,19 @@ def check_supported(text: Any) -> None:
         raise ValueError(f"config partial_rotary_factor {partial} is not supported (only 1.0: the whole head rotates)")
 
 
-def attention_window(text: Any) -> int | None:
-    """The sliding attention window of a text config, or None when every layer attends to every earlier token.
+def attention_window(text: Any) -> tuple[int | None, tuple[int, ...]]:
+    """(sliding window, the layers it applies to) of a text config; (None, ()) when every layer attends to every
+    earlier token.
 
     Mistral slides every layer by `sliding_window`; Qwen2 / Qwen3 slide the layers `layer_types` marks
     "sliding_attention" (from `use_sliding_window` and `max_window_layers`), and transformers clears their
     `sliding_window` when `use_sliding_window` is false (the Qwen2.5 / Qwen3 releases: full attention everywhere)."""
     window = getattr(text, "sliding_window", None)
     if not window:
-        return None
+        return None, ()
+    layers = int(text.num_hidden_layers)
     if getattr(text, "model_type", "") == "mistral":
-        return int(window)
-    layer_types = getattr(text, "layer_types", None) or ()
-    return int(window) if "sliding_attention" in layer_types else None
+        return int(window), tuple(range(layers))
+    layer_types = list(getattr(text, "layer_types", None) or ())
+    sliding = tuple(i for i, kind in enumerate(layer_types[:layers]) if kind == "sliding_attention")
+    return (int(window), sliding) if sliding else (None, ())

@@ -12,15 +12,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnivox.models.attention import AttentionMetadata, paged_attention, write_kv
+from omnivox.models.attention import AttentionMetadata, paged_attention, window_applies, write_kv
 from omnivox.models.config import ModelConfig
 from omnivox.models.fused_decode import MAX_ROWS, fused_decode_for
 from omnivox.models.layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, linear
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
+        self.window = cfg.sliding_window if layer in cfg.sliding_layers else None
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_rows, kv_rows = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = PackedLinear(
@@ -42,7 +43,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, *rope)
         write_kv(kv[0], kv[1], k, v, meta.slot_mapping)
-        o = paged_attention(q, kv[0], kv[1], meta, self.scale)
+        o = paged_attention(q, kv[0], kv[1], meta, self.scale, self.window)
         return self.o_proj(o.reshape(t, q_rows))
 
 
@@ -61,9 +62,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -90,7 +91,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, cfg.max_model_len)
@@ -109,7 +110,8 @@ class DecoderModel(nn.Module):
             x = x.index_copy(0, embed_rows, embed_values.to(x.dtype))
         rope = self.rotary.tables(positions, x.dtype)
         fused = fused_decode_for(self) if x.device.type == "cpu" and x.shape[0] <= MAX_ROWS else None
-        if fused is not None and fused.applies(x, meta):  # a small CPU step: all layers in one C call
+        # A small CPU step: all layers in one C call, whose attention knows no window (none may mask a key here)
+        if fused is not None and fused.applies(x, meta) and not window_applies(meta, self.config.sliding_window):
             return self.norm(fused(x, rope, kv_caches, meta, self.config.intermediate_size))
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rope, kv, meta)

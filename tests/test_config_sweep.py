@@ -5,7 +5,6 @@ naming the config key where we do not compute what transformers does, and one va
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from omnivox.models.config import ModelConfig
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.v1 import generation_pb2_grpc
 
-SHORT, LONG = [1, 5, 9, 33, 17, 200, 45], list(range(3, 43))  # 7 and 40 tokens
+SHORT, MID, LONG = [1, 5, 9, 33, 17, 200, 45], list(range(5, 23)), list(range(3, 43))  # 7, 18 and 40 tokens
 STEPS = 6
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
@@ -69,12 +68,16 @@ CASES = {
     "qwen3-sharded-safetensors": ("qwen3", {"max_shard_size": "40KB"}, {}, (SHORT, LONG)),
     "llama-no-bos-eos-pad": ("llama", {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}, {},
                              (SHORT,)),
-    "mistral-window-chunked-prefill": ("mistral", {"sliding_window": 48}, {"max_num_batched_tokens": 8}, (LONG,)),
-    "qwen2-sliding-window-layers": ("qwen2", {"use_sliding_window": True, "sliding_window": 48,
-                                    "max_window_layers": 1}, {"max_num_batched_tokens": 8}, (LONG,)),
-    "qwen3-layer-types-mixed": ("qwen3", {"use_sliding_window": True, "sliding_window": 48,
+    # sliding windows shorter than the prompts: MID's decode crosses the window, LONG prefills past it (8-token
+    # chunks, or whole), SHORT stays inside; decode rows of both kinds batched together
+    "mistral-window-20-chunked-prefill": ("mistral", {"sliding_window": 20}, {"max_num_batched_tokens": 8},
+                                          (SHORT, MID, LONG)),
+    "mistral-window-16-whole-prompt": ("mistral", {"sliding_window": 16}, {}, (MID, LONG)),
+    "qwen2-sliding-window-layers": ("qwen2", {"use_sliding_window": True, "sliding_window": 20,
+                                    "max_window_layers": 1}, {"max_num_batched_tokens": 8}, (SHORT, MID, LONG)),
+    "qwen3-layer-types-mixed": ("qwen3", {"use_sliding_window": True, "sliding_window": 20,
                                 "layer_types": ["sliding_attention", "full_attention"]},
-                                {"max_num_batched_tokens": 8}, (LONG,)),
+                                {"max_num_batched_tokens": 8}, (MID, LONG)),
 }  # fmt: skip
 
 
@@ -132,20 +135,18 @@ def test_engine_matches_transformers(root, case):
     assert_matches(engine, load_reference(path), prompts)
 
 
-def test_sliding_window_caps_the_served_length(root, caplog):
-    """A window applies from the window's length on; we serve up to it (exact there), say so at load, and refuse
-    prompts past it. Qwen2's window with use_sliding_window false (every Qwen2.5 / Qwen3 release) is full attention:
-    nothing is capped."""
-    for family, overrides in CASES["qwen2-sliding-window-layers"][:2], CASES["mistral-window-chunked-prefill"][:2]:
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="omnivox.models.config"):
-            engine = tiny_engine(build(root, f"window-{family}", family, overrides))
-        assert "sliding_window 48 caps the served length" in caplog.text
-        assert engine.model_config.max_model_len == 48
-        with pytest.raises(Exception, match="prompt"):
-            engine.generate([list(range(3, 51))], SamplingParams(temperature=0, max_tokens=1))
+def test_sliding_window_serves_the_whole_length(root):
+    """A window masks keys, it does not shorten what we serve; the layers that slide are the ones transformers
+    slides. Qwen2's window with use_sliding_window false (every Qwen2.5 / Qwen3 release) is full attention."""
+    cases = {"mistral": ((0, 1), "mistral-window-20-chunked-prefill"), "qwen2": ((1,), "qwen2-sliding-window-layers"),
+             "qwen3": ((0,), "qwen3-layer-types-mixed")}  # fmt: skip
+    for family, (sliding, case) in cases.items():
+        engine = tiny_engine(build(root, f"window-{family}", family, CASES[case][1]))
+        cfg = engine.model_config
+        assert (cfg.max_model_len, cfg.sliding_window, cfg.sliding_layers) == (512, 20, sliding)
     off = build(root, "qwen2-window-off", "qwen2", {"use_sliding_window": False, "sliding_window": 48})
-    assert tiny_engine(off).model_config.max_model_len == 512
+    cfg = tiny_engine(off).model_config
+    assert (cfg.max_model_len, cfg.sliding_window, cfg.sliding_layers) == (512, None, ())
 
 
 REFUSED = {
@@ -220,8 +221,8 @@ def test_grpc_greedy_matches_transformers(root):
 
 def test_multimodal_text_configs_as_released():
     """The text decoders of the vision / audio checkpoints read the same knobs: Qwen2.5-VL as released (legacy
-    `rope_scaling` {"type": "mrope"}, a 32768 window that use_sliding_window false turns off) serves its whole
-    length; LLaVA-NeXT-Mistral's text config with a window is capped by it; Qwen2-Audio's Qwen2 text rejects gelu."""
+    `rope_scaling` {"type": "mrope"}, a 32768 window that use_sliding_window false turns off) has no window;
+    LLaVA-NeXT-Mistral's text config slides every layer; Qwen2-Audio's Qwen2 text rejects gelu."""
     from transformers import LlavaNextConfig, Qwen2_5_VLConfig, Qwen2AudioConfig
 
     text = {"vocab_size": 384, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -231,8 +232,9 @@ def test_multimodal_text_configs_as_released():
                           "rope_theta": 1e6})  # fmt: skip
     cfg = ModelConfig.from_hf(vl)
     assert (cfg.family, cfg.max_model_len) == ("qwen2", 4096)
+    assert ModelConfig.from_hf(vl).sliding_window is None
     llava = LlavaNextConfig(text_config={**text, "model_type": "mistral", "sliding_window": 1024})
-    assert ModelConfig.from_hf(llava).max_model_len == 1024
+    assert (ModelConfig.from_hf(llava).sliding_window, ModelConfig.from_hf(llava).sliding_layers) == (1024, (0, 1))
     audio = Qwen2AudioConfig(text_config={**text, "model_type": "qwen2", "hidden_act": "gelu"})
     with pytest.raises(ValueError, match="hidden_act"):
         ModelConfig.from_hf(audio)

@@ -55,11 +55,11 @@ def test_mistral_without_window_equals_transformers(tmp_path):
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
 
 
-def test_mistral_window_caps_the_served_length(tmp_path):
+def test_mistral_window_masks_keys_past_it(tmp_path):
     ref = _mistral(tmp_path, sliding_window=32)
-    ids = list(range(3, 35))  # exactly the window: sliding and full attention agree
+    ids = list(range(3, 60))  # longer than the window: the later queries see only the last 32 keys
     cfg, ours = _logits(tmp_path, ids)
-    assert cfg.max_model_len == 32
+    assert (cfg.max_model_len, cfg.sliding_window, cfg.sliding_layers) == (256, 32, (0, 1))
     with torch.no_grad():
         theirs = ref(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
