@@ -113,30 +113,15 @@ def tokenizers_under_test(tokenizer):
 
 def byte_token_ids(tok, char: str) -> list[int]:
     """The character as one token per UTF-8 byte: <0xNN> pieces (SentencePiece) or byte-level BPE's byte alphabet."""
-    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     raw = char.encode()
     names = [f"<0x{b:02X}>" for b in raw]
     if tok.convert_tokens_to_ids(names[0]) in (None, tok.unk_token_id):
-        alphabet = {b: c for b, c in zip(range(256), _byte_level_alphabet(ByteLevel), strict=True)}
-        names = [alphabet[b] for b in raw]
+        names = [bytes_to_unicode()[b] for b in raw]
     ids = tok.convert_tokens_to_ids(names)
     assert tok.unk_token_id not in ids and tok.decode(ids) == char
     return ids
-
-
-def _byte_level_alphabet(byte_level) -> list[str]:
-    """GPT-2's byte-to-character table (printable bytes map to themselves, the rest to U+0100 upwards)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    assert set(table.values()) == set(byte_level.alphabet())
-    return [table[b] for b in range(256)]
 
 
 def mixed_sequence(tok, rng, n: int, inside: bool) -> list[int]:
@@ -256,3 +241,19 @@ def test_work_per_token_is_bounded_over_invalid_bytes(tokenizers_under_test, nam
         detok.add(t)
     expect = tok.decode([lone] * 2000 + tail)
     assert detok.text == expect and ("東" in expect) == (name == "smollm2")
+
+
+def test_detokenize_benchmark_runs_and_both_sides_release_the_same_text(tmp_path):
+    import json
+
+    from omnivox.benchmarks import detokenize
+
+    out = tmp_path / "detok.json"
+    detokenize.main(["--tokens", "120", "--repeats", "1", "--out", str(out)])
+    result = json.loads(out.read_text())["workloads"]
+    assert set(result) == {"mixed", "specials", "text"}
+    assert (
+        result["specials"]["decoded_tokens_per_token"]["after"]
+        < 1
+        < result["specials"]["decoded_tokens_per_token"]["before"]
+    )
