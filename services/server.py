@@ -221,6 +221,13 @@ class OmnivoxServer:
         if self.tracing is not None:
             self.tracing.shutdown()  # flushes the spans still batched
 
+    def serving_line(self) -> str:
+        """What start-up ends with: the models that serve, and those that failed to load (said once above each)."""
+        ready = [m.name for m in self.registry if m.state is not ModelState.FAILED]
+        failed = [m.name for m in self.registry if m.state is ModelState.FAILED]
+        line = f"serving {', '.join(ready)} on {self.address}"
+        return f"{line}; not serving {', '.join(failed)} (failed to load)" if failed else line
+
     def force_stop(self) -> None:
         """Cut a drain short: in-flight calls are cancelled now instead of finishing."""
         self.forced = True
@@ -269,7 +276,7 @@ async def run(
             await server.stop(0)
             raise load.exception()  # type: ignore[misc]
         if not stop_requested.is_set():
-            log.info("serving %s on %s", ", ".join(m.name for m in registry), server.address)
+            log.info("%s", server.serving_line())
             demo = asyncio.create_task(on_ready(server)) if on_ready is not None else None
             crash_wait = asyncio.create_task(server.engine_failed.wait())
             await asyncio.wait([stop_wait, crash_wait], return_when=asyncio.FIRST_COMPLETED)

@@ -16,6 +16,7 @@ from checkpoints import make_checkpoint
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
 from service_harness import ServerThread
+from whisper_checkpoints import make_whisper
 
 from omnivox.codecs.image import ImageDecodeError, decode_image
 from omnivox.services.cli.transcribe_stream import audio_source
@@ -152,3 +153,15 @@ def test_cli_output_into_a_closed_pipe_exits_quietly(served):
     )
     os.close(write_end)
     assert (done.returncode, done.stderr) == (141, "")
+
+
+def test_start_up_does_not_list_a_model_that_failed_to_load(tmp_path):
+    """`omnivox serve` with a model that failed to load (here Whisper asked for int8) logged the error, then
+    "serving text, whisper on ..." as if both served. Now the failed one is named as not serving."""
+    specs = [
+        ModelSpec(path=make_checkpoint(tmp_path / "text"), name="text"),
+        ModelSpec(path=make_whisper(tmp_path / "whisper"), name="whisper", engine_overrides={"quantization": "int8"}),
+    ]
+    with ServerThread(specs, EngineOptions(kv_cache_gib=0.01)) as server:
+        line = server.server.serving_line()
+    assert line == f"serving text on {server.address}; not serving whisper (failed to load)"
