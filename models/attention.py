@@ -197,15 +197,26 @@ def paged_attention(
 def _decode_attention_gathered(
     q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None = None
 ) -> torch.Tensor:
-    """Portable decode attention: copy each request's blocks out of the cache, then attend (SDPA on CUDA)."""
-    b, width = meta.decode_block_tables.shape
-    flat = meta.decode_block_tables.flatten()
-    kd = gather_blocks(k_cache, flat, meta.block_size).view(b, -1, *k_cache.shape[1:])  # [B, L, KVH, D]
-    vd = gather_blocks(v_cache, flat, meta.block_size).view(b, -1, *v_cache.shape[1:])
+    """Portable decode attention: copy each request's blocks out of the cache, then attend (SDPA on CUDA).
+
+    With a window, only the blocks that can hold a request's last `window` keys are copied: the same number for every
+    request (ceil(window / block_size) + 1, whatever the alignment), starting at its own block, so the cost follows
+    the window and not the context, with shapes fixed by the window alone (no device read, graph-capturable)."""
+    tables, bs, lens = meta.decode_block_tables, meta.block_size, meta.decode_lens
+    b, width = tables.shape
     mask = meta.decode_mask
-    if window is not None:  # the one query sits at lens - 1: keys from lens - window on
-        span = torch.arange(width * meta.block_size, device=q.device)
-        mask = mask & (span[None, :] >= (meta.decode_lens - window)[:, None]).view(b, 1, 1, -1)
+    if window is not None:
+        first = torch.zeros_like(lens)  # each row's logical block at column 0
+        n_win = min(width, -(-window // bs) + 1)
+        if n_win < width:
+            first = ((lens - window).clamp(min=0) // bs).clamp(max=width - n_win)
+            tables = tables.gather(1, first[:, None] + torch.arange(n_win, device=tables.device)[None, :])
+            width = n_win
+        pos = first[:, None] * bs + torch.arange(width * bs, device=lens.device)[None, :]  # [B, L] key positions
+        mask = ((pos < lens[:, None]) & (pos >= (lens - window)[:, None])).view(b, 1, 1, -1)
+    flat = tables.flatten()
+    kd = gather_blocks(k_cache, flat, bs).view(b, -1, *k_cache.shape[1:])  # [B, L, KVH, D]
+    vd = gather_blocks(v_cache, flat, bs).view(b, -1, *v_cache.shape[1:])
     if q.is_cuda:
         gqa = q.shape[1] != k_cache.shape[1]
         return F.scaled_dot_product_attention(

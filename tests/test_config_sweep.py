@@ -20,6 +20,7 @@ from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.v1 import generation_pb2_grpc
 
 SHORT, MID, LONG = [1, 5, 9, 33, 17, 200, 45], list(range(5, 23)), list(range(3, 43))  # 7, 18 and 40 tokens
+XL = list(range(3, 63))  # 60 tokens: 4 blocks of 16, more than a window of 20 can touch (3)
 STEPS = 6
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
@@ -68,13 +69,14 @@ CASES = {
     "qwen3-sharded-safetensors": ("qwen3", {"max_shard_size": "40KB"}, {}, (SHORT, LONG)),
     "llama-no-bos-eos-pad": ("llama", {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}, {},
                              (SHORT,)),
-    # sliding windows shorter than the prompts: MID's decode crosses the window, LONG prefills past it (8-token
-    # chunks, or whole), SHORT stays inside; decode rows of both kinds batched together
+    # sliding windows shorter than the prompts: MID's decode crosses the window, LONG and XL prefill past it (8-token
+    # chunks, or whole) and decode over more blocks than the window touches, SHORT stays inside; rows of all kinds
+    # decode batched together
     "mistral-window-20-chunked-prefill": ("mistral", {"sliding_window": 20}, {"max_num_batched_tokens": 8},
-                                          (SHORT, MID, LONG)),
+                                          (SHORT, MID, XL)),
     "mistral-window-16-whole-prompt": ("mistral", {"sliding_window": 16}, {}, (MID, LONG)),
     "qwen2-sliding-window-layers": ("qwen2", {"use_sliding_window": True, "sliding_window": 20,
-                                    "max_window_layers": 1}, {"max_num_batched_tokens": 8}, (SHORT, MID, LONG)),
+                                    "max_window_layers": 1}, {"max_num_batched_tokens": 8}, (SHORT, MID, XL)),
     "qwen3-layer-types-mixed": ("qwen3", {"use_sliding_window": True, "sliding_window": 20,
                                 "layer_types": ["sliding_attention", "full_attention"]},
                                 {"max_num_batched_tokens": 8}, (MID, LONG)),
