@@ -11,8 +11,10 @@ to the 2L+1 all-reduces of [T, hidden]) and all-gathers the vocabulary shards; r
 
 Each rank's cache holds its KV heads at the same slots: only rank 0 allocates blocks, the workers' caches take the
 shape of rank 0's (announced whenever it changes, e.g. after the CUDA profiling run) and are indexed by the slots
-rank 0 sends. Control messages travel pickled over a gloo group on the host (tensors on the CPU; NCCL carries the
-model's collectives on CUDA), in one order, under one lock: a message and the collectives it starts are atomic.
+rank 0 sends. Control messages travel pickled over a gloo group on the host (tensors on the CPU, pickled as their raw
+bytes; NCCL carries the model's collectives on CUDA), in one order, under one lock: a message and the collectives it
+starts are atomic. One message is one broadcast of a fixed buffer: a step's tensors sent by a second collective
+(vLLM's broadcast_tensor_dict) measured no faster over gloo (one more round trip per message).
 
 Workers are spawned processes (torch.multiprocessing) running models/tensor_parallel_worker.py; they exit on the stop
 message `close()` sends, when the control channel breaks, or when their parent is gone (polled), so a killed server
