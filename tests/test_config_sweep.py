@@ -292,3 +292,15 @@ def test_whisper_activation_refused_naming_the_key(root):
 
     with pytest.raises(ValueError, match="activation_function"):
         whisper_model_config(tiny_whisper_config(activation_function="relu"))
+
+
+def test_sliding_window_benchmark_runs(tmp_path):
+    from omnivox.benchmarks import sliding_window
+
+    out = tmp_path / "window.json"
+    sliding_window.main(["--context", "40", "--window", "16", "--steps", "2", "--batch", "1", "--repeats", "1",
+                         "--hidden", "64", "--layers", "1", "--out", str(out)])  # fmt: skip
+    result = json.loads(out.read_text())
+    assert (
+        set(result["decode_ms_per_step_median"]) == {"full", "windowed"} and "1" in result["ratio_windowed_over_full"]
+    )
