@@ -28,6 +28,10 @@ import torchaudio.functional as AF
 from omnivox.codecs.audio_format import AudioEncoding
 
 HEADERLESS = (AudioEncoding.LINEAR16, AudioEncoding.MULAW)
+# Float WAV/FLAC samples past this cannot be integer PCM mis-scaled (int32 read as float reaches 2**31, which the
+# log-mel features absorb); by 1e20 the spectrum's power overflows float32 and the model sees infinities: Whisper
+# answered "!!!!" (token 0) and audio-LLMs token 0 for any such file.
+MAX_SAMPLE_MAGNITUDE = float(2**31)
 CONTAINERS = {"WAV", "FLAC", "OGG", "MP3"}
 # Which detected container a declared (header-bearing) encoding accepts. OGG_OPUS admits Ogg Vorbis too: the
 # proto has one Ogg encoding, and libsndfile reads both.
@@ -189,6 +193,11 @@ def decode_audio(
         raise _too_long(pcm.shape[0] / rate, limits)
     if not np.isfinite(pcm).all():
         raise AudioInputError("data", "the audio holds non-finite samples (NaN or infinity)")
+    peak = float(np.abs(pcm).max())
+    if peak > MAX_SAMPLE_MAGNITUDE:
+        raise AudioInputError(
+            "data", f"the audio's samples reach {peak:.3g}; float audio is expected within [-1, 1] (its scale is wrong)"
+        )
     channels = pcm.shape[1]
     mono = pcm.mean(axis=1, dtype=np.float32) if channels > 1 else pcm[:, 0]
     samples = resample(mono, rate, target_rate)

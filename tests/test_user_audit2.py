@@ -18,6 +18,7 @@ from PIL import Image
 from service_harness import ServerThread
 from whisper_checkpoints import make_whisper
 
+from omnivox.codecs.audio_input import AudioInputError, decode_audio
 from omnivox.codecs.image import ImageDecodeError, decode_image
 from omnivox.services.cli.transcribe_stream import audio_source
 from omnivox.services.loading import EngineOptions, ModelSpec
@@ -165,3 +166,20 @@ def test_start_up_does_not_list_a_model_that_failed_to_load(tmp_path):
     with ServerThread(specs, EngineOptions(kv_cache_gib=0.01)) as server:
         line = server.server.serving_line()
     assert line == f"serving text on {server.address}; not serving whisper (failed to load)"
+
+
+def test_float_audio_far_outside_its_range_is_refused():
+    """A float WAV whose samples reach 1e20 (a broken writer) decoded "fine", then the log-mel power overflowed
+    float32: Whisper answered "!!!!..." (token 0) and audio-LLMs token 0, for any such file. Integer PCM written as
+    float unscaled (up to 2**31) still decodes: the features are level-invariant enough."""
+    t = np.arange(1600) / 16000
+    tone = np.sin(2 * np.pi * 440 * t)
+    for scale, ok in ((32768.0, True), (2.0**31, True), (1e20, False), (3e38, False)):
+        buf = io.BytesIO()
+        sf.write(buf, (scale * tone).astype(np.float32), 16000, format="WAV", subtype="FLOAT")
+        if ok:
+            assert decode_audio(buf.getvalue()).samples.shape == (1600,)
+            continue
+        with pytest.raises(AudioInputError, match=r"samples reach .*; float audio is expected within \[-1, 1\]") as e:
+            decode_audio(buf.getvalue())
+        assert e.value.field == "data"
