@@ -137,6 +137,21 @@ def test_engine_matches_transformers(root, case):
     assert_matches(engine, load_reference(path), prompts)
 
 
+def test_sliding_window_under_ngram_drafts(root):
+    """Drafts are verified as multi-token chunks, past the window here; greedy output stays transformers'."""
+    path = build(root, "window-ngram", "mistral", {"sliding_window": 20})
+    engine = tiny_engine(path, speculative="ngram")
+    drafted: list[int] = []
+    engine.step_observers.append(lambda result: drafted.append(result.stats.num_drafted))
+    ref = load_reference(path)
+    ref.generation_config.eos_token_id = None
+    prompts = [[5, 6, 7, 8, 9] * 8, XL]
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))  # no logprobs:
+    assert sum(drafted) > 0  # they turn drafting off
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == reference_greedy(ref, prompt, 24)[0]
+
+
 def test_sliding_window_serves_the_whole_length(root):
     """A window masks keys, it does not shorten what we serve; the layers that slide are the ones transformers
     slides. Qwen2's window with use_sliding_window false (every Qwen2.5 / Qwen3 release) is full attention."""
@@ -203,7 +218,7 @@ def test_grpc_greedy_matches_transformers(root):
     for family, case in GRPC.items():
         overrides = CASES[case][1]
         paths[family] = make_checkpoint(root / f"grpc-{family}", family, seed=7, **overrides)
-    text = "The capital of France is"
+    text = "The capital of France is Paris. The capital of Italy is"  # past qwen2's window of 20
     specs = [ModelSpec(path=p, name=f) for f, p in paths.items()]
     with ServerThread(specs, EngineOptions(kv_cache_gib=0.01, max_num_batched_tokens=8)) as server:
         stub = generation_pb2_grpc.GenerationServiceStub(server.channel())
@@ -216,6 +231,7 @@ def test_grpc_greedy_matches_transformers(root):
             prompt = tok.encode(
                 f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
             )
+            assert len(prompt) > 20
             ref = load_reference(path)
             ref.generation_config.eos_token_id = None
             assert ours == reference_greedy(ref, prompt, STEPS)[0], family
