@@ -6,12 +6,13 @@
 #   2. the service, speech and Whisper service tests with OMNIVOX_TEST_DEVICE=cuda (Whisper: the default speech
 #      recognition model, with its encoder worker thread and cross-attention on the GPU);
 #   3. decoder parity, the static-decode twin, the in-place (flex) decode attention and the codec's CUDA graphs
-#      (tests/test_codec_graphs.py: graph replay == eager, bucket passes == dynamic decode) on CUDA in float32, the
+#      (tests/test_codec_graphs.py: graph replay == eager, bucket passes == dynamic decode, the decode worker's own
+#      thread on the codec's device and stream) on CUDA in float32, the
 #      sampler's one host copy per step under torch's sync debug mode (tests/test_sampler_transfer.py) and the
 #      Whisper encoder-decoder engine (tests/test_whisper_engine.py), a model capturing its graphs at load while
 #      another serves (tests/test_load_while_serving.py), the dynamic path's one staged copy per step under the sync
-#      debug mode (tests/test_runner_staging.py) and speculative decoding's one host read per step
-#      (tests/test_speculative.py);
+#      debug mode (tests/test_runner_staging.py) and speculative decoding's one host read per step, plain rows and
+#      drafts together (tests/test_speculative.py);
 #   4. bash benchmarks/gpu.sh with what is left of the budget, on a trimmed workload that fits it (omnivox against
 #      transformers' continuous batching at concurrency 1 and 16, 15-s levels; the full workload is
 #      `bash benchmarks/gpu.sh` alone, ~8 minutes), then the server log searched for failed steps.

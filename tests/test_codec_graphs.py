@@ -4,12 +4,15 @@ and the audio comes back on the host."""
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 import torch
 from engines import device_under_test
 
 from omnivox.codecs.codec_graphs import StaticCodec, frame_buckets_for
+from omnivox.codecs.decode_worker import END, DecodeWorker
 from omnivox.codecs.snac import SNAC_24KHZ_CONFIG, SnacDecoder, save_random_snac
 from omnivox.codecs.snac_noise import _MASK32, _hash32, _hash32_int
 from omnivox.codecs.streaming import BatchedStreamDecoder, StreamingOptions
@@ -96,6 +99,56 @@ def test_streams_through_buckets_equal_the_one_shot_decode(codec, static):
     for frames, chunks in zip(all_frames, got, strict=True):
         one_shot = codec.decode_frames(frames[None], LEVELS)[0].cpu().numpy()
         np.testing.assert_allclose(np.concatenate(chunks), one_shot, atol=1e-5, rtol=0)
+
+
+def test_decode_worker_through_buckets_on_the_codec_device(codec, static):
+    """The served path: the decode worker's own thread (the codec's device made current there) runs the bucket
+    passes on the codec's stream and copies the audio to the host there; the event loop gets float32 host chunks
+    equal to each stream's one-shot decode. On CUDA every pass ran with the codec's device current."""
+    dec = BatchedStreamDecoder(codec, LEVELS, StreamingOptions(hop_frames=8), static=static)
+    devices: list[int] = []
+    real = dec.decode_windows
+
+    def watched(windows):
+        if DEVICE.type == "cuda":
+            devices.append(torch.cuda.current_device())
+        return real(windows)
+
+    dec.decode_windows = watched
+    all_frames = [random_frames(1, n, seed=60 + i)[0] for i, n in enumerate((11, 6))]
+
+    async def main() -> tuple[list[list[np.ndarray]], DecodeWorker]:
+        worker = DecodeWorker(dec)
+        streams = [worker.open() for _ in all_frames]
+
+        async def produce(stream, frames) -> None:
+            for row in frames.tolist():
+                worker.push(stream, [row])
+                await asyncio.sleep(0)
+            worker.finish(stream)
+
+        async def drain(stream) -> list[np.ndarray]:
+            chunks = []
+            while (item := await stream.chunks.get()) is not END:
+                assert not isinstance(item, BaseException), item
+                chunks.append(item)
+            return chunks
+
+        producers = [asyncio.create_task(produce(s, f)) for s, f in zip(streams, all_frames, strict=True)]
+        results = await asyncio.gather(*(drain(s) for s in streams))
+        await asyncio.gather(*producers)
+        for s in streams:
+            worker.close(s)
+        await worker.shutdown()
+        return results, worker
+
+    results, worker = asyncio.run(main())
+    for frames, chunks in zip(all_frames, results, strict=True):
+        assert chunks and all(isinstance(c, np.ndarray) and c.dtype == np.float32 for c in chunks)
+        one_shot = codec.decode_frames(frames[None], LEVELS)[0].cpu().numpy()
+        np.testing.assert_allclose(np.concatenate(chunks), one_shot, atol=1e-5, rtol=0)
+    if DEVICE.type == "cuda":
+        assert devices and set(devices) == {worker.device.index}
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs: run with OMNIVOX_TEST_DEVICE=cuda on a GPU")
