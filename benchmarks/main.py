@@ -83,6 +83,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "at its own bit widths on CPU, float elsewhere); none = float",
     )
     ap.add_argument(
+        "--activation-bits",
+        type=int,
+        choices=(8, 16),
+        default=16,
+        help="activations of both omnivox systems' quantised kernels, as `omnivox serve --activation-bits`",
+    )
+    ap.add_argument(
         "--threads",
         type=int,
         help="CPU threads for every system (torch intra-op, `omnivox serve --threads`, llama.cpp n_threads); default:"
@@ -151,7 +158,7 @@ def make_systems(
                     address=args.address,
                     server_args=[
                         *("--dtype", args.dtype, "--device", args.device, "--threads", str(args.threads)),
-                        *("--quantization", args.quantization),
+                        *("--quantization", args.quantization, "--activation-bits", str(args.activation_bits)),
                         *args.server_arg,
                     ],
                     log_path=args.out / "omnivox-server.log",
@@ -160,7 +167,7 @@ def make_systems(
         elif name == "omnivox-engine":
             from omnivox.benchmarks.systems.omnivox_engine import OmnivoxEngineInProcess
 
-            out.append(OmnivoxEngineInProcess(model, args.dtype, args.device, args.quantization))
+            out.append(OmnivoxEngineInProcess(model, args.dtype, args.device, args.quantization, args.activation_bits))
         elif name == "hf":
             from omnivox.benchmarks.systems.hf_generate import HFGenerate
 
@@ -259,6 +266,7 @@ def run(args: argparse.Namespace) -> dict:
         "model": model,
         "dtype": args.dtype,
         "quantization": args.quantization,
+        "activation_bits": args.activation_bits,
         "machine": machine_description(args.device),
         "load_average_at_start": list(os.getloadavg()),
         "command": " ".join(sys.argv),

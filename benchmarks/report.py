@@ -44,6 +44,8 @@ def markdown_report(result: dict) -> str:
     out = [f"# Benchmark {result['started']}", ""]
     quant = result.get("quantization", "none")
     weights = result["dtype"] if quant == "none" else f"{result['dtype']} activations, weights {quant}"
+    if result.get("activation_bits", 16) != 16:
+        weights += f", {result['activation_bits']}-bit activations in the quantised kernels"
     out.append(f"Model: `{result['model']}` ({weights}); machine: {result['machine']}.")
     if result.get("commit"):
         out.append(f"omnivox commit: {result['commit']}.")

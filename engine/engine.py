@@ -115,6 +115,7 @@ class Engine:
         quantization: str | None = None,
         quantize_lm_head: bool | None = None,
         tensor_parallel: int = 1,
+        activation_bits: int = 16,
     ) -> Engine:
         """Load a Hugging Face checkpoint folder (safetensors) or a .gguf file (engine/loading.py load_model).
         speculative: `ngram` or `draft:PATH` builds the proposer (engine/draft.py build_proposer).
@@ -124,7 +125,9 @@ class Engine:
         device = torch.device(device) if device is not None else default_device()
         dtype = resolve_dtype(dtype, device)
         tp = tensor_parallel  # N > 1: the decoder split over N processes (engine/tensor_parallel.py)
-        model = load_model(path, device, dtype, max_model_len, progress, quantization, quantize_lm_head, tp)
+        model = load_model(
+            path, device, dtype, max_model_len, progress, quantization, quantize_lm_head, tp, activation_bits
+        )
         if speculative is not None:
             from omnivox.engine.draft import build_proposer
 

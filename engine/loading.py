@@ -61,20 +61,27 @@ def load_model(
     quantization: str | None = None,
     quantize_lm_head: bool | None = None,
     tensor_parallel: int = 1,
+    activation_bits: int = 16,
 ) -> DecoderModel:
     """The decoder of a checkpoint folder or .gguf with its weights, streamed tensor by tensor.
 
     quantization None / "none": float `dtype` (a GGUF dequantised); "auto": what the checkpoint carries (a GGUF's
     blocks at their own precision on CPU); "int8" / "int4": linear layers quantised at load (models/loading.py).
     tensor_parallel N > 1: rank 0's shard, with ranks 1..N-1 started in their own processes, each loading its own
-    slice (engine/tensor_parallel.py); float weights only (int8/int4 refused, "auto" means float)."""
+    slice (engine/tensor_parallel.py); float weights only (int8/int4 refused, "auto" means float).
+    activation_bits 16, or 8 for quantised weights (models/quant.py apply_activation_bits; refused before loading
+    where the weights will be float)."""
     from pathlib import Path
 
     from omnivox.models.checkpoint import iter_checkpoint_tensors, load_hf_config
+    from omnivox.models.quant import apply_activation_bits, check_activation_bits
+
+    check_activation_bits(activation_bits, "quantization none is float" if quantization in (None, "none") else None)
 
     if tensor_parallel > 1:
         from omnivox.engine.tensor_parallel import start_tensor_parallel
 
+        check_activation_bits(activation_bits, "tensor parallelism is float only")
         if quantization not in (None, "none", "auto"):  # "auto" loads float here: a GGUF's blocks are dequantised
             raise ValueError(f"tensor parallelism needs float weights; quantization {quantization!r} is not sharded")
         return start_tensor_parallel(path, tensor_parallel, device, dtype, max_model_len)
@@ -84,16 +91,20 @@ def load_model(
 
         if quantization not in (None, "none", "auto"):
             raise ValueError(f"quantization {quantization!r} is not supported for Whisper models (float only)")
+        check_activation_bits(activation_bits, "Whisper models are float only")
         model = build_whisper(hf_config, device, dtype, max_model_len)
         model.load_weights(iter_checkpoint_tensors(path))
         return model
     if quantization == "auto" and not (Path(path).suffix == ".gguf" and device.type == "cpu"):
         quantization = None  # "auto" (the served default) is float but for a GGUF on CPU: the usual loader below
+        check_activation_bits(activation_bits, "quantization auto is float for a checkpoint folder or off CPU")
     if quantization not in (None, "none"):
         from omnivox.models.loading import load_decoder
 
         mode = None if quantization == "auto" else quantization
-        return load_decoder(path, device, dtype, max_model_len, mode, quantize_lm_head, progress)
+        model = load_decoder(path, device, dtype, max_model_len, mode, quantize_lm_head, progress)
+        apply_activation_bits(model, activation_bits)
+        return model
     model = build_model(ModelConfig.from_hf(hf_config, max_model_len), device, dtype)
     tensors = iter_checkpoint_tensors(path)
     if progress:

@@ -26,6 +26,7 @@ measurable in quality (see BENCHMARKS.md, "Quantised weights").
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -34,6 +35,8 @@ from torch import nn
 
 from omnivox.models import cpu_kernels
 from omnivox.models.layers import Linear, PackedLinear
+
+log = logging.getLogger(__name__)
 
 MODES = ("none", "int8", "int4")
 GROUP = 32  # weights per group (and activations per int16 group in the kernels)
@@ -47,6 +50,8 @@ LARGE_BATCH = 32  # rows from which a layer is dequantised for float GEMM (measu
 # 2.3 / 2.4 / 2.7 / 3.3. (Before the kernel prefetched the next tile's rows, it crossed over only at 6 / 8 rows.)
 VNNI_MIN_ROWS = {"q4": 3, "q8": 3}
 ACT_BITS = (8, 15)  # activation precisions of the VNNI kernel: 127 or 127 * 128 levels per group of 32
+# `serve --activation-bits`: 16 = the default (int16 groups; 15 bits in the VNNI kernel), 8 = ACT_BITS 8 (Q8_1).
+ACTIVATION_BITS = (8, 16)
 
 
 def _padded(k: int) -> int:
@@ -290,6 +295,34 @@ def set_act_bits(model: nn.Module, act_bits: int) -> None:
         if isinstance(module, BlockLinear):
             module.act_bits = act_bits
     model.__dict__.pop("_fused_decode", None)  # the fused step's table copies act_bits: rebuild it
+
+
+def check_activation_bits(bits: int, float_weights: str | None = None) -> None:
+    """ValueError naming activation_bits unless bits is 8 or 16, and 8 only where the weights may be quantised
+    (float_weights: why they will be float, or None)."""
+    if isinstance(bits, bool) or bits not in ACTIVATION_BITS:
+        raise ValueError(f"activation_bits (--activation-bits) must be 8 or 16, got {bits!r}")
+    if bits == 8 and float_weights is not None:
+        raise ValueError(f"activation_bits 8 (--activation-bits 8) needs quantised weights: {float_weights}")
+
+
+def apply_activation_bits(model: nn.Module, bits: int) -> None:
+    """`serve --activation-bits`: 8 runs the decoder layers' VNNI kernel with 8-bit activations (set_act_bits; on
+    the embedded SmolLM2 Q4_1 ~1.25x the tokens/s at 16 concurrent, perplexity +1.08 %, see BENCHMARKS.md), 16 the
+    default. ValueError when 8 meets float decoder layers: "auto" is float for a safetensors folder or off CPU, and
+    Whisper or tensor-parallel models are float only. Where no VNNI kernel runs, 8 changes nothing (a warning)."""
+    check_activation_bits(bits)
+    layers = getattr(model, "layers", None)
+    blocks = [m for m in layers.modules() if isinstance(m, BlockLinear)] if layers is not None else []
+    if not blocks:
+        if bits == 8:
+            raise ValueError(
+                "activation_bits 8 (--activation-bits 8) needs quantised weights: this model's decoder layers are float"
+            )
+        return
+    set_act_bits(model, 8 if bits == 8 else 15)
+    if bits == 8 and not (blocks[0].blocks.device.type == "cpu" and cpu_kernels.vnni_available()):
+        log.warning("activation_bits 8: no AVX-512 VNNI block kernel runs here, so activations keep 16 bits")
 
 
 def _bias(module: nn.Module) -> torch.Tensor | None:

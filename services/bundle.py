@@ -257,6 +257,7 @@ def load_manifest(manifest: BundleManifest, options: EngineOptions) -> ModelBund
         progress=options.progress,
         quantization=options.quantization,
         quantize_lm_head=options.quantize_lm_head,
+        activation_bits=options.activation_bits,
         speculative=options.speculative,
         num_speculative_tokens=options.num_speculative_tokens,
         tensor_parallel=options.tensor_parallel,

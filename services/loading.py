@@ -31,7 +31,8 @@ class ModelSpec:
     asr: bool = False  # with path None: the embedded whisper-base (services/defaults.py) instead
     # SamplingParams fields that replace the model's own defaults (`serve --sampling-default`), checked by the CLI.
     sampling_overrides: Mapping[str, Any] = field(default_factory=dict)
-    # EngineOptions fields for this model alone (`serve --quantization NAME=...`, `--speculative NAME=...`).
+    # EngineOptions fields for this model alone (`serve --quantization NAME=...`, `--speculative NAME=...`,
+    # `--activation-bits NAME=...`).
     engine_overrides: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -54,6 +55,8 @@ class EngineOptions:
     # Off CPU "auto" is float (block layers have no fast kernel there); a safetensors checkpoint loads as it is.
     quantization: str = "auto"
     quantize_lm_head: bool | None = None  # None: as the checkpoint carries it
+    # Activations of quantised weights' kernels: 16, or 8 (llama.cpp's Q8_1; models/quant.py apply_activation_bits).
+    activation_bits: int = 16
     speculative: str | None = None  # "ngram" or "draft:PATH" (engine/speculative.py, engine/draft.py); None = off
     num_speculative_tokens: int = 4
     # Processes the decoder is split over (engine/tensor_parallel.py): heads and MLP per rank, one all-reduce per

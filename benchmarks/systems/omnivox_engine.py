@@ -17,10 +17,13 @@ from omnivox.benchmarks.workload import BenchRequest
 class OmnivoxEngineInProcess:
     levels = None
 
-    def __init__(self, model: str, dtype: str, device: str = "cpu", quantization: str | None = None) -> None:
+    def __init__(
+        self, model: str, dtype: str, device: str = "cpu", quantization: str | None = None, activation_bits: int = 16
+    ) -> None:
         self.name = "omnivox engine (in-process)"
         self.model = model
         self.quantization = quantization
+        self.activation_bits = activation_bits
         self.dtype = dtype
         self.device = device
         self.engine = None
@@ -29,7 +32,11 @@ class OmnivoxEngineInProcess:
         from omnivox.engine import Engine
 
         self.engine = Engine.from_pretrained(
-            self.model, device=self.device, dtype=self.dtype, quantization=self.quantization
+            self.model,
+            device=self.device,
+            dtype=self.dtype,
+            quantization=self.quantization,
+            activation_bits=self.activation_bits,
         )
         warm = BenchRequest(index=-1, prompt_text="", prompt_token_ids=[1, 2, 3, 4], max_tokens=4)
         self.run([warm], 1, lambda n: None)

@@ -101,7 +101,9 @@ def run(args: argparse.Namespace) -> int:
         else StreamingOptions(first_hop_frames=args.speech_first_hop),
     )
     try:
-        specs = model_specs(args.models, args.names, args.sampling_defaults, args.quantization, args.speculative)
+        specs = model_specs(
+            args.models, args.names, args.sampling_defaults, args.quantization, args.speculative, args.activation_bits
+        )
         return asyncio.run(server.run(specs, options, engine_options, on_ready=demo if args.demo else None))
     except (ModelLoadError, OSError) as err:
         raise CliError(str(err)) from None
