@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from checkpoints import load_reference, make_checkpoint
+from checkpoints import load_reference, make_checkpoint, reference_greedy
 from engines import tiny_engine
 from service_harness import ServerThread, user_request
 
@@ -96,20 +96,6 @@ def build(root: Path, name: str, family: str, overrides: dict) -> Path:
         config |= {"rope_scaling": legacy, "rope_theta": theta}
         (path / "config.json").write_text(json.dumps(config))
     return path
-
-
-def reference_greedy(ref, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy tokens and each step's top-5 log-probabilities."""
-    gen = ref.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        max_new_tokens=steps,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
-    top = torch.stack([lg[0].float().log_softmax(-1).topk(5).values for lg in gen.logits])
-    return gen.sequences[0, len(prompt) :].tolist(), top
 
 
 def assert_matches(engine: Engine, ref, prompts, steps: int = STEPS) -> None:
