@@ -10,6 +10,7 @@ from engines import tiny_checkpoint, tiny_engine
 from service_harness import ServerThread
 
 from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
+from omnivox.codecs.streaming import StreamingOptions
 from omnivox.engine import InvalidRequest, SamplingParams
 from omnivox.services.defaults import save_random_speech_model
 from omnivox.services.loading import EngineOptions, ModelSpec
@@ -66,7 +67,8 @@ def test_stop_strings_need_the_text(engine):
 def test_speech_audio_is_the_same_with_and_without_detokenizing(tmp_path, monkeypatch):
     snac = dict(SNAC_24KHZ_CONFIG, encoder_dim=8, decoder_dim=64)
     path = save_random_speech_model(tmp_path / "orpheus-random", snac_config=snac)
-    with ServerThread([ModelSpec(path=path, name="speech")], EngineOptions(kv_cache_gib=0.02)) as srv:
+    options = EngineOptions(kv_cache_gib=0.02, speech_streaming=StreamingOptions(first_hop_frames=2))
+    with ServerThread([ModelSpec(path=path, name="speech")], options) as srv:
         servicer = next(b.servicer for b in srv.server.services if isinstance(b.servicer, SpeechServicer))
         servicer.limits.audio_seconds_base = 0.5
         servicer.limits.audio_seconds_per_char = 0.02
