@@ -277,6 +277,33 @@ def test_mixed_step_reads_the_host_once(tmp_path, monkeypatch):
     engine.check_integrity()
 
 
+@pytest.mark.skipif(device_under_test().type != "cuda", reason="needs OMNIVOX_TEST_DEVICE=cuda (gpu_check.sh)")
+def test_cuda_mixed_engine_step_makes_no_synchronising_call(tmp_path):
+    """Whole engine steps on the GPU (scheduling, the forward pass, plain rows sampled and drafts verified, their one
+    read back): torch's sync debug mode names any call that waits for the GPU; the event wait of the one read is
+    not one of them."""
+    path = tiny_checkpoint(tmp_path, "llama")
+    engine = tiny_engine(path, proposer=NgramProposer(k=3, min_n=1, max_n=3), max_num_batched_tokens=12)
+    engine.core.gate.max_batch, engine.core.gate.min_acceptance = 10**6, 0.0
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, seed=1, max_tokens=8, ignore_eos=True, logprobs=2)
+    engine.generate([[5, 6, 7, 8] * 6, list(range(20, 45))], [greedy, sampled])  # warm-up: compiles, allocations
+    engine.add_request([6, 7, 8, 9] * 6, greedy, request_id="a")
+    syncs: list[str] = []
+    mixed = step = 0
+    while engine.has_unfinished():
+        if step == 4:
+            engine.add_request(list(range(21, 46)), sampled, request_id="b")
+        with synchronising_calls(engine.core.runner.device) as seen:
+            engine.step()
+        syncs += seen
+        verifies = [c.num_verify for c in engine.last_step.plan.chunks if c.samples]
+        mixed += max(verifies, default=0) > 1 and 1 in verifies
+        step += 1
+    assert syncs == [], sorted(set(syncs))
+    assert mixed >= 1, "no step held both plain and drafted rows"
+
+
 @pytest.mark.parametrize("accepted", [False, True])
 def test_seeded_stream_as_if_the_bonus_were_drawn_only_when_needed(accepted):
     """The bonus token is drawn before the host knows whether every draft passed (one read per step); a seeded
