@@ -88,6 +88,7 @@ class StaticDecoder:
         self.use_graphs = use_graphs and dev.type == "cuda"
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_pool = None
+        self._capture_stream: torch.cuda.Stream | None = None  # warm-up and capture, on this decoder's device
         self.built: set[tuple[int, int]] = set()  # buckets built (captured on CUDA, run once eagerly elsewhere)
         self.frozen = False  # set by build_all: no bucket is built after load
         self.use_flex = False  # decode attention reads the cache in place (set by the runner before build_all)
@@ -213,7 +214,11 @@ class StaticDecoder:
         return out[:n]
 
     def _capture(self, batch: int, blocks: int):
-        stream = torch.cuda.Stream(self.device)
+        # Our own side stream: torch.cuda.graph's default capture stream is one per process, made on whichever device
+        # was current at the first capture (a second model on another GPU would capture on the first one's stream).
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.device)
+        stream = self._capture_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.inference_mode():
             for _ in range(2):  # warm up kernels and the allocator outside the graph
@@ -224,7 +229,10 @@ class StaticDecoder:
         # "global" mode their engine and encoder threads' allocations and syncs would invalidate this capture (and
         # fail their own step with "operation not permitted when stream is capturing"). This thread's calls are still
         # checked; the capture stream is a non-blocking one, so other threads' default-stream kernels do not join it.
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=self.graph_pool, capture_error_mode="thread_local"):
+        with (
+            torch.inference_mode(),
+            torch.cuda.graph(graph, pool=self.graph_pool, stream=stream, capture_error_mode="thread_local"),
+        ):
             out = self._forward(batch, blocks)
         if self.graph_pool is None:
             self.graph_pool = graph.pool()
