@@ -146,6 +146,8 @@ def decode_image(data: bytes, limits: ImageLimits = ImageLimits(), mime_type: st
                 raise ImageDecodeError(f"the animation has more than {limits.max_frames} frames; send one image")
         im.seek(0)  # the first frame is the image
         im.load()
+    except ImageDecodeError:  # a ValueError too: the frame-count refusal must not read as "corrupt" data
+        raise
     except Image.DecompressionBombError:
         raise ImageDecodeError(f"the image has too many pixels; the limit is {limits.max_pixels}") from None
     except (OSError, SyntaxError, ValueError, EOFError) as e:

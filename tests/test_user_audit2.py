@@ -183,3 +183,18 @@ def test_float_audio_far_outside_its_range_is_refused():
         with pytest.raises(AudioInputError, match=r"samples reach .*; float audio is expected within \[-1, 1\]") as e:
             decode_audio(buf.getvalue())
         assert e.value.field == "data"
+
+
+@pytest.mark.parametrize("fmt", ["GIF", "PNG", "WEBP"])  # PNG: an APNG
+def test_a_long_animation_is_refused_as_long_not_as_corrupt(fmt):
+    """More than 100 frames was refused as "the GIF data is truncated or corrupt: the animation has more than 100
+    frames" (the refusal, a ValueError, went through the corrupt-data handler). APNG and WebP animations too."""
+    frames = [Image.new("RGB", (8, 8), (i * 37 % 256, i * 11 % 256, 0)) for i in range(102)]
+    buf = io.BytesIO()
+    frames[0].save(buf, fmt, save_all=True, append_images=frames[1:], lossless=True)  # lossy WebP merges frames
+    with pytest.raises(ImageDecodeError) as err:
+        decode_image(buf.getvalue())
+    assert err.value.reason == "the animation has more than 100 frames; send one image"
+    buf = io.BytesIO()
+    frames[0].save(buf, fmt, save_all=True, append_images=frames[1:3], lossless=True)
+    assert decode_image(buf.getvalue()).image.getpixel((0, 0)) == (0, 0, 0)  # the first frame of a short one
