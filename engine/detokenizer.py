@@ -6,9 +6,9 @@ start of what may still become a stop string: only the longest tail of the text 
 is held back (at most len(longest stop) - 1 characters), so with stop=["\n\n"] a delta still ends where its token
 does unless that token ended in a newline.
 
-Each token costs a bounded amount of work (at most 2 x _MAX_PENDING tokens decoded, one or two decodes), whatever
-the model emits: skipped special tokens never enter the window, and a window with no new complete character for
-_MAX_PENDING tokens is moved on.
+Each token costs a bounded amount of work whatever the model emits (one decode call, two when text comes out, each
+of at most 2 x _MAX_PENDING tokens): skipped special tokens never enter the window, and a window with no new complete
+character for _MAX_PENDING tokens is moved on.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ _CONTEXT_TOKENS = 5
 # `add` decodes stay bounded whatever the model emits. Valid text waits that long only with byte-level BPE tokens
 # that each end inside a character (a tiny tokenizer's CJK run waited 8); the text they release then is exact, since
 # a byte-level decode renders only its last, unfinished character differently once more bytes come (invalid bytes
-# are U+FFFD either way). Before the window was bounded, a run of skipped special tokens held it open: quadratic.
+# are U+FFFD either way). SentencePiece's byte fallback renders a whole run of byte tokens as U+FFFD once any of
+# them is invalid (a one-shot decode can turn an earlier character into U+FFFD); no stream can follow that, only
+# invalid bytes get there. Before the window was bounded, a run of skipped special tokens held it open: quadratic.
 _MAX_PENDING = 8
 _KEEP_TOKENS = 4
 
