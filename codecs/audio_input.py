@@ -26,6 +26,7 @@ import torch
 import torchaudio.functional as AF
 
 from omnivox.codecs.audio_format import AudioEncoding
+from omnivox.codecs.text_payload import decoded_head
 
 HEADERLESS = (AudioEncoding.LINEAR16, AudioEncoding.MULAW)
 # Float WAV/FLAC samples past this cannot be integer PCM mis-scaled (int32 read as float reaches 2**31, which the
@@ -175,6 +176,13 @@ def decode_audio(
     else:
         source = detect_container(data)
         if source is None:
+            as_text = decoded_head(data)
+            if as_text is not None and detect_container(as_text[1]):
+                raise AudioInputError(
+                    "data",
+                    f"the bytes are {as_text[0]} of {detect_container(as_text[1])} audio, not the audio: send the "
+                    "file's raw bytes (JSON clients base64-encode them once themselves)",
+                )
             raise AudioInputError(
                 "data", "unrecognised audio: not WAV, FLAC, Ogg or MP3 (set encoding for raw LINEAR16 or MULAW)"
             )

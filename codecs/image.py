@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from omnivox.codecs.text_payload import decoded_head
+
 # Magic numbers -> our format name (also Pillow's plugin name). TIFF is recognised only to name it in the error.
 _JPEG, _PNG, _GIF, _WEBP, _BMP, _TIFF = "JPEG", "PNG", "GIF", "WEBP", "BMP", "TIFF"
 SUPPORTED_FORMATS = frozenset({_JPEG, _PNG, _GIF, _WEBP, _BMP})
@@ -123,6 +125,13 @@ def decode_image(data: bytes, limits: ImageLimits = ImageLimits(), mime_type: st
         named = refused_format_name(data)
         if named:
             raise ImageDecodeError(f"{named} images are not accepted; send {_format_list(limits)}")
+        as_text = decoded_head(data)
+        if as_text is not None and (sniff_format(as_text[1]) or refused_format_name(as_text[1])):
+            inner = sniff_format(as_text[1]) or refused_format_name(as_text[1])
+            raise ImageDecodeError(
+                f"the bytes are {as_text[0]} of a {inner} image, not the image: send the file's raw bytes "
+                "(JSON clients base64-encode them once themselves)"
+            )
         hint = f" (mime_type says {mime_type!r})" if mime_type else ""
         raise ImageDecodeError(f"the bytes are not an image in a known format{hint}; send {_format_list(limits)}")
     if fmt not in limits.formats:

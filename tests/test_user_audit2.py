@@ -3,6 +3,7 @@ Each test is a defect found by sending what a user sends (other files, other cli
 
 from __future__ import annotations
 
+import base64
 import io
 import os
 import subprocess
@@ -198,3 +199,19 @@ def test_a_long_animation_is_refused_as_long_not_as_corrupt(fmt):
     buf = io.BytesIO()
     frames[0].save(buf, fmt, save_all=True, append_images=frames[1:3], lossless=True)
     assert decode_image(buf.getvalue()).image.getpixel((0, 0)) == (0, 0, 0)  # the first frame of a short one
+
+
+def test_media_sent_as_base64_text_says_so():
+    """`ImagePart(data=base64.b64encode(raw))` (or a web page's data: URL) sends the text, not the file: the answer
+    was "not an image in a known format" / "unrecognised audio". Now the part names what it holds."""
+    png = _png(Image.new("RGB", (4, 4), (1, 2, 3)))
+    for data, what in ((base64.b64encode(png), "base64 text"), (b"data:image/png;base64," + base64.b64encode(png), "a data: URL")):  # fmt: skip
+        with pytest.raises(ImageDecodeError, match=f"^the bytes are {what} of a PNG image, not the image: send"):
+            decode_image(data)
+    buf = io.BytesIO()
+    sf.write(buf, np.zeros(160, np.float32), 16000, format="WAV")
+    with pytest.raises(AudioInputError, match="^data: the bytes are base64 text of WAV audio, not the audio") as err:
+        decode_audio(base64.b64encode(buf.getvalue()))
+    assert err.value.field == "data"
+    with pytest.raises(ImageDecodeError, match="not an image in a known format"):  # text that is not base64 media
+        decode_image(b"QUJDREVGR0hJSktMTU5PUFFSU1RVVldY")
