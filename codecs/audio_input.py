@@ -93,6 +93,12 @@ def detect_container(data: bytes) -> str | None:
     return None
 
 
+def _magic_container(data: bytes) -> str | None:
+    """A container named by a magic number that raw samples cannot start with (an MPEG frame sync can: not here).
+    Compressed bytes declared LINEAR16 or MULAW were decoded as samples: noise, and a confident wrong transcript."""
+    return None if data[:1] == b"\xff" else detect_container(data[:12])
+
+
 def mulaw_to_int16(codes: np.ndarray) -> np.ndarray:
     """G.711 mu-law -> 16-bit linear (the Sun reference decoder; inverse of audio_format.int16_to_mulaw)."""
     u = (~codes.astype(np.int32)) & 0xFF
@@ -168,6 +174,14 @@ def decode_audio(
         raise AudioInputError(
             "sample_rate_hertz",
             f"{sample_rate_hertz} Hz is outside [{limits.min_sample_rate}, {limits.max_sample_rate}]",
+        )
+    if enc in HEADERLESS and _magic_container(data) == "WAV":
+        enc = None  # a WAV file declared LINEAR16 (as Google's API takes it): its header says what it holds
+    elif enc in HEADERLESS and _magic_container(data):
+        raise AudioInputError(
+            "encoding",
+            f"encoding is {enc.value} (headerless samples) but the bytes hold {_magic_container(data)} audio: "
+            "leave encoding unset",
         )
     if enc in HEADERLESS:
         if not sample_rate_hertz:

@@ -215,3 +215,27 @@ def test_media_sent_as_base64_text_says_so():
     assert err.value.field == "data"
     with pytest.raises(ImageDecodeError, match="not an image in a known format"):  # text that is not base64 media
         decode_image(b"QUJDREVGR0hJSktMTU5PUFFSU1RVVldY")
+
+
+def test_a_file_declared_headerless_is_read_by_its_header_or_refused():
+    """encoding LINEAR16 (or MULAW) on a file's bytes decoded the container as samples: FLAC, Ogg and MP3 became
+    noise and a confident wrong transcript; a WAV's header became a click and its own rate was ignored. A WAV is now
+    read by its header (as Google's API takes LINEAR16 WAVs; a different sample_rate_hertz is refused), the
+    compressed containers are refused naming `encoding`. Raw samples that open like an MPEG frame sync still
+    decode as samples."""
+    t = np.arange(4410) / 44100
+    stereo = np.stack([np.sin(2 * np.pi * 440 * t)] * 2, axis=1).astype(np.float32) * 0.5
+    buf = io.BytesIO()
+    sf.write(buf, stereo, 44100, format="WAV")
+    wav = decode_audio(buf.getvalue(), "LINEAR16", 0)
+    assert (wav.source_format, wav.source_rate, wav.source_channels, len(wav.samples)) == ("WAV", 44100, 2, 1600)
+    with pytest.raises(AudioInputError, match="sample_rate_hertz=16000 but the WAV header says 44100 Hz"):
+        decode_audio(buf.getvalue(), "LINEAR16", 16000)
+    for fmt, name in (("FLAC", "FLAC"), ("OGG", "OGG")):
+        buf = io.BytesIO()
+        sf.write(buf, stereo, 44100, format=fmt)
+        with pytest.raises(AudioInputError, match=f"encoding is MULAW .* but the bytes hold {name} audio") as err:
+            decode_audio(buf.getvalue(), "MULAW", 8000)
+        assert err.value.field == "encoding"
+    raw = np.full(800, -1, "<i2").tobytes()  # b"\xff\xff...": an MPEG sync pattern, but declared raw: samples
+    assert decode_audio(raw, "LINEAR16", 16000).source_format == "LINEAR16"
