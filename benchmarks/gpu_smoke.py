@@ -97,7 +97,16 @@ def _describe(engine) -> dict:
         "kv_blocks": len(engine.pool.blocks),
         "graph_buckets": len(static.built) if static is not None else 0,
         "cuda_graphs": bool(static is not None and static.use_graphs),
+        # torch.compile so far in this process (the flex decode kernel: one graph per model shape); a count that
+        # grows from one check to the next on the same engine means recompiles while serving.
+        "dynamo_unique_graphs": _dynamo_graphs(),
     }
+
+
+def _dynamo_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             engine.generate([[1, 2, 3 + i] for i in range(batch)], params)
             res[f"ms_per_step_batch_{batch}"] = round(1e3 * (time.perf_counter() - t0) / 64, 3)
         res["static_runs"] = engine.runner.static.num_runs if engine.runner.static is not None else 0
+        res["dynamo_unique_graphs"] = _dynamo_graphs()  # as after the load: no recompile while serving
         return res
 
     checks.run("decode step time, tiny model (launch-bound)", step_times)
