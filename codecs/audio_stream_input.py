@@ -10,13 +10,14 @@ the same torchaudio windowed-sinc resampler, run block by block so that the stre
 from __future__ import annotations
 
 import math
+import struct
 
 import numpy as np
 import torch
 import torchaudio.functional as AF
 
 from omnivox.codecs.audio_format import AudioEncoding
-from omnivox.codecs.audio_input import AudioInputError, AudioLimits, mulaw_to_int16
+from omnivox.codecs.audio_input import AudioInputError, AudioLimits, detect_container, mulaw_to_int16
 
 STREAM_ENCODINGS = (AudioEncoding.LINEAR16, AudioEncoding.MULAW)
 LOWPASS_FILTER_WIDTH, ROLLOFF = 6, 0.99  # torchaudio's resample defaults (what audio_input.resample uses)
@@ -75,6 +76,46 @@ class StreamingResampler:
         out = self._resample_from(self._next_block, None)[: max(0, total - self._next_block * self.new)]
         self._next_block = math.ceil(total / self.new)
         return out
+
+
+def leading_file_header(data: bytes, encoding: AudioEncoding, sample_rate: int) -> int:
+    """How many bytes of a stream's first audio chunk are a file header to skip (0: none).
+
+    Clients often stream a WAV file's bytes as they are: its 44-byte header decoded as samples is a click, but a
+    header saying 44.1 kHz stereo under a 16 kHz mono config means the whole stream is garbled, and FLAC, Ogg or
+    MP3 bytes are noise; those raise AudioInputError naming the field to change. A header split over several
+    chunks is not looked for (its bytes decode as samples, as before).
+    """
+    container = None if data[:1] == b"\xff" else detect_container(data[:12])  # raw samples may open 0xFF..
+    if container is None:
+        return 0
+    if container != "WAV":
+        raise AudioInputError("audio", f"the stream holds {container} audio: send headerless LINEAR16 or MULAW")
+    pos, fmt = 12, None
+    while pos + 8 <= len(data):
+        kind, size = data[pos : pos + 4], struct.unpack("<I", data[pos + 4 : pos + 8])[0]
+        if kind == b"fmt " and pos + 24 <= len(data):
+            fmt = struct.unpack("<HHI", data[pos + 8 : pos + 16]) + struct.unpack("<H", data[pos + 22 : pos + 24])
+        if kind == b"data":
+            break
+        pos += 8 + size + size % 2
+    else:
+        return 0
+    if fmt is None:
+        return 0
+    tag, channels, rate, bits = fmt
+    wanted = (1, 16) if encoding is AudioEncoding.LINEAR16 else (7, 8)
+    if (tag if tag != 0xFFFE else 1, bits) != wanted or channels != 1:
+        raise AudioInputError(
+            "audio",
+            f"the stream is a WAV file of {channels}-channel {bits}-bit audio (format {tag}); the config says "
+            f"mono {encoding.value}: send the samples in that form",
+        )
+    if rate != sample_rate:
+        raise AudioInputError(
+            "config.sample_rate_hertz", f"the stream is a WAV file at {rate} Hz; the config says {sample_rate} Hz"
+        )
+    return pos + 8
 
 
 class StreamingAudioDecoder:

@@ -36,7 +36,7 @@ import numpy as np
 
 from omnivox.codecs.audio_format import AudioEncoding
 from omnivox.codecs.audio_input import AudioInputError
-from omnivox.codecs.audio_stream_input import StreamingAudioDecoder
+from omnivox.codecs.audio_stream_input import StreamingAudioDecoder, leading_file_header
 from omnivox.codecs.vad import SpeechEvent, SpeechEventKind, VadConfig, VoiceActivityDetector
 from omnivox.models.audio.transcription import TranscriptionRequestError
 from omnivox.services import errors
@@ -156,13 +156,20 @@ class _Stream:
             if kind == "config":
                 raise errors.invalid_argument([FieldViolation("config", "only the first message may be a config")])
             if kind == "audio":
+                audio = req.audio if self.first_audio else req.audio[self._file_header(req.audio) :]
                 self.first_audio = self.first_audio or time.monotonic()
-                self._push(self.decoder.feed(req.audio))
+                self._push(self.decoder.feed(audio))
             elif kind == "finalize":
                 self._events(self.vad.end_now())
         self._push(self.decoder.flush())
         self._events(self.vad.flush())
         self.finals.put_nowait(None)
+
+    def _file_header(self, chunk: bytes) -> int:
+        try:
+            return leading_file_header(chunk, self.decoder.encoding, self.decoder.sample_rate)
+        except AudioInputError as err:
+            raise errors.invalid_argument([FieldViolation(err.field, err.description)]) from None
 
     def _push(self, samples: np.ndarray) -> None:
         if len(samples):

@@ -23,7 +23,7 @@ from omnivox.codecs.audio_input import AudioInputError, decode_audio
 from omnivox.codecs.image import ImageDecodeError, decode_image
 from omnivox.services.cli.transcribe_stream import audio_source
 from omnivox.services.loading import EngineOptions, ModelSpec
-from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc
+from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, transcription_pb2, transcription_pb2_grpc
 
 
 def _png(im: Image.Image, **kwargs) -> bytes:
@@ -239,3 +239,42 @@ def test_a_file_declared_headerless_is_read_by_its_header_or_refused():
         assert err.value.field == "encoding"
     raw = np.full(800, -1, "<i2").tobytes()  # b"\xff\xff...": an MPEG sync pattern, but declared raw: samples
     assert decode_audio(raw, "LINEAR16", 16000).source_format == "LINEAR16"
+
+
+@pytest.fixture(scope="module")
+def whisper_served(tmp_path_factory):
+    spec = ModelSpec(path=make_whisper(tmp_path_factory.mktemp("audit2-whisper") / "whisper"), name="whisper")
+    with ServerThread([spec], EngineOptions(kv_cache_gib=0.01)) as server:
+        yield server
+
+
+def _stream_file(server: ServerThread, data: bytes, rate: int) -> list:
+    stub = transcription_pb2_grpc.TranscriptionServiceStub(server.channel())
+    config = transcription_pb2.StreamingTranscriptionConfig(model="whisper", sample_rate_hertz=rate, language="en")
+    requests = [transcription_pb2.StreamingTranscribeRequest(config=config)]
+    requests += [transcription_pb2.StreamingTranscribeRequest(audio=data[i : i + 4000]) for i in range(0, len(data), 4000)]  # fmt: skip
+    return list(stub.StreamingTranscribe(iter(requests), timeout=60))
+
+
+def test_a_wav_file_streamed_as_it_is(whisper_served):
+    """Clients stream a WAV file's bytes as they are. Its header was decoded as 22 samples (a click); a 44.1 kHz
+    stereo file under a 16 kHz config streamed garbled audio for the whole call, FLAC bytes noise. Now a matching
+    header is skipped, a contradicting one or another container is INVALID_ARGUMENT naming what to change."""
+    x = (0.3 * np.sin(2 * np.pi * 300 * np.arange(8000) / 16000)).astype(np.float32)
+    buf = io.BytesIO()
+    sf.write(buf, x, 16000, format="WAV")
+    summary = _stream_file(whisper_served, buf.getvalue(), 16000)[-1].summary
+    assert summary.audio_seconds == 0.5  # 8000 samples: the 44 header bytes are not audio (was 0.501375)
+    for (channels, rate, fmt, config_rate), (field, message) in [
+        ((2, 44100, "WAV", 44100), ("audio", "WAV file of 2-channel 16-bit audio")),
+        ((1, 44100, "WAV", 16000), ("config.sample_rate_hertz", "WAV file at 44100 Hz; the config says 16000")),
+        ((1, 16000, "FLAC", 16000), ("audio", "the stream holds FLAC audio")),
+    ]:
+        buf = io.BytesIO()
+        sf.write(buf, np.stack([x] * channels, axis=1), rate, format=fmt)
+        with pytest.raises(grpc.RpcError) as err:
+            _stream_file(whisper_served, buf.getvalue(), config_rate)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
+        assert err.value.details().startswith(f"{field}: ")
+    free, total = whisper_served.wait_kv_free("whisper", timeout=5.0)
+    assert free == total
