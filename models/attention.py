@@ -144,15 +144,6 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.index_copy_(0, slots, v)
 
 
-def window_applies(meta: AttentionMetadata, window: int | None) -> bool:
-    """Whether a sliding window of `window` keys can mask any key of this step (from shapes and host ints only: no
-    device read). Below the window, sliding and full attention are the same and every kernel serves."""
-    if window is None:
-        return False
-    decode_span = meta.decode_block_tables.shape[1] * meta.block_size if meta.num_decode else 0
-    return decode_span > window or any(chunk.context_len > window for chunk in meta.prefills)
-
-
 def paged_attention(
     q: torch.Tensor,  # [T, heads, head_dim]
     k_cache: torch.Tensor,
@@ -165,18 +156,17 @@ def paged_attention(
     gqa = q.shape[1] != k_cache.shape[1]
     nd = meta.num_decode
     if nd:
-        if window is not None and meta.decode_block_tables.shape[1] * meta.block_size > window:
-            # Keys may lie before the window: the gathered path, whose mask takes the window (the paged kernels and
-            # FlexAttention's block mask know only the context length).
-            out[:nd] = _decode_attention_gathered(q[:nd], k_cache, v_cache, meta, scale, window)
-        elif meta.decode_block_mask is not None:
+        # Whether keys may lie before a sliding window (from the table's shape: no device read). FlexAttention's
+        # block mask knows only lengths: such a step takes the C kernel or the gathered path, which take the window.
+        slide = window is not None and meta.decode_block_tables.shape[1] * meta.block_size > window
+        if meta.decode_block_mask is not None and not slide:
             out[:nd] = decode_attention_flex(q[:nd], k_cache, v_cache, meta.decode_block_mask, scale)
         elif not q.is_cuda and q.dtype == torch.float32 and cpu_kernels.kernel_available():
             out[:nd] = cpu_kernels.paged_decode_attention(
-                q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_lens, meta.block_size, scale
+                q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_lens, meta.block_size, scale, window
             )
         else:
-            out[:nd] = _decode_attention_gathered(q[:nd], k_cache, v_cache, meta, scale)
+            out[:nd] = _decode_attention_gathered(q[:nd], k_cache, v_cache, meta, scale, window if slide else None)
     for chunk in meta.prefills:
         s, n, ctx = chunk.query_start, chunk.num_tokens, chunk.context_len
         qp = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]

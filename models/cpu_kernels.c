@@ -41,7 +41,8 @@ void paged_decode_attention_f32(
     const int64_t *tables,   // [B, max_blocks]
     const int64_t *lens,     // [B] context length of each request (>= 1)
     float *out,              // [B, H, D]
-    int B, int H, int KVH, int D, int block_size, int max_blocks, float scale, int num_threads) {
+    int B, int H, int KVH, int D, int block_size, int max_blocks, float scale, int num_threads,
+    int window) {            // > 0: a sliding window, the query sees only the last `window` keys (0: all)
     const int G = H / KVH;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -50,7 +51,8 @@ void paged_decode_attention_f32(
 #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int b = 0; b < B; b++) {
             for (int kh = 0; kh < KVH; kh++) {
-                const int64_t L = lens[b];
+                const int64_t S = window > 0 && lens[b] > window ? lens[b] - window : 0;  // first key seen
+                const int64_t L = lens[b] - S;
                 if ((size_t)(G * L) > cap) {
                     free(scores);
                     cap = (size_t)G * L;
@@ -59,7 +61,7 @@ void paged_decode_attention_f32(
                 const float *qb = q + ((size_t)b * H + (size_t)kh * G) * D;
                 const int64_t *table = tables + (size_t)b * max_blocks;
                 for (int64_t t = 0; t < L; t++) {
-                    const int64_t slot = table[t / block_size] * block_size + t % block_size;
+                    const int64_t slot = table[(S + t) / block_size] * block_size + (S + t) % block_size;
                     const float *kt = k_cache + ((size_t)slot * KVH + kh) * D;
                     for (int g = 0; g < G; g++) scores[(size_t)g * L + t] = dot_f32(qb + (size_t)g * D, kt, D) * scale;
                 }
@@ -78,7 +80,7 @@ void paged_decode_attention_f32(
                 float *ob = out + ((size_t)b * H + (size_t)kh * G) * D;
                 memset(ob, 0, sizeof(float) * (size_t)G * D);
                 for (int64_t t = 0; t < L; t++) {
-                    const int64_t slot = table[t / block_size] * block_size + t % block_size;
+                    const int64_t slot = table[(S + t) / block_size] * block_size + (S + t) % block_size;
                     const float *vt = v_cache + ((size_t)slot * KVH + kh) * D;
                     for (int g = 0; g < G; g++) {
                         const float p = scores[(size_t)g * L + t];
@@ -441,6 +443,7 @@ typedef struct {
     int64_t num_heads, num_kv_heads;   // this layer's attention heads (as the torch module holds them)
     float scale;                       // attention scale
     float eps;                         // RMSNorm epsilon
+    int64_t window;                    // sliding window of this layer's attention (0: none)
 } fused_layer;
 
 static void fused_apply(const fused_linear *l, const float *x, float *y, int M, int num_threads) {
@@ -513,7 +516,7 @@ void decoder_layers_f32(const fused_layer *layers, int L, float *x, int M, int H
             for (int hh = 0; hh < KVH; hh++) rope_head(kc + (size_t)hh * D, cos + (size_t)r * D, sin + (size_t)r * D, D);
         }
         paged_decode_attention_f32(q, ly->k_cache, ly->v_cache, tables, lens, att, M, NH, KVH, D, block_size, max_blocks,
-                                   ly->scale, num_threads);
+                                   ly->scale, num_threads, (int)ly->window);
         fused_apply(&ly->o, att, o, M, num_threads);
         for (size_t i = 0; i < (size_t)M * H; i++) x[i] += o[i];
         rms_norm_rows(x, ly->post_norm, h, M, H, ly->eps);

@@ -79,7 +79,7 @@ def _build() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(target))
     fn = lib.paged_decode_attention_f32
     fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
+    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     gemv = lib.gemv_f32
     gemv.restype = None
     gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2
@@ -133,6 +133,7 @@ def paged_decode_attention(
     context_lens: torch.Tensor,  # [B] int64
     block_size: int,
     scale: float,
+    window: int | None = None,  # sliding window: each query sees only its last `window` keys
 ) -> torch.Tensor:  # [B, H, D]
     assert _lib is not None, "call kernel_available() first"
     q = q.contiguous()
@@ -155,6 +156,7 @@ def paged_decode_attention(
         tables.shape[1],
         scale,
         torch.get_num_threads(),
+        window or 0,
     )
     return out
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnivox.models.attention import AttentionMetadata, paged_attention, window_applies, write_kv
+from omnivox.models.attention import AttentionMetadata, paged_attention, write_kv
 from omnivox.models.config import ModelConfig
 from omnivox.models.fused_decode import MAX_ROWS, fused_decode_for
 from omnivox.models.layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, linear
@@ -110,8 +110,7 @@ class DecoderModel(nn.Module):
             x = x.index_copy(0, embed_rows, embed_values.to(x.dtype))
         rope = self.rotary.tables(positions, x.dtype)
         fused = fused_decode_for(self) if x.device.type == "cpu" and x.shape[0] <= MAX_ROWS else None
-        # A small CPU step: all layers in one C call, whose attention knows no window (none may mask a key here)
-        if fused is not None and fused.applies(x, meta) and not window_applies(meta, self.config.sliding_window):
+        if fused is not None and fused.applies(x, meta):  # a small CPU step: all layers in one C call
             return self.norm(fused(x, rope, kv_caches, meta, self.config.intermediate_size))
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rope, kv, meta)

@@ -69,6 +69,7 @@ class _FusedLayer(ctypes.Structure):
         ("num_kv_heads", ctypes.c_int64),
         ("scale", ctypes.c_float),
         ("eps", ctypes.c_float),
+        ("window", ctypes.c_int64),  # sliding window (0: none)
     ]
 
 
@@ -151,6 +152,7 @@ class FusedDecode:
         entry.k_norm = None if attn.k_norm is None else attn.k_norm.weight.data_ptr()
         entry.num_heads, entry.num_kv_heads = attn.num_heads, attn.num_kv_heads
         entry.scale, entry.eps = attn.scale, layer.input_layernorm.eps
+        entry.window = attn.window or 0
         return True
 
     def current(self, layers: nn.ModuleList) -> bool:
