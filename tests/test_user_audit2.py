@@ -21,7 +21,7 @@ from whisper_checkpoints import make_whisper
 
 from omnivox.codecs.audio_input import AudioInputError, decode_audio
 from omnivox.codecs.image import ImageDecodeError, decode_image
-from omnivox.services.cli.transcribe_stream import audio_source
+from omnivox.services.cli.transcribe_stream import _to_linear16, _wav_header, audio_source
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, transcription_pb2, transcription_pb2_grpc
 
@@ -278,3 +278,20 @@ def test_a_wav_file_streamed_as_it_is(whisper_served):
         assert err.value.details().startswith(f"{field}: ")
     free, total = whisper_served.wait_kv_free("whisper", timeout=5.0)
     assert free == total
+
+
+@pytest.mark.parametrize("subtype", ["PCM_U8", "PCM_16", "PCM_24", "PCM_32", "FLOAT", "DOUBLE"])
+@pytest.mark.parametrize("fmt", ["WAV", "WAVEX"])
+def test_transcribe_stream_reads_any_pcm_or_float_wav_on_stdin(subtype, fmt):
+    """`sox talk.flac -t wav - | omnivox transcribe --stream -` (the README's line) keeps the FLAC's bit depth: a
+    24-bit FLAC arrived as 24-bit PCM and was refused ("16-bit PCM only"), as were float, 8- and 32-bit WAVs."""
+    t = np.arange(2400) / 48000
+    x = np.stack([0.7 * np.sin(2 * np.pi * 300 * t), -0.2 * np.sin(2 * np.pi * 300 * t)], axis=1)
+    buf = io.BytesIO()
+    sf.write(buf, x, 48000, format=fmt, subtype=subtype)
+    buf.seek(0)
+    rate, channels, layout = _wav_header(buf)
+    assert (rate, channels) == (48000, 2)
+    got = np.frombuffer(_to_linear16(buf.read(), channels, layout), "<i2").astype(np.int32)
+    want = np.round(sf.read(io.BytesIO(buf.getvalue()), dtype="float64")[0].mean(axis=1) * 32768)
+    assert len(got) == 2400 and np.abs(got - want).max() <= 1

@@ -27,12 +27,18 @@ from omnivox.services.cli._common import CliError, connect, open_output, rpc_err
 CHUNK_S = 0.1
 
 
-def _wav_header(stream) -> tuple[int, int]:
-    """Read a RIFF/WAV header off `stream` up to its data; (rate, channels). 16-bit PCM only."""
+# WAV sample layouts a stdin stream may carry: (format tag, bits) -> numpy dtype (24-bit is unpacked by hand).
+# `sox talk.flac -t wav -` keeps the FLAC's depth, so a 24-bit FLAC arrives as 24-bit PCM (it was refused).
+_WAV_SAMPLES = {(1, 8): "u1", (1, 16): "<i2", (1, 24): "i3", (1, 32): "<i4", (3, 32): "<f4", (3, 64): "<f8"}
+
+
+def _wav_header(stream) -> tuple[int, int, str]:
+    """Read a RIFF/WAV header off `stream` up to its data; (rate, channels, sample layout: a _WAV_SAMPLES value)."""
     head = stream.read(12)
     if head[:4] != b"RIFF" or head[8:12] != b"WAVE":
         raise CliError("stdin is not a WAV stream: pipe headerless LINEAR16 with --sample-rate instead")
     rate = channels = 0
+    layout = ""
     while True:
         chunk = stream.read(8)
         if len(chunk) < 8:
@@ -44,20 +50,35 @@ def _wav_header(stream) -> tuple[int, int]:
         if kind == b"fmt ":
             fmt, channels, rate = struct.unpack("<HHI", body[:8])
             bits = struct.unpack("<H", body[14:16])[0]
-            if fmt not in (1, 0xFFFE) or bits != 16:
-                raise CliError(f"the WAV stream holds {bits}-bit audio (format {fmt}); 16-bit PCM only")
+            if fmt == 0xFFFE and len(body) >= 26:  # WAVE_FORMAT_EXTENSIBLE: the sub-format GUID starts with the tag
+                fmt = struct.unpack("<H", body[24:26])[0]
+            layout = _WAV_SAMPLES.get((fmt, bits), "")
+            if not layout:
+                raise CliError(f"the WAV stream holds {bits}-bit audio of format {fmt}; PCM or float only")
     if not rate:
         raise CliError("the WAV stream on stdin has no fmt chunk before its data")
-    return rate, channels
+    return rate, channels, layout
 
 
-def _mono(data: bytes, channels: int) -> bytes:
+def _to_linear16(data: bytes, channels: int, layout: str = "<i2") -> bytes:
+    """Interleaved WAV samples -> mono 16-bit little-endian (channels averaged); a partial last frame is dropped."""
     import numpy as np
 
-    if channels <= 1:
-        return data
-    pcm = np.frombuffer(data[: len(data) // (2 * channels) * 2 * channels], "<i2").reshape(-1, channels)
-    return pcm.mean(axis=1).round().astype("<i2").tobytes()
+    width = 3 if layout == "i3" else np.dtype(layout).itemsize
+    frames = len(data) // (width * channels)
+    if layout == "<i2" and channels == 1:
+        return data[: frames * 2]
+    raw = np.frombuffer(data[: frames * width * channels], np.uint8)
+    if layout == "i3":  # 24-bit: the three bytes as the top of an int32
+        b = raw.reshape(-1, 3).astype(np.int32)
+        x = ((b[:, 0] << 8) | (b[:, 1] << 16) | (b[:, 2] << 24)).astype(np.float64) / 2**31
+    elif layout == "u1":
+        x = (raw.astype(np.float64) - 128.0) / 128.0
+    else:
+        x = raw.view(layout).astype(np.float64)
+        x = x if layout[1] == "f" else x / 2.0 ** (8 * width - 1)
+    mono = x.reshape(-1, channels).mean(axis=1)
+    return np.clip(np.round(mono * 32768.0), -32768, 32767).astype("<i2").tobytes()
 
 
 def audio_source(path: Path, sample_rate: int) -> tuple[str, int, Iterator[bytes], bool]:
@@ -66,11 +87,12 @@ def audio_source(path: Path, sample_rate: int) -> tuple[str, int, Iterator[bytes
 
     if str(path) == "-":
         stdin = sys.stdin.buffer
-        channels = 1
+        channels, layout = 1, "<i2"
         if not sample_rate:
-            sample_rate, channels = _wav_header(stdin)
-        size = 2 * channels * round(CHUNK_S * sample_rate)
-        return "LINEAR16", sample_rate, iter(lambda: _mono(stdin.read(size), channels), b""), False
+            sample_rate, channels, layout = _wav_header(stdin)
+        width = 3 if layout == "i3" else int(layout[-1])
+        size = width * channels * round(CHUNK_S * sample_rate)
+        return "LINEAR16", sample_rate, iter(lambda: _to_linear16(stdin.read(size), channels, layout), b""), False
     raw = RAW_AUDIO.get(path.suffix.lower())
     data = read_file(path)
     if raw:
