@@ -12,6 +12,12 @@ Decode attention, by what the metadata carries and where it runs:
   whole cache, so it is never the CPU default.
 - CPU float32: the C kernel (models/cpu_kernels.c), which also reads the cache in place.
 - otherwise: the gathered path (copy each request's blocks, then SDPA on CUDA, two matmuls on CPU): the fallback.
+
+A sliding-window layer (Mistral; Qwen2 / Qwen3 layers marked "sliding_attention") passes `window`: a query at
+position p sees keys p - window < j <= p, as transformers masks them. Prefill chunks add it to their mask; the C
+kernel starts each row at its first key in the window; a decode step whose block tables span more than the window
+leaves FlexAttention (its block mask knows only lengths) for the gathered path, which copies only the window's blocks.
+Keys behind the window stay cached (blocks are not freed early).
 """
 
 from __future__ import annotations

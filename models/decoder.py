@@ -1,4 +1,8 @@
-"""Our own decoder for the Llama family (Llama incl. SmolLM2 and Llama 3.x rope scaling, Qwen2, Qwen3).
+"""Our own decoder for the Llama family (Llama incl. SmolLM2 and Llama 3.x rope scaling, Qwen2, Qwen3, Mistral).
+
+Config knobs followed as transformers does (tests/test_config_sweep.py): rope types of models/config.py, explicit
+head_dim, MQA / GQA, tied or untied output, attention_bias (q/k/v, and o_proj but for Qwen2), mlp_bias, per-layer
+sliding windows.
 
 It reads and writes the paged KV cache directly (models/attention.py). transformers supplies only the config;
 the parity tests compare this module against transformers' own implementation.
