@@ -49,6 +49,7 @@ CASES = {
     "qwen2-rope-yarn-legacy-keys": ("qwen2", {"legacy_rope": {"type": "yarn", "factor": 4.0,
                                     "original_max_position_embeddings": 64}, "rope_theta": 1e6}, {}, (SHORT, LONG)),
     "llama-rope-llama3-legacy-keys": ("llama", {"legacy_rope": LLAMA3, "rope_theta": 500000.0}, {}, (SHORT, LONG)),
+    "mistral-legacy-theta-1e6-no-scaling": ("mistral", {"legacy_rope": None, "rope_theta": 1e6}, {}, (SHORT, LONG)),
     # longrope: one factor set for every position, picked by the served length (models/layers.py)
     "llama-rope-longrope-served-short": ("llama", rope(**LONGROPE), {"max_model_len": 32}, ([1, 5, 9, 33, 17],)),
     "llama-rope-longrope-served-long": ("llama", rope(**LONGROPE), {}, (LONG,)),
@@ -87,10 +88,11 @@ def build(root: Path, name: str, family: str, overrides: dict) -> Path:
     """The case's checkpoint; `legacy_rope` rewrites config.json with the pre-transformers-5 keys (`rope_scaling`
     with "type", top-level `rope_theta`) that most hub checkpoints still carry."""
     overrides = dict(overrides)
+    rewrite = "legacy_rope" in overrides
     legacy = overrides.pop("legacy_rope", None)
-    theta = overrides.pop("rope_theta", None) if legacy else None
+    theta = overrides.pop("rope_theta", None) if rewrite else None
     path = make_checkpoint(root / name, family, seed=7, with_tokenizer=False, **overrides)
-    if legacy:
+    if rewrite:
         config = json.loads((path / "config.json").read_text())
         config.pop("rope_parameters", None)
         config |= {"rope_scaling": legacy, "rope_theta": theta}
