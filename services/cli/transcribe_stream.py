@@ -6,9 +6,10 @@
 
 A file is decoded here (WAV, FLAC, Ogg, MP3 through soundfile; `.raw`/`.pcm` LINEAR16 and `.ulaw`/`.mulaw` MULAW
 with --sample-rate), mixed to mono and sent at its own rate (the server resamples). stdin is read as it comes: a
-16-bit PCM WAV stream, or headerless LINEAR16 with --sample-rate. Output: each utterance's final text on its own
-line (interim text redrawn on stderr when it is a terminal and --interim is on); `--format json` writes every
-response as one JSON line (events, interim and final results, the summary); srt / vtt cue each final.
+WAV stream (8/16/24/32-bit PCM or float, mixed to mono 16-bit here), or headerless LINEAR16 with --sample-rate.
+Output: each utterance's final text on its own line (interim text redrawn on stderr when it is a terminal and
+--interim is on); `--format json` writes every response as one JSON line (events, interim and final results, the
+summary); srt / vtt cue each final.
 """
 
 from __future__ import annotations
