@@ -11,6 +11,7 @@ Life of a server:
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Sequence
@@ -286,6 +287,7 @@ async def run(
         if server.engine_failed.is_set():
             await server.stop(1.0)  # the failed engine's calls already ended with INTERNAL; the others get 1 s
             log.critical("stopped after an engine failure")
+            gc.freeze()  # the process exits next: see below
             return ENGINE_FAILED_EXIT
         log.info(
             "shutting down: %d in-flight requests have %.0f s to finish", registry.in_flight(), options.grace_period_s
@@ -294,6 +296,10 @@ async def run(
         if not load.done():
             load.cancel()
         log.info("stopped")
+        # The process exits next. Frozen, the heap (torch, transformers, the model: 0.4M objects from the imports alone)
+        # is left out of the interpreter's final collection, which took 2.1-3.9 s after this line (SIGTERM to exit
+        # 2.5-4.4 s idle at load 4.6-6.3; 0.7-1.5 s frozen); the OS frees the memory either way.
+        gc.freeze()
         return 1 if server.forced else 0
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
