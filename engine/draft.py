@@ -110,6 +110,7 @@ def build_proposer(spec: str, k: int, vocab_size: int, device=None, dtype=None):
     """A proposer from its spec: `ngram` (prompt lookup) or `draft:PATH` (a draft checkpoint with the same vocabulary).
     Raises ValueError with a one-line reason."""
     from omnivox.engine.speculative import NgramProposer
+    from omnivox.models.config import NotApplicable
 
     if k < 1:
         raise ValueError(f"the number of speculative tokens must be >= 1, got {k}")
@@ -120,5 +121,7 @@ def build_proposer(spec: str, k: int, vocab_size: int, device=None, dtype=None):
         raise ValueError(f"speculative must be 'ngram' or 'draft:PATH', got {spec!r}")
     draft = DraftModelProposer.from_pretrained(path, device=device, dtype=dtype, k=k)
     if draft.vocab_size != vocab_size:
-        raise ValueError(f"the draft model {path} has {draft.vocab_size} tokens, the target {vocab_size}")
+        raise NotApplicable(
+            "speculative", f"the draft model {path} has {draft.vocab_size} tokens, the target {vocab_size}"
+        )
     return draft

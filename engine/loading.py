@@ -74,6 +74,7 @@ def load_model(
     from pathlib import Path
 
     from omnivox.models.checkpoint import iter_checkpoint_tensors, load_hf_config
+    from omnivox.models.config import NotApplicable
     from omnivox.models.quant import apply_activation_bits, check_activation_bits
 
     check_activation_bits(activation_bits, "quantization none is float" if quantization in (None, "none") else None)
@@ -83,14 +84,18 @@ def load_model(
 
         check_activation_bits(activation_bits, "tensor parallelism is float only")
         if quantization not in (None, "none", "auto"):  # "auto" loads float here: a GGUF's blocks are dequantised
-            raise ValueError(f"tensor parallelism needs float weights; quantization {quantization!r} is not sharded")
+            raise NotApplicable(
+                "quantization", f"tensor parallelism needs float weights; quantization {quantization!r} is not sharded"
+            )
         return start_tensor_parallel(path, tensor_parallel, device, dtype, max_model_len)
     hf_config = load_hf_config(path)
     if getattr(hf_config, "model_type", "") == "whisper":  # encoder-decoder: the encoder rides along (on rank 0)
         from omnivox.models.audio.whisper import build_whisper
 
         if quantization not in (None, "none", "auto"):
-            raise ValueError(f"quantization {quantization!r} is not supported for Whisper models (float only)")
+            raise NotApplicable(
+                "quantization", f"quantization {quantization!r} is not supported for Whisper models (float only)"
+            )
         check_activation_bits(activation_bits, "Whisper models are float only")
         model = build_whisper(hf_config, device, dtype, max_model_len)
         model.load_weights(iter_checkpoint_tensors(path))

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnivox.models import cpu_kernels
+from omnivox.models.config import NotApplicable
 from omnivox.models.layers import Linear, PackedLinear
 
 log = logging.getLogger(__name__)
@@ -303,7 +304,9 @@ def check_activation_bits(bits: int, float_weights: str | None = None) -> None:
     if isinstance(bits, bool) or bits not in ACTIVATION_BITS:
         raise ValueError(f"activation_bits (--activation-bits) must be 8 or 16, got {bits!r}")
     if bits == 8 and float_weights is not None:
-        raise ValueError(f"activation_bits 8 (--activation-bits 8) needs quantised weights: {float_weights}")
+        raise NotApplicable(
+            "activation_bits", f"activation_bits 8 (--activation-bits 8) needs quantised weights: {float_weights}"
+        )
 
 
 def apply_activation_bits(model: nn.Module, bits: int) -> None:
@@ -316,8 +319,9 @@ def apply_activation_bits(model: nn.Module, bits: int) -> None:
     blocks = [m for m in layers.modules() if isinstance(m, BlockLinear)] if layers is not None else []
     if not blocks:
         if bits == 8:
-            raise ValueError(
-                "activation_bits 8 (--activation-bits 8) needs quantised weights: this model's decoder layers are float"
+            raise NotApplicable(
+                "activation_bits",
+                "activation_bits 8 (--activation-bits 8) needs quantised weights: this model's decoder layers are float",
             )
         return
     set_act_bits(model, 8 if bits == 8 else 15)

@@ -94,6 +94,7 @@ class BundleManifest:
     planned_parts: tuple[str, ...] = ()
     overrides: dict[str, Any] = field(default_factory=dict)  # the operator's `--sampling-default`s
     engine_overrides: dict[str, Any] = field(default_factory=dict)  # EngineOptions for this model alone
+    lenient_fields: frozenset[str] = frozenset()  # of engine_overrides: dropped where they do not apply
     audio: bool = False  # an audio-LLM checkpoint (models.audio.audio_family): audio input
     vision: bool = False  # a vision-language checkpoint (services.image_prompt.vision_family): image input
     whisper: bool = False  # a Whisper checkpoint (services/whisper.py): audio in, text out
@@ -126,6 +127,7 @@ def probe(spec: ModelSpec) -> BundleManifest:
             file_defaults=read_generation_config(default.generation_config()),
             overrides=overrides,
             engine_overrides=dict(spec.engine_overrides),
+            lenient_fields=frozenset(spec.lenient_fields),
         )
     path = Path(spec.path)
     folder = path if path.is_dir() else None
@@ -149,6 +151,7 @@ def probe(spec: ModelSpec) -> BundleManifest:
         file_defaults=read_generation_config(folder / "generation_config.json" if folder else None),
         overrides=overrides,
         engine_overrides=dict(spec.engine_overrides),
+        lenient_fields=frozenset(spec.lenient_fields),
     )
 
 
@@ -235,7 +238,6 @@ def load_manifest(manifest: BundleManifest, options: EngineOptions) -> ModelBund
     """
     import dataclasses
 
-    from omnivox.engine import Engine
     from omnivox.services.prompt import ChatPromptBuilder
 
     source = manifest.source or manifest.embedded.ensure()  # type: ignore[union-attr]
@@ -245,23 +247,7 @@ def load_manifest(manifest: BundleManifest, options: EngineOptions) -> ModelBund
         source = whisper_checkpoint(source)  # a CTranslate2 folder: its converted copy in the cache
         if options.kv_cache_gib is None:  # a 448-token context: a KV cache sized for it, not the engine's default
             options = dataclasses.replace(options, kv_cache_gib=whisper_kv_gib(source, options.max_num_seqs))
-    options = dataclasses.replace(options, **manifest.engine_overrides)
-    engine = Engine.from_pretrained(
-        str(source),
-        device=options.device,
-        dtype=options.dtype,
-        kv_cache_gib=options.kv_cache_gib,
-        max_num_seqs=options.max_num_seqs,
-        max_num_batched_tokens=options.max_num_batched_tokens,
-        max_model_len=options.max_model_len,
-        progress=options.progress,
-        quantization=options.quantization,
-        quantize_lm_head=options.quantize_lm_head,
-        activation_bits=options.activation_bits,
-        speculative=options.speculative,
-        num_speculative_tokens=options.num_speculative_tokens,
-        tensor_parallel=options.tensor_parallel,
-    )
+    engine = _build_engine(source, options, manifest)
     audio: AudioInputPart | None = None
     vision: ImageInputPart | None = None
     whisper: WhisperPart | None = None
@@ -322,3 +308,38 @@ def load_manifest(manifest: BundleManifest, options: EngineOptions) -> ModelBund
         vision=vision,
         whisper=whisper,
     )
+
+
+def _build_engine(source: Path, base: EngineOptions, manifest: BundleManifest):
+    """The manifest's engine under `base` with its engine_overrides. An override that an unnamed flag set for every
+    model (manifest.lenient_fields) and that this model cannot take (NotApplicable: int8 weights for float-only
+    Whisper) is dropped with a warning and the load retried; one named for this model is raised."""
+    import dataclasses
+
+    from omnivox.engine import Engine
+    from omnivox.models.config import NotApplicable
+
+    options = dataclasses.replace(base, **manifest.engine_overrides)
+    while True:
+        try:
+            return Engine.from_pretrained(
+                str(source),
+                device=options.device,
+                dtype=options.dtype,
+                kv_cache_gib=options.kv_cache_gib,
+                max_num_seqs=options.max_num_seqs,
+                max_num_batched_tokens=options.max_num_batched_tokens,
+                max_model_len=options.max_model_len,
+                progress=options.progress,
+                quantization=options.quantization,
+                quantize_lm_head=options.quantize_lm_head,
+                activation_bits=options.activation_bits,
+                speculative=options.speculative,
+                num_speculative_tokens=options.num_speculative_tokens,
+                tensor_parallel=options.tensor_parallel,
+            )
+        except NotApplicable as e:
+            if e.field not in manifest.lenient_fields or getattr(options, e.field) == getattr(base, e.field):
+                raise
+            log.warning("%s: %s; it loads without that flag (given for every served model)", Path(source).name, e)
+            options = dataclasses.replace(options, **{e.field: getattr(base, e.field)})

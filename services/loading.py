@@ -34,6 +34,9 @@ class ModelSpec:
     # EngineOptions fields for this model alone (`serve --quantization NAME=...`, `--speculative NAME=...`,
     # `--activation-bits NAME=...`).
     engine_overrides: Mapping[str, Any] = field(default_factory=dict)
+    # Those of engine_overrides an unnamed flag set (`--quantization int8`): for every model that can take them, so
+    # a model that cannot (float-only Whisper) loads without them and a warning; a NAME= flag is strict.
+    lenient_fields: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,8 @@ def test_flag_binds_to_models_and_refuses_bad_values(tmp_path):
         ([], ["12"], "--activation-bits '12': the bits must be 8 or 16"),
         ([], ["b=eight"], "--activation-bits 'b=eight': the bits must be 8 or 16"),
         ([], ["c=8"], "--activation-bits 'c=8': no model is served as 'c'"),
-        (["b=none"], ["8"], "--activation-bits 8 needs quantised weights; 'b' is served with --quantization none"),
+        (["b=none"], ["b=8"], "--activation-bits 8 needs quantised weights; 'b' is served with --quantization none"),
+        (["none"], ["8"], "--activation-bits 8 needs quantised weights; 'a' is served with --quantization none"),
     ):
         with pytest.raises(CliError, match=message):
             model_specs([a, b], [], [], quant, [], bits)

@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 from checkpoints import make_checkpoint
 from service_harness import ServerThread, user_request
+from whisper_checkpoints import make_whisper
 
 from omnivox.engine import Engine, SamplingParams
 from omnivox.engine.speculative import NgramProposer
+from omnivox.models.config import NotApplicable
 from omnivox.models.quant import Int8Linear
 from omnivox.services.cli._common import CliError
 from omnivox.services.cli._serve_flags import model_specs
@@ -62,3 +64,23 @@ def test_int8_and_ngram_over_grpc_equal_the_engine(checkpoint):
         expected = reference.generate([list(prompt)], SamplingParams(temperature=0, max_tokens=24))[0]
         assert tokens == expected.token_ids
         assert srv.wait_kv_free("tiny")[0] == engine.kv_usage().total_blocks
+
+
+def test_unnamed_flags_apply_where_they_can_and_named_ones_are_strict(tmp_path, caplog):
+    """`serve --quantization int8` (no NAME=) with a float-only Whisper served beside a text model: the text model
+    takes int8, Whisper loads float with a warning naming why (it failed to load before); `whisper=int8` named stays
+    an error. --activation-bits 8 likewise skips a model whose weights stay float."""
+    text, whisper = make_checkpoint(tmp_path / "text"), make_whisper(tmp_path / "whisper")
+    specs = model_specs([text, whisper], ["text", "whisper"], [], ["int8"], [], ["8"])
+    assert [sorted(s.lenient_fields) for s in specs] == [["activation_bits", "quantization"]] * 2
+    with caplog.at_level("WARNING"), ServerThread(specs, EngineOptions(kv_cache_gib=0.01)) as srv:
+        assert srv.server.serving_line() == f"serving text, whisper on {srv.address}"
+        assert any(isinstance(m, Int8Linear) for m in srv.engine("text").model.modules())
+        assert not any(isinstance(m, Int8Linear) for m in srv.engine("whisper").model.modules())
+    warned = [r.getMessage() for r in caplog.records if "loads without that flag" in r.getMessage()]
+    assert len(warned) == 2 and "not supported for Whisper" in warned[0] and "activation_bits 8" in warned[1], warned
+    named = model_specs([text, whisper], ["text", "whisper"], [], ["int8", "whisper=int8"], [])
+    assert named[1].lenient_fields == frozenset() and named[0].lenient_fields == {"quantization"}
+    with ServerThread(named, EngineOptions(kv_cache_gib=0.01)) as srv:
+        assert srv.server.serving_line() == f"serving text on {srv.address}; not serving whisper (failed to load)"
+    assert issubclass(NotApplicable, ValueError)

@@ -183,10 +183,13 @@ ACTIVATION_BITS = ("8", "16")
 
 def engine_overrides(
     served: list[str], quantization: list[str], speculative: list[str], activation_bits: list[str] = ()
-) -> list[dict[str, str | int]]:
+) -> list[tuple[dict[str, str | int], frozenset[str]]]:
     """Per served model, the EngineOptions fields `--quantization` / `--speculative` / `--activation-bits`
-    ([NAME=]VALUE) set for it."""
+    ([NAME=]VALUE) set for it, and those of them an unnamed flag set (lenient: loading drops them with a warning
+    where the model cannot take them, as int8 weights for float-only Whisper; a NAME= flag is strict). The later
+    flag wins."""
     out: list[dict[str, str | int]] = [{} for _ in served]
+    lenient: list[set[str]] = [set() for _ in served]
     for flag, field, values in (
         ("--quantization", "quantization", quantization),
         ("--speculative", "speculative", speculative),
@@ -205,10 +208,12 @@ def engine_overrides(
             for i, model in enumerate(served):
                 if not name or name == model:
                     out[i][field] = int(value) if field == "activation_bits" else value
-    for model, fields in zip(served, out, strict=True):
-        if fields.get("activation_bits") == 8 and fields.get("quantization") == "none":
+                    (lenient[i].add if not name else lenient[i].discard)(field)
+    for model, fields, loose in zip(served, out, lenient, strict=True):
+        bits_named_or_both_unnamed = "activation_bits" not in loose or "quantization" in loose
+        if fields.get("activation_bits") == 8 and fields.get("quantization") == "none" and bits_named_or_both_unnamed:
             raise CliError(f"--activation-bits 8 needs quantised weights; {model!r} is served with --quantization none")
-    return out
+    return [(fields, frozenset(loose)) for fields, loose in zip(out, lenient, strict=True)]
 
 
 def model_specs(
@@ -242,6 +247,6 @@ def model_specs(
         overrides[served.index(target) if target is not None else 0][key] = value
     engine = engine_overrides(served, list(quantization), list(speculative), list(activation_bits))
     return [
-        ModelSpec(path=s.path, name=s.name, speech=s.speech, asr=s.asr, sampling_overrides=o, engine_overrides=e)
-        for s, o, e in zip(specs, overrides, engine, strict=True)
+        ModelSpec(s.path, s.name, s.speech, s.asr, sampling_overrides=o, engine_overrides=e, lenient_fields=loose)
+        for s, o, (e, loose) in zip(specs, overrides, engine, strict=True)
     ]
