@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from omnivox.services import errors
 from omnivox.services.bundle import AUDIO, IMAGE, TEXT, BundleManifest, ModelBundle
+from omnivox.services.stream_idle import DEFAULT_STREAM_IDLE_S
 
 if TYPE_CHECKING:
     from omnivox.engine import Engine
@@ -122,6 +123,9 @@ class ModelRegistry:
         self._models: dict[str, ServedModel] = {}
         self.draining = False
         self.asr_model: str | None = None  # `serve --asr-model`: transcribes Generate's audio for text models
+        # `serve --stream-idle-timeout`: a bidirectional stream receiving nothing this long (with nothing of its
+        # client's in hand) ends OUT_OF_RANGE, freeing its slot (services/stream_idle.py); None = no bound.
+        self.stream_idle_s: float | None = DEFAULT_STREAM_IDLE_S
 
     def add(self, model: ServedModel) -> None:
         if model.name in self._models:

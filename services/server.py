@@ -33,6 +33,7 @@ from omnivox.services.limits import GrpcLimits
 from omnivox.services.loading import EngineOptions, ModelLoadError, ModelSpec
 from omnivox.services.metrics import Metrics
 from omnivox.services.registry import ModelRegistry, ModelState, ServedModel
+from omnivox.services.stream_idle import DEFAULT_STREAM_IDLE_S
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class ServerOptions:
     trace_exporter: Any = None  # an OpenTelemetry SpanExporter: tracing on (services/tracing.py); None = off
     data_dir: Path | None = None  # created voices live here (services/voices.py); None = $OMNIVOX_DATA_DIR or XDG
     asr_model: str | None = None  # a served Whisper model: Generate's audio for text models (services/cascade.py)
+    stream_idle_timeout_s: float = DEFAULT_STREAM_IDLE_S  # bidirectional streams idle this long end (0 = never)
 
 
 def listen_address(host: str, port: int) -> str:
@@ -70,6 +72,7 @@ class OmnivoxServer:
         self.registry = registry
         self.options = options
         registry.set_asr_model(options.asr_model)  # ModelLoadError unless it names a served Whisper model
+        registry.stream_idle_s = options.stream_idle_timeout_s or None
         self.health = HealthServicer()
         self.metrics = Metrics()
         self.metrics_port: int | None = None

@@ -35,6 +35,7 @@ from omnivox.services.errors import FieldViolation
 from omnivox.services.generation import seconds_to_duration
 from omnivox.services.metrics import SpeechStreamMetrics
 from omnivox.services.speech_validation import invalid, validate_speech
+from omnivox.services.stream_idle import idle_bounded
 from omnivox.services.streaming_transcription import next_item
 from omnivox.v1 import content_pb2, generation_pb2, speech_pb2
 
@@ -122,10 +123,17 @@ async def streaming_synthesize(
     # complete, in order: the writer turns them into per-clause first-audio latencies and text-aware underruns.
     marks: list[tuple[int, float]] = []
     text_end: list[float] = []  # when the end of the text was read
+    generating = False  # a clause is being spoken (the idle bound waits while it is)
+    last_out = time.monotonic()  # when audio last went out (the idle bound counts from it too)
 
     async def read() -> None:
         total = 0
-        async for req in requests:
+
+        def busy() -> bool:  # its text is being spoken, or audio went out within the idle bound
+            recent = time.monotonic() - last_out < (servicer.registry.stream_idle_s or 0)
+            return generating or recent or not clauses.empty() or bool(stream.pending) or not stream.chunks.empty()
+
+        async for req in idle_bounded(requests, servicer.registry.stream_idle_s, "text", busy):
             kind = req.WhichOneof("request")
             if kind == "end":
                 break
@@ -152,7 +160,9 @@ async def streaming_synthesize(
         prev_text, prev_frames = (ref.transcript, list(ref.frames)) if ref is not None else (None, [])
         index = 0
         pushed = 0  # frames pushed to the codec stream, all clauses
+        nonlocal generating
         while (item := await clauses.get()) is not None:
+            generating = True
             clause, complete_at = item
             marks.append((pushed * bundle.codec.frame_samples, complete_at))
             if prev_text is None:
@@ -188,6 +198,7 @@ async def streaming_synthesize(
             stats["prompt"] += len(prompt)
             prev_text, prev_frames = clause, frames
             index += 1
+            generating = False
         bundle.worker.finish(stream)
 
     encoder = AudioStreamEncoder(plan.encoding, plan.sample_rate, source_rate=bundle.worker.sample_rate)
@@ -212,8 +223,8 @@ async def streaming_synthesize(
             started = 0  # clauses whose first audio was sent
 
             async def send(data: bytes) -> None:
-                nonlocal first_audio, started
-                now = time.monotonic()
+                nonlocal first_audio, started, last_out
+                now = last_out = time.monotonic()
                 first_audio = first_audio or now
                 while started < len(marks) and marks[started][0] < codec_samples:
                     m.clause_first_audio.labels(model.name).observe(max(now - marks[started][1], 0.0))

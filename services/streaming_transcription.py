@@ -43,6 +43,7 @@ from omnivox.services import errors
 from omnivox.services.errors import FieldViolation
 from omnivox.services.generation import seconds_to_duration
 from omnivox.services.registry import ServedModel
+from omnivox.services.stream_idle import idle_bounded
 from omnivox.services.whisper import transcribe
 from omnivox.services.whisper_part import SAMPLE_RATE, WhisperPart
 from omnivox.v1 import content_pb2, transcription_pb2
@@ -304,7 +305,8 @@ async def streaming_transcribe(
     stream = _Stream(model.bundle.whisper, cfg, _validate(model.bundle.whisper, cfg))
     request_id = cfg.request_id or uuid.uuid4().hex
     with model.admit():
-        tasks = [asyncio.create_task(stream.read(requests)), asyncio.create_task(stream.run_finals())]
+        messages = idle_bounded(requests, servicer.registry.stream_idle_s, "audio", lambda: bool(stream.passes))
+        tasks = [asyncio.create_task(stream.read(messages)), asyncio.create_task(stream.run_finals())]
         try:
             while (item := await next_item(stream.out, tasks)) is not None:
                 if isinstance(item, Exception):

@@ -60,6 +60,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-message-mib", type=int, default=64, help="largest request accepted (images, audio)")
     p.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight streams get after SIGTERM")
     p.add_argument(
+        "--stream-idle-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a StreamingTranscribe / StreamingSynthesizeSpeech call may receive nothing while none of its "
+        "work is left before it ends OUT_OF_RANGE, freeing its --max-queue slot (0: never)",
+    )
+    p.add_argument(
         "--max-connection-age",
         type=float,
         default=1800.0,

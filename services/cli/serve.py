@@ -51,8 +51,8 @@ def run(args: argparse.Namespace) -> int:
     for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
         if port is not None and not 0 <= port <= 65535:  # gRPC bound --port 99999 as 34463, saying so only in a log
             raise CliError(f"{flag} must be in [0, 65535], got {port}")
-    if args.max_message_mib < 1 or args.grace_period < 0:
-        raise CliError("--max-message-mib must be at least 1 and --grace-period at least 0")
+    if args.max_message_mib < 1 or args.grace_period < 0 or args.stream_idle_timeout < 0:
+        raise CliError("--max-message-mib must be at least 1, --grace-period and --stream-idle-timeout at least 0")
     if args.speech_first_hop is not None and args.speech_first_hop < 1:  # else only a speech model's load failed
         raise CliError("--speech-first-hop must be at least 1")
     if args.max_queue < 1:
@@ -76,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         max_receive_message_bytes=args.max_message_mib << 20,
         max_queue=args.max_queue,
         grace_period_s=args.grace_period,
+        stream_idle_timeout_s=args.stream_idle_timeout,
         metrics_port=args.metrics_port,
         api_keys=args.api_keys,
         tls_client_ca=args.tls_client_ca,

@@ -1,0 +1,53 @@
+"""The idle bound of the bidirectional streams (StreamingTranscribe, StreamingSynthesizeSpeech).
+
+An open stream holds one of its model's `--max-queue` slots for as long as the client keeps it open, so a client that
+opens one and then sends nothing could shut everyone else out. As Google Cloud Speech-to-Text ends a stream that
+receives no audio for a while ("Audio Timeout Error", OUT_OF_RANGE), a stream whose next message does not come within
+`serve --stream-idle-timeout` seconds ends with OUT_OF_RANGE, freeing its slot; 0 turns the bound off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
+
+import grpc
+
+from omnivox.services.errors import ServiceError
+
+T = TypeVar("T")
+
+DEFAULT_STREAM_IDLE_S = 30.0
+
+
+async def idle_bounded(
+    requests: AsyncIterator[T], idle_s: float | None, waiting_for: str, busy: Callable[[], bool] = lambda: False
+) -> AsyncIterator[T]:
+    """`requests`' messages; OUT_OF_RANGE when none comes for idle_s while the call has nothing of the client's in
+    hand (`busy()` false: a client may wait, not sending, while its text is spoken or its utterance transcribed). The
+    bound is checked every idle_s, so an idle call ends idle_s to 2 x idle_s after its work ran out. None or 0: no
+    bound."""
+    it = aiter(requests)
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            pending = pending or asyncio.ensure_future(anext(it))
+            done, _ = await asyncio.wait([pending], timeout=idle_s or None)
+            if not done:
+                if busy():
+                    continue
+                raise ServiceError(
+                    grpc.StatusCode.OUT_OF_RANGE,
+                    f"no {waiting_for} for {idle_s:g} s: the stream is closed (send at least that often, or end the "
+                    "stream; the server's --stream-idle-timeout sets the bound)",
+                )
+            try:
+                req = pending.result()
+            except StopAsyncIteration:
+                return
+            pending = None
+            yield req
+    finally:
+        if pending is not None and not pending.done():
+            pending.cancel()
