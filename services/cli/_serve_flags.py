@@ -192,9 +192,9 @@ def engine_overrides(
     served: list[str], quantization: list[str], speculative: list[str], activation_bits: list[str] = ()
 ) -> list[tuple[dict[str, str | int], frozenset[str]]]:
     """Per served model, the EngineOptions fields `--quantization` / `--speculative` / `--activation-bits`
-    ([NAME=]VALUE) set for it, and those of them an unnamed flag set (lenient: loading drops them with a warning
-    where the model cannot take them, as int8 weights for float-only Whisper; a NAME= flag is strict). The later
-    flag wins."""
+    ([NAME=]VALUE) set for it, and those of them an unnamed flag set while several models are served (lenient:
+    loading drops them with a warning where the model cannot take them, as int8 weights for float-only Whisper; a
+    NAME= flag, or any flag with one model served, is strict). The later flag wins."""
     out: list[dict[str, str | int]] = [{} for _ in served]
     lenient: list[set[str]] = [set() for _ in served]
     for flag, field, values in (
@@ -215,7 +215,7 @@ def engine_overrides(
             for i, model in enumerate(served):
                 if not name or name == model:
                     out[i][field] = int(value) if field == "activation_bits" else value
-                    (lenient[i].add if not name else lenient[i].discard)(field)
+                    (lenient[i].add if not name and len(served) > 1 else lenient[i].discard)(field)
     for model, fields, loose in zip(served, out, lenient, strict=True):
         bits_named_or_both_unnamed = "activation_bits" not in loose or "quantization" in loose
         if fields.get("activation_bits") == 8 and fields.get("quantization") == "none" and bits_named_or_both_unnamed:
