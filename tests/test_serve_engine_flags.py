@@ -12,7 +12,6 @@ from whisper_checkpoints import make_whisper
 
 from omnivox.engine import Engine, SamplingParams
 from omnivox.engine.speculative import NgramProposer
-from omnivox.models.config import NotApplicable
 from omnivox.models.quant import Int8Linear
 from omnivox.services.cli._common import CliError
 from omnivox.services.cli._serve_flags import model_specs
@@ -83,4 +82,3 @@ def test_unnamed_flags_apply_where_they_can_and_named_ones_are_strict(tmp_path, 
     assert named[1].lenient_fields == frozenset() and named[0].lenient_fields == {"quantization"}
     with ServerThread(named, EngineOptions(kv_cache_gib=0.01)) as srv:
         assert srv.server.serving_line() == f"serving text on {srv.address}; not serving whisper (failed to load)"
-    assert issubclass(NotApplicable, ValueError)
