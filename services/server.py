@@ -21,7 +21,6 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from omnivox.services import loading
 from omnivox.services.audio_prompt import log_message_limit
@@ -32,6 +31,7 @@ from omnivox.services.interceptors import server_interceptors
 from omnivox.services.limits import GrpcLimits
 from omnivox.services.loading import EngineOptions, ModelLoadError, ModelSpec
 from omnivox.services.metrics import Metrics
+from omnivox.services.reflection import enable_reflection
 from omnivox.services.registry import ModelRegistry, ModelState, ServedModel
 from omnivox.services.stream_idle import DEFAULT_STREAM_IDLE_S
 
@@ -113,9 +113,8 @@ class OmnivoxServer:
         for binding in self.services:
             binding.add_to_server(binding.servicer, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        reflection.enable_server_reflection(
-            [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
-            self._server,
+        enable_reflection(
+            [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name], self._server
         )
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
 

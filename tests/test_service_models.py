@@ -9,6 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 from checkpoints import make_checkpoint
+from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from service_harness import ServerThread, user_request
@@ -82,6 +83,26 @@ def test_reflection_lists_services(server: ServerThread) -> None:
     request = reflection_pb2.ServerReflectionRequest(file_containing_symbol="omnivox.v1.GenerationService")
     [response] = stub.ServerReflectionInfo(iter([request]))
     assert response.file_descriptor_response.file_descriptor_proto
+
+
+def test_reflection_v1_as_well_as_v1alpha(server: ServerThread) -> None:
+    """grpcurl >= 1.9, buf curl and grpcui ask grpc.reflection.v1 first: answered, not UNIMPLEMENTED."""
+    info = server.channel().stream_stream(
+        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+    )  # v1 and v1alpha are the same messages under two package names
+    [response] = info(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    names = {s.name for s in response.list_services_response.service}
+    assert set(OMNIVOX_SERVICES) <= names
+    assert {"grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"} <= names
+    for symbol in ("omnivox.v1.GenerationService", "grpc.reflection.v1.ServerReflection"):
+        [response] = info(iter([reflection_pb2.ServerReflectionRequest(file_containing_symbol=symbol)]))
+        protos = [
+            descriptor_pb2.FileDescriptorProto.FromString(r)
+            for r in response.file_descriptor_response.file_descriptor_proto
+        ]
+        assert symbol in {f"{p.package}.{s.name}" for p in protos for s in p.service}
 
 
 def test_not_serving_while_loading(checkpoints) -> None:
