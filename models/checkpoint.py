@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import transformers
 
-from .gguf_checkpoint import _iter_gguf, load_gguf_config, load_gguf_tokenizer
+from .gguf_checkpoint import iter_gguf, load_gguf_config, load_gguf_tokenizer
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -107,7 +107,7 @@ def iter_checkpoint_tensors(path: str | os.PathLike, part: str | None = DECODER)
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ValueError(f"checkpoint file {path} is not a .gguf file; pass a checkpoint folder or a .gguf file")
-        return _iter_gguf(path)  # GGUF files we read are text decoders: every tensor is the decoder's
+        return iter_gguf(path)  # GGUF files we read are text decoders: every tensor is the decoder's
     files, kind = _find_weight_files(path)
     keep = None if part is None else (lambda name: route_weight_name(name)[0] == part)
     if kind == "safetensors":

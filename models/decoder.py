@@ -79,7 +79,7 @@ class DecoderLayer(nn.Module):
 
 
 # Checkpoint names that land inside a packed layer: checkpoint suffix -> (our module, part name).
-_PACKED = {
+PACKED_PROJECTIONS = {
     "q_proj": ("qkv_proj", "q_proj"),
     "k_proj": ("qkv_proj", "k_proj"),
     "v_proj": ("qkv_proj", "v_proj"),
@@ -145,8 +145,8 @@ class DecoderModel(nn.Module):
             if ours == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding serves as the output projection
             parts = ours.split(".")
-            if len(parts) >= 2 and parts[-2] in _PACKED:
-                module_name, part = _PACKED[parts[-2]]
+            if len(parts) >= 2 and parts[-2] in PACKED_PROJECTIONS:
+                module_name, part = PACKED_PROJECTIONS[parts[-2]]
                 target = ".".join(parts[:-2] + [module_name])
                 self.get_submodule(target).load_part(part, parts[-1], tensor)
                 loaded.add(f"{target}.{part}.{parts[-1]}")

@@ -100,7 +100,7 @@ class _GGUFBytes:
         return out if dtype is None else out.astype(dtype)
 
 
-def _gguf_tensor_table(path: Path) -> tuple[str, list[tuple[str, int, tuple[int, ...], np.ndarray | _GGUFBytes]]]:
+def gguf_tensor_table(path: Path) -> tuple[str, list[tuple[str, int, tuple[int, ...], np.ndarray | _GGUFBytes]]]:
     """(architecture, [(gguf_name, ggml_type, torch shape, raw bytes)]) of a GGUF file.
 
     The raw bytes have shape (*shape[:-1], bytes per row), which is what `gguf.quants.dequantize` takes; they are
@@ -129,7 +129,7 @@ def _gguf_tensor_table(path: Path) -> tuple[str, list[tuple[str, int, tuple[int,
     return header.architecture, table
 
 
-def _iter_gguf(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     import gguf
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
@@ -137,7 +137,7 @@ def _iter_gguf(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         get_gguf_hf_weights_map,
     )
 
-    arch, table = _gguf_tensor_table(path)
+    arch, table = gguf_tensor_table(path)
     if arch not in GGUF_ARCHS:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHS)})")
     config = load_gguf_config(path)
@@ -146,11 +146,11 @@ def _iter_gguf(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         "num_key_value_heads": config.num_key_value_heads,
     }
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=processor_config)
-    name_map = get_gguf_hf_weights_map(_ParameterNames(config), processor)
-    return _dequantize_gguf_tensors(path, table, name_map, processor, gguf.quants.dequantize)
+    name_map = get_gguf_hf_weights_map(ParameterNames(config), processor)
+    return dequantize_gguf_tensors(path, table, name_map, processor, gguf.quants.dequantize)
 
 
-class _ParameterNames:
+class ParameterNames:
     """What `get_gguf_hf_weights_map` reads of a model: its config and parameter names, without submodules.
 
     Passing the real model makes transformers rebuild gguf's name table once per submodule (seconds for 30 layers);
@@ -170,7 +170,7 @@ class _ParameterNames:
         return iter(())
 
 
-def _dequantize_gguf_tensors(path, table, name_map, processor, dequantize) -> Iterator[tuple[str, torch.Tensor]]:
+def dequantize_gguf_tensors(path, table, name_map, processor, dequantize) -> Iterator[tuple[str, torch.Tensor]]:
     import gguf
 
     for gguf_name, ggml_type, shape, raw in table:
@@ -196,7 +196,7 @@ def _patch_gguf_config(config: transformers.PretrainedConfig, metadata: dict, pa
     if arch == "qwen3" and key_length is not None:
         config.head_dim = int(key_length)
     if arch == "llama":
-        rope_freqs = next((raw for name, _, _, raw in _gguf_tensor_table(path)[1] if name == "rope_freqs.weight"), None)
+        rope_freqs = next((raw for name, _, _, raw in gguf_tensor_table(path)[1] if name == "rope_freqs.weight"), None)
         if rope_freqs is not None:
             config.rope_parameters = _llama3_rope_from_freq_factors(
                 np.asarray(rope_freqs).view(np.float32).reshape(-1), config, path

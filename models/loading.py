@@ -21,8 +21,8 @@ from torch import nn
 from omnivox.models import quant
 from omnivox.models.checkpoint import iter_checkpoint_tensors, load_hf_config
 from omnivox.models.config import ModelConfig
-from omnivox.models.decoder import _PACKED, DecoderModel
-from omnivox.models.gguf_checkpoint import GGUF_ARCHS, _dequantize_gguf_tensors, _gguf_tensor_table, _ParameterNames
+from omnivox.models.decoder import PACKED_PROJECTIONS, DecoderModel
+from omnivox.models.gguf_checkpoint import GGUF_ARCHS, ParameterNames, dequantize_gguf_tensors, gguf_tensor_table
 from omnivox.models.layers import Linear, PackedLinear, RotaryEmbedding
 
 # GGML types served at their own precision (ggml_type ids from gguf.GGMLQuantizationType).
@@ -72,13 +72,13 @@ def iter_gguf_blocks(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tenso
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
     path = Path(path)
-    arch, table = _gguf_tensor_table(path)
+    arch, table = gguf_tensor_table(path)
     if arch not in GGUF_ARCHS:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHS)})")
     config = load_hf_config(path)
     heads = {"num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads}
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=heads)
-    name_map = get_gguf_hf_weights_map(_ParameterNames(config), processor)
+    name_map = get_gguf_hf_weights_map(ParameterNames(config), processor)
     native = {name for name, ggml_type, shape, _ in table if ggml_type in _INT4_TYPES | _INT8_TYPES and len(shape) == 2}
     offsets = _gguf_offsets(path)
     with open(path, "rb", buffering=0) as f:
@@ -89,7 +89,7 @@ def iter_gguf_blocks(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tenso
                 rows = processor.process(weights=blocks, name=gguf_name).weights  # permutes whole rows of blocks
                 yield name_map[gguf_name], GGUFBlocks(ggml_type, rows, (int(shape[0]), int(shape[1])))
     rest = [entry for entry in table if entry[0] not in native]
-    yield from _dequantize_gguf_tensors(path, rest, name_map, processor, gguf.quants.dequantize)
+    yield from dequantize_gguf_tensors(path, rest, name_map, processor, gguf.quants.dequantize)
 
 
 def _gguf_offsets(path: Path) -> dict[str, tuple[int, int]] | None:
@@ -272,7 +272,7 @@ def load_decoder(
 
 
 def _gguf_output_quantized(path: Path, tied: bool) -> bool:
-    types = {name: ggml_type for name, ggml_type, _, _ in _gguf_tensor_table(path)[1]}
+    types = {name: ggml_type for name, ggml_type, _, _ in gguf_tensor_table(path)[1]}
     ggml_type = types.get(
         "output.weight", types.get("token_embd.weight") if tied or "output.weight" not in types else 0
     )
@@ -303,8 +303,8 @@ def _load(
             continue  # tied: the embedding serves as the output projection
         parts = ours.split(".")
         module, part, kind = ".".join(parts[:-1]), "", parts[-1]
-        if len(parts) >= 2 and parts[-2] in _PACKED:
-            packed, part = _PACKED[parts[-2]]
+        if len(parts) >= 2 and parts[-2] in PACKED_PROJECTIONS:
+            packed, part = PACKED_PROJECTIONS[parts[-2]]
             module = ".".join(parts[:-2] + [packed])
         if module in pending:
             layer = pending[module]
