@@ -35,7 +35,11 @@ class KVUsage:
 
 
 class BlockPool:
-    """Hands out block ids. Invariant: a block is either referenced (ref_count > 0) or in the free queue."""
+    """Hands out block ids. Invariant: a block is either referenced (ref_count > 0) or in the free queue.
+
+    `null_block` (= num_blocks, one past the pool's ids) is the id that stands in a block table for a block released
+    behind a sliding window: the runner's cache holds one block more than the pool (its scratch block), so the id is
+    addressable, but the pool never hands it out, counts it, or caches it, and no attention ever reads its keys."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1:
@@ -45,6 +49,7 @@ class BlockPool:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # front = evict first
         self.cached: dict[bytes, int] = {}  # block hash -> block id
         self.enable_prefix_caching = enable_prefix_caching
+        self.null_block = num_blocks
 
     @property
     def num_free(self) -> int:

@@ -85,7 +85,10 @@ class EngineCore:
     ) -> None:
         param = next(model.parameters())
         self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
-        self.kv = KVCacheManager(self.pool)
+        # Blocks behind the window are released only when every layer slides (a full-attention layer reads them all).
+        cfg = model.config
+        slides = bool(cfg.sliding_window) and len(cfg.sliding_layers) == cfg.num_layers
+        self.kv = KVCacheManager(self.pool, cfg.sliding_window if slides else None)
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens)
         self.runner = ModelRunner(
             model, num_blocks, block_size, param.device, param.dtype, max_num_seqs, static_decode=static_decode
@@ -320,5 +323,11 @@ class EngineCore:
         self.pool.check_integrity()
         assert all(r.status == Status.RUNNING for r in self.scheduler.running)
         assert all(not r.block_table for r in self.scheduler.waiting)
-        held = sum(len(r.block_table) for r in self.scheduler.running)
+        held = sum(len(r.block_table) - r.num_skipped_blocks for r in self.scheduler.running)
+        null = self.pool.null_block
+        assert all(
+            all(b == null for b in r.block_table[: r.num_skipped_blocks])
+            and null not in r.block_table[r.num_skipped_blocks :]
+            for r in self.scheduler.running
+        ), "a released block still in use, or a live entry pointing at the null block"
         assert held == sum(b.ref_count for b in self.pool.blocks), "block references do not match block tables"

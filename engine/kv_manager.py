@@ -1,4 +1,13 @@
-"""Maps requests onto the block pool: prefix-cache lookup at admission, growth as tokens are computed, freeing."""
+"""Maps requests onto the block pool: prefix-cache lookup at admission, growth as tokens are computed, freeing.
+
+Sliding windows: when every layer of the model slides (Mistral; Qwen2 / Qwen3 with every layer marked
+"sliding_attention"), a block whose tokens all lie before the next computed position's window is read by no layer
+again. `allocate` releases such blocks first (as vLLM's SlidingWindowManager does), so a long generation holds about
+window / block_size + 1 blocks instead of its whole context. Their block-table entries become the pool's `null_block`
+(positions keep their index; every attention path starts reading at the window). A released block keeps its prefix-
+cache entry until it is reused, like any freed block: its content is still exactly what its hash names. With some
+layers attending to everything (Qwen2 with max_window_layers) every block stays, since those layers read them all.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +16,13 @@ from omnivox.engine.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: BlockPool, sliding_window: int | None = None) -> None:
+        """sliding_window: the window of a model whose every layer slides (None: blocks are held to the end)."""
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.pool = pool
         self.block_size = pool.block_size
+        self.sliding_window = sliding_window
 
     def _block_extra(self, req: Request, index: int) -> tuple:
         """Content hashes of the embedding segments that overlap block `index` (part of the block's identity); the
@@ -47,14 +60,35 @@ class KVCacheManager:
             self.pool.acquire_cached(block_id)
         req.block_table = hits
         req.num_registered_blocks = len(hits)
+        req.num_skipped_blocks = 0
         return len(hits) * self.block_size
 
     def blocks_needed(self, req: Request, num_new_tokens: int) -> int:
         total = req.num_computed_tokens + num_new_tokens
         return max(0, -(-total // self.block_size) - len(req.block_table))
 
+    def skippable_blocks(self, num_computed: int) -> int:
+        """Leading blocks no layer reads again once positions from num_computed on are computed (0 without a
+        window): the next query, at num_computed, sees keys from num_computed - window + 1 on."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed - self.sliding_window + 1) // self.block_size
+
+    def free_behind_window(self, req: Request) -> None:
+        """Release the blocks behind the sliding window of the request's next computed position (tail-first, so
+        that its earliest blocks, the most shareable, are evicted last); their entries become the null block."""
+        skip = min(self.skippable_blocks(req.num_computed_tokens), len(req.block_table))
+        if skip <= req.num_skipped_blocks:
+            return
+        released = req.block_table[req.num_skipped_blocks : skip]
+        self.pool.release(list(reversed(released)))
+        req.block_table[req.num_skipped_blocks : skip] = [self.pool.null_block] * len(released)
+        req.num_skipped_blocks = skip
+
     def allocate(self, req: Request, num_new_tokens: int) -> bool:
-        """Grow the block table to hold num_new_tokens more; False (nothing changed) when the pool is short."""
+        """Grow the block table to hold num_new_tokens more, after releasing the blocks behind a sliding window
+        (which never changes what the request computes); False (the table not grown) when the pool is short."""
+        self.free_behind_window(req)
         need = self.blocks_needed(req, num_new_tokens)
         if need > self.pool.num_free:
             return False
@@ -79,6 +113,7 @@ class KVCacheManager:
         """Take the request's computed length back to num_computed (rejected drafts), freeing blocks past it."""
         assert 0 <= num_computed <= req.num_tokens, "rollback past the committed tokens"
         assert num_computed >= req.num_registered_blocks * self.block_size, "rollback into prefix-cached blocks"
+        assert self.skippable_blocks(num_computed) >= req.num_skipped_blocks, "rollback behind released blocks"
         req.num_computed_tokens = num_computed
         keep = -(-num_computed // self.block_size)
         if len(req.block_table) > keep:
@@ -86,6 +121,7 @@ class KVCacheManager:
             del req.block_table[keep:]
 
     def free(self, req: Request) -> None:
-        self.pool.release(list(reversed(req.block_table)))
+        self.pool.release(list(reversed(req.block_table[req.num_skipped_blocks :])))
         req.block_table = []
+        req.num_skipped_blocks = 0
         req.num_registered_blocks = 0  # block_hashes stay valid: a recompute sees the same tokens

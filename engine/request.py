@@ -203,6 +203,8 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # of this request's full committed blocks, in order
     num_registered_blocks: int = 0  # leading blocks of block_table already offered to the prefix cache
+    # Leading blocks of block_table released behind a sliding window (each entry now the pool's null block).
+    num_skipped_blocks: int = 0
     num_computed_tokens: int = 0  # committed tokens whose K/V are in the cache
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first admission (-1: not yet admitted)
     status: Status = Status.WAITING
