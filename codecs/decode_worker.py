@@ -168,6 +168,12 @@ class DecodeWorker:
         if self._wake is not None:
             self._wake.set()
 
+    def flush(self, stream: AudioStream) -> None:
+        """Decode and send every frame pushed so far without waiting for more (the stream stays open)."""
+        stream.state.flush()
+        if self._wake is not None:
+            self._wake.set()
+
     def close(self, stream: AudioStream) -> None:
         """Forget the stream (finished or cancelled): its frames, tail and queue are dropped."""
         stream.state.close()

@@ -21,7 +21,10 @@ leaves early and each later chunk has time to be generated while the previous on
     emits samples          [ b_{k-1}F - O , b_k F - O )   (its first O samples crossfaded with window k-1's tail)
     holds back the tail    [ b_k F - O , b_k F )
 
-After `finish()`, one last window emits everything that is left.
+After `finish()`, one last window emits everything that is left. `flush()` does the same without ending the stream:
+a stream whose frames pause for outside input (text streamed in, a clause spoken and the next not yet written) emits
+its held-back audio now instead of when the next frames come; the frames after a flush start a new run of windows
+(left context from the frames before, no crossfade into the flushed tail, which went out whole).
 
 Windows of all streams that are ready at the same time are decoded in one codec forward pass
 (`BatchedStreamDecoder.decode_windows`). They need not have the same length (chunks grow, streams are at different
@@ -104,7 +107,7 @@ class DecodeWindow:
     emit_start: int
     emit_end: int
     tail_end: int
-    final: bool
+    final: bool  # decoded with no frames after it: the stream's last window, or a flush's
     history: torch.Tensor | None = None  # (h x codes_per_frame): the frames [start_frame - h, start_frame)
 
     @property
@@ -146,6 +149,7 @@ class StreamDecoderState:
         self._planned_until = 0  # sample where the next planned window starts emitting
         self._planned_windows = 0
         self._final_planned = False
+        self._flush_requested = False
         self._applied_windows = 0
         self.emitted_samples = 0
         self._tail: torch.Tensor | None = None
@@ -175,6 +179,11 @@ class StreamDecoderState:
     def finish(self) -> None:
         """No more frames: the next plan includes the last window."""
         self.finished = True
+
+    def flush(self) -> None:
+        """The next plan emits every frame received so far (no lookahead, nothing held back for a crossfade); more
+        frames may follow."""
+        self._flush_requested = True
 
     def _window_frames(self, start: int, end: int) -> torch.Tensor:
         rows = self._frames[start - self._frame_offset : end - self._frame_offset]
@@ -221,11 +230,13 @@ class StreamDecoderState:
                 )
             )
             self._planned_boundary = boundary
-        if self.finished:
+        if self.finished or self._flush_requested:
             end = self.num_frames * f
             if end > self._planned_until:
                 windows.append(self._make_window(end, end, self.num_frames, final=True))
-            self._final_planned = True
+                self._planned_boundary = self.num_frames  # a flush: the next hop counts from here
+            self._final_planned = self.finished
+            self._flush_requested = False
         return windows
 
     def apply(self, window: DecodeWindow, audio: torch.Tensor) -> np.ndarray:

@@ -3,11 +3,16 @@
     config -> text chunks -> end      (client)
     format -> audio chunks -> summary (server, as SynthesizeSpeech)
 
-Text is cut into clauses as it arrives (`ClauseCutter`: after , ; : . ! ? followed by a space, or at a space once a
-clause reaches max_clause_chars). Clauses are synthesised one after another, each with the previous clause's text and
+Text is cut into clauses as it arrives (`ClauseCutter`: after , ; : . ! ? followed by a space, after CJK punctuation
+(。！？，、；：, which no space follows), or at a space once a clause reaches max_clause_chars). Text that ends at such
+punctuation with nothing after it is a complete clause once no more text comes for SETTLE_S (it may still be "3.5" or
+"?!" arriving token by token): a client that sends one sentence and waits for its audio before sending more gets it. Clauses are synthesised one after another, each with the previous clause's text and
 its last CONTEXT_FRAMES of codes as a prior turn (`SpeechLayout.build_reference_prompt`), so the voice and prosody
 carry over. All clauses' frames go into ONE codec stream: the streaming decoder's windows and crossfade run across
-clause joins exactly as within a clause, so the joins have no seam of their own.
+clause joins exactly as within a clause, so the joins have no seam of their own. When a clause is spoken and the next
+one's text has not come, the codec stream is flushed: the clause's last window (up to a hop plus the lookahead frame,
+~1.5 s of audio) goes out now, not when the next clause's frames come (the flushed end is decoded as an utterance's
+end is; the next clause's audio continues from it with its left context).
 
 Latency trade-off: a clause starts synthesising when it is complete, so first audio comes roughly one clause (plus a
 few frames of generation) after its first word; a shorter max_clause_chars means earlier first audio but less text
@@ -45,7 +50,13 @@ if TYPE_CHECKING:
 DEFAULT_MAX_CLAUSE_CHARS = 120
 CONTEXT_SECONDS = 2.0  # of the previous clause's audio codes in the next clause's prompt
 
-_BOUNDARY = re.compile(r"[,;:.!?…。！？][\"')\]]*(?=\s)")
+SETTLE_S = 0.25  # text ending at clause punctuation is a complete clause after this long with no more text
+_CLOSER = "\"')\\]」』）"
+_CLOSERS = f"[{_CLOSER}]*"
+# Latin punctuation ends a clause when a space follows (so "3.5" and "e.g." stay whole); CJK punctuation when any
+# character but a closing quote or bracket does (no space follows it).
+_BOUNDARY = re.compile(rf"[,;:.!?…]{_CLOSERS}(?=\s)|[。！？，、；：]{_CLOSERS}(?=[^{_CLOSER}])")
+_ENDS_AT_BOUNDARY = re.compile(rf"[,;:.!?…。！？，、；：]{_CLOSERS}\s*$")
 
 
 class ClauseCutter:
@@ -75,6 +86,11 @@ class ClauseCutter:
     def flush(self) -> list[str]:
         rest, self.buffer = self.buffer.strip(), ""
         return [rest] if rest else []
+
+    def ends_at_boundary(self) -> bool:
+        """The text held ends at clause punctuation: a complete clause unless more text follows (`flush` it when
+        none comes)."""
+        return _ENDS_AT_BOUNDARY.search(self.buffer) is not None
 
 
 async def streaming_synthesize(
@@ -128,29 +144,42 @@ async def streaming_synthesize(
 
     async def read() -> None:
         total = 0
+        loop = asyncio.get_running_loop()
+        settle: asyncio.TimerHandle | None = None
+
+        def settled(arrived: float) -> None:  # no text came after the clause punctuation: the clause is complete
+            for clause in cutter.flush():
+                clauses.put_nowait((clause, arrived))
 
         def busy() -> bool:  # its text is being spoken, or audio went out within the idle bound
             recent = time.monotonic() - last_out < (servicer.registry.stream_idle_s or 0)
             return generating or recent or not clauses.empty() or bool(stream.pending) or not stream.chunks.empty()
 
-        async for req in idle_bounded(requests, servicer.registry.stream_idle_s, "text", busy):
-            kind = req.WhichOneof("request")
-            if kind == "end":
-                break
-            if kind == "config":
-                raise errors.invalid_argument([FieldViolation("config", "only the first message may be a config")])
-            if kind != "text":
-                raise errors.invalid_argument(
-                    [FieldViolation("request", "a message after the config sets none of text, end")]
-                )
-            total += len(req.text)
-            if total > servicer.limits.max_text_chars:
-                raise errors.invalid_argument(
-                    [FieldViolation("text", f"more than {servicer.limits.max_text_chars} characters in all")]
-                )
-            now = time.monotonic()
-            for clause in cutter.feed(req.text):
-                clauses.put_nowait((clause, now))
+        try:
+            async for req in idle_bounded(requests, servicer.registry.stream_idle_s, "text", busy):
+                kind = req.WhichOneof("request")
+                if kind == "end":
+                    break
+                if kind == "config":
+                    raise errors.invalid_argument([FieldViolation("config", "only the first message may be a config")])
+                if kind != "text":
+                    raise errors.invalid_argument(
+                        [FieldViolation("request", "a message after the config sets none of text, end")]
+                    )
+                total += len(req.text)
+                if total > servicer.limits.max_text_chars:
+                    raise errors.invalid_argument(
+                        [FieldViolation("text", f"more than {servicer.limits.max_text_chars} characters in all")]
+                    )
+                now = time.monotonic()
+                for clause in cutter.feed(req.text):
+                    clauses.put_nowait((clause, now))
+                if settle is not None:
+                    settle.cancel()
+                settle = loop.call_later(SETTLE_S, settled, now) if cutter.ends_at_boundary() else None
+        finally:
+            if settle is not None:
+                settle.cancel()
         text_end.append(time.monotonic())
         for clause in cutter.flush():
             clauses.put_nowait((clause, text_end[0]))
@@ -161,7 +190,11 @@ async def streaming_synthesize(
         index = 0
         pushed = 0  # frames pushed to the codec stream, all clauses
         nonlocal generating
-        while (item := await clauses.get()) is not None:
+        while True:
+            if clauses.empty():  # the next clause's text has not come: send all of this one's audio now
+                bundle.worker.flush(stream)
+            if (item := await clauses.get()) is None:
+                break
             generating = True
             clause, complete_at = item
             marks.append((pushed * bundle.codec.frame_samples, complete_at))

@@ -232,3 +232,36 @@ def test_old_frames_are_trimmed_and_a_long_stream_still_equals_one_shot(codec):
     assert max(held) <= bound < n, (max(held), bound)
     assert held[-1] < n // 2  # trimmed as it went, not only at the end
     np.testing.assert_allclose(np.concatenate(chunks), codec.decode_frames(frames[None], LEVELS)[0].numpy(), atol=1e-5)
+
+
+def test_flush_emits_every_frame_so_far_and_the_stream_goes_on(codec):
+    """A flush (a clause spoken, the next one's text not written yet) sends all audio of the frames received so far,
+    nothing held back; the frames after it continue the same stream, which still ends at exactly frames x F."""
+    frames = random_frames(19, seed=4)
+    one_shot = codec.decode_frames(frames[None], LEVELS)[0].numpy()
+    dec = BatchedStreamDecoder(codec, LEVELS)
+    stream = dec.open_stream()
+    chunks: list[np.ndarray] = []
+    for row in frames[:7].tolist():
+        stream.push_frame(row)
+        chunks += dec.decode_ready([stream]).get(stream, [])
+    assert sum(len(c) for c in chunks) < 7 * F  # held back: the lookahead frame and the crossfade
+    stream.flush()
+    chunks += dec.decode_ready([stream]).get(stream, [])
+    assert sum(len(c) for c in chunks) == 7 * F and not stream.done
+    assert dec.decode_ready([stream]) == {}  # a flush is planned once
+    stream.flush()  # nothing new: no empty window
+    assert dec.decode_ready([stream]) == {}
+    for row in frames[7:].tolist():
+        stream.push_frame(row)
+        chunks += dec.decode_ready([stream]).get(stream, [])
+    stream.finish()
+    chunks += dec.decode_ready([stream]).get(stream, [])
+    assert stream.done
+    y = np.concatenate(chunks)
+    assert len(y) == len(one_shot) == 19 * F
+    # Before the flush the audio is that of the 7 frames alone (as if the stream had ended there: the last frame
+    # decoded without right context); after it, the one-shot decode's (its left context is the frames before).
+    alone = codec.decode_frames(frames[None, :7], LEVELS)[0].numpy()
+    np.testing.assert_allclose(y[: 7 * F], alone, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(y[7 * F :], one_shot[7 * F :], atol=1e-5, rtol=0)

@@ -1,0 +1,125 @@
+"""Speech out from a user's side: a streaming client that waits for its audio before sending more, odd texts, every
+output encoding decoded back, cancelled streams next to live ones, reference audio of odd shapes, the CLI."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from service_harness import ServerThread
+
+from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
+from omnivox.services.defaults import save_random_speech_model
+from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.speech import SpeechServicer
+from omnivox.services.speech_stream import ClauseCutter
+from omnivox.v1 import content_pb2, sampling_pb2, speech_pb2, speech_pb2_grpc
+
+SMALL_SNAC = dict(SNAC_24KHZ_CONFIG, encoder_dim=8, decoder_dim=64)
+ENC = content_pb2.AudioEncoding
+PCM = speech_pb2.AudioConfig(encoding=ENC.AUDIO_ENCODING_LINEAR16)
+SEEDED = sampling_pb2.SamplingConfig(seed=7)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("speech-audit")
+    path = save_random_speech_model(root / "orpheus-random", snac_config=SMALL_SNAC)
+    with ServerThread([ModelSpec(path=path, name="speech")], EngineOptions(kv_cache_gib=0.02), data_dir=root) as srv:
+        servicer = next(b.servicer for b in srv.server.services if isinstance(b.servicer, SpeechServicer))
+        servicer.limits.audio_seconds_base = 0.3  # the random decoder speaks its whole budget: keep it short
+        servicer.limits.audio_seconds_per_char = 0.01
+        srv.speech = servicer
+        srv.worker = srv.registry.lookup("speech").bundle.speech.worker
+        yield srv
+
+
+def stub(server: ServerThread) -> speech_pb2_grpc.SpeechServiceStub:
+    return speech_pb2_grpc.SpeechServiceStub(server.channel())
+
+
+def one_shot_pcm(server: ServerThread, text: str) -> bytes:
+    request = speech_pb2.SynthesizeSpeechRequest(model="speech", text=text, audio_config=PCM, sampling=SEEDED)
+    return b"".join(r.audio.data for r in stub(server).SynthesizeSpeech(request, timeout=60))
+
+
+class WaitingStreamClient:
+    """A StreamingSynthesizeSpeech client that sends `texts`, then waits (sending nothing, not ending) until told to
+    end; responses are collected on a thread."""
+
+    def __init__(self, server: ServerThread, texts: list[str]) -> None:
+        self.release = threading.Event()
+        self.audio = bytearray()
+        self.kinds: list[str] = []
+        self.error: BaseException | None = None
+        config = speech_pb2.StreamingSpeechConfig(model="speech", audio_config=PCM, sampling=SEEDED)
+
+        def requests():
+            yield speech_pb2.StreamingSynthesizeSpeechRequest(config=config)
+            for text in texts:
+                yield speech_pb2.StreamingSynthesizeSpeechRequest(text=text)
+            self.release.wait(60)
+            yield speech_pb2.StreamingSynthesizeSpeechRequest(end=True)
+
+        self.call = stub(server).StreamingSynthesizeSpeech(requests(), timeout=60)
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        try:
+            for response in self.call:
+                self.kinds.append(response.WhichOneof("response"))
+                self.audio += response.audio.data
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            self.error = exc
+
+    def wait_for_bytes(self, n: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while len(self.audio) < n and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return len(self.audio) >= n
+
+    def end(self) -> None:
+        self.release.set()
+        self.thread.join(30)
+
+
+@pytest.mark.parametrize("texts", [["Hello there."], ["Hello ", "there. "]])
+def test_a_complete_sentence_is_spoken_in_full_before_the_stream_ends(server, texts):
+    """A client that sends one sentence and waits for all its audio before it sends `end` gets all of it: the clause
+    is complete at its period (nothing more may follow) and its last codec window is decoded without waiting for
+    more frames. Before, "Hello there." got none of it (the clause waited for a space after the period) and
+    "Hello there. " 7680 of 20480 bytes (the clause's last window waited in the codec stream for the next clause's
+    frames)."""
+    expected = one_shot_pcm(server, "Hello there.")
+    assert expected
+    client = WaitingStreamClient(server, texts)
+    try:
+        arrived = client.wait_for_bytes(len(expected), timeout=10)
+        got_before_end = len(client.audio)
+    finally:
+        client.end()
+    assert client.error is None, client.error
+    assert arrived, f"{got_before_end} of {len(expected)} bytes before end"
+    # Same prompt, seed and sampling as the one-shot call: the same audio tokens, so the same samples (the codec's
+    # windows differ only at rounding level).
+    assert len(client.audio) == len(expected)
+    ours = np.frombuffer(bytes(client.audio), "<i2").astype(np.int32)
+    theirs = np.frombuffer(expected, "<i2").astype(np.int32)
+    assert np.abs(ours - theirs).max() <= 2
+    assert client.kinds[0] == "format" and client.kinds[-1] == "summary"
+
+
+def test_clause_cutter_cjk_and_settled_tails():
+    """CJK clause punctuation is followed by no space: each clause is cut at it (a Chinese text was one clause until
+    max_clause_chars). A text ending at punctuation is a complete clause only once no more text comes."""
+    cut = ClauseCutter(max_chars=120)
+    assert cut.feed("你好。今天天气很好，我们去公园吧！走") == ["你好。", "今天天气很好，", "我们去公园吧！"]
+    assert cut.buffer == "走" and not cut.ends_at_boundary()
+    assert cut.feed("吧。」") == [] and cut.ends_at_boundary()
+    assert cut.flush() == ["走吧。」"]
+    assert cut.feed("It costs 3.") == [] and cut.ends_at_boundary()  # "3." may go on as "3.5": not cut yet
+    assert cut.feed("5 dollars") == [] and not cut.ends_at_boundary()
+    assert cut.feed(", right?\"") == ["It costs 3.5 dollars,"] and cut.ends_at_boundary()
