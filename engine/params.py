@@ -58,6 +58,10 @@ def shared(constraint: TokenConstraint) -> ConstraintFactory:
 
 _NUM = (int, float)
 
+# A temperature below this is greedy (vLLM's _SAMPLING_EPS). Sampled, 1e-40 overflowed logits / temperature to inf,
+# the softmax to NaN, and argmax over NaNs took a token the grammar mask forbids: INTERNAL for a JSON-schema request.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -111,7 +115,8 @@ _RULES: dict[str, FieldRule] = {
     "temperature": _rule(
         lambda v: _is_num(v) and math.isfinite(v) and v >= 0, "must be a finite number >= 0 (0 = greedy)"
     ),
-    "top_k": _rule(lambda v: _is_int(v) and v >= 0, "must be an integer >= 0 (0 = off)"),
+    # -1 is off too, as in vLLM and SGLang (their clients send it for "no top-k")
+    "top_k": _rule(lambda v: _is_int(v) and v >= -1, "must be an integer >= -1 (0 or -1 = off)"),
     "top_p": _rule(lambda v: _is_num(v) and 0.0 < v <= 1.0, "must be in (0, 1]"),
     "min_p": _rule(lambda v: _is_num(v) and 0.0 <= v <= 1.0, "must be in [0, 1]"),
     "repetition_penalty": _rule(lambda v: _is_num(v) and 0.0 < v < math.inf, "must be a finite number > 0 (1 = off)"),
@@ -130,8 +135,8 @@ _RULES: dict[str, FieldRule] = {
 
 @dataclass
 class SamplingParams:
-    temperature: float = 1.0  # 0 = greedy (exact argmax)
-    top_k: int = 0  # 0 = off; 1 = greedy
+    temperature: float = 1.0  # 0 (below GREEDY_BELOW_TEMPERATURE) = greedy (exact argmax)
+    top_k: int = 0  # 0 or -1 = off; 1 = greedy
     top_p: float = 1.0  # in (0, 1]
     min_p: float = 0.0  # in [0, 1]
     repetition_penalty: float = 1.0  # > 0; 1 = off (prompt and output tokens)
@@ -154,7 +159,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
 
     def violations(self, vocab_size: int) -> list[InvalidRequest]:
         """Every bad field at once (in table order), each as an InvalidRequest naming the SamplingParams field."""

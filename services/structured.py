@@ -44,12 +44,23 @@ def _bad(field: str, message: str) -> errors.ServiceError:
     return errors.invalid_argument([FieldViolation(field, message)])
 
 
+def load_json(text: str) -> Any:
+    """`json.loads`, failing only with ValueError (its message says why) for text a client sent: json.loads raises
+    RecursionError past ~1,000 nested levels, and "[" * 100000 as a schema or tool arguments was an INTERNAL error."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise ValueError("nested too deeply to parse as JSON") from exc
+
+
 def json_schema_grammar(schema_text: str, field: str) -> str:
     """The grammar of one JSON value valid under the schema (JSON text); INVALID_ARGUMENT if it is not JSON."""
     try:
-        schema = json.loads(schema_text)
-    except json.JSONDecodeError as exc:
-        raise _bad(field, f"not valid JSON: {exc}") from exc
+        schema = load_json(schema_text)
+    except ValueError as exc:
+        raise _bad(field, str(exc)) from exc
     if not isinstance(schema, dict | bool):
         raise _bad(field, f"a JSON schema is an object or a boolean, got {type(schema).__name__}")
     if schema is False:

@@ -27,7 +27,7 @@ import llguidance
 
 from omnivox.services import errors
 from omnivox.services.errors import FieldViolation
-from omnivox.services.structured import GrammarSpec
+from omnivox.services.structured import GrammarSpec, load_json
 from omnivox.services.tool_parser import HERMES, LLAMA3, ToolCallStream, ToolFormat
 from omnivox.v1 import content_pb2, generation_pb2
 
@@ -68,9 +68,9 @@ def _schema(tool: generation_pb2.Tool, i: int, v: list[FieldViolation]) -> dict:
     if not tool.parameters_json_schema:
         return {"type": "object"}
     try:
-        schema = json.loads(tool.parameters_json_schema)
-    except json.JSONDecodeError as exc:
-        v.append(FieldViolation(f"tools[{i}].parameters_json_schema", f"not valid JSON: {exc}"))
+        schema = load_json(tool.parameters_json_schema)
+    except ValueError as exc:
+        v.append(FieldViolation(f"tools[{i}].parameters_json_schema", str(exc)))
         return {}
     if not isinstance(schema, dict):
         v.append(FieldViolation(f"tools[{i}].parameters_json_schema", "must be a JSON object (a schema)"))
@@ -165,9 +165,9 @@ def plan(request: generation_pb2.GenerateRequest, tokenizer: Any) -> ToolPlan | 
                 v.append(FieldViolation(f"contents[{i}].parts[{j}]", "with tools, turns take text parts only"))
         for j, call in enumerate(c.tool_calls):
             try:
-                json.loads(call.arguments or "{}")
-            except json.JSONDecodeError as exc:
-                v.append(FieldViolation(f"contents[{i}].tool_calls[{j}].arguments", f"not valid JSON: {exc}"))
+                load_json(call.arguments or "{}")
+            except ValueError as exc:
+                v.append(FieldViolation(f"contents[{i}].tool_calls[{j}].arguments", str(exc)))
     if v:
         raise errors.invalid_argument(v)
     parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
