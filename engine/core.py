@@ -86,9 +86,7 @@ class EngineCore:
         param = next(model.parameters())
         self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
         # Blocks behind the window are released only when every layer slides (a full-attention layer reads them all).
-        cfg = model.config
-        slides = bool(cfg.sliding_window) and len(cfg.sliding_layers) == cfg.num_layers
-        self.kv = KVCacheManager(self.pool, cfg.sliding_window if slides else None)
+        self.kv = KVCacheManager(self.pool, model.config.window_everywhere)
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens)
         self.runner = ModelRunner(
             model, num_blocks, block_size, param.device, param.dtype, max_num_seqs, static_decode=static_decode

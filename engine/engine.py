@@ -59,13 +59,13 @@ class Engine:
         self.device, self.dtype = param.device, param.dtype
         self.model = model.eval()
         self.tokenizer = tokenizer
-        num_blocks, cfg = size_kv_cache(model, kv_cache_gib, max_num_batched_tokens, max_num_seqs, block_size)
-        self.model_config: ModelConfig = cfg
-        self.block_size = block_size
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 2048 if self.device.type == "cuda" else 128
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        num_blocks, cfg = size_kv_cache(model, kv_cache_gib, max_num_batched_tokens, max_num_seqs, block_size)
+        self.model_config: ModelConfig = cfg
+        self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.core = EngineCore(
             model,

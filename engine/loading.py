@@ -215,7 +215,9 @@ def size_kv_cache(
     block_size: int,
 ) -> tuple[int, ModelConfig]:
     """The KV cache's number of blocks (`kv_cache_gib`, or `default_kv_gib` when None) and the model's config with its
-    context capped to what those blocks hold."""
+    context capped to what those blocks hold: a request must always fit the pool alone (no endless preempt/recompute).
+    When every layer slides, a request holds at most the blocks of one step's window plus its chunk (the blocks behind
+    are released, engine/kv_manager.py), so the context is capped only by a pool smaller than that."""
     param = next(model.parameters())
     cfg = model.config
     if kv_cache_gib is None:
@@ -225,7 +227,12 @@ def size_kv_cache(
     if num_blocks < 2:
         raise ValueError(f"kv_cache_gib={kv_cache_gib} holds {num_blocks} blocks of {block_size} tokens; need >= 2")
     capacity = num_blocks * block_size
-    if capacity < cfg.max_model_len:  # a request must always fit the pool alone: no endless preempt/recompute
+    need = cfg.max_model_len
+    if cfg.window_everywhere is not None and max_num_batched_tokens is not None:
+        # A step's chunk of n tokens from position c reads keys from c - window + 1 on: blocks over window - 1 + n
+        # positions, one more when unaligned.
+        need = min(need, (-(-(cfg.window_everywhere - 1 + max_num_batched_tokens) // block_size) + 1) * block_size)
+    if capacity < need:
         log.warning("KV cache holds %d tokens: context capped from %d", capacity, cfg.max_model_len)
         cfg = cap_max_len(cfg, capacity)
     return num_blocks, cfg

@@ -17,7 +17,8 @@ A sliding-window layer (Mistral; Qwen2 / Qwen3 layers marked "sliding_attention"
 position p sees keys p - window < j <= p, as transformers masks them. Prefill chunks add it to their mask; the C
 kernel starts each row at its first key in the window; a decode step whose block tables span more than the window
 leaves FlexAttention (its block mask knows only lengths) for the gathered path, which copies only the window's blocks.
-Keys behind the window stay cached (blocks are not freed early).
+When every layer slides, the engine releases the blocks behind the window (engine/kv_manager.py): their table
+entries point at the scratch block, which only prefill's masked columns read.
 """
 
 from __future__ import annotations

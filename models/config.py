@@ -109,6 +109,13 @@ class ModelConfig:
             hf_config=text,
         )
 
+    @property
+    def window_everywhere(self) -> int | None:
+        """The sliding window when every layer slides (no layer reads a key behind it: the KV blocks there can be
+        released), else None."""
+        slides = self.sliding_window and len(self.sliding_layers) == self.num_layers
+        return self.sliding_window if slides else None
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 

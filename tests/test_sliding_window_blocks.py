@@ -146,3 +146,33 @@ def test_mixed_full_and_sliding_layers_keep_every_block(tmp_path_factory):
     (tokens,), peak = run(eng, [list(range(3, 23))], 60)
     assert peak == -(-(20 + 60 - 1) // BLOCK)
     assert tokens == reference_greedy(load_reference(path), list(range(3, 23)), 60)[0]
+
+
+def test_grpc_a_pool_smaller_than_the_context_serves_the_whole_length(ckpt, keeping):
+    """Through the gRPC API: a pool of 10 blocks (160 tokens) serves a 300-token answer of a window-32 model, since
+    a request holds at most one step's window plus its chunk; the context is not capped to the pool (it was: 160)."""
+    from service_harness import ServerThread, user_request
+
+    from omnivox.services.loading import EngineOptions, ModelSpec
+    from omnivox.v1 import generation_pb2_grpc
+
+    gib = 10 * BLOCK * ckpt_kv_bytes(keeping) / 2**30
+    text = "The capital of France is Paris."
+    with ServerThread(
+        [ModelSpec(path=ckpt, name="swa")], EngineOptions(kv_cache_gib=gib, max_num_batched_tokens=32)
+    ) as srv:
+        engine = srv.engine("swa")
+        assert engine.kv_usage().total_blocks == 10 and engine.model_config.max_model_len == 512
+        request = user_request(text, max_output_tokens=300, ignore_eos=True)
+        request.sampling.temperature = 0.0
+        stub = generation_pb2_grpc.GenerationServiceStub(srv.channel())
+        responses = list(stub.Generate(request, timeout=120))
+        tokens = [t for r in responses if r.WhichOneof("response") == "delta" for t in r.delta.token_ids]
+        summary = responses[-1].summary
+        assert srv.wait_kv_free("swa") == (10, 10)
+        engine.check_integrity()
+    prompt = keeping.tokenizer.encode(
+        f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+    )
+    (expected,), _ = run(keeping, [prompt], 300)
+    assert summary.usage.output_tokens == 300 and tokens == expected
