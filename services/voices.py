@@ -27,6 +27,7 @@ from google.rpc import error_details_pb2
 from omnivox.codecs.audio_input import AudioInputError, AudioLimits, decode_audio
 from omnivox.models.orpheus import SpeechLayout
 from omnivox.services import errors
+from omnivox.services.audio_prompt import encoding_name
 from omnivox.services.errors import FieldViolation, ServiceError
 from omnivox.services.validation import Violations
 from omnivox.v1 import speech_pb2
@@ -154,7 +155,7 @@ class VoiceStore:
         try:
             audio = decode_audio(
                 request.reference_audio.data,
-                request.reference_audio.encoding or None,
+                encoding_name(request.reference_audio.encoding),  # the enum's name (its number was "unknown")
                 request.reference_audio.sample_rate_hertz,
                 target_rate=layout.sample_rate,
                 limits=AudioLimits(max_seconds=lim.max_reference_seconds),

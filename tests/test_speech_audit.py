@@ -3,6 +3,7 @@ output encoding decoded back, cancelled streams next to live ones, reference aud
 
 from __future__ import annotations
 
+import io
 import threading
 import time
 
@@ -40,8 +41,10 @@ def stub(server: ServerThread) -> speech_pb2_grpc.SpeechServiceStub:
     return speech_pb2_grpc.SpeechServiceStub(server.channel())
 
 
-def one_shot_pcm(server: ServerThread, text: str) -> bytes:
-    request = speech_pb2.SynthesizeSpeechRequest(model="speech", text=text, audio_config=PCM, sampling=SEEDED)
+def one_shot_pcm(server: ServerThread, text: str, voice: str = "") -> bytes:
+    request = speech_pb2.SynthesizeSpeechRequest(
+        model="speech", text=text, audio_config=PCM, sampling=SEEDED, voice=speech_pb2.VoiceSelection(name=voice)
+    )
     return b"".join(r.audio.data for r in stub(server).SynthesizeSpeech(request, timeout=60))
 
 
@@ -122,4 +125,38 @@ def test_clause_cutter_cjk_and_settled_tails():
     assert cut.flush() == ["走吧。」"]
     assert cut.feed("It costs 3.") == [] and cut.ends_at_boundary()  # "3." may go on as "3.5": not cut yet
     assert cut.feed("5 dollars") == [] and not cut.ends_at_boundary()
-    assert cut.feed(", right?\"") == ["It costs 3.5 dollars,"] and cut.ends_at_boundary()
+    assert cut.feed(', right?"') == ["It costs 3.5 dollars,"] and cut.ends_at_boundary()
+
+
+def tone(seconds: float, rate: int) -> np.ndarray:
+    return 0.3 * np.sin(np.arange(int(seconds * rate)) * 2 * np.pi * 220 / rate)
+
+
+def test_create_voice_takes_headerless_reference_audio_by_its_declared_encoding(server):
+    """CreateVoice passed the AudioPart's encoding NUMBER to the decoder, which knows names: raw LINEAR16 or MULAW
+    reference audio (which needs its encoding declared) was refused as 'unknown encoding 1', and a WAV declared as
+    such with a rate contradicting its header was refused for its encoding, not its rate."""
+    import grpc
+    import soundfile as sf
+
+    pcm = (tone(1.0, 16000) * 32767).astype("<i2").tobytes()
+    mulaw = io.BytesIO()
+    sf.write(mulaw, tone(1.0, 8000), 8000, subtype="ULAW", format="RAW")
+    wav = io.BytesIO()
+    sf.write(wav, tone(1.0, 16000), 16000, format="WAV")
+    parts = {
+        "raw-pcm": content_pb2.AudioPart(data=pcm, encoding=ENC.AUDIO_ENCODING_LINEAR16, sample_rate_hertz=16000),
+        "raw-mulaw": content_pb2.AudioPart(
+            data=mulaw.getvalue(), encoding=ENC.AUDIO_ENCODING_MULAW, sample_rate_hertz=8000
+        ),
+    }
+    for name, part in parts.items():
+        request = speech_pb2.CreateVoiceRequest(model="speech", name=name, transcript="A test.", reference_audio=part)
+        voice = stub(server).CreateVoice(request, timeout=60).voice
+        assert voice.reference_seconds == pytest.approx(1.0, abs=1e-3)
+        assert one_shot_pcm(server, "Hi.", voice=name)
+    bad = content_pb2.AudioPart(data=wav.getvalue(), encoding=ENC.AUDIO_ENCODING_WAV, sample_rate_hertz=24000)
+    with pytest.raises(grpc.RpcError) as err:
+        stub(server).CreateVoice(speech_pb2.CreateVoiceRequest(name="x", transcript="A.", reference_audio=bad))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("reference_audio.sample_rate_hertz:"), err.value.details()
