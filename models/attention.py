@@ -17,8 +17,9 @@ A sliding-window layer (Mistral; Qwen2 / Qwen3 layers marked "sliding_attention"
 position p sees keys p - window < j <= p, as transformers masks them. Prefill chunks add it to their mask; the C
 kernel starts each row at its first key in the window; a decode step whose block tables span more than the window
 leaves FlexAttention (its block mask knows only lengths) for the gathered path, which copies only the window's blocks.
-When every layer slides, the engine releases the blocks behind the window (engine/kv_manager.py): their table
-entries point at the scratch block, which only prefill's masked columns read.
+Prefill chunks past the window gather keys from the block of their first query's first key on. When every layer
+slides, the engine releases the blocks behind the window (engine/kv_manager.py): their table entries point at the
+scratch block, which no path reads.
 """
 
 from __future__ import annotations
@@ -177,14 +178,18 @@ def paged_attention(
     for chunk in meta.prefills:
         s, n, ctx = chunk.query_start, chunk.num_tokens, chunk.context_len
         qp = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        kp = gather_blocks(k_cache, chunk.block_table, meta.block_size)[:ctx].transpose(0, 1).unsqueeze(0)
-        vp = gather_blocks(v_cache, chunk.block_table, meta.block_size)[:ctx].transpose(0, 1).unsqueeze(0)
         slide = window is not None and ctx > window
+        # Past a window, keys start at the block of the chunk's first query's first key: the cost follows the window
+        # and the chunk, not the context (and blocks released behind the window are never read).
+        lo = max(0, ctx - n - window + 1) // meta.block_size * meta.block_size if slide else 0
+        table = chunk.block_table[lo // meta.block_size :]
+        kp = gather_blocks(k_cache, table, meta.block_size)[: ctx - lo].transpose(0, 1).unsqueeze(0)
+        vp = gather_blocks(v_cache, table, meta.block_size)[: ctx - lo].transpose(0, 1).unsqueeze(0)
         if ctx == n and not slide:
             op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             q_pos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
-            k_pos = torch.arange(ctx, device=q.device)[None, :]
+            k_pos = torch.arange(lo, ctx, device=q.device)[None, :]
             mask = (k_pos <= q_pos) & (k_pos > q_pos - window) if slide else k_pos <= q_pos  # [n, ctx]
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[s : s + n] = op.squeeze(0).transpose(0, 1)
