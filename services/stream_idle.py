@@ -51,3 +51,7 @@ async def idle_bounded(
     finally:
         if pending is not None and not pending.done():
             pending.cancel()
+        elif pending is not None and not pending.cancelled():
+            # The next message (or the end of the stream) came as the call was cancelled: retrieved here, or asyncio
+            # logs "Task exception was never retrieved" (StopAsyncIteration) for a cancelled stream.
+            pending.exception()

@@ -160,3 +160,42 @@ def test_create_voice_takes_headerless_reference_audio_by_its_declared_encoding(
         stub(server).CreateVoice(speech_pb2.CreateVoiceRequest(name="x", transcript="A.", reference_audio=bad))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith("reference_audio.sample_rate_hertz:"), err.value.details()
+
+
+def test_a_stream_cancelled_as_its_requests_end_logs_no_unretrieved_exception():
+    """The idle bound reads the next message in a future; when the request stream ended just as the call was
+    cancelled (a client cancelling mid-audio), the future's StopAsyncIteration was never retrieved and asyncio
+    logged 'Task exception was never retrieved' in the server log."""
+    import asyncio
+    import gc
+
+    from omnivox.services.stream_idle import idle_bounded
+
+    async def scenario() -> None:
+        gate = asyncio.Event()
+
+        async def requests():
+            await gate.wait()
+            return
+            yield
+
+        async def consume() -> None:
+            async for _ in idle_bounded(requests(), 30.0, "text"):
+                pass
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.01)
+        gate.set()  # the requests end ...
+        task.cancel()  # ... as the call is cancelled
+        await asyncio.gather(task, return_exceptions=True)
+        gc.collect()
+        await asyncio.sleep(0.01)
+
+    logged: list[str] = []
+    loop = asyncio.new_event_loop()
+    loop.set_exception_handler(lambda _loop, ctx: logged.append(ctx["message"]))
+    try:
+        loop.run_until_complete(scenario())
+    finally:
+        loop.close()
+    assert logged == []
