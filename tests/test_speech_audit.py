@@ -199,3 +199,36 @@ def test_a_stream_cancelled_as_its_requests_end_logs_no_unretrieved_exception():
     finally:
         loop.close()
     assert logged == []
+
+
+def test_streams_cancelled_mid_audio_and_while_waiting_leave_no_state(server):
+    """Three text streams at once: one cancelled mid-audio, one cancelled while it waits for text after its audio
+    went out (flushed), one spoken to its end; the last one's audio is whole, and no codec stream, engine request or
+    KV block is left behind."""
+    import grpc
+
+    server.speech.limits.audio_seconds_base = 3.0  # long enough to still be speaking when cancelled
+    try:
+        speaking = WaitingStreamClient(server, ["Keep talking, please. "])
+        waiting = WaitingStreamClient(server, ["Hi."])
+        whole = WaitingStreamClient(server, ["Hello there. "])
+        assert speaking.wait_for_bytes(1, timeout=20)
+        speaking.call.cancel()
+        server.speech.limits.audio_seconds_base = 0.3
+        assert waiting.wait_for_bytes(1, timeout=20)
+        waiting.call.cancel()
+        whole.end()
+        speaking.end()
+        waiting.end()
+    finally:
+        server.speech.limits.audio_seconds_base = 0.3
+    for cancelled in (speaking, waiting):
+        assert isinstance(cancelled.error, grpc.RpcError) and cancelled.error.code() == grpc.StatusCode.CANCELLED
+    assert whole.error is None and whole.kinds[-1] == "summary"
+    assert len(whole.audio) > 0 and len(whole.audio) % (2 * 2048) == 0  # whole frames: nothing cut or doubled
+    free, total = server.wait_kv_free("speech", timeout=5.0)
+    assert free == total and server.engine("speech").num_unfinished() == 0
+    deadline = time.monotonic() + 5
+    while server.worker.open_streams and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.worker.open_streams == 0
