@@ -3,7 +3,9 @@
 Containers are detected from the bytes (magic numbers), whatever `encoding` says: WAV (RIFF/WAVE), FLAC (`fLaC`),
 Ogg (`OggS`, Vorbis or Opus) and MP3 (an ID3 tag or an MPEG audio frame sync), all read by libsndfile through
 soundfile. Headerless LINEAR16 (signed 16-bit little-endian) and MULAW (G.711) need `sample_rate_hertz`.
-Channels are averaged to mono; the rate is changed with torchaudio's windowed-sinc resampler.
+Channels are mixed to mono as ffmpeg mixes them (codecs/downmix.py: stereo averaged, a 5.1 file's LFE left out);
+the rate is changed with torchaudio's windowed-sinc resampler. A WAV whose data chunk declares more bytes than
+arrived is decoded from what arrived, with a warning in the log (as ffmpeg and sox do).
 
 Every problem raises `AudioInputError(field, reason)` (`field` is the AudioPart field: `data`, `encoding` or
 `sample_rate_hertz`), which the service answers with INVALID_ARGUMENT. Nothing is cut short: audio over the limit is
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import math
 from dataclasses import dataclass
 
@@ -26,7 +29,10 @@ import torch
 import torchaudio.functional as AF
 
 from omnivox.codecs.audio_format import AudioEncoding
+from omnivox.codecs.downmix import to_mono, wav_facts
 from omnivox.codecs.text_payload import decoded_head
+
+log = logging.getLogger(__name__)
 
 HEADERLESS = (AudioEncoding.LINEAR16, AudioEncoding.MULAW)
 # Float WAV/FLAC samples past this cannot be integer PCM mis-scaled (int32 read as float reaches 2**31, which the
@@ -221,7 +227,15 @@ def decode_audio(
             "data", f"the audio's samples reach {peak:.3g}; float audio is expected within [-1, 1] (its scale is wrong)"
         )
     channels = pcm.shape[1]
-    mono = pcm.mean(axis=1, dtype=np.float32) if channels > 1 else pcm[:, 0]
+    facts = wav_facts(data) if source == "WAV" else None
+    if facts is not None and facts.missing_bytes:
+        # As ffmpeg, sox and libsndfile do, the samples that arrived are used; the cut is logged (a client's upload
+        # that stopped early), not refused: recorders that died mid-file leave such headers too.
+        log.warning(
+            "a WAV audio part is truncated: its header declares %d bytes of samples, %d arrived; transcribing "
+            "the %.2f s that did", facts.declared, facts.available, pcm.shape[0] / rate,
+        )  # fmt: skip
+    mono = to_mono(pcm, source, facts.channel_mask if facts is not None else None)
     samples = resample(mono, rate, target_rate)
     if len(samples) > limits.max_samples(target_rate):
         raise _too_long(len(samples) / target_rate, limits)

@@ -83,6 +83,7 @@ def _validate(part: WhisperPart, cfg: transcription_pb2.StreamingTranscriptionCo
     bad: list[FieldViolation] = []
     try:
         part.check(cfg.language or None, cfg.task or "transcribe", False)
+        part.prompt_tokens(cfg.prompt)
     except TranscriptionRequestError as err:
         bad.append(FieldViolation(f"config.{err.field}", err.description))
     lo, hi = ENDPOINT_SILENCE_MS

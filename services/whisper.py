@@ -114,9 +114,9 @@ class _Transcription:
 
     async def run(self, samples: np.ndarray, lang: int | None) -> WhisperResult:
         n = len(samples)
-        window = 30 * SAMPLE_RATE
+        window = self.part.window_samples  # 30 s for every released Whisper; a tiny config's may be shorter
         if not self.timestamps:
-            bounds = split_at_quiet(samples, SAMPLE_RATE, 30.0) if n > window else [(0, n)]
+            bounds = split_at_quiet(samples, SAMPLE_RATE, window / SAMPLE_RATE) if n > window else [(0, n)]
             for start, end in bounds:
                 lang = await self._window(samples[start:end], start, end, lang)
         else:

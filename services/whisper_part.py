@@ -96,6 +96,12 @@ class WhisperPart:
     def cache(self) -> EncoderCache:
         return self.worker.cache
 
+    @property
+    def window_samples(self) -> int:
+        """One encoder window in samples: the extractor's chunk_length (30 s; checked at load to equal the
+        encoder's 2 x max_source_positions frames)."""
+        return self.mel.settings.n_samples
+
     def decode(self, part: content_pb2.AudioPart, path: str) -> DecodedAudio:
         """Decode one AudioPart to 16 kHz mono (any length up to the limit); INVALID_ARGUMENT on `<path>.<field>`."""
         try:
@@ -117,10 +123,11 @@ class WhisperPart:
         return EncoderInput(key, source=self.worker.handle(key, features))
 
     def language_id(self, language: str | None) -> int | None:
-        """The `<|xx|>` token of a BCP-47 code or English name; None for "detect". TranscriptionRequestError when
-        the model does not know it."""
+        """The `<|xx|>` token of a BCP-47 code or English name; for none, the checkpoint's forced language (a
+        fine-tuned model's generation_config forced_decoder_ids, as transformers' generate uses it) or None for
+        "detect". TranscriptionRequestError when the model does not know it."""
         if not language:
-            return None
+            return self.vocab.default_language
         from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
 
         code = language.strip().replace("_", "-").split("-")[0].lower()
@@ -164,7 +171,14 @@ class WhisperPart:
         Only the last 223 are ever used, so only the prompt's tail is tokenised (a whole 1 MB prompt took 0.8 s on
         the event loop, every other call waiting; its tail 4 ms)."""
         text = text.strip()
-        return list(self.tokenizer(" " + text[-MAX_PROMPT_CHARS:], add_special_tokens=False).input_ids)
+        ids = list(self.tokenizer(" " + text[-MAX_PROMPT_CHARS:], add_special_tokens=False).input_ids)
+        # A special token's text ("<|de|>", "<|endoftext|>") would otherwise enter the decoder's prompt as that
+        # token and steer or end it; transformers' get_prompt_ids and openai-whisper's tokenizer refuse it too.
+        special = next((t for t in ids if not self.vocab.is_text(t)), None)
+        if special is not None:
+            token = self.tokenizer.convert_ids_to_tokens(special)
+            raise TranscriptionRequestError("prompt", f"contains the special token {token!r}; the prompt is text")
+        return ids
 
     def close(self) -> None:
         self.worker.shutdown()
@@ -183,6 +197,12 @@ def load_whisper_part(folder: Path, engine: Any, model_key: str) -> WhisperPart:
     if settings.n_mels != model.num_mel_bins:
         raise ValueError(
             f"{folder}: the extractor gives {settings.n_mels} mel bins, the model takes {model.num_mel_bins}"
+        )
+    if settings.max_frames != model.num_frames:  # transformers' encoder refuses such features at every call
+        raise ValueError(
+            f"{folder}: the feature extractor's window (chunk_length {settings.chunk_length} s = "
+            f"{settings.max_frames} frames) does not match the encoder's (max_source_positions "
+            f"{model.encoder_len} = {model.num_frames} frames)"
         )
     vocab = WhisperVocab.from_folder(folder, engine.tokenizer, model.config.vocab_size)
     device, dtype = engine.device, engine.dtype

@@ -48,6 +48,7 @@ class WhisperVocab:
     begin_suppress: tuple[int, ...]
     max_initial_timestamp_index: int | None = 50  # 1.0 s, as openai-whisper and transformers
     no_speech: int | None = None  # <|nospeech|> (<|nocaptions|> in older tokenizers)
+    default_language: int | None = None  # forced_decoder_ids' language (a fine-tuned model's); None: detect
 
     @property
     def timestamp_begin(self) -> int | None:
@@ -83,6 +84,11 @@ class WhisperVocab:
         if eot is None or sot is None:
             raise ValueError(f"{folder}: its tokenizer has no <|endoftext|> / <|startoftranscript|>: not Whisper's")
         suppress = tuple(int(t) for t in gen.get("suppress_tokens") or () if int(t) < vocab_size)
+        languages = {k.strip("<|>"): int(v) for k, v in langs.items()} if gen.get("is_multilingual", True) else {}
+        # transformers' generate: with no language asked, a forced_decoder_ids entry (1, <|xx|>) is the prompt's
+        # language (fine-tuned checkpoints set it; the released ones carry (1, null): detect).
+        forced = dict((int(i), t) for i, t in gen.get("forced_decoder_ids") or () if t is not None)
+        default_language = forced.get(1) if forced.get(1) in languages.values() else None
         begin = gen.get("begin_suppress_tokens")
         return cls(
             vocab_size=vocab_size,
@@ -92,11 +98,12 @@ class WhisperVocab:
             transcribe=tasks.get("transcribe", token("<|transcribe|>")),
             translate=tasks.get("translate", token("<|translate|>")),
             no_timestamps=gen.get("no_timestamps_token_id", token("<|notimestamps|>")),
-            languages={k.strip("<|>"): int(v) for k, v in langs.items()} if gen.get("is_multilingual", True) else {},
+            languages=languages,
             suppress=suppress,
             begin_suppress=tuple(int(t) for t in (begin if begin is not None else [token(" "), eot]) if t is not None),
             max_initial_timestamp_index=gen.get("max_initial_timestamp_index", 50),
             no_speech=token("<|nospeech|>") or token("<|nocaptions|>"),
+            default_language=default_language,
         )
 
     def suppress_bias(self) -> dict[int, float]:
