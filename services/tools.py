@@ -37,6 +37,9 @@ MAX_TOOLS = 128
 # full (8,000 tokens, minutes) on `tool_choice: required` with no max_output_tokens; after this many only the end of
 # the message is allowed.
 MAX_PARALLEL_CALLS = 16
+# The grammar compiler refuses JSON nested past 128 levels (serde_json's limit) and the call object adds a few; the
+# refs of a schema deeper than this could not be rebased without hitting Python's recursion limit.
+MAX_SCHEMA_DEPTH = 100
 AUTO, NONE, REQUIRED = "auto", "none", "required"
 # Separators as the chat templates' tojson writes them, with no other whitespace: what the model saw, and bounded.
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -74,7 +77,22 @@ def _schema(tool: generation_pb2.Tool, i: int, v: list[FieldViolation]) -> dict:
         return {}
     if not isinstance(schema, dict):
         v.append(FieldViolation(f"tools[{i}].parameters_json_schema", "must be a JSON object (a schema)"))
-    return schema if isinstance(schema, dict) else {}
+        return {}
+    if _depth(schema) > MAX_SCHEMA_DEPTH:
+        v.append(FieldViolation(f"tools[{i}].parameters_json_schema", f"nested deeper than {MAX_SCHEMA_DEPTH} levels"))
+        return {}
+    return schema
+
+
+def _depth(value: Any) -> int:
+    """How many objects and arrays deep a JSON value nests (iterative: no recursion limit to hit)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return deepest
 
 
 def _call_schema(fmt: ToolFormat, name: str, params: dict, strict: bool) -> dict:
@@ -86,10 +104,42 @@ def _call_schema(fmt: ToolFormat, name: str, params: dict, strict: bool) -> dict
     }
 
 
+# Values that are data, not subschemas: a `$ref` key inside them is not a reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _rebase_refs(node: Any, prefix: str) -> Any:
+    """A copy of a schema with each local `$ref` ("#" or "#/...") moved under `prefix`, the JSON pointer fragment
+    where the schema now sits. A tool's parameters schema is embedded in its call object's schema, so its
+    `#/$defs/...` refs (pydantic writes one for every nested model) resolved against the call object: "Pointer
+    '/$defs/unit' does not exist" refused a valid tool."""
+    if isinstance(node, list):
+        return [_rebase_refs(v, prefix) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: v if k in _DATA_KEYWORDS else _rebase_refs(v, prefix) for k, v in node.items()}
+    ref = node.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = prefix + ref[1:]
+    return out
+
+
+def _rebased(call: dict, key: str, at: str) -> dict:
+    """The call-object schema `call`, placed at pointer `at` of the grammar's schema, with its arguments' refs
+    rebased to there."""
+    props = dict(call["properties"])
+    props[key] = _rebase_refs(props[key], f"{at}/properties/{key}")
+    return {**call, "properties": props}
+
+
 def _grammar(fmt: ToolFormat, calls: list[dict], choice: str, parallel: bool, python_tag: bool = False) -> str:
     """A Lark grammar (llguidance) for the choice; `calls` are the allowed call-object schemas. `python_tag`: the
     tokenizer has Llama 3's `<|python_tag|>` special token, which may open the calls."""
-    schema = dict(calls[0]) if len(calls) == 1 else {"anyOf": calls}
+    key = fmt.args_key
+    if len(calls) == 1:
+        schema = _rebased(calls[0], key, "#")
+    else:
+        schema = {"anyOf": [_rebased(c, key, f"#/anyOf/{i}") for i, c in enumerate(calls)]}
     schema["x-guidance"] = _JSON_STYLE
     body = f"%json {json.dumps(schema)}"
     call = f"{json.dumps(fmt.open_tag)} {body} {json.dumps(fmt.close_tag)}" if fmt.open_tag else body

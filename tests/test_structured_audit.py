@@ -153,7 +153,7 @@ SCHEMAS: dict[str, dict] = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    ckpt = make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", family="llama", max_position_embeddings=1024)
+    ckpt = make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", family="llama", max_position_embeddings=2048)
     with ServerThread([ModelSpec(path=ckpt, name="tiny")], EngineOptions(kv_cache_gib=0.02, max_num_seqs=64)) as srv:
         yield srv
 
@@ -305,3 +305,83 @@ def test_top_k_minus_one_is_off(stub) -> None:
 
     assert sample(-1) == sample(0)
     assert "sampling.top_k" in violations(stub, user_request("x", sampling=sampling_pb2.SamplingConfig(top_k=-2)))
+
+
+# A pydantic-style tool schema: nested models under $defs, a self-reference, nullable and enum fields.
+WEATHER = {
+    "$defs": {
+        "Unit": {"enum": ["c", "f"], "type": "string"},
+        "Place": {
+            "type": "object",
+            "properties": {"city": S, "near": {"anyOf": [{"$ref": "#/$defs/Place"}, {"type": "null"}]}},
+            "required": ["city", "near"],
+            "additionalProperties": False,
+        },
+    },
+    "type": "object",
+    "properties": {
+        "place": {"$ref": "#/$defs/Place"},
+        "unit": {"$ref": "#/$defs/Unit"},
+        "days": {"type": ["integer", "null"], "minimum": 1, "maximum": 7},
+    },
+    "required": ["place", "unit", "days"],
+    "additionalProperties": False,
+}
+# A root self-reference ("#" is the parameters object itself).
+TREE = {
+    "type": "object",
+    "properties": {"v": {"type": "integer"}, "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+    "required": ["v", "next"],
+    "additionalProperties": False,
+}
+
+
+def tool_calls_request(tools: list[generation_pb2.Tool], seed: int, **fields) -> generation_pb2.GenerateRequest:
+    fields.setdefault("tool_choice", generation_pb2.ToolChoice(mode=generation_pb2.TOOL_CHOICE_MODE_REQUIRED))
+    fields.setdefault("max_output_tokens", MAX_TOKENS)
+    sampling = sampling_pb2.SamplingConfig(temperature=1.0, seed=seed)
+    return user_request("What is the weather in Paris?", tools=tools, sampling=sampling, **fields)
+
+
+@pytest.mark.parametrize("both", [False, True], ids=["one tool", "two tools"])
+def test_tool_parameters_with_refs_validate(stub, both: bool) -> None:
+    """Local $refs in a tool's parameters ($defs, "#") resolve within the parameters: they were resolved against the
+    call object the grammar wraps them in, and every such tool was refused ("Pointer '/$defs/Place' does not
+    exist"). With two tools the call schema is an anyOf: the refs rebase to each branch."""
+    tools = [generation_pb2.Tool(name="weather", strict=True, parameters_json_schema=json.dumps(WEATHER))]
+    if both:
+        tools.append(generation_pb2.Tool(name="tree", strict=True, parameters_json_schema=json.dumps(TREE)))
+    with ThreadPoolExecutor(8) as pool:
+        results = list(
+            pool.map(
+                lambda s: run(stub, tool_calls_request(tools, s, parallel_tool_calls=False, max_output_tokens=400)),
+                range(6),
+            )
+        )
+    names = set()
+    for text, _, summary in results:
+        assert summary.finish_reason == generation_pb2.FINISH_REASON_TOOL_CALLS, (text, summary)
+        (call,) = summary.tool_calls
+        names.add(call.name)
+        jsonschema.validate(json.loads(call.arguments), WEATHER if call.name == "weather" else TREE)
+    assert names == ({"weather", "tree"} if both else {"weather"})
+
+
+def test_a_tool_call_cut_by_max_tokens(stub) -> None:
+    """max_output_tokens inside a call's JSON: LENGTH (not TOOL_CALLS), the summary holds only the calls that were
+    completed, and what was streamed of the cut call is a prefix of JSON (as OpenAI streams it)."""
+    tools = [generation_pb2.Tool(name="weather", strict=True, parameters_json_schema=json.dumps(WEATHER))]
+    text, deltas, summary = run(stub, tool_calls_request(tools, 0, max_output_tokens=45))
+    assert summary.finish_reason == generation_pb2.FINISH_REASON_LENGTH and not summary.tool_calls
+    streamed = [d for delta in deltas for d in delta.tool_calls]
+    assert text == "" and streamed and streamed[0].name == "weather"
+    assert "".join(d.arguments for d in streamed).startswith("{")
+
+
+def test_a_tool_schema_nested_too_deeply_names_the_tool(stub) -> None:
+    deep: dict = {"type": "object"}
+    for _ in range(300):  # parses (json.loads goes to ~1,000), but deeper than the grammar compiler takes
+        deep = {"type": "object", "properties": {"a": deep}}
+    tools = [generation_pb2.Tool(name="ok"), generation_pb2.Tool(name="deep", parameters_json_schema=json.dumps(deep))]
+    found = violations(stub, tool_calls_request(tools, 0))
+    assert "nested deeper" in found["tools[1].parameters_json_schema"], found
