@@ -93,11 +93,34 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 
 def _balanced(s: str) -> bool:
+    """True when `s` is one complete JSON value."""
     try:
         json.loads(s)
         return True
     except json.JSONDecodeError:
         return False
+    except RecursionError:  # nested past ~1,000 levels (a model may write that): the brackets tell
+        return _closes(s)
+
+
+def _closes(s: str) -> bool:
+    """True when every bracket that `s` opens outside strings is closed (the grammar made the rest valid JSON)."""
+    depth, in_str, esc = 0, False, False
+    for ch in s:
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+    return depth == 0 and not in_str
 
 
 def _split_top_level(s: str, sep: str) -> list[str]:

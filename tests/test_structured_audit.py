@@ -16,6 +16,7 @@ from checkpoints import make_checkpoint
 from google.rpc import error_details_pb2
 from service_harness import ServerThread, user_request
 
+from omnivox.services import tool_parser
 from omnivox.services.errors import status_details
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2
@@ -385,3 +386,15 @@ def test_a_tool_schema_nested_too_deeply_names_the_tool(stub) -> None:
     tools = [generation_pb2.Tool(name="ok"), generation_pb2.Tool(name="deep", parameters_json_schema=json.dumps(deep))]
     found = violations(stub, tool_calls_request(tools, 0))
     assert "nested deeper" in found["tools[1].parameters_json_schema"], found
+
+
+def test_a_llama3_call_nested_past_the_recursion_limit_parses() -> None:
+    """Llama 3 calls end where their JSON does: json.loads raised RecursionError out of the stream for arguments
+    nested ~1,000 deep (a non-strict tool's arguments are any object, and a model may write that)."""
+    args = '{"a": ' + "[" * 3000 + '"]}"' + "]" * 3000 + "}"
+    text = '{"name": "f", "parameters": ' + args + "}"
+    stream = tool_parser.ToolCallStream(tool_parser.LLAMA3)
+    streamed = "".join(d.arguments for k in range(0, len(text), 997) for d in stream.update(text[: k + 997])[1])
+    (call,) = stream.complete_calls(text)
+    assert call.name == "f" and call.arguments == args == streamed
+    assert not tool_parser.parse(text[:-2], tool_parser.LLAMA3)[1][0].complete
