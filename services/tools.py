@@ -18,9 +18,10 @@ text arrived in chunks.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import llguidance
@@ -61,6 +62,7 @@ class ToolPlan:
     parallel: bool
     fmt: ToolFormat
     grammar: GrammarSpec | None = None
+    strict_schemas: dict[int, dict] = field(default_factory=dict)  # tools[i] -> its parameters schema, if strict
 
     @property
     def parses_calls(self) -> bool:
@@ -221,7 +223,8 @@ def plan(request: generation_pb2.GenerateRequest, tokenizer: Any) -> ToolPlan | 
     if v:
         raise errors.invalid_argument(v)
     parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
-    result = ToolPlan(tools, choice, parallel, fmt)
+    strict = {i: t["function"]["parameters"] for i, t in enumerate(tools) if request.tools[i].strict}
+    result = ToolPlan(tools, choice, parallel, fmt, strict_schemas=strict)
     if request.tools and request.HasField("response_format") and choice == NONE:
         return result  # the response_format constrains the output
     if request.tools:
@@ -297,7 +300,33 @@ async def constrain(tool_plan: ToolPlan | None, params: Any, engine: Any) -> Non
     if tool_plan is not None and tool_plan.grammar is not None:
         from omnivox.services.structured import compiler_for
 
-        params.constraint_factory = await compiler_for(engine).factory(tool_plan.grammar)
+        compiler = compiler_for(engine)
+        try:
+            params.constraint_factory = await compiler.factory(tool_plan.grammar)
+        except errors.ServiceError:
+            # The call grammar's error names only "tools" (and prints the whole grammar): name the tool whose schema
+            # does not compile. Only on this failure path, each strict tool's schema compiled alone, off the loop.
+            check = asyncio.to_thread(_uncompilable, tool_plan.strict_schemas)
+            try:
+                found = await asyncio.wait_for(check, compiler.timeout_s)
+            except TimeoutError:
+                found = []
+            if found:
+                raise errors.invalid_argument(found) from None
+            raise
+
+
+def _uncompilable(schemas: dict[int, dict]) -> list[FieldViolation]:
+    """The first strict tool schema that llguidance refuses on its own, as a violation naming it ([] if none)."""
+    for i, schema in schemas.items():
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_STYLE)
+            message = llguidance.LLMatcher.validate_grammar(grammar)
+        except ValueError as exc:
+            message = str(exc)
+        if message:
+            return [FieldViolation(f"tools[{i}].parameters_json_schema", f"does not compile: {message}")]
+    return []
 
 
 class ToolOutput:

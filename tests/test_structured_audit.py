@@ -398,3 +398,17 @@ def test_a_llama3_call_nested_past_the_recursion_limit_parses() -> None:
     (call,) = stream.complete_calls(text)
     assert call.name == "f" and call.arguments == args == streamed
     assert not tool_parser.parse(text[:-2], tool_parser.LLAMA3)[1][0].complete
+
+
+def test_an_unenforceable_tool_schema_names_the_tool(stub) -> None:
+    """A strict tool whose schema llguidance cannot enforce is refused naming that tool's schema and the keyword (the
+    error named only "tools" and printed the whole call grammar); a non-strict one is not compiled, so it passes."""
+    bad = json.dumps({"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}})
+    tools = [
+        generation_pb2.Tool(name="ok", strict=True),
+        generation_pb2.Tool(name="bad", strict=True, parameters_json_schema=bad),
+    ]
+    found = violations(stub, tool_calls_request(tools, 0))
+    assert "uniqueItems" in found["tools[1].parameters_json_schema"], found
+    tools[1].strict = False
+    assert run(stub, tool_calls_request(tools, 0, max_output_tokens=4))[2].usage.output_tokens == 4
