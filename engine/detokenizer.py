@@ -13,6 +13,10 @@ character for _MAX_PENDING tokens is moved on.
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+from typing import Any
+
 # Tokens decoded before the read offset give the tokenizer the context it needs for spacing (sentencepiece merges
 # a leading space into the first token, so decoding a token alone can differ from decoding it in context).
 _CONTEXT_TOKENS = 5
@@ -28,13 +32,29 @@ _MAX_PENDING = 8
 _KEEP_TOKENS = 4
 
 
+# tokenizer -> (its vocabulary size with added tokens, skipped ids): reading the added tokens took ~75 us a request
+# with 300 of them; a size check (~3 us) notices tokens added since.
+_SKIPPED: weakref.WeakKeyDictionary[Any, tuple[int, frozenset[int]]] = weakref.WeakKeyDictionary()
+
+
 def skipped_token_ids(tokenizer) -> frozenset[int]:
     """Ids that `decode(..., skip_special_tokens=True)` drops: the added tokens marked special, which is what the
-    `tokenizers` decoder checks (SmolLM2 marks 17; its `all_special_ids` names 3); else the ids the tokenizer names."""
+    `tokenizers` decoder checks (SmolLM2 marks 17; its `all_special_ids` names 3); else the ids the tokenizer names.
+    Cached per tokenizer."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        return frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
-    return frozenset(getattr(tokenizer, "all_special_ids", ()))
+    if backend is None:
+        return frozenset(getattr(tokenizer, "all_special_ids", ()))
+    size = backend.get_vocab_size(with_added_tokens=True)
+    try:
+        cached = _SKIPPED.get(tokenizer)
+    except TypeError:  # neither hashable nor weakly referenceable: not cached
+        cached = None
+    if cached is not None and cached[0] == size:
+        return cached[1]
+    ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+    with contextlib.suppress(TypeError):
+        _SKIPPED[tokenizer] = (size, ids)
+    return ids
 
 
 class IncrementalDetokenizer:
@@ -60,8 +80,14 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.read_offset = len(self.ids)
         self.done = len(self._decode(self.ids)) if tokenizer is not None else 0
-        self.text = ""  # all decoded output text (possibly ending in a held-back stop prefix)
-        self.released = 0  # characters of self.text already handed out
+        # The decoded output text (possibly ending in a held-back stop prefix) is kept in parts, so that a token costs
+        # O(its text), not O(the text so far): `text` joins them when read. `_tail` is the text's last `hold`
+        # characters (where a stop string may have begun), `_pending` its characters not handed out yet.
+        self._parts: list[str] = []
+        self._length = 0
+        self._tail = ""
+        self._pending: list[str] = []
+        self.released = 0  # characters of the text already handed out
 
     def add(self, token_id: int) -> bool:
         """Append one token; True when a stop string has appeared (the text is then cut at it)."""
@@ -81,30 +107,55 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         window = self._decode(self.ids)
         self.done = len(window) - (window.endswith("\ufffd") and full.endswith("\ufffd"))
-        search_from = max(0, len(self.text) - self.hold)
-        self.text += new
-        hits = [(at, s) for s in self.stop if (at := self.text.find(s, search_from)) >= 0]
+        if not new:
+            return False
+        region = self._tail + new  # a stop string appearing now starts at most `hold` characters back
+        start = self._length - len(self._tail)  # region's first character in the text
+        self._parts.append(new)
+        self._pending.append(new)
+        self._length += len(new)
+        self._tail = region[-self.hold :] if self.hold else ""
+        hits = [(at, s) for s in self.stop if (at := region.find(s)) >= 0]
         if hits:
             at, s = min(hits)
-            self.text = self.text[: at + len(s)] if self.include_stop else self.text[:at]
+            self._cut(start + at + (len(s) if self.include_stop else 0))
             return True
         return False
+
+    def _cut(self, length: int) -> None:
+        """Drop the text past `length` characters (a stop string was found; it never starts in released text)."""
+        assert length >= self.released, "a stop string in text already released"
+        text = "".join(self._parts)[:length]
+        self._parts, self._length = [text], length
+        self._pending = [text[self.released :]]
+        self._tail = text[-self.hold :] if self.hold else ""
+
+    @property
+    def text(self) -> str:
+        """All decoded output text (possibly ending in a held-back stop prefix); O(length) to read."""
+        if len(self._parts) > 1:
+            self._parts = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
 
     def take(self, final: bool) -> str:
         """The text that became final since the last call (all of it once the request has finished)."""
-        end = len(self.text) if final or not self.stop else max(self.released, len(self.text) - self._held())
-        delta = self.text[self.released : end]
-        self.released = end
+        if not self._pending:
+            return ""
+        held = 0 if final or not self.stop else self._held()
+        pending = "".join(self._pending)
+        delta = pending[: len(pending) - held]
+        self._pending = [pending[len(delta) :]] if held else []
+        self.released += len(delta)
         return delta
 
     def _held(self) -> int:
         """Characters at the end of the text that a stop string starts with (they may still become one)."""
-        text, firsts = self.text, self._firsts
-        for n in range(min(self.hold, len(text) - self.released), 0, -1):
-            if text[-n] in firsts and any(s.startswith(text[-n:]) for s in self.stop):
+        tail, firsts = self._tail, self._firsts
+        for n in range(min(self.hold, self._length - self.released, len(tail)), 0, -1):
+            if tail[-n] in firsts and any(s.startswith(tail[-n:]) for s in self.stop):
                 return n
         return 0
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omnivox.engine.detokenizer import IncrementalDetokenizer
-from omnivox.engine.outputs import RequestOutput, TokenLogprob
+from omnivox.engine.outputs import OutputHistory, RequestOutput, TokenLogprob
 from omnivox.engine.request import Request
 
 log = logging.getLogger(__name__)
@@ -25,9 +25,8 @@ OutputCallback = Callable[[RequestOutput], None]
 class OutputState:
     detok: IncrementalDetokenizer | None  # None: the request asked for token ids only (detokenize=False)
     on_output: OutputCallback | None
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    num_emitted_tokens: int = 0
-    num_emitted_logprobs: int = 0
+    history: OutputHistory  # what has been emitted (tokens, text, logprobs), shared by the request's outputs
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of accepted tokens not yet emitted
     first_token_time: float | None = None
 
 
@@ -44,7 +43,7 @@ class OutputProcessor:
             detok = IncrementalDetokenizer(
                 self.tokenizer, req.prompt_token_ids, p.stop, p.include_stop_str_in_output, p.skip_special_tokens
             )
-        self._states[req.request_id] = OutputState(detok, on_output)
+        self._states[req.request_id] = OutputState(detok, on_output, OutputHistory(p.logprobs is not None))
 
     def process(
         self, req: Request, token_ids: list[int], logprobs: list[TokenLogprob | None], now: float
@@ -85,24 +84,30 @@ class OutputProcessor:
         return out
 
     def _emit(self, req: Request, state: OutputState, finished: bool) -> RequestOutput | None:
-        new_tokens = req.output_token_ids[state.num_emitted_tokens :]
+        """The output of what is new since the previous one: O(new tokens), whatever the length so far."""
+        history = state.history
+        new_tokens = req.output_token_ids[len(history.token_ids) :]
         detok = state.detok
         new_text = detok.take(final=finished) if detok is not None else ""
         if not new_tokens and not new_text and not finished:
             return None
-        state.num_emitted_tokens = len(req.output_token_ids)
-        want_lp = req.params.logprobs is not None
-        new_lp = state.logprobs[state.num_emitted_logprobs :] if want_lp else None
-        state.num_emitted_logprobs = len(state.logprobs)
+        history.token_ids += new_tokens
+        if new_text:
+            history.text_parts.append(new_text)
+        new_lp = None
+        if history.logprobs is not None:
+            new_lp, state.logprobs = state.logprobs, []
+            history.logprobs += new_lp
         out = RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
-            token_ids=list(req.output_token_ids),
-            text=detok.released_text if detok is not None else "",
-            new_token_ids=list(new_tokens),
+            history=history,
+            num_tokens=len(history.token_ids),
+            num_text_parts=len(history.text_parts),
+            num_logprobs=len(history.logprobs) if history.logprobs is not None else 0,
+            new_token_ids=new_tokens,
             new_text=new_text,
             new_logprobs=new_lp,
-            logprobs=list(state.logprobs) if want_lp else None,
             finish_reason=req.finish_reason if finished else None,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             first_token_time=state.first_token_time,
