@@ -75,3 +75,16 @@ def test_skipped_ids_cache_follows_tokens_added_later(ckpt):
     for t in [ids[0], new_id, *ids[1:]]:
         detok.add(t)
     assert detok.take(final=True) == tok.decode(ids)
+
+
+def test_output_processing_benchmark_runs_against_the_copying_side(tmp_path):
+    import json
+
+    from omnivox.benchmarks import output_processing
+
+    out = tmp_path / "outproc.json"
+    output_processing.main(["--before", "8cee4cf~1", "--lengths", "10", "60", "--steps", "5", "--repeats", "1",
+                            "--out", str(out)])  # fmt: skip
+    cases = json.loads(out.read_text())["cases"]
+    assert set(cases) == {"plain", "logprobs"}
+    assert all(set(c["us_per_step"]) == {"before", "after"} for c in cases.values())
