@@ -12,7 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import jsonschema
 import pytest
-from checkpoints import make_checkpoint
+import torch
+from checkpoints import load_reference, make_checkpoint
 from google.rpc import error_details_pb2
 from service_harness import ServerThread, user_request
 
@@ -156,6 +157,7 @@ SCHEMAS: dict[str, dict] = {
 def server(tmp_path_factory: pytest.TempPathFactory):
     ckpt = make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", family="llama", max_position_embeddings=2048)
     with ServerThread([ModelSpec(path=ckpt, name="tiny")], EngineOptions(kv_cache_gib=0.02, max_num_seqs=64)) as srv:
+        srv.checkpoint = ckpt
         yield srv
 
 
@@ -412,3 +414,31 @@ def test_an_unenforceable_tool_schema_names_the_tool(stub) -> None:
     assert "uniqueItems" in found["tools[1].parameters_json_schema"], found
     tools[1].strict = False
     assert run(stub, tool_calls_request(tools, 0, max_output_tokens=4))[2].usage.output_tokens == 4
+
+
+def test_logprobs_are_of_the_processed_logits(stub, server: ServerThread) -> None:
+    """The documented choice (README): logprobs after logit bias, the grammar mask and penalties, before temperature
+    and top-k (vLLM returns the raw logits' by default). Checked against transformers' own logits for the prompt."""
+    tok = server.engine().tokenizer
+    prompt = tok.encode("<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    with torch.no_grad():
+        raw = load_reference(server.checkpoint)(torch.tensor([prompt])).logits[0, -1].float()  # [V]
+    bias = {int(raw.argsort()[-7]): 3.0}  # lifts the 7th most likely token into the top few
+    processed = raw.clone()
+    for t, b in bias.items():
+        processed[t] += b
+    seen = torch.tensor(sorted(set(prompt)))
+    processed[seen] = torch.where(processed[seen] > 0, processed[seen] / 1.3, processed[seen] * 1.3)
+    expected = processed.log_softmax(-1).topk(5)
+    assert expected.indices.tolist() != raw.log_softmax(-1).topk(5).indices.tolist()  # raw ones would fail the test
+    sampling = sampling_pb2.SamplingConfig(temperature=0.5, top_k=2, seed=1, repetition_penalty=1.3, logit_bias=bias)
+    request = user_request("Hello", sampling=sampling, max_output_tokens=1, logprobs=True, top_logprobs=5)
+    (lp,) = [lp for d in run(stub, request)[1] for lp in d.logprobs]
+    assert [t.token_id for t in lp.top_logprobs] == expected.indices.tolist()
+    assert torch.allclose(torch.tensor([t.logprob for t in lp.top_logprobs]), expected.values, atol=1e-4)
+    assert lp.token_id in expected.indices[:2].tolist()  # drawn within top_k = 2 of the temperature-scaled logits
+    # a grammar's forbidden tokens are -inf alternatives
+    choices = generation_pb2.ResponseFormat(choices=generation_pb2.Choices(values=["yes", "no"]))
+    request = user_request("Hello", response_format=choices, max_output_tokens=1, logprobs=True, top_logprobs=5)
+    (lp,) = [lp for d in run(stub, request)[1] for lp in d.logprobs]
+    assert [t.logprob for t in lp.top_logprobs][2:] == [float("-inf")] * 3
