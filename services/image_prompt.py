@@ -125,9 +125,16 @@ class ImageInputPart:
         return item, key
 
     def render(self, messages: list[dict]) -> list[int]:
-        """Chat messages -> token ids through the checkpoint's template (one marker per image, not yet expanded)."""
+        """Chat messages -> token ids through the checkpoint's template (one marker per image, not yet expanded).
+
+        Tokenized as transformers' `ProcessorMixin.apply_chat_template(tokenize=True)` does: with the tokenizer's
+        special tokens unless the rendered text already starts with its BOS. llava-1.5-hf's and LLaVA-NeXT-Mistral's
+        templates write no BOS and their Llama/Mistral tokenizers add one; without it the prompt lost its first token.
+        """
         text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(self.processor.tokenizer(text, add_special_tokens=False).input_ids)
+        tok = self.processor.tokenizer
+        add_special = not (tok.bos_token is not None and text.startswith(tok.bos_token))
+        return list(tok(text, add_special_tokens=add_special).input_ids)
 
     def prompt(
         self, token_ids: list[int], images: Sequence[tuple[ImageInputs, str]], field: str = "contents"

@@ -1,0 +1,243 @@
+"""The vision families under the configs and inputs real checkpoints bring, end to end through gRPC: a real server on
+tiny random checkpoints (saved with save_pretrained, processor and chat template included) against transformers'
+own `processor.apply_chat_template(tokenize=True)` + `generate`, greedy tokens compared.
+
+Each served variant stacks several knobs real releases set, so one server covers many (see VARIANTS). Knobs found
+equal to transformers already at the model level (features + expanded prompt) are listed in the report of the sweep
+that added this file; the load-time refusals are in tests/test_vision_sweep_refusals.py.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from PIL import Image, ImageOps
+from service_harness import ServerThread
+from test_service_images import ask, run
+from vision_checkpoints import sample_image
+from vision_variants import (
+    LLAVA_HF_TEMPLATE,
+    make_idefics3_variant,
+    make_llava_variant,
+    make_qwen2_5_vl_variant,
+)
+
+from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.v1 import generation_pb2_grpc
+
+STEPS = 16  # test_service_images.ask asks for 16 greedy tokens
+
+
+def _legacy_qwen_config(path: Path) -> Path:
+    """Rewrite a Qwen2.5-VL config.json as the hub's releases spell it (transformers 4.4x): text keys at the top
+    level, `rope_scaling` {"type": "mrope"} with a top-level rope_theta, a disabled 32768 window, `in_chans`."""
+    file = path / "config.json"
+    config = json.loads(file.read_text())
+    text = config.pop("text_config")
+    rope = text.pop("rope_parameters")
+    for key in ("layer_types", "model_type", "dtype"):
+        text.pop(key, None)
+    vision = config["vision_config"]
+    vision.pop("rope_parameters", None)
+    vision.pop("model_type", None)
+    vision["in_chans"] = vision.pop("in_channels")
+    config.pop("dtype", None)
+    config.update(text)
+    config.update(
+        rope_theta=rope["rope_theta"],
+        rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]},
+        sliding_window=32768,
+        use_sliding_window=False,
+        max_window_layers=70,
+        torch_dtype="float32",
+        transformers_version="4.49.0",
+    )
+    file.write_text(json.dumps(config, indent=1))
+    return path
+
+
+def _llava_hf(out: Path) -> Path:
+    # llava-1.5-hf's chat template (no BOS in it, images before the text) with a tokenizer that adds BOS; a Qwen2
+    # text side with one KV head and tied embeddings (llava-interleave-qwen-0.5b), features of the last layer.
+    return make_llava_variant(
+        out,
+        template=LLAVA_HF_TEMPLATE,
+        add_bos=True,
+        text_family="qwen2",
+        text=dict(num_key_value_heads=1, tie_word_embeddings=True),
+        top=dict(vision_feature_layer=-1),
+    )
+
+
+def _llava_next(out: Path) -> Path:
+    # Other pinpoints (1x3, 3x1, 2x2 tiles), two layers concatenated, a projector without bias, an explicit head_dim
+    # twice hidden/heads, plain multi-head attention.
+    return make_llava_variant(
+        out,
+        next_=True,
+        add_bos=True,
+        top=dict(
+            image_grid_pinpoints=[[28, 84], [84, 28], [56, 56]],
+            vision_feature_layer=[-3, -2],
+            multimodal_projector_bias=False,
+        ),
+        text=dict(head_dim=16, num_key_value_heads=4),
+    )
+
+
+def _idefics3(out: Path) -> Path:
+    # Idefics3 itself (not SmolVLM): up to 3x3 tiles, one KV head, tied embeddings.
+    return make_idefics3_variant(
+        out,
+        smolvlm=False,
+        image_processor=dict(size={"longest_edge": 84}),
+        text=dict(num_key_value_heads=1, tie_word_embeddings=True),
+    )
+
+
+def _smolvlm(out: Path) -> Path:
+    # No image splitting, 56-pixel tiles folded by pixel shuffle 4 (SmolVLM-256M's scale factor).
+    return make_idefics3_variant(
+        out,
+        scale_factor=4,
+        vision=dict(image_size=56),
+        image_processor=dict(do_image_splitting=False, size={"longest_edge": 112}, max_image_size={"longest_edge": 56}),
+    )
+
+
+def _qwen(out: Path) -> Path:
+    # The released config layout, tied embeddings (3B), mrope_section [4, 2, 2], rope_theta 1e6, one KV head,
+    # windows of 4x4 merged tokens with full attention in blocks 0 and 2, the processor's own pixel range.
+    path = make_qwen2_5_vl_variant(
+        out,
+        top=dict(tie_word_embeddings=True),
+        text=dict(
+            num_key_value_heads=1,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 2, 2]},
+        ),
+        vision=dict(window_size=32, fullatt_block_indexes=[0, 2]),
+        image_processor=dict(min_pixels=256, max_pixels=2048),
+    )
+    return _legacy_qwen_config(path)
+
+
+VARIANTS = {"llava-hf": _llava_hf, "llava-next": _llava_next, "idefics3": _idefics3, "smolvlm": _smolvlm,
+            "qwen": _qwen}  # fmt: skip
+
+A, B = sample_image(50, 30, seed=1), sample_image(31, 59, seed=2)
+WIDE, SLIVER = sample_image(90, 20, seed=3), sample_image(3, 40, seed=4)
+CONVERSATIONS = {
+    "images-between-text": [("user", ["Compare", A, "with", B, "please."])],
+    "same-image-twice-and-a-sliver": [("user", [WIDE, "and again", WIDE, SLIVER])],
+    "image-in-an-earlier-turn": [("user", [B, "First."]), ("assistant", ["Tall."]), ("user", ["Now this:", A])],
+}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vision-sweep")
+    paths = {name: make(root / name) for name, make in VARIANTS.items()}
+    specs = [ModelSpec(path=p, name=n) for n, p in paths.items()]
+    with ServerThread(specs, EngineOptions(kv_cache_gib=0.01, max_num_batched_tokens=16)) as server:
+        yield {
+            "server": server,
+            "paths": paths,
+            "stub": generation_pb2_grpc.GenerationServiceStub(server.channel()),
+            "refs": {},
+        }
+
+
+def reference(s, name: str, turns: list[tuple[str, list]]) -> tuple[int, list[int], torch.Tensor]:
+    """(prompt length, greedy tokens, their log-probabilities) of transformers for these turns: the checkpoint's processor renders the chat
+    template and processes text + images as its `apply_chat_template(tokenize=True)` does (special tokens added
+    unless the text starts with BOS), then `generate`. The images go to the processor as given."""
+    if name not in s["refs"]:
+        path = s["paths"][name]
+        processor = s["server"].registry.lookup(name).bundle.vision.processor  # the checkpoint's (image-only) one
+        s["refs"][name] = (processor, transformers.AutoModelForImageTextToText.from_pretrained(path).eval())
+    processor, model = s["refs"][name]
+    messages = [
+        {"role": role, "content": [{"type": "text", "text": x} if isinstance(x, str) else {"type": "image"}
+                                   for x in items]}
+        for role, items in turns
+    ]  # fmt: skip
+    images = [x for _, items in turns for x in items if not isinstance(x, str)]
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    bos = processor.tokenizer.bos_token
+    nested = name in ("idefics3", "smolvlm")
+    batch = processor(
+        text=[text],
+        images=[images] if nested else images,
+        add_special_tokens=not (bos is not None and text.startswith(bos)),
+        return_tensors="pt",
+    )
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    n = batch["input_ids"].shape[1]
+    tokens = out.sequences[0, n:]
+    logprobs = torch.stack([torch.log_softmax(x[0].float(), -1)[t] for x, t in zip(out.logits, tokens, strict=True)])
+    return n, tokens.tolist(), logprobs
+
+
+def check(s, name: str, turns: list[tuple[str, list]], request_turns: list[tuple[str, list]] | None = None) -> None:
+    """Our server's prompt length, greedy tokens and their log-probabilities equal transformers'. (A tied-embedding
+    random model repeats one token whatever it sees; the log-probabilities still depend on every input.)"""
+    got, lps, summary = run(s["stub"], ask(name, request_turns or turns, logprobs=True))
+    n, want, want_lps = reference(s, name, turns)
+    assert (summary.usage.prompt_tokens, got) == (n, want)
+    torch.testing.assert_close(torch.tensor(lps), want_lps, atol=2e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_variant_equals_transformers(served, name):
+    for turns in CONVERSATIONS.values():
+        check(served, name, turns)
+    free, total = served["server"].wait_kv_free(name)
+    assert free == total
+
+
+def _encode(im: Image.Image, fmt: str, **kwargs) -> bytes:
+    buf = io.BytesIO()
+    im.save(buf, format=fmt, **kwargs)
+    return buf.getvalue()
+
+
+def _inputs() -> dict[str, bytes]:
+    """Image files as users send them, one per Pillow mode the decoder has to turn into RGB."""
+    base = sample_image(44, 28, seed=9)
+    rgba = np.array(base.convert("RGBA"))
+    rgba[:, :15, 3] = 0  # fully transparent stripe, then a half-transparent one
+    rgba[:, 15:25, 3] = 128
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: rotate 90 degrees clockwise to display
+    return {
+        "rgba-png": _encode(Image.fromarray(rgba), "PNG"),
+        "palette-png": _encode(base.convert("P", palette=Image.Palette.ADAPTIVE, colors=16), "PNG"),
+        "gray-png": _encode(base.convert("L"), "PNG"),
+        "cmyk-jpeg": _encode(base.convert("CMYK"), "JPEG", quality=95),
+        "exif-rotated-jpeg": _encode(base, "JPEG", quality=95, exif=exif),
+    }
+
+
+@pytest.mark.parametrize("name", ["qwen", "llava-hf"])
+def test_image_modes_equal_transformers_on_the_same_file(served, name):
+    """RGBA (composited on white, as the processors' convert_to_rgb), palette, grayscale, CMYK and an EXIF-rotated
+    JPEG: the tokens equal transformers' given the same file opened by PIL. The EXIF orientation is applied, as
+    transformers' load_image does (the processor alone does not); the rotated image is a different prompt here
+    (44x28 -> 28x44), so the check would see it ignored."""
+    for data in _inputs().values():
+        image = ImageOps.exif_transpose(Image.open(io.BytesIO(data)))  # what transformers' load_image does
+        check(served, name, [("user", ["What is it?", image])], [("user", ["What is it?", _part(data)])])
+
+
+def _part(data: bytes):
+    from omnivox.v1 import content_pb2
+
+    return content_pb2.ImagePart(data=data)
