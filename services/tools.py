@@ -274,7 +274,7 @@ def _hermes_in_text(msgs: list[dict], tools: list[dict]) -> list[dict]:
     block = (
         "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
         "function signatures within <tools></tools> XML tags:\n<tools>\n"
-        + "\n".join(json.dumps(t) for t in tools)
+        + "\n".join(_tojson(t) for t in tools)
         + "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
         '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}'
         "\n</tool_call>"
@@ -284,15 +284,28 @@ def _hermes_in_text(msgs: list[dict], tools: list[dict]) -> list[dict]:
         out[0]["content"] = f"{out[0]['content']}\n\n{block}"
     else:
         out.insert(0, {"role": "system", "content": block})
+    merged: list[dict] = []
     for m in out:
         calls = m.pop("tool_calls", None)
         if calls:
-            text = "\n".join(f"<tool_call>\n{json.dumps(c['function'])}\n</tool_call>" for c in calls)
+            text = "\n".join(f"<tool_call>\n{_tojson(c['function'])}\n</tool_call>" for c in calls)
             m["content"] = f"{m['content']}\n{text}" if m["content"] else text
         if m["role"] == "tool":
-            m.pop("tool_call_id", None)
-            m.update(role="user", content=f"<tool_response>\n{m['content']}\n</tool_response>")
-    return out
+            response = f"<tool_response>\n{m['content']}\n</tool_response>"
+            if merged and merged[-1].get("tool_results"):  # consecutive results share one user turn, as in Qwen's
+                merged[-1]["content"] += "\n" + response
+                continue
+            m = {"role": "user", "content": response, "tool_results": True}
+        merged.append(m)
+    for m in merged:
+        m.pop("tool_results", None)
+    return merged
+
+
+def _tojson(value: Any) -> str:
+    """JSON as chat templates' `tojson` writes it (transformers': non-ASCII kept; json.dumps wrote "東京" as
+    "\\u6771\\u4eac", two to three times the tokens, and not what the model reads or writes elsewhere)."""
+    return json.dumps(value, ensure_ascii=False)
 
 
 async def constrain(tool_plan: ToolPlan | None, params: Any, engine: Any) -> None:

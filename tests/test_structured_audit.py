@@ -20,6 +20,7 @@ from service_harness import ServerThread, user_request
 from omnivox.services import tool_parser
 from omnivox.services.errors import status_details
 from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.tools import plan, prompt_ids
 from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2
 
 SEEDS = 4
@@ -442,3 +443,34 @@ def test_logprobs_are_of_the_processed_logits(stub, server: ServerThread) -> Non
     request = user_request("Hello", response_format=choices, max_output_tokens=1, logprobs=True, top_logprobs=5)
     (lp,) = [lp for d in run(stub, request)[1] for lp in d.logprobs]
     assert [t.logprob for t in lp.top_logprobs][2:] == [float("-inf")] * 3
+
+
+def test_tools_in_the_text_as_qwen_writes_them(stub, server: ServerThread) -> None:
+    """For a template that ignores tools (the embedded SmolLM2's), the tools, calls and results are written as
+    Qwen2.5's template writes them: non-ASCII kept (its tojson; json.dumps escaped "東京" to "\\u6771\\u4eac") and
+    consecutive tool results in one user turn (they were one turn each)."""
+    tool = generation_pb2.Tool(name="weather", description="東京の天気", parameters_json_schema='{"type": "object"}')
+    calls = [
+        content_pb2.ToolCall(id="c1", name="weather", arguments='{"city": "東京"}'),
+        content_pb2.ToolCall(id="c2", name="weather", arguments='{"city": "Zürich"}'),
+    ]
+    request = user_request("Weather?", tools=[tool], max_output_tokens=1)
+    request.contents.add(role="assistant", tool_calls=calls)
+    for call_id, result in (("c1", "晴れ"), ("c2", "Schnee")):
+        request.contents.add(role="tool", tool_call_id=call_id, parts=[content_pb2.Part(text=result)])
+    fn = '{"type": "function", "function": {"name": "weather", "description": "東京の天気", "parameters": {"type": "object"}}}'
+    expected = (
+        "<|im_start|>system\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n" + fn + "\n</tools>\n\n"
+        "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
+        'XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\nWeather?<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "weather", "arguments": {"city": "東京"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "weather", "arguments": {"city": "Zürich"}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\n晴れ\n</tool_response>\n<tool_response>\nSchnee\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    tok = server.engine().tokenizer
+    ids = tok.encode(expected, add_special_tokens=False)
+    assert tok.decode(prompt_ids(tok, request.contents, plan(request, tok))) == expected
+    assert run(stub, request)[2].usage.prompt_tokens == len(ids)  # the served prompt
