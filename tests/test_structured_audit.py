@@ -1,26 +1,21 @@
-"""Structured output, tool calls and sampling with the cases users of vLLM / SGLang / OpenAI-style APIs bring: schema
-features beyond the first few ($ref, recursion, anyOf/oneOf/allOf, enum/const of mixed types, formats, bounds,
-nullable types, unicode names), what llguidance cannot enforce (refused, naming the keyword, as vLLM's guidance
-backend and OpenAI's strict mode refuse), hostile nesting, and the sampler's edge values. One tiny random model behind
-a real gRPC server; every output is checked with the `jsonschema` package."""
+"""Structured output and sampling with the cases users of vLLM / SGLang / OpenAI-style APIs bring: schema features
+beyond the first few ($ref, recursion, anyOf/oneOf/allOf, enum/const of mixed types, formats, bounds, nullable types,
+unicode names), what llguidance cannot enforce (refused, naming the keyword, as vLLM's guidance backend and OpenAI's
+strict mode refuse), hostile nesting, and the sampler's edge values. One tiny random model behind a real gRPC server;
+every output is checked with the `jsonschema` package. Tool calls: test_tool_audit.py."""
 
 from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import jsonschema
 import pytest
 import torch
-from checkpoints import load_reference, make_checkpoint
-from google.rpc import error_details_pb2
+from audit_generate import run, tiny_server, violations
+from checkpoints import load_reference
 from service_harness import ServerThread, user_request
 
-from omnivox.services import tool_parser
-from omnivox.services.errors import status_details
-from omnivox.services.loading import EngineOptions, ModelSpec
-from omnivox.services.tools import plan, prompt_ids
 from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2
 
 SEEDS = 4
@@ -156,39 +151,13 @@ SCHEMAS: dict[str, dict] = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    ckpt = make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", family="llama", max_position_embeddings=2048)
-    with ServerThread([ModelSpec(path=ckpt, name="tiny")], EngineOptions(kv_cache_gib=0.02, max_num_seqs=64)) as srv:
-        srv.checkpoint = ckpt
+    with tiny_server(tmp_path_factory.mktemp("ckpt")) as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
 def stub(server: ServerThread) -> generation_pb2_grpc.GenerationServiceStub:
     return generation_pb2_grpc.GenerationServiceStub(server.channel())
-
-
-def run(stub, request: generation_pb2.GenerateRequest) -> tuple[str, list, generation_pb2.GenerateSummary]:
-    """(text, deltas, summary) of one Generate call."""
-    text, deltas, summary = "", [], None
-    for response in stub.Generate(request, timeout=60):
-        if response.WhichOneof("response") == "delta":
-            text += response.delta.text
-            deltas.append(response.delta)
-        else:
-            summary = response.summary
-    assert summary is not None
-    return text, deltas, summary
-
-
-def violations(stub, request: generation_pb2.GenerateRequest) -> dict[str, str]:
-    with pytest.raises(grpc.RpcError) as info:
-        run(stub, request)
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
-    out = {}
-    for detail in status_details(info.value):
-        if isinstance(detail, error_details_pb2.BadRequest):
-            out.update({v.field: v.description for v in detail.field_violations})
-    return out
 
 
 def schema_request(schema: dict | str, seed: int | None = None, **fields) -> generation_pb2.GenerateRequest:
@@ -311,112 +280,6 @@ def test_top_k_minus_one_is_off(stub) -> None:
     assert "sampling.top_k" in violations(stub, user_request("x", sampling=sampling_pb2.SamplingConfig(top_k=-2)))
 
 
-# A pydantic-style tool schema: nested models under $defs, a self-reference, nullable and enum fields.
-WEATHER = {
-    "$defs": {
-        "Unit": {"enum": ["c", "f"], "type": "string"},
-        "Place": {
-            "type": "object",
-            "properties": {"city": S, "near": {"anyOf": [{"$ref": "#/$defs/Place"}, {"type": "null"}]}},
-            "required": ["city", "near"],
-            "additionalProperties": False,
-        },
-    },
-    "type": "object",
-    "properties": {
-        "place": {"$ref": "#/$defs/Place"},
-        "unit": {"$ref": "#/$defs/Unit"},
-        "days": {"type": ["integer", "null"], "minimum": 1, "maximum": 7},
-    },
-    "required": ["place", "unit", "days"],
-    "additionalProperties": False,
-}
-# A root self-reference ("#" is the parameters object itself).
-TREE = {
-    "type": "object",
-    "properties": {"v": {"type": "integer"}, "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
-    "required": ["v", "next"],
-    "additionalProperties": False,
-}
-
-
-def tool_calls_request(tools: list[generation_pb2.Tool], seed: int, **fields) -> generation_pb2.GenerateRequest:
-    fields.setdefault("tool_choice", generation_pb2.ToolChoice(mode=generation_pb2.TOOL_CHOICE_MODE_REQUIRED))
-    fields.setdefault("max_output_tokens", MAX_TOKENS)
-    sampling = sampling_pb2.SamplingConfig(temperature=1.0, seed=seed)
-    return user_request("What is the weather in Paris?", tools=tools, sampling=sampling, **fields)
-
-
-@pytest.mark.parametrize("both", [False, True], ids=["one tool", "two tools"])
-def test_tool_parameters_with_refs_validate(stub, both: bool) -> None:
-    """Local $refs in a tool's parameters ($defs, "#") resolve within the parameters: they were resolved against the
-    call object the grammar wraps them in, and every such tool was refused ("Pointer '/$defs/Place' does not
-    exist"). With two tools the call schema is an anyOf: the refs rebase to each branch."""
-    tools = [generation_pb2.Tool(name="weather", strict=True, parameters_json_schema=json.dumps(WEATHER))]
-    if both:
-        tools.append(generation_pb2.Tool(name="tree", strict=True, parameters_json_schema=json.dumps(TREE)))
-    with ThreadPoolExecutor(8) as pool:
-        results = list(
-            pool.map(
-                lambda s: run(stub, tool_calls_request(tools, s, parallel_tool_calls=False, max_output_tokens=400)),
-                range(6),
-            )
-        )
-    names = set()
-    for text, _, summary in results:
-        assert summary.finish_reason == generation_pb2.FINISH_REASON_TOOL_CALLS, (text, summary)
-        (call,) = summary.tool_calls
-        names.add(call.name)
-        jsonschema.validate(json.loads(call.arguments), WEATHER if call.name == "weather" else TREE)
-    assert names == ({"weather", "tree"} if both else {"weather"})
-
-
-def test_a_tool_call_cut_by_max_tokens(stub) -> None:
-    """max_output_tokens inside a call's JSON: LENGTH (not TOOL_CALLS), the summary holds only the calls that were
-    completed, and what was streamed of the cut call is a prefix of JSON (as OpenAI streams it)."""
-    tools = [generation_pb2.Tool(name="weather", strict=True, parameters_json_schema=json.dumps(WEATHER))]
-    text, deltas, summary = run(stub, tool_calls_request(tools, 0, max_output_tokens=45))
-    assert summary.finish_reason == generation_pb2.FINISH_REASON_LENGTH and not summary.tool_calls
-    streamed = [d for delta in deltas for d in delta.tool_calls]
-    assert text == "" and streamed and streamed[0].name == "weather"
-    assert "".join(d.arguments for d in streamed).startswith("{")
-
-
-def test_a_tool_schema_nested_too_deeply_names_the_tool(stub) -> None:
-    deep: dict = {"type": "object"}
-    for _ in range(300):  # parses (json.loads goes to ~1,000), but deeper than the grammar compiler takes
-        deep = {"type": "object", "properties": {"a": deep}}
-    tools = [generation_pb2.Tool(name="ok"), generation_pb2.Tool(name="deep", parameters_json_schema=json.dumps(deep))]
-    found = violations(stub, tool_calls_request(tools, 0))
-    assert "nested deeper" in found["tools[1].parameters_json_schema"], found
-
-
-def test_a_llama3_call_nested_past_the_recursion_limit_parses() -> None:
-    """Llama 3 calls end where their JSON does: json.loads raised RecursionError out of the stream for arguments
-    nested ~1,000 deep (a non-strict tool's arguments are any object, and a model may write that)."""
-    args = '{"a": ' + "[" * 3000 + '"]}"' + "]" * 3000 + "}"
-    text = '{"name": "f", "parameters": ' + args + "}"
-    stream = tool_parser.ToolCallStream(tool_parser.LLAMA3)
-    streamed = "".join(d.arguments for k in range(0, len(text), 997) for d in stream.update(text[: k + 997])[1])
-    (call,) = stream.complete_calls(text)
-    assert call.name == "f" and call.arguments == args == streamed
-    assert not tool_parser.parse(text[:-2], tool_parser.LLAMA3)[1][0].complete
-
-
-def test_an_unenforceable_tool_schema_names_the_tool(stub) -> None:
-    """A strict tool whose schema llguidance cannot enforce is refused naming that tool's schema and the keyword (the
-    error named only "tools" and printed the whole call grammar); a non-strict one is not compiled, so it passes."""
-    bad = json.dumps({"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}})
-    tools = [
-        generation_pb2.Tool(name="ok", strict=True),
-        generation_pb2.Tool(name="bad", strict=True, parameters_json_schema=bad),
-    ]
-    found = violations(stub, tool_calls_request(tools, 0))
-    assert "uniqueItems" in found["tools[1].parameters_json_schema"], found
-    tools[1].strict = False
-    assert run(stub, tool_calls_request(tools, 0, max_output_tokens=4))[2].usage.output_tokens == 4
-
-
 def test_logprobs_are_of_the_processed_logits(stub, server: ServerThread) -> None:
     """The documented choice (README): logprobs after logit bias, the grammar mask and penalties, before temperature
     and top-k (vLLM returns the raw logits' by default). Checked against transformers' own logits for the prompt."""
@@ -443,34 +306,3 @@ def test_logprobs_are_of_the_processed_logits(stub, server: ServerThread) -> Non
     request = user_request("Hello", response_format=choices, max_output_tokens=1, logprobs=True, top_logprobs=5)
     (lp,) = [lp for d in run(stub, request)[1] for lp in d.logprobs]
     assert [t.logprob for t in lp.top_logprobs][2:] == [float("-inf")] * 3
-
-
-def test_tools_in_the_text_as_qwen_writes_them(stub, server: ServerThread) -> None:
-    """For a template that ignores tools (the embedded SmolLM2's), the tools, calls and results are written as
-    Qwen2.5's template writes them: non-ASCII kept (its tojson; json.dumps escaped "東京" to "\\u6771\\u4eac") and
-    consecutive tool results in one user turn (they were one turn each)."""
-    tool = generation_pb2.Tool(name="weather", description="東京の天気", parameters_json_schema='{"type": "object"}')
-    calls = [
-        content_pb2.ToolCall(id="c1", name="weather", arguments='{"city": "東京"}'),
-        content_pb2.ToolCall(id="c2", name="weather", arguments='{"city": "Zürich"}'),
-    ]
-    request = user_request("Weather?", tools=[tool], max_output_tokens=1)
-    request.contents.add(role="assistant", tool_calls=calls)
-    for call_id, result in (("c1", "晴れ"), ("c2", "Schnee")):
-        request.contents.add(role="tool", tool_call_id=call_id, parts=[content_pb2.Part(text=result)])
-    fn = '{"type": "function", "function": {"name": "weather", "description": "東京の天気", "parameters": {"type": "object"}}}'
-    expected = (
-        "<|im_start|>system\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-        "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n" + fn + "\n</tools>\n\n"
-        "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
-        'XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
-        "<|im_start|>user\nWeather?<|im_end|>\n"
-        '<|im_start|>assistant\n<tool_call>\n{"name": "weather", "arguments": {"city": "東京"}}\n</tool_call>\n'
-        '<tool_call>\n{"name": "weather", "arguments": {"city": "Zürich"}}\n</tool_call><|im_end|>\n'
-        "<|im_start|>user\n<tool_response>\n晴れ\n</tool_response>\n<tool_response>\nSchnee\n</tool_response><|im_end|>\n"
-        "<|im_start|>assistant\n"
-    )
-    tok = server.engine().tokenizer
-    ids = tok.encode(expected, add_special_tokens=False)
-    assert tok.decode(prompt_ids(tok, request.contents, plan(request, tok))) == expected
-    assert run(stub, request)[2].usage.prompt_tokens == len(ids)  # the served prompt

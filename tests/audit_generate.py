@@ -1,0 +1,51 @@
+"""What the audit tests (test_structured_audit.py, test_tool_audit.py) share: a tiny random Llama behind a real
+gRPC server (ChatML template without tools, so tools go into the text as Qwen2.5 writes them), and two calls."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+import pytest
+from checkpoints import make_checkpoint
+from google.rpc import error_details_pb2
+from service_harness import ServerThread
+
+from omnivox.services.errors import status_details
+from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.v1 import generation_pb2
+
+
+@contextmanager
+def tiny_server(folder: Path) -> Iterator[ServerThread]:
+    """The server; its checkpoint folder is `server.checkpoint`. 2048 positions: a tool prompt is ~900 tokens."""
+    ckpt = make_checkpoint(folder / "tiny", family="llama", max_position_embeddings=2048)
+    with ServerThread([ModelSpec(path=ckpt, name="tiny")], EngineOptions(kv_cache_gib=0.02, max_num_seqs=64)) as srv:
+        srv.checkpoint = ckpt
+        yield srv
+
+
+def run(stub, request: generation_pb2.GenerateRequest) -> tuple[str, list, generation_pb2.GenerateSummary]:
+    """(text, deltas, summary) of one Generate call."""
+    text, deltas, summary = "", [], None
+    for response in stub.Generate(request, timeout=60):
+        if response.WhichOneof("response") == "delta":
+            text += response.delta.text
+            deltas.append(response.delta)
+        else:
+            summary = response.summary
+    assert summary is not None
+    return text, deltas, summary
+
+
+def violations(stub, request: generation_pb2.GenerateRequest) -> dict[str, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        run(stub, request)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    out = {}
+    for detail in status_details(info.value):
+        if isinstance(detail, error_details_pb2.BadRequest):
+            out.update({v.field: v.description for v in detail.field_violations})
+    return out
