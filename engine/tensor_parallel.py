@@ -39,7 +39,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from omnivox.models.decoder import DecoderModel
-from omnivox.models.tensor_parallel import check_world, load_shard
+from omnivox.models.tensor_parallel import check_world, load_shard, local_kv_heads
 from omnivox.models.tensor_parallel_worker import (
     CONTROL_TIMEOUT,
     Caches,
@@ -74,7 +74,7 @@ class TensorParallelModel(nn.Module):
         self.config = dataclasses.replace(
             full,
             num_heads=full.num_heads // self.world,
-            num_kv_heads=full.num_kv_heads // self.world,
+            num_kv_heads=local_kv_heads(full, self.world),  # one, replicated, with fewer KV heads than ranks
             intermediate_size=full.intermediate_size // self.world,
         )
         self._control = control
@@ -140,7 +140,7 @@ class TensorParallelModel(nn.Module):
 
     def gather_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, ...]]:
         """Every rank's cache joined along the head axis, on the CPU: [slots, all kv heads, head_dim] per layer and
-        K/V — what one process would hold (tests compare it; it copies the whole cache)."""
+        K/V — what one process would hold, a replicated head once (tests compare it; it copies the whole cache)."""
         out = []
         with self._step():
             send(GatherKV(), self._control)
@@ -149,7 +149,8 @@ class TensorParallelModel(nn.Module):
                 for local in layer:
                     parts = [torch.empty_like(local, device="cpu") for _ in range(self.world)]
                     dist.gather(local.cpu(), parts, dst=0, group=self._control)
-                    joined.append(torch.cat(parts, dim=1))
+                    replicas = max(1, self.world // self.full_config.num_kv_heads)  # ranks holding the same head
+                    joined.append(torch.cat(parts[::replicas], dim=1))
                 out.append(tuple(joined))
         return out
 

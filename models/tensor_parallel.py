@@ -8,7 +8,9 @@
 - lm_head (or the tied embedding): vocabulary-parallel, logits all-gathered so every rank holds the full row
   (sampling is deterministic given the same logits and seed; rank 0 is the one whose tokens count).
 So each layer costs two all-reduces of [T, hidden] (docs/scaling.md works out what that costs on NVLink).
-Each rank's KV cache holds its own `num_kv_heads / world` heads: allocate it from `local_kv_heads`.
+Each rank's KV cache holds its own `num_kv_heads / world` heads: allocate it from `local_kv_heads`. With fewer KV
+heads than ranks (GQA / MQA at a large world; `world` a multiple of them), each KV head is replicated on the
+`world / num_kv_heads` ranks whose query heads read it, as vLLM does: every rank holds one KV head.
 
 `load_shard(path, rank, world)` builds the same shard straight from a checkpoint: the model is allocated at the
 shard's sizes and each checkpoint tensor is sliced as it streams in, so a rank holds its shard plus one tensor, never
@@ -32,14 +34,16 @@ from omnivox.models.layers import Linear, PackedLinear, linear
 
 
 def check_divisible(cfg: ModelConfig, world: int) -> None:
-    """A clear error when `world` ranks cannot split the heads (or the MLP) evenly."""
-    for what, n in (
-        ("attention heads", cfg.num_heads),
-        ("KV heads", cfg.num_kv_heads),
-        ("MLP intermediate size", cfg.intermediate_size),
-    ):
+    """A clear error when `world` ranks cannot split the heads (or the MLP) evenly. KV heads fewer than the ranks
+    are replicated, which needs `world` to be a multiple of them."""
+    for what, n in (("attention heads", cfg.num_heads), ("MLP intermediate size", cfg.intermediate_size)):
         if n % world:
             raise ValueError(f"--tensor-parallel {world} does not divide the model's {what} ({n})")
+    kv = cfg.num_kv_heads
+    if kv % world and world % kv:
+        raise ValueError(
+            f"--tensor-parallel {world} does not divide the model's KV heads ({kv}), nor is it a multiple of them"
+        )
 
 
 def check_world(path: str | os.PathLike, world: int, device: torch.device, max_model_len: int | None = None) -> None:
@@ -58,9 +62,21 @@ def check_world(path: str | os.PathLike, world: int, device: torch.device, max_m
 
 
 def local_kv_heads(cfg: ModelConfig, world: int) -> int:
-    """KV heads in one rank's cache."""
+    """KV heads in one rank's cache (one, replicated, when the model has fewer than `world`)."""
     check_divisible(cfg, world)
-    return cfg.num_kv_heads // world
+    return max(1, cfg.num_kv_heads // world)
+
+
+def kv_head_rows(rows: int, kv_heads: int, rank: int, world: int) -> slice:
+    """This rank's rows of a k_proj / v_proj output of `rows` rows (`kv_heads` heads): its `kv_heads / world`
+    heads, or with fewer heads than ranks the one head its query heads read (rank r's query heads are a
+    world-th of all, and a KV head serves world / kv_heads consecutive ranks)."""
+    per_head = rows // kv_heads
+    if kv_heads >= world:
+        n = rows // world
+        return slice(rank * n, (rank + 1) * n)
+    head = rank * kv_heads // world
+    return slice(head * per_head, (head + 1) * per_head)
 
 
 class RowParallelLinear(nn.Module):
@@ -123,17 +139,24 @@ class VocabParallelHead(nn.Module):
         return torch.cat(parts, dim=1)[:, : self.vocab]
 
 
-def _column_shard(packed: PackedLinear, rank: int, world: int) -> PackedLinear:
-    """The PackedLinear of this rank: every part's rows split evenly, packed in the same order."""
-    parts = {name: rows // world for name, rows in packed.parts.items()}
+def _column_shard(packed: PackedLinear, rank: int, world: int, kv_heads: int = 0) -> PackedLinear:
+    """The PackedLinear of this rank: every part's rows split evenly (k_proj / v_proj by `kv_head_rows` when
+    `kv_heads` is given), packed in the same order."""
+    cuts = {}
+    for name, rows in packed.parts.items():
+        if kv_heads and name in ("k_proj", "v_proj"):
+            cuts[name] = kv_head_rows(rows, kv_heads, rank, world)
+        else:
+            cuts[name] = slice(rank * (rows // world), (rank + 1) * (rows // world))
+    parts = {name: cut.stop - cut.start for name, cut in cuts.items()}
     out = PackedLinear(packed.weight.shape[1], parts, packed.bias is not None).to(packed.weight)
     with torch.no_grad():
-        for name, rows in parts.items():
+        for name, cut in cuts.items():
             start, _ = packed.offsets[name]
-            lo = start + rank * rows
-            out.load_part(name, "weight", packed.weight[lo : lo + rows])
+            rows = slice(start + cut.start, start + cut.stop)
+            out.load_part(name, "weight", packed.weight[rows])
             if packed.bias is not None:
-                out.load_part(name, "bias", packed.bias[lo : lo + rows])
+                out.load_part(name, "bias", packed.bias[rows])
     return out
 
 
@@ -147,10 +170,10 @@ def shard_decoder(model: DecoderModel, group: dist.ProcessGroup | None = None) -
         attn, mlp = layer.self_attn, layer.mlp
         if not isinstance(attn.o_proj, Linear) or not isinstance(mlp.down_proj, Linear):
             raise ValueError("tensor parallelism needs float layers (quantised layers are not sharded yet)")
-        attn.qkv_proj = _column_shard(attn.qkv_proj, rank, world)
+        attn.qkv_proj = _column_shard(attn.qkv_proj, rank, world, cfg.num_kv_heads)
         attn.o_proj = RowParallelLinear.from_full(attn.o_proj, rank, world, group)
         attn.num_heads //= world
-        attn.num_kv_heads //= world
+        attn.num_kv_heads = local_kv_heads(cfg, world)
         mlp.gate_up_proj = _column_shard(mlp.gate_up_proj, rank, world)
         mlp.down_proj = RowParallelLinear.from_full(mlp.down_proj, rank, world, group)
         mlp.inter //= world
@@ -184,13 +207,15 @@ def _vocab_parallel(
 
 
 def _slice_for_rank(
-    tensors: Iterable[tuple[str, torch.Tensor]], rank: int, world: int
+    tensors: Iterable[tuple[str, torch.Tensor]], rank: int, world: int, kv_heads: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Checkpoint tensors cut to this rank's part, as they stream in (the same cuts shard_decoder makes)."""
     for name, tensor in tensors:
         parts = name.split(".")
         module = parts[-2] if len(parts) >= 2 else ""
-        if module in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):  # column-parallel: output rows
+        if module in ("k_proj", "v_proj"):  # column-parallel by whole KV heads (replicated when fewer than ranks)
+            tensor = tensor[kv_head_rows(tensor.shape[0], kv_heads, rank, world)]
+        elif module in ("q_proj", "gate_proj", "up_proj"):  # column-parallel: output rows
             rows = tensor.shape[0] // world
             tensor = tensor[rank * rows : (rank + 1) * rows]
         elif module in ("o_proj", "down_proj") and parts[-1] == "weight":  # row-parallel: input columns
@@ -221,7 +246,7 @@ def load_shard(
     local = dataclasses.replace(
         cfg,
         num_heads=cfg.num_heads // world,
-        num_kv_heads=cfg.num_kv_heads // world,
+        num_kv_heads=local_kv_heads(cfg, world),
         intermediate_size=cfg.intermediate_size // world,
         vocab_size=-(-cfg.vocab_size // world),  # the embedding and head rows of this rank
     )
@@ -233,7 +258,7 @@ def load_shard(
     finally:
         torch.set_default_dtype(prev)
     model.rotary.to(torch.float32)
-    model.load_weights(_slice_for_rank(iter_checkpoint_tensors(path), rank, world))
+    model.load_weights(_slice_for_rank(iter_checkpoint_tensors(path), rank, world, cfg.num_kv_heads))
     for layer in model.layers:
         layer.self_attn.o_proj = RowParallelLinear(layer.self_attn.o_proj, group)
         layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj, group)
