@@ -136,9 +136,10 @@ def _decode_raw(data: bytes, encoding: AudioEncoding, rate: int, limits: AudioLi
 
 
 def _too_long(seconds: float, limits: AudioLimits) -> AudioInputError:
-    return AudioInputError(
-        "data", f"audio is {seconds:.2f} s long; this model accepts at most {limits.max_seconds:g} s"
-    )
+    shown = f"{seconds:.2f}"
+    if float(shown) <= limits.max_seconds:  # a few samples over: "30.00 s ... at most 30 s" read as a bug
+        shown = f"{seconds:.6f}"
+    return AudioInputError("data", f"audio is {shown} s long; this model accepts at most {limits.max_seconds:g} s")
 
 
 def _decode_container(data: bytes, container: str, limits: AudioLimits) -> tuple[np.ndarray, int]:

@@ -10,6 +10,11 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
+# transformers' classes for these never tie the output projection to the token embedding (no _tied_weights_keys):
+# their lm_head is its own checkpoint weight whatever tie_word_embeddings says. Tying it here used the embedding
+# instead: a tiny Qwen2-Audio saved with tie_word_embeddings true gave other tokens from the first one.
+_NEVER_TIED = frozenset({"qwen2_audio", "voxtral"})  # model_type of the top-level config
+
 # Text configs of multimodal checkpoints map to the decoder they use (Qwen2.5-VL's text model is Qwen2 with M-RoPE).
 # Mistral (LLaVA-NeXT-Mistral's text model) is Llama's architecture plus an optional sliding window (every layer).
 _MODEL_TYPE_TO_FAMILY = {
@@ -84,6 +89,8 @@ class ModelConfig:
         tie = getattr(hf_config, "tie_word_embeddings", None)
         if tie is None:
             tie = getattr(text, "tie_word_embeddings", False)
+        if getattr(hf_config, "model_type", None) in _NEVER_TIED:
+            tie = False
         return cls(
             family=family,
             vocab_size=int(text.vocab_size),
