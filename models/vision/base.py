@@ -76,6 +76,7 @@ class VisionEncoder(nn.Module, ABC):
                 f"{path}: model_type {config.model_type!r} has no vision encoder; served: {sorted(FAMILIES)}"
             )
         enc = cls(config, cls.load_processor(path, config))
+        enc.check_processor()
         enc.load_from(path)
         return enc.to(device=device, dtype=dtype).eval()
 
@@ -108,6 +109,26 @@ class VisionEncoder(nn.Module, ABC):
 
     @abstractmethod
     def _encode_batch(self, items: Sequence[ImageInputs]) -> list[torch.Tensor]: ...
+
+    @abstractmethod
+    def model_rows(self, item: ImageInputs) -> int:
+        """Feature rows the model makes for `item`, from the config's arithmetic alone (no forward); ValueError naming
+        the config key when the config cannot make features at all."""
+
+    # The processor settings whose disagreement with the model's config `check_processor` reports.
+    processor_keys: str = ""
+
+    def check_processor(self) -> None:
+        """Refuse (ValueError) a checkpoint whose processor writes another number of image tokens than the model
+        makes feature rows, or whose config cannot make features, at load: served, every image request of it would
+        fail inside the encoder (transformers' own model fails on it too). One probe image, no forward."""
+        probe = self._preprocess_one(Image.new("RGB", (61, 37), (128, 64, 32)), None)
+        rows = self.model_rows(probe)
+        if rows != probe.num_features:
+            raise ValueError(
+                f"the processor writes {probe.num_features} image tokens for a 61x37 image but the {self.family} "
+                f"config makes {rows} feature rows: check {self.processor_keys} against the model's config"
+            )
 
     def feature_settings(self) -> dict:
         """Everything besides the image bytes and the model name that decides the features (goes into the content

@@ -45,6 +45,13 @@ class Idefics3Encoder(VisionEncoder):
         self.marker_token_id = processor.tokenizer.convert_tokens_to_ids(self.marker_token)
         self.placeholder_token_id = config.image_token_id
 
+    processor_keys = "the processor's image_seq_len and image processor tile size (max_image_size)"
+
+    def model_rows(self, item: ImageInputs) -> int:
+        tiles, _, height, width = item.tensors["pixel_values"][0].shape  # [tiles, 3, S, S]
+        patches = (height // self.patch_size) * (width // self.patch_size)
+        return tiles * (patches // self.config.scale_factor**2)  # the connector folds scale_factor^2 patches
+
     def _encode_batch(self, items: Sequence[ImageInputs]) -> list[torch.Tensor]:
         dtype, device = self.param_dtype, self.device
         tiles = [it.tensors["pixel_values"][0] for it in items]  # each [tiles, 3, S, S]

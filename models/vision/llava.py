@@ -54,6 +54,28 @@ class LlavaEncoder(VisionEncoder):
         self.marker_token = processor.image_token
         self.marker_token_id = processor.tokenizer.convert_tokens_to_ids(self.marker_token)
         self.placeholder_token_id = config.image_token_id
+        vc = config.vision_config
+        self.side = vc.image_size // vc.patch_size  # feature rows per tile side
+        has_cls = any(n.endswith("class_embedding") for n, _ in self.vision_tower.named_parameters())  # CLIP's
+        self.rows_per_tile = self.side**2 + has_cls - (self.strategy == "default")
+        if self.anyres and self.rows_per_tile != self.side**2:
+            raise ValueError(
+                f"vision_feature_select_strategy {self.strategy!r} leaves {self.rows_per_tile} feature rows per tile "
+                f"of this {vc.model_type} tower; LLaVA-NeXT re-assembles tiles into a {self.side}x{self.side} grid "
+                "(a CLIP tower needs 'default', a SigLIP tower 'full')"
+            )
+
+    processor_keys = "the processor's patch_size, num_additional_image_tokens and vision_feature_select_strategy"
+
+    def model_rows(self, item: ImageInputs) -> int:
+        if not self.anyres:
+            return self.rows_per_tile
+        image_size = item.tensors["image_sizes"][0].tolist()
+        grid_h, grid_w = get_anyres_image_grid_shape(
+            image_size, self.config.image_grid_pinpoints, self.config.vision_config.image_size
+        )
+        h, w = unpad_image(torch.empty(1, grid_h * self.side, grid_w * self.side), image_size).shape[1:]
+        return self.side**2 + h * (w + 1)  # base tile, then each grid row ended by image_newline
 
     def _select(self, pixel_values: torch.Tensor) -> torch.Tensor:  # [B, 3, H, W] -> [B, rows, vision_hidden * L]
         pixels = pixel_values.to(self.device, self.param_dtype)
@@ -84,8 +106,7 @@ class LlavaEncoder(VisionEncoder):
         newline = self.image_newline.to(feats.dtype)
         if feats.shape[0] == 1:
             return torch.cat((feats[0], newline[None]), dim=0)
-        vc = self.config.vision_config
-        side = vc.image_size // vc.patch_size  # feature rows per tile side
+        vc, side = self.config.vision_config, self.side
         grid_h, grid_w = get_anyres_image_grid_shape(image_size, self.config.image_grid_pinpoints, vc.image_size)
         grid = feats[1:].view(grid_h, grid_w, side, side, -1)
         grid = grid.permute(4, 0, 2, 1, 3).flatten(1, 2).flatten(2, 3)  # [D, grid_h*side, grid_w*side]

@@ -54,6 +54,19 @@ class Qwen25VLEncoder(VisionEncoder):
         item.extra["grid_thw"] = tuple(int(x) for x in item.tensors["image_grid_thw"][0])
         return item
 
+    processor_keys = "the image processor's patch_size, merge_size and temporal_patch_size"
+
+    def model_rows(self, item: ImageInputs) -> int:
+        vc = self.config.vision_config
+        per_patch = vc.in_channels * vc.temporal_patch_size * vc.patch_size**2
+        got = item.tensors["pixel_values"].shape[-1]
+        if got != per_patch:
+            raise ValueError(
+                f"the image processor makes patches of {got} values; the vision tower's patch embedding takes "
+                f"{per_patch}: check {self.processor_keys} against vision_config"
+            )
+        return int(item.tensors["image_grid_thw"].prod()) // self.merge_size**2
+
     def _encode_batch(self, items: Sequence[ImageInputs]) -> list[torch.Tensor]:
         pixels = torch.cat([it.tensors["pixel_values"] for it in items])  # [sum patches, C*T*P*P]
         pixels = pixels.to(self.device, self.param_dtype)
