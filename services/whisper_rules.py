@@ -100,7 +100,9 @@ class WhisperVocab:
             no_timestamps=gen.get("no_timestamps_token_id", token("<|notimestamps|>")),
             languages=languages,
             suppress=suppress,
-            begin_suppress=tuple(int(t) for t in (begin if begin is not None else [token(" "), eot]) if t is not None),
+            begin_suppress=tuple(  # ids past the vocabulary dropped, as suppress_tokens (transformers ignores them)
+                int(t) for t in (begin if begin is not None else [token(" "), eot]) if t is not None and t < vocab_size
+            ),
             max_initial_timestamp_index=gen.get("max_initial_timestamp_index", 50),
             no_speech=token("<|nospeech|>") or token("<|nocaptions|>"),
             default_language=default_language,

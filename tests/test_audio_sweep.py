@@ -2,7 +2,8 @@
 ffmpeg's conventions, through a real gRPC server on tiny random Whispers (tests/whisper_checkpoints.py):
 - a Whisper whose encoder window is shorter than 30 s (max_source_positions 100, chunk_length 2: tiny configs);
   a window that disagrees with its feature extractor is refused at load naming max_source_positions;
-- a fine-tuned checkpoint's forced language (generation_config forced_decoder_ids, no lang_to_id) is its default;
+- a fine-tuned checkpoint's forced language (generation_config forced_decoder_ids, no lang_to_id) is its default,
+  and a begin_suppress_tokens id past the vocabulary is ignored (as transformers) instead of failing the load;
 - a prompt holding a special token's text is INVALID_ARGUMENT on `prompt` (`config.prompt` when streaming);
 - language as "en" / "EN" / "english" / "en-US" (equal), a non-ASCII prompt;
 - multi-channel WAV mixed to mono as ffmpeg mixes it (LFE left out), WAVE_FORMAT_EXTENSIBLE masks, extra chunks,
@@ -54,6 +55,9 @@ def served(tmp_path_factory):
     _edit_generation_config(
         forced, drop=("lang_to_id", "task_to_id", "is_multilingual"),
         forced_decoder_ids=[[1, ids["<|fr|>"]], [2, ids["<|transcribe|>"]], [3, ids["<|notimestamps|>"]]],
+        # An id past the vocabulary (a trimmed-vocabulary model's stale list): transformers ignores it; the
+        # first-step mask raised IndexError and the model failed to load.
+        begin_suppress_tokens=[whisper_tokenizer().convert_tokens_to_ids("Ġ"), ids["<|endoftext|>"], 10**6],
     )  # fmt: skip
     specs = [ModelSpec(path=short, name="short"), ModelSpec(path=forced, name="forced")]
     with ServerThread(specs, EngineOptions(kv_cache_gib=0.02)) as server:
