@@ -207,6 +207,9 @@ def plan(request: generation_pb2.GenerateRequest, tokenizer: Any) -> ToolPlan | 
         v.append(FieldViolation("tool_choice", "needs tools"))
     if request.tools and request.HasField("response_format") and choice != NONE:
         v.append(FieldViolation("response_format", "cannot be combined with tools unless tool_choice is NONE"))
+    if request.tools and request.ignore_eos and choice != NONE:  # as with response_format (services/structured.py)
+        # a finished call admits only end-of-sequence: ignored, it was generated again until max_output_tokens
+        v.append(FieldViolation("ignore_eos", "cannot be combined with tool calls unless tool_choice is NONE"))
     for i, c in enumerate(request.contents):
         if c.role == "tool" and not c.tool_call_id:
             v.append(FieldViolation(f"contents[{i}].tool_call_id", "a tool turn names the call it answers"))

@@ -167,3 +167,14 @@ def test_tools_in_the_text_as_qwen_writes_them(stub, server: ServerThread) -> No
     ids = tok.encode(expected, add_special_tokens=False)
     assert tok.decode(prompt_ids(tok, request.contents, plan(request, tok))) == expected
     assert run(stub, request)[2].usage.prompt_tokens == len(ids)  # the served prompt
+
+
+def test_ignore_eos_with_tool_calls_is_invalid_argument(stub) -> None:
+    """As with response_format: a finished call admits only end-of-sequence, so with ignore_eos the output was the
+    call and then end-of-sequence tokens until max_output_tokens (LENGTH). With tool_choice NONE it is plain text."""
+    tools = [generation_pb2.Tool(name="weather", strict=True, parameters_json_schema=json.dumps(WEATHER))]
+    found = violations(stub, tool_calls_request(tools, 0, ignore_eos=True))
+    assert "ignore_eos" in found, found
+    none = generation_pb2.ToolChoice(mode=generation_pb2.TOOL_CHOICE_MODE_NONE)
+    summary = run(stub, tool_calls_request(tools, 0, ignore_eos=True, tool_choice=none, max_output_tokens=8))[2]
+    assert summary.usage.output_tokens == 8
