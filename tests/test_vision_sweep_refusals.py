@@ -1,7 +1,8 @@
 """Vision checkpoints whose processor and model disagree, or whose config cannot make features, are refused at load
 naming the keys to check. Served, each failed inside the encoder on every image request (INTERNAL; transformers' own
 model fails on them too): LLaVA-NeXT with a SigLIP tower under "default" (15 rows per tile cannot tile a 4x4 grid),
-a LLaVA processor counting no CLS row for a CLIP tower, an Idefics3 processor with another image_seq_len, a
+a LLaVA processor counting no CLS row for a CLIP tower or without patch_size (transformers' processor raises a
+TypeError on every image; we named nothing), an Idefics3 processor with another image_seq_len, a
 Qwen2.5-VL image processor with another merge_size or patch_size."""
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ def _edited(base: Path, out: Path, edit) -> Path:
 CASES = {
     "llava-no-cls-row": ("llava", lambda c: c.update(num_additional_image_tokens=0), "num_additional_image_tokens"),
     "smolvlm-image-seq-len": ("smolvlm", lambda c: c.update(image_seq_len=9), "image_seq_len"),
+    # llava-hf processor_config.json files before patch_size was added: transformers' processor fails on every image
+    "llava-processor-without-patch-size": (
+        "llava",
+        lambda c: c.pop("patch_size"),
+        "processor cannot process.*patch_size",
+    ),
     "qwen-merge-size": ("qwen", lambda c: c["image_processor"].update(merge_size=1), "merge_size"),
     "qwen-patch-size": ("qwen", lambda c: c["image_processor"].update(patch_size=8, merge_size=1), "patch_size"),
 }

@@ -122,7 +122,13 @@ class VisionEncoder(nn.Module, ABC):
         """Refuse (ValueError) a checkpoint whose processor writes another number of image tokens than the model
         makes feature rows, or whose config cannot make features, at load: served, every image request of it would
         fail inside the encoder (transformers' own model fails on it too). One probe image, no forward."""
-        probe = self._preprocess_one(Image.new("RGB", (61, 37), (128, 64, 32)), None)
+        try:
+            probe = self._preprocess_one(Image.new("RGB", (61, 37), (128, 64, 32)), None)
+        except (TypeError, ValueError, AttributeError, KeyError) as exc:  # e.g. a llava-hf processor without patch_size
+            raise ValueError(
+                f"the checkpoint's processor cannot process an image ({type(exc).__name__}: {exc}): check "
+                f"{self.processor_keys}"
+            ) from exc
         rows = self.model_rows(probe)
         if rows != probe.num_features:
             raise ValueError(
