@@ -117,8 +117,8 @@ def _rebase_refs(node: Any, prefix: str) -> Any:
     '/$defs/unit' does not exist" refused a valid tool."""
     if isinstance(node, list):
         return [_rebase_refs(v, prefix) for v in node]
-    if not isinstance(node, dict):
-        return node
+    if not isinstance(node, dict) or isinstance(node.get("$id"), str):
+        return node  # under an $id, "#..." refs resolve against that resource: they stay as written
     out = {k: v if k in _DATA_KEYWORDS else _rebase_refs(v, prefix) for k, v in node.items()}
     ref = node.get("$ref")
     if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):

@@ -68,14 +68,20 @@ def tool_calls_request(tools: list[generation_pb2.Tool], seed: int, **fields) ->
     return user_request("What is the weather in Paris?", tools=tools, sampling=sampling, **fields)
 
 
-@pytest.mark.parametrize("both", [False, True], ids=["one tool", "two tools"])
-def test_tool_parameters_with_refs_validate(stub, both: bool) -> None:
+# The same under an $id: its "#..." refs resolve against that resource, so they must not be rebased.
+WEATHER_WITH_ID = {"$id": "https://example.com/weather.json", **WEATHER}
+
+
+@pytest.mark.parametrize(
+    "schemas",
+    [{"weather": WEATHER}, {"weather": WEATHER, "tree": TREE}, {"weather": WEATHER_WITH_ID}],
+    ids=["one tool", "two tools", "$id"],
+)
+def test_tool_parameters_with_refs_validate(stub, schemas: dict[str, dict]) -> None:
     """Local $refs in a tool's parameters ($defs, "#") resolve within the parameters: they were resolved against the
     call object the grammar wraps them in, and every such tool was refused ("Pointer '/$defs/Place' does not
     exist"). With two tools the call schema is an anyOf: the refs rebase to each branch."""
-    tools = [generation_pb2.Tool(name="weather", strict=True, parameters_json_schema=json.dumps(WEATHER))]
-    if both:
-        tools.append(generation_pb2.Tool(name="tree", strict=True, parameters_json_schema=json.dumps(TREE)))
+    tools = [generation_pb2.Tool(name=n, strict=True, parameters_json_schema=json.dumps(p)) for n, p in schemas.items()]
     with ThreadPoolExecutor(8) as pool:
         results = list(
             pool.map(
@@ -88,8 +94,8 @@ def test_tool_parameters_with_refs_validate(stub, both: bool) -> None:
         assert summary.finish_reason == generation_pb2.FINISH_REASON_TOOL_CALLS, (text, summary)
         (call,) = summary.tool_calls
         names.add(call.name)
-        jsonschema.validate(json.loads(call.arguments), WEATHER if call.name == "weather" else TREE)
-    assert names == ({"weather", "tree"} if both else {"weather"})
+        jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+    assert names == schemas.keys()
 
 
 def test_a_tool_call_cut_by_max_tokens(stub) -> None:
