@@ -149,7 +149,7 @@ def _decode_container(data: bytes, container: str, limits: AudioLimits) -> tuple
             # Refuse long audio before decoding it (a header may understate; checked again after reading).
             if 0 < frames < 2**62 and rate > 0 and frames > limits.max_samples(rate):
                 raise _too_long(frames / rate, limits)
-            pcm = f.read(dtype="float32", always_2d=True)  # [frames, channels]
+            pcm = f.read(dtype="float32", always_2d=True) if f.seekable() else _read_forward(f, rate, limits)
     except AudioInputError:
         raise
     except soundfile.LibsndfileError as e:  # its str() names the BytesIO object's address
@@ -157,6 +157,18 @@ def _decode_container(data: bytes, container: str, limits: AudioLimits) -> tuple
     except (RuntimeError, ValueError, TypeError) as e:
         raise AudioInputError("data", f"cannot decode the {container} audio: {e}") from None
     return pcm, rate
+
+
+def _read_forward(f: soundfile.SoundFile, rate: int, limits: AudioLimits) -> np.ndarray:
+    """[frames, channels] of a file libsndfile reads only forwards (GSM 6.10 in WAV: soundfile's read() of "all"
+    refuses it), block by block, refusing it once past the limit."""
+    blocks, total = [], 0
+    while len(block := f.read(1 << 16, dtype="float32", always_2d=True)):
+        blocks.append(block)
+        total += len(block)
+        if rate > 0 and total > limits.max_samples(rate):
+            raise _too_long(total / rate, limits)
+    return np.concatenate(blocks) if blocks else np.zeros((0, f.channels), np.float32)
 
 
 def decode_audio(

@@ -236,3 +236,14 @@ def test_surround_through_transcribe_equals_its_mono_mix(served):
     b = _transcribe(served, "short", _wav(mixed), language="en")
     assert a.text == b.text
     assert content_key(mixed, 16000, "s", "m") == content_key(decode_audio(_wav(mixed)).samples, 16000, "s", "m")
+
+
+def test_gsm610_wav_is_read_forwards(served):
+    """GSM 6.10 in WAV (telephony, voicemail): libsndfile reads it only forwards and soundfile's read-all refused it
+    ("frames must be specified for non-seekable files"), so Transcribe said the audio could not be decoded."""
+    gsm = encode(chirp(1.5, rate=8000, f1=3500.0), 8000, "WAV", "GSM610")
+    decoded = decode_audio(gsm)
+    assert decoded.source_rate == 8000 and 24000 <= len(decoded.samples) <= 24000 + 640  # GSM blocks of 320 samples
+    a = _transcribe(served, "short", gsm, language="en")
+    b = _transcribe(served, "short", _wav(decoded.samples), language="en")
+    assert a.text == b.text
