@@ -34,13 +34,14 @@ from omnivox.v1 import generation_pb2_grpc
 STEPS = 16  # test_service_images.ask asks for 16 greedy tokens
 
 
-def _legacy_qwen_config(path: Path) -> Path:
+def _legacy_qwen_config(path: Path, rope_type: str = "mrope", **rope: object) -> Path:
     """Rewrite a Qwen2.5-VL config.json as the hub's releases spell it (transformers 4.4x): text keys at the top
-    level, `rope_scaling` {"type": "mrope"} with a top-level rope_theta, a disabled 32768 window, `in_chans`."""
+    level, `rope_scaling` {"type": "mrope"} (or `rope_type` with `rope`'s keys, as the model card's YaRN recipe)
+    with a top-level rope_theta, a disabled 32768 window, `in_chans`."""
     file = path / "config.json"
     config = json.loads(file.read_text())
     text = config.pop("text_config")
-    rope = text.pop("rope_parameters")
+    params = text.pop("rope_parameters")
     for key in ("layer_types", "model_type", "dtype"):
         text.pop(key, None)
     vision = config["vision_config"]
@@ -50,8 +51,8 @@ def _legacy_qwen_config(path: Path) -> Path:
     config.pop("dtype", None)
     config.update(text)
     config.update(
-        rope_theta=rope["rope_theta"],
-        rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]},
+        rope_theta=params["rope_theta"],
+        rope_scaling={"type": rope_type, "mrope_section": params["mrope_section"], **rope},
         sliding_window=32768,
         use_sliding_window=False,
         max_window_layers=70,
@@ -127,8 +128,19 @@ def _qwen(out: Path) -> Path:
     return _legacy_qwen_config(path)
 
 
+def _qwen_yarn(out: Path) -> Path:
+    # The model card's long-context recipe on the released layout: rope_scaling {"type": "yarn", "factor": 4,
+    # "original_max_position_embeddings", "mrope_section"}; untied, two KV heads for eight query heads.
+    path = make_qwen2_5_vl_variant(
+        out,
+        text=dict(num_attention_heads=8, num_key_value_heads=2, hidden_size=128, intermediate_size=128),
+        vision=dict(out_hidden_size=128),
+    )
+    return _legacy_qwen_config(path, "yarn", factor=4.0, original_max_position_embeddings=64)
+
+
 VARIANTS = {"llava-hf": _llava_hf, "llava-next": _llava_next, "idefics3": _idefics3, "smolvlm": _smolvlm,
-            "qwen": _qwen}  # fmt: skip
+            "qwen": _qwen, "qwen-yarn": _qwen_yarn}  # fmt: skip
 
 A, B = sample_image(50, 30, seed=1), sample_image(31, 59, seed=2)
 WIDE, SLIVER = sample_image(90, 20, seed=3), sample_image(3, 40, seed=4)

@@ -50,6 +50,12 @@ CASES = {
 }
 
 
+def test_qwen_merger_width_other_than_the_text_width_is_refused(tmp_path):
+    path = make_qwen2_5_vl_variant(tmp_path / "qwen", vision=dict(out_hidden_size=48))  # text hidden_size 64
+    with pytest.raises(ValueError, match="out_hidden_size 48"):
+        VisionEncoder.from_folder(path)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_processor_disagreeing_with_the_model_is_refused_at_load(bases, tmp_path, case):
     family, edit, key = CASES[case]

@@ -38,6 +38,11 @@ class Qwen25VLEncoder(VisionEncoder):
         self.visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(config.vision_config)
         self.merge_size = config.vision_config.spatial_merge_size
         self.text_hidden_size = config.text_config.hidden_size
+        if config.vision_config.out_hidden_size != self.text_hidden_size:  # the merger's rows replace text embeddings
+            raise ValueError(
+                f"vision_config.out_hidden_size {config.vision_config.out_hidden_size} != the text hidden_size "
+                f"{self.text_hidden_size}"
+            )
         self.marker_token = processor.image_token
         self.marker_token_id = processor.tokenizer.convert_tokens_to_ids(self.marker_token)
         self.placeholder_token_id = config.image_token_id
