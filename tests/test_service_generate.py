@@ -179,7 +179,7 @@ INVALID = [
     (_bad(sampling=sampling_pb2.SamplingConfig(temperature=float("nan"))), "sampling.temperature"),
     (_bad(sampling=sampling_pb2.SamplingConfig(top_p=0.0)), "sampling.top_p"),
     (_bad(sampling=sampling_pb2.SamplingConfig(top_p=1.5)), "sampling.top_p"),
-    (_bad(sampling=sampling_pb2.SamplingConfig(top_k=-1)), "sampling.top_k"),
+    (_bad(sampling=sampling_pb2.SamplingConfig(top_k=-2)), "sampling.top_k"),
     (_bad(sampling=sampling_pb2.SamplingConfig(min_p=2.0)), "sampling.min_p"),
     (_bad(sampling=sampling_pb2.SamplingConfig(repetition_penalty=0.0)), "sampling.repetition_penalty"),
     (_bad(sampling=sampling_pb2.SamplingConfig(presence_penalty=3.0)), "sampling.presence_penalty"),
