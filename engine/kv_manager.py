@@ -45,23 +45,30 @@ class KVCacheManager:
     def match_prefix(self, req: Request) -> int:
         """Attach cached blocks for the request's longest cached prefix; returns the number of tokens they hold.
 
-        At least one token is always left to compute, since its logits are needed.
-        """
+        At least one token is always left to compute, since its logits are needed. Under a sliding window (every
+        layer) a prefix of n blocks needs only the blocks the next position's window reads: earlier blocks may have
+        been evicted since they were released (the entries become the null block), as vLLM's sliding-window hit
+        search allows. A block's hash chains every token before it, so a hit anywhere means the same prefix."""
         assert not req.block_table
         max_blocks = (req.num_tokens - 1) // self.block_size
         self._extend_hashes(req, max_blocks)
-        hits = []
-        for h in req.block_hashes[:max_blocks]:
-            block_id = self.pool.lookup(h)
-            if block_id is None:
+        found = [self.pool.lookup(h) for h in req.block_hashes[:max_blocks]]
+        n = run = 0  # n: blocks of the longest usable prefix; run: consecutive hits ending at block i
+        for i, block_id in enumerate(found):
+            run = run + 1 if block_id is not None else 0
+            if self.sliding_window is None and not run:
                 break
-            hits.append(block_id)
+            if run and run >= i + 1 - self.skippable_blocks((i + 1) * self.block_size):
+                n = i + 1
+        skip = self.skippable_blocks(n * self.block_size)
+        hits = [b for b in found[skip:n] if b is not None]
+        assert len(hits) == n - skip
         for block_id in hits:
             self.pool.acquire_cached(block_id)
-        req.block_table = hits
-        req.num_registered_blocks = len(hits)
-        req.num_skipped_blocks = 0
-        return len(hits) * self.block_size
+        req.block_table = [self.pool.null_block] * skip + hits
+        req.num_registered_blocks = n
+        req.num_skipped_blocks = skip
+        return n * self.block_size
 
     def blocks_needed(self, req: Request, num_new_tokens: int) -> int:
         total = req.num_computed_tokens + num_new_tokens

@@ -176,3 +176,30 @@ def test_grpc_a_pool_smaller_than_the_context_serves_the_whole_length(ckpt, keep
     )
     (expected,), _ = run(keeping, [prompt], 300)
     assert summary.usage.output_tokens == 300 and tokens == expected
+
+
+def test_a_follow_up_hits_the_window_blocks_after_its_first_blocks_were_evicted(ckpt, keeping):
+    """Multi-turn on a pool of 8 blocks: the first turn's early blocks are reused while it generates, its last ones
+    stay cached. The next turn (its prompt = the first turn's tokens + more) is served from the cached blocks its
+    window reads, with no block 0 in the cache, and computes what a roomy engine computes."""
+    small = tiny_engine(ckpt, kv_cache_gib=8 * BLOCK * ckpt_kv_bytes(keeping) / 2**30, max_num_batched_tokens=32)
+    assert small.kv_usage().total_blocks == 8 and small.model_config.max_model_len == 512
+    first = list(range(200, 250))
+    rid = small.add_request(first, greedy(150))  # 200 positions: 13 blocks on a pool of 8
+    turn = small._requests[rid]
+    outs = []
+    while small.has_unfinished():
+        outs += small.step()
+    answer = outs[-1].token_ids
+    assert small.pool.lookup(turn.block_hashes[0]) is None  # block 0 was reused: evicted from the cache
+    follow_up = first + answer + list(range(300, 310))
+    rid = small.add_request(follow_up, greedy(20))
+    req = small._requests[rid]
+    small.step()
+    assert req.num_cached_tokens >= WINDOW and req.num_skipped_blocks > 0  # served from its window's blocks
+    while small.has_unfinished():
+        outs = small.step()
+    (final,) = [o for o in outs if o.request_id == rid]
+    (expected,), _ = run(keeping, [follow_up], 20)
+    assert final.token_ids == expected and final.num_cached_tokens == req.num_cached_tokens
+    small.check_integrity()
