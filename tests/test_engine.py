@@ -241,7 +241,7 @@ def test_logprobs_report_the_chosen_token_and_top_n(engine):
         ({"temperature": -0.5}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
-        ({"top_k": -1}, "top_k"),
+        ({"top_k": -2}, "top_k"),
         ({"min_p": 2.0}, "min_p"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": 10_000}, "max_tokens"),
