@@ -54,8 +54,19 @@ from omnivox.services.whisper_rules import (
 
 __all__ = ["WhisperPart", "WhisperResult", "transcribe"]
 
-MAX_PREV_TOKENS = 223  # openai-whisper: n_text_ctx // 2 - 1 tokens of previous text
-MAX_WINDOW_TOKENS = 224  # openai-whisper's sample_len: n_text_ctx // 2
+
+# openai-whisper's shares of the decoder's context (n_text_ctx = max_target_positions, 448 in every release): the
+# previous text (and a user prompt) keeps its last n_text_ctx // 2 - 1 tokens (223), a window writes at most
+# n_text_ctx // 2 (224, its sample_len). Fixed at 223 / 224, a tiny config's 64-token context could not hold the
+# prompt: long audio and any long prompt were refused (transformers cuts the previous text the same way).
+def max_prev_tokens(n_text_ctx: int) -> int:
+    return n_text_ctx // 2 - 1
+
+
+def max_window_tokens(n_text_ctx: int) -> int:
+    return n_text_ctx // 2
+
+
 # openai-whisper's no-speech skip: a window whose <|nospeech|> probability (at <|startoftranscript|>) is above
 # NO_SPEECH_THRESHOLD and whose tokens' mean logprob is below LOGPROB_THRESHOLD is silence, and its text is dropped
 # (Whisper writes "Thank you." and the like over silence and noise).
@@ -90,7 +101,8 @@ async def transcribe(
     ServedModel / ModelBundle holding one). TranscriptionRequestError names a bad setting (language, task,
     timestamps). `on_text(delta, segment_index)` is awaited with the text as it comes: token by token without
     timestamps, segment by segment (at each window's end) with them; the deltas joined equal `result.text`.
-    `max_tokens` caps each window's output (default: 224, openai-whisper's). Cancelling aborts the engine work."""
+    `max_tokens` caps each window's output (default: 224 = max_target_positions // 2, openai-whisper's).
+    Cancelling aborts the engine work."""
     part = whisper_part_of(model)
     lang = part.check(language, task, timestamps)
     run = _Transcription(part, task, timestamps, on_text, max_tokens)
@@ -102,7 +114,9 @@ async def transcribe(
 class _Transcription:
     def __init__(self, part: WhisperPart, task: str, timestamps: bool, on_text: OnText | None, max_tokens: int | None):
         self.part, self.task, self.timestamps, self.on_text = part, task, timestamps, on_text
-        self.max_tokens = max_tokens or MAX_WINDOW_TOKENS
+        n_text_ctx = part.engine.model_config.max_position_embeddings  # max_target_positions
+        self.max_tokens = max_tokens or max_window_tokens(n_text_ctx)
+        self.max_prev = max_prev_tokens(n_text_ctx)
         self.prev: list[int] = []
         self.segments: list[tuple[float, float, str]] = []
         self.token_ids: list[int] = []
@@ -160,7 +174,7 @@ class _Transcription:
 
     def _prev_prompt(self) -> list[int]:
         v = self.part.vocab
-        return [v.sot_prev, *self.prev[-MAX_PREV_TOKENS:]] if self.prev and v.sot_prev is not None else []
+        return [v.sot_prev, *self.prev[-self.max_prev :]] if self.prev and v.sot_prev is not None else []
 
     def _prompt(self, lang: int | None) -> list[int]:
         return self._prev_prompt() + self.part.task_prompt(lang, self.task, self.timestamps)

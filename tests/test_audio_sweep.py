@@ -4,7 +4,8 @@ ffmpeg's conventions, through a real gRPC server on tiny random Whispers (tests/
   a window that disagrees with its feature extractor is refused at load naming max_source_positions;
 - a fine-tuned checkpoint's forced language (generation_config forced_decoder_ids, no lang_to_id) is its default,
   and a begin_suppress_tokens id past the vocabulary is ignored (as transformers) instead of failing the load;
-- a prompt holding a special token's text is INVALID_ARGUMENT on `prompt` (`config.prompt` when streaming);
+- a prompt holding a special token's text is INVALID_ARGUMENT on `prompt` (`config.prompt` when streaming); a long
+  one is cut to half a small decoder context (max_target_positions 64), as openai-whisper cuts it;
 - language as "en" / "EN" / "english" / "en-US" (equal), a non-ASCII prompt;
 - multi-channel WAV mixed to mono as ffmpeg mixes it (LFE left out), WAVE_FORMAT_EXTENSIBLE masks, extra chunks,
   odd-length data, a truncated data chunk (decoded, logged).
@@ -23,7 +24,7 @@ import torch
 from audio_checkpoints import chirp, encode, noise, tone
 from google.rpc import error_details_pb2
 from service_harness import ServerThread
-from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
+from transformers import GenerationMixin, WhisperFeatureExtractor, WhisperForConditionalGeneration
 from whisper_checkpoints import N_MELS, SPECIALS, make_whisper, whisper_tokenizer
 
 from omnivox.codecs.audio_input import content_key, decode_audio
@@ -59,12 +60,14 @@ def served(tmp_path_factory):
         # first-step mask raised IndexError and the model failed to load.
         begin_suppress_tokens=[whisper_tokenizer().convert_tokens_to_ids("Ġ"), ids["<|endoftext|>"], 10**6],
     )  # fmt: skip
-    specs = [ModelSpec(path=short, name="short"), ModelSpec(path=forced, name="forced")]
+    small_ctx = make_whisper(root / "ctx-64", seed=6, max_target_positions=64)
+    specs = [ModelSpec(path=short, name="short"), ModelSpec(path=forced, name="forced"),
+             ModelSpec(path=small_ctx, name="ctx64")]  # fmt: skip
     with ServerThread(specs, EngineOptions(kv_cache_gib=0.02)) as server:
         yield {
             "server": server,
             "stub": transcription_pb2_grpc.TranscriptionServiceStub(server.channel()),
-            "paths": {"short": short, "forced": forced},
+            "paths": {"short": short, "forced": forced, "ctx64": small_ctx},
             "root": root,
         }
 
@@ -127,6 +130,27 @@ def test_forced_language_of_a_fine_tuned_checkpoint_is_its_default(served):
     summary = _transcribe(served, "forced", _wav(clip))
     assert summary.language == "fr"
     assert summary.text == _hf_text(served, "forced", clip, max_new_tokens=224)
+
+
+def test_prompt_is_cut_to_half_a_small_decoder_context(served):
+    """max_target_positions 64: the previous text / prompt keeps its last 64 // 2 - 1 = 31 tokens and a window
+    writes at most what is left of 64 // 2 (openai-whisper's shares; 223 and 224 at 448). Fixed at 223, a 60-word
+    prompt was INVALID_ARGUMENT on `audio` ("172 tokens do not fit the context of 64 tokens")."""
+    clip = chirp(1.5)
+    prompt = " ".join(f"word{i}" for i in range(60))
+    summary = _transcribe(served, "ctx64", _wav(clip), language="en", prompt=prompt)
+    part = served["server"].registry.lookup("ctx64").bundle.whisper
+    v = part.vocab
+    decoder_prompt = [v.sot_prev, *part.prompt_tokens(prompt)[-31:], v.sot, v.languages["en"], v.transcribe,
+                      v.no_timestamps]  # fmt: skip
+    hf, fe = _hf(served, "ctx64")
+    with torch.no_grad():
+        out = GenerationMixin.generate(
+            hf, input_features=fe(clip, sampling_rate=16000, return_tensors="pt").input_features,
+            decoder_input_ids=torch.tensor([decoder_prompt]), max_new_tokens=64 - len(decoder_prompt), do_sample=False,
+        )[0, len(decoder_prompt) :].tolist()  # fmt: skip
+    out = out[: out.index(v.eot)] if v.eot in out else out
+    assert summary.text == part.tokenizer.decode([t for t in out if v.is_text(t)], skip_special_tokens=True).strip()
 
 
 @pytest.mark.parametrize("language", ["EN", "english", "en-US", "English"])
