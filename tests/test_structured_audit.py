@@ -200,6 +200,7 @@ def test_schema_features_always_validate(stub) -> None:
         ({"type": "string", "format": "phone-number"}, "phone-number"),
         ({"$ref": "#/$defs/missing"}, "missing"),
         ({"$ref": "https://example.com/remote.json"}, "example.com"),
+        (json.loads('{"type": "array", "items": ' * 200 + "{}" + "}" * 200), "recursion limit"),  # bounded: 128
     ],
 )
 def test_what_cannot_be_enforced_is_refused_naming_it(stub, schema: dict, keyword: str) -> None:
