@@ -55,8 +55,11 @@ def two_ranks_equal_one(path: Path, n: int, tp_kv_gib: float = KV_GIB / 2) -> tu
 
 def test_fewer_kv_heads_than_ranks_are_replicated(tmp_path: Path) -> None:
     """MQA (one KV head, 4 query heads) on 2 ranks: each rank holds the one KV head (as vLLM replicates it), so its
-    cache is as large as the one process's; the tokens are the one process's."""
-    path = make_checkpoint(tmp_path / "mqa", "llama", with_tokenizer=False, num_key_value_heads=1)
+    cache is as large as the one process's; the tokens are the one process's. Tied embeddings and an odd vocabulary
+    too (the head reads the embedding's shard, the last shard padded)."""
+    path = make_checkpoint(
+        tmp_path / "mqa", "llama", with_tokenizer=False, num_key_value_heads=1, tie_word_embeddings=True, vocab_size=383
+    )
     two_ranks_equal_one(path, 24, tp_kv_gib=KV_GIB)
 
 
