@@ -17,7 +17,13 @@ _BY_SUFFIX = {".wav": "wav", ".flac": "flac", ".ogg": "ogg_opus", ".opus": "ogg_
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("speak", help="synthesize speech from text (SpeechService)")
     p.add_argument("text", nargs="?", help="what to say; - or nothing reads it from stdin")
-    p.add_argument("-o", "--output", default="-", help="output file, or - for stdout (default: -)")
+    p.add_argument(
+        "-o",
+        "--output",
+        default="-",
+        help="output file, its suffix naming the encoding (.wav .flac .ogg/.opus .raw/.pcm .ulaw/.mulaw; another "
+        "needs --encoding), or - for stdout (default: -)",
+    )
     p.add_argument("--voice", default="", help="voice name (default: the model's default voice)")
     p.add_argument("--language", default="", help="BCP-47 language code of the voice")
     p.add_argument("--model", default="", help="speech model (default: the server's speech model)")
@@ -40,9 +46,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _encoding(args: argparse.Namespace) -> str:
     if args.encoding:
         return args.encoding
-    if args.output != "-":
-        return _BY_SUFFIX.get(Path(args.output).suffix.lower(), "wav")
-    return "wav"
+    suffix = Path(args.output).suffix.lower() if args.output != "-" else ""
+    if suffix and suffix not in _BY_SUFFIX:  # "x.mp3" got WAV bytes under an MP3 name
+        raise CliError(
+            f"cannot tell an encoding from {args.output!r}: name the file {', '.join(sorted(_BY_SUFFIX))}, "
+            f"or pass --encoding ({', '.join(ENCODINGS)})"
+        )
+    return _BY_SUFFIX.get(suffix, "wav")
 
 
 def build_request(args: argparse.Namespace, text: str):
@@ -134,6 +144,9 @@ def _run(args: argparse.Namespace) -> int:
                 elif kind == "summary" and not args.quiet:
                     print(f"[{summary_line(response.summary)}]", file=sys.stderr)
         except grpc.RpcError as err:
+            if out is not sys.stdout.buffer:  # no empty or cut-off audio file left behind as if it were the answer
+                out.close()
+                Path(args.output).unlink(missing_ok=True)
             raise CliError(rpc_error_line(err, args.server)) from None
         finally:
             if out is not sys.stdout.buffer:
