@@ -144,9 +144,10 @@ VARIANTS = {"llava-hf": _llava_hf, "llava-next": _llava_next, "idefics3": _idefi
 
 A, B = sample_image(50, 30, seed=1), sample_image(31, 59, seed=2)
 WIDE, SLIVER = sample_image(90, 20, seed=3), sample_image(3, 40, seed=4)
+ON_PINPOINT = sample_image(84, 28, seed=5)  # exactly LLaVA-NeXT's 3x1 pinpoint: no padding to cut off
 CONVERSATIONS = {
     "images-between-text": [("user", ["Compare", A, "with", B, "please."])],
-    "same-image-twice-and-a-sliver": [("user", [WIDE, "and again", WIDE, SLIVER])],
+    "same-image-twice-a-sliver-a-pinpoint": [("user", [WIDE, "and again", WIDE, SLIVER, ON_PINPOINT])],
     "image-in-an-earlier-turn": [("user", [B, "First."]), ("assistant", ["Tall."]), ("user", ["Now this:", A])],
 }
 
