@@ -5,8 +5,9 @@ Sliding windows: when every layer of the model slides (Mistral; Qwen2 / Qwen3 wi
 again. `allocate` releases such blocks first (as vLLM's SlidingWindowManager does), so a long generation holds about
 window / block_size + 1 blocks instead of its whole context. Their block-table entries become the pool's `null_block`
 (positions keep their index; every attention path starts reading at the window). A released block keeps its prefix-
-cache entry until it is reused, like any freed block: its content is still exactly what its hash names. With some
-layers attending to everything (Qwen2 with max_window_layers) every block stays, since those layers read them all.
+cache entry until it is reused, like any freed block: its content is still exactly what its hash names; a prefix
+hit needs only the blocks its next position's window reads. With some layers attending to everything (Qwen2 with
+max_window_layers) every block stays, since those layers read them all.
 """
 
 from __future__ import annotations
@@ -82,8 +83,9 @@ class KVCacheManager:
         return max(0, num_computed - self.sliding_window + 1) // self.block_size
 
     def free_behind_window(self, req: Request) -> None:
-        """Release the blocks behind the sliding window of the request's next computed position (tail-first, so
-        that its earliest blocks, the most shareable, are evicted last); their entries become the null block."""
+        """Release the blocks behind the sliding window of the request's next computed position (tail-first, as
+        `BlockPool.release` asks); their entries become the null block. They leave the cache least recently released
+        first, so a follow-up turn finds the last ones (what `match_prefix` needs under a window)."""
         skip = min(self.skippable_blocks(req.num_computed_tokens), len(req.block_table))
         if skip <= req.num_skipped_blocks:
             return
