@@ -1,10 +1,16 @@
 """The vision families under the configs and inputs real checkpoints bring, end to end through gRPC: a real server on
 tiny random checkpoints (saved with save_pretrained, processor and chat template included) against transformers'
-own `processor.apply_chat_template(tokenize=True)` + `generate`, greedy tokens compared.
+processor (as its `apply_chat_template(tokenize=True)` tokenizes) + `generate`: prompt length, greedy tokens and
+their log-probabilities.
 
-Each served variant stacks several knobs real releases set, so one server covers many (see VARIANTS). Knobs found
-equal to transformers already at the model level (features + expanded prompt) are listed in the report of the sweep
-that added this file; the load-time refusals are in tests/test_vision_sweep_refusals.py.
+Each served variant stacks several knobs real releases set, so one server covers many (see VARIANTS). Also checked
+equal at the model level (features and expanded prompt against `get_image_features` + the processor) when this file
+was written, and not repeated here: LLaVA 1.5 vision_feature_layer -1 / -2 / 1 / lists, strategy "full" with CLIP,
+SigLIP towers under both strategies, projector_hidden_act silu; NeXT at 1x1, 2x2, 3x500, 31x59, 100x7, 57x29 and
+on-pinpoint sizes; Idefics3 scale_factor 4 and images below one tile; Qwen2.5-VL sizes off the 8-px grid, 3x5 / 9x9
+(below min_pixels), window_size 8 without full-attention blocks, spatial_merge_size 1, temporal_patch_size 1, and a
+processor config in the released preprocessor_config.json form (min_pixels / max_pixels keys). The load-time
+refusals are in tests/test_vision_sweep_refusals.py.
 """
 
 from __future__ import annotations
