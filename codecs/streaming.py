@@ -149,7 +149,7 @@ class StreamDecoderState:
         self._planned_until = 0  # sample where the next planned window starts emitting
         self._planned_windows = 0
         self._final_planned = False
-        self._flush_requested = False
+        self._flush_frames = 0  # frames received when flush() was last called
         self._applied_windows = 0
         self.emitted_samples = 0
         self._tail: torch.Tensor | None = None
@@ -181,9 +181,9 @@ class StreamDecoderState:
         self.finished = True
 
     def flush(self) -> None:
-        """The next plan emits every frame received so far (no lookahead, nothing held back for a crossfade); more
-        frames may follow."""
-        self._flush_requested = True
+        """The next plan emits the audio of every frame received so far (no lookahead, nothing held back for a
+        crossfade); more frames may follow, and those pushed before that plan are not flushed with them."""
+        self._flush_frames = self.num_frames
 
     def _window_frames(self, start: int, end: int) -> torch.Tensor:
         rows = self._frames[start - self._frame_offset : end - self._frame_offset]
@@ -230,13 +230,14 @@ class StreamDecoderState:
                 )
             )
             self._planned_boundary = boundary
-        if self.finished or self._flush_requested:
+        if self.finished:
             end = self.num_frames * f
             if end > self._planned_until:
                 windows.append(self._make_window(end, end, self.num_frames, final=True))
-                self._planned_boundary = self.num_frames  # a flush: the next hop counts from here
-            self._final_planned = self.finished
-            self._flush_requested = False
+            self._final_planned = True
+        elif (n := self._flush_frames) * f > self._planned_until:
+            windows.append(self._make_window(n * f, n * f, n, final=True))
+            self._planned_boundary = n  # the next hop counts from the flushed end
         return windows
 
     def apply(self, window: DecodeWindow, audio: torch.Tensor) -> np.ndarray:

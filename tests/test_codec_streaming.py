@@ -241,17 +241,18 @@ def test_flush_emits_every_frame_so_far_and_the_stream_goes_on(codec):
     one_shot = codec.decode_frames(frames[None], LEVELS)[0].numpy()
     dec = BatchedStreamDecoder(codec, LEVELS)
     stream = dec.open_stream()
+    stream.flush()  # nothing received: no (empty) window
+    assert dec.decode_ready([stream]) == {}
     chunks: list[np.ndarray] = []
-    for row in frames[:7].tolist():
+    for row in frames[:6].tolist():
         stream.push_frame(row)
         chunks += dec.decode_ready([stream]).get(stream, [])
-    assert sum(len(c) for c in chunks) < 7 * F  # held back: the lookahead frame and the crossfade
+    assert sum(len(c) for c in chunks) < 6 * F  # held back: the lookahead frame and the crossfade
     stream.flush()
+    stream.push_frame(frames[6].tolist())  # pushed after the flush was asked for: not part of it
     chunks += dec.decode_ready([stream]).get(stream, [])
-    assert sum(len(c) for c in chunks) == 7 * F and not stream.done
+    assert sum(len(c) for c in chunks) == 6 * F and not stream.done
     assert dec.decode_ready([stream]) == {}  # a flush is planned once
-    stream.flush()  # nothing new: no empty window
-    assert dec.decode_ready([stream]) == {}
     for row in frames[7:].tolist():
         stream.push_frame(row)
         chunks += dec.decode_ready([stream]).get(stream, [])
@@ -260,8 +261,8 @@ def test_flush_emits_every_frame_so_far_and_the_stream_goes_on(codec):
     assert stream.done
     y = np.concatenate(chunks)
     assert len(y) == len(one_shot) == 19 * F
-    # Before the flush the audio is that of the 7 frames alone (as if the stream had ended there: the last frame
+    # Before the flush the audio is that of the 6 frames alone (as if the stream had ended there: the last frame
     # decoded without right context); after it, the one-shot decode's (its left context is the frames before).
-    alone = codec.decode_frames(frames[None, :7], LEVELS)[0].numpy()
-    np.testing.assert_allclose(y[: 7 * F], alone, atol=1e-5, rtol=0)
-    np.testing.assert_allclose(y[7 * F :], one_shot[7 * F :], atol=1e-5, rtol=0)
+    alone = codec.decode_frames(frames[None, :6], LEVELS)[0].numpy()
+    np.testing.assert_allclose(y[: 6 * F], alone, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(y[6 * F :], one_shot[6 * F :], atol=1e-5, rtol=0)
