@@ -154,7 +154,7 @@ ON_PINPOINT = sample_image(84, 28, seed=5)  # exactly LLaVA-NeXT's 3x1 pinpoint:
 CONVERSATIONS = {
     "images-between-text": [("user", ["Compare", A, "with", B, "please."])],
     "same-image-twice-a-sliver-a-pinpoint": [("user", [WIDE, "and again", WIDE, SLIVER, ON_PINPOINT])],
-    "image-in-an-earlier-turn": [("user", [B, "First."]), ("assistant", ["Tall."]), ("user", ["Now this:", A])],
+    "image-only-turn-then-text": [("user", [B]), ("assistant", ["Tall."]), ("user", ["Now this:", A])],
 }
 
 

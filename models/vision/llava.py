@@ -65,7 +65,10 @@ class LlavaEncoder(VisionEncoder):
                 "(a CLIP tower needs 'default', a SigLIP tower 'full')"
             )
 
-    processor_keys = "the processor's patch_size, num_additional_image_tokens and vision_feature_select_strategy"
+    processor_keys = (
+        "the processor's patch_size, num_additional_image_tokens, vision_feature_select_strategy (and NeXT's "
+        "image_grid_pinpoints)"
+    )
 
     def model_rows(self, item: ImageInputs) -> int:
         if not self.anyres:
