@@ -61,13 +61,20 @@ def parse(text: str, fmt: ToolFormat) -> tuple[str, list[ParsedCall]]:
         if first < 0:
             k = _partial_suffix(text, tag)  # hold back a tag that may be starting
             return text[: len(text) - k], []
-        calls = []
-        for piece in text[first + len(tag) :].split(tag):
-            end = piece.find(close)
-            body = piece if end < 0 else piece[:end]
-            if end < 0:  # hold back a closing tag that may be starting
-                body = body[: len(body) - _partial_suffix(body, close)]
-            calls.append(_parse_body(body, fmt, end >= 0))
+        # Each call ends where its JSON object does (read outside strings: arguments may hold the tags themselves,
+        # '{"text": "use </tool_call>"}', which a search for the closing tag took for the call's end and lost it).
+        calls, pos = [], first + len(tag)
+        while True:
+            end = _object_end(text, pos)
+            if end is None:  # still being written
+                calls.append(_parse_body(text[pos:], fmt, False))
+                break
+            closed = text[end:].lstrip().startswith(close)
+            calls.append(_parse_body(text[pos:end], fmt, closed))
+            following = text.find(tag, end) if closed else -1
+            if following < 0:
+                break
+            pos = following + len(tag)
         return text[:first], calls
     body = text.lstrip()
     if body.startswith("<|python_tag|>"):
@@ -101,6 +108,34 @@ def _balanced(s: str) -> bool:
         return False
     except RecursionError:  # nested past ~1,000 levels (a model may write that): the brackets tell
         return _closes(s)
+
+
+def _object_end(s: str, start: int) -> int | None:
+    """The index just past the JSON object that starts at `start` (after whitespace), or None while it is open."""
+    i = start
+    while i < len(s) and s[i] in " \t\r\n":
+        i += 1
+    if i == len(s) or s[i] != "{":
+        return None
+    depth, in_str, esc = 0, False, False
+    for j in range(i, len(s)):
+        ch = s[j]
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return j + 1
+    return None
 
 
 def _closes(s: str) -> bool:

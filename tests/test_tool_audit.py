@@ -184,3 +184,29 @@ def test_ignore_eos_with_tool_calls_is_invalid_argument(stub) -> None:
     none = generation_pb2.ToolChoice(mode=generation_pb2.TOOL_CHOICE_MODE_NONE)
     summary = run(stub, tool_calls_request(tools, 0, ignore_eos=True, tool_choice=none, max_output_tokens=8))[2]
     assert summary.usage.output_tokens == 8
+
+
+def test_arguments_holding_the_call_tags(stub) -> None:
+    """A call ends where its JSON object ends, not at the first "</tool_call>" in the text: arguments that hold the
+    tags (a tool that writes about tool calls) lost the call (no summary call, finish_reason STOP)."""
+    text = "use <tool_call> and </tool_call> tags"
+    schema = {
+        "type": "object",
+        "properties": {"text": {"const": text}},
+        "required": ["text"],
+        "additionalProperties": False,
+    }
+    tools = [generation_pb2.Tool(name="write", strict=True, parameters_json_schema=json.dumps(schema))]
+    _, deltas, summary = run(stub, tool_calls_request(tools, 0, parallel_tool_calls=False))
+    assert summary.finish_reason == generation_pb2.FINISH_REASON_TOOL_CALLS, summary
+    (call,) = summary.tool_calls
+    assert call.name == "write" and json.loads(call.arguments) == {"text": text}
+    assert "".join(d.arguments for delta in deltas for d in delta.tool_calls) == call.arguments
+    # two such calls, the text arriving one character at a time: the same calls, streamed as they complete
+    one = '<tool_call>\n{"name": "write", "arguments": ' + call.arguments + "}\n</tool_call>"
+    output = one + "\n" + one
+    stream = tool_parser.ToolCallStream(tool_parser.HERMES)
+    streamed = [d for k in range(len(output)) for d in stream.update(output[: k + 1])[1]]
+    assert [c.arguments for c in stream.complete_calls(output)] == [call.arguments] * 2
+    for i in (0, 1):
+        assert "".join(d.arguments for d in streamed if d.index == i) == call.arguments
