@@ -256,3 +256,23 @@ def test_cli_speak_to_stdout_and_files(server, tmp_path, capsysbinary):
     refused = tmp_path / "refused.wav"
     assert main(["speak", "Hi", "--voice", "nobody", "-o", str(refused), "--server", server.address]) == 1
     assert b"NOT_FOUND" in capsysbinary.readouterr().err and not refused.exists()
+
+
+def test_split_text_keeps_closing_quotes_and_cuts_cjk_at_its_sentences():
+    """SynthesizeSpeech's segments: a sentence's closing quote or bracket was cut off ('He said "Stop.'), and CJK
+    text (no space after its full stops) was cut every max_chars, mid-sentence, a '！' starting a segment."""
+    from omnivox.services.speech_text import split_text
+
+    assert split_text('He said "Stop." Then he left. (Really.) Yes', 20) == [
+        'He said "Stop."',
+        "Then he left.",
+        "(Really.) Yes",
+    ]
+    assert split_text("你好。今天天气很好，我们去公园吧！走吧。", 8) == [
+        "你好。",
+        "今天天气很好，",
+        "我们去公园吧！",
+        "走吧。",
+    ]
+    assert split_text("你好。今天天气很好。", 300) == ["你好。今天天气很好。"]  # joined without a space
+    assert split_text("今" * 25, 10) == ["今" * 10, "今" * 10, "今" * 5]  # no break anywhere: cut at max_chars
