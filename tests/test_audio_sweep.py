@@ -6,7 +6,7 @@ ffmpeg's conventions, through a real gRPC server on tiny random Whispers (tests/
   and a begin_suppress_tokens id past the vocabulary is ignored (as transformers) instead of failing the load;
 - a prompt holding a special token's text is INVALID_ARGUMENT on `prompt` (`config.prompt` when streaming); a long
   one is cut to half a small decoder context (max_target_positions 64), as openai-whisper cuts it;
-- language as "en" / "EN" / "english" / "en-US" (equal), a non-ASCII prompt;
+- language as "en" / "EN" / "english" / "en-US" (equal), a non-ASCII prompt, a released .en checkpoint's config;
 - multi-channel WAV mixed to mono as ffmpeg mixes it (LFE left out), WAVE_FORMAT_EXTENSIBLE masks, extra chunks,
   odd-length data, a truncated data chunk (decoded, logged).
 """
@@ -61,13 +61,20 @@ def served(tmp_path_factory):
         begin_suppress_tokens=[whisper_tokenizer().convert_tokens_to_ids("Ġ"), ids["<|endoftext|>"], 10**6],
     )  # fmt: skip
     small_ctx = make_whisper(root / "ctx-64", seed=6, max_target_positions=64)
+    # A released .en checkpoint's generation config: no lang_to_id / task_to_id, <|notimestamps|> forced at 1; its
+    # vocabulary keeps the language, task and timestamp tokens (51864 in the real ones).
+    english = make_whisper(root / "tiny-en", seed=7)
+    _edit_generation_config(
+        english, drop=("lang_to_id", "task_to_id"), is_multilingual=False,
+        forced_decoder_ids=[[1, ids["<|notimestamps|>"]]],
+    )  # fmt: skip
     specs = [ModelSpec(path=short, name="short"), ModelSpec(path=forced, name="forced"),
-             ModelSpec(path=small_ctx, name="ctx64")]  # fmt: skip
+             ModelSpec(path=small_ctx, name="ctx64"), ModelSpec(path=english, name="en")]  # fmt: skip
     with ServerThread(specs, EngineOptions(kv_cache_gib=0.02)) as server:
         yield {
             "server": server,
             "stub": transcription_pb2_grpc.TranscriptionServiceStub(server.channel()),
-            "paths": {"short": short, "forced": forced, "ctx64": small_ctx},
+            "paths": {"short": short, "forced": forced, "ctx64": small_ctx, "en": english},
             "root": root,
         }
 
@@ -151,6 +158,17 @@ def test_prompt_is_cut_to_half_a_small_decoder_context(served):
         )[0, len(decoder_prompt) :].tolist()  # fmt: skip
     out = out[: out.index(v.eot)] if v.eot in out else out
     assert summary.text == part.tokenizer.decode([t for t in out if v.is_text(t)], skip_special_tokens=True).strip()
+
+
+def test_english_only_checkpoint_equals_transformers(served):
+    """Equal before (kept as a regression case): [<|startoftranscript|>, <|notimestamps|>], no language token."""
+    clip = noise(1.5, seed=12)
+    summary = _transcribe(served, "en", _wav(clip))
+    assert summary.text == _hf_text(served, "en", clip, max_new_tokens=224)
+    assert _transcribe(served, "en", _wav(clip), language="English").text == summary.text
+    with pytest.raises(grpc.RpcError) as info:
+        _transcribe(served, "en", _wav(clip), language="de")
+    assert _violations(info.value) == ["language"]
 
 
 @pytest.mark.parametrize("language", ["EN", "english", "en-US", "English"])
