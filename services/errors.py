@@ -63,9 +63,31 @@ class ServiceError(Exception):
 _CODE_NUMBERS = {code: code.value[0] for code in grpc.StatusCode}
 
 
+# A status travels in the trailing metadata, and a client drops trailers past 8 KiB (grpc's default soft limit; 16 KiB
+# hard), answering RESOURCE_EXHAUSTED "Stream removed" instead of the status: a compile error echoing a 5,000-character
+# regex made 30 KB. So at most this many violations, their descriptions cut to a share of this many UTF-8 bytes (the
+# message is percent-encoded past ASCII, up to 3x; the details go base64, 4/3x): under 7 KiB in all.
+_MAX_VIOLATIONS = 16
+_DESCRIPTION_BYTES = 1500
+
+
+def _cut(text: str, limit: int) -> str:
+    data = text.encode()
+    if len(data) <= limit:
+        return text
+    head = data[:limit].decode(errors="ignore")
+    return f"{head}... ({len(text) - len(head)} more characters)"
+
+
 def invalid_argument(violations: Sequence[FieldViolation]) -> ServiceError:
     assert violations, "invalid_argument needs at least one violation"
+    more = len(violations) - _MAX_VIOLATIONS
+    violations = violations[:_MAX_VIOLATIONS]
+    limit = max(48, _DESCRIPTION_BYTES // len(violations))
+    violations = [FieldViolation(_cut(v.field, 200), _cut(v.description, limit)) for v in violations]
     message = "; ".join(f"{v.field}: {v.description}" for v in violations)
+    if more > 0:
+        message += f"; and {more} more"
     bad_request = error_details_pb2.BadRequest(
         field_violations=[
             error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description) for v in violations

@@ -307,3 +307,29 @@ def test_logprobs_are_of_the_processed_logits(stub, server: ServerThread) -> Non
     request = user_request("Hello", response_format=choices, max_output_tokens=1, logprobs=True, top_logprobs=5)
     (lp,) = [lp for d in run(stub, request)[1] for lp in d.logprobs]
     assert [t.logprob for t in lp.top_logprobs][2:] == [float("-inf")] * 3
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"response_format": generation_pb2.ResponseFormat(regex="(((" + "a" * 5000)}, "response_format.regex"),
+        (
+            {"response_format": generation_pb2.ResponseFormat(lark_grammar="start: " + "東" * 5000)},
+            "response_format.lark_grammar",
+        ),
+        (
+            {
+                "tools": [generation_pb2.Tool(name="f")],
+                "tool_choice": generation_pb2.ToolChoice(function_name="ü" * 50_000),
+            },
+            "tool_choice.function_name",
+        ),
+        ({"tools": [generation_pb2.Tool(name=f"bad name {i}" + "é" * 100) for i in range(300)]}, "tools[0].name"),
+    ],
+    ids=["regex", "lark non-ASCII", "function name", "300 violations"],
+)
+def test_a_long_refusal_still_arrives(stub, fields: dict, field: str) -> None:
+    """Errors that echo a long input are cut to fit the trailers: a client drops trailers past 8 KiB and saw
+    RESOURCE_EXHAUSTED "Stream removed" instead of INVALID_ARGUMENT (a 5,000-character regex's error was 30 KB)."""
+    found = violations(stub, user_request("x", max_output_tokens=2, **fields))
+    assert field in found and len(found) <= 16, found.keys()
