@@ -4,6 +4,7 @@ output encoding decoded back, cancelled streams next to live ones, reference aud
 from __future__ import annotations
 
 import io
+import queue
 import threading
 import time
 
@@ -49,32 +50,39 @@ def one_shot_pcm(server: ServerThread, text: str, voice: str = "") -> bytes:
 
 
 class WaitingStreamClient:
-    """A StreamingSynthesizeSpeech client that sends `texts`, then waits (sending nothing, not ending) until told to
-    end; responses are collected on a thread."""
+    """A StreamingSynthesizeSpeech client that sends `texts`, then waits (sending nothing, not ending) until it is told
+    to `send` more or to `end`; responses are collected on a thread."""
 
     def __init__(self, server: ServerThread, texts: list[str]) -> None:
-        self.release = threading.Event()
+        self.outbox: queue.Queue[str | None] = queue.Queue()
         self.audio = bytearray()
         self.kinds: list[str] = []
+        self.summary: speech_pb2.SpeechSummary | None = None
         self.error: BaseException | None = None
         config = speech_pb2.StreamingSpeechConfig(model="speech", audio_config=PCM, sampling=SEEDED)
+        for text in texts:
+            self.send(text)
 
         def requests():
             yield speech_pb2.StreamingSynthesizeSpeechRequest(config=config)
-            for text in texts:
+            while (text := self.outbox.get(timeout=60)) is not None:
                 yield speech_pb2.StreamingSynthesizeSpeechRequest(text=text)
-            self.release.wait(60)
             yield speech_pb2.StreamingSynthesizeSpeechRequest(end=True)
 
         self.call = stub(server).StreamingSynthesizeSpeech(requests(), timeout=60)
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
 
+    def send(self, text: str) -> None:
+        self.outbox.put(text)
+
     def _read(self) -> None:
         try:
             for response in self.call:
                 self.kinds.append(response.WhichOneof("response"))
                 self.audio += response.audio.data
+                if response.HasField("summary"):
+                    self.summary = response.summary
         except BaseException as exc:  # noqa: BLE001 - reported by the test
             self.error = exc
 
@@ -84,8 +92,20 @@ class WaitingStreamClient:
             time.sleep(0.02)
         return len(self.audio) >= n
 
+    def wait_quiet(self, server: ServerThread, quiet_s: float = 1.0, timeout: float = 20) -> int:
+        """Bytes received once the engine has nothing left to generate and no audio came for quiet_s."""
+        deadline = time.monotonic() + timeout
+        last, since = -1, time.monotonic()
+        while time.monotonic() < deadline:
+            if len(self.audio) != last or server.engine("speech").num_unfinished():
+                last, since = len(self.audio), time.monotonic()
+            elif time.monotonic() - since >= quiet_s:
+                break
+            time.sleep(0.02)
+        return last
+
     def end(self) -> None:
-        self.release.set()
+        self.outbox.put(None)
         self.thread.join(30)
 
 
@@ -126,6 +146,22 @@ def test_clause_cutter_cjk_and_settled_tails():
     assert cut.feed("It costs 3.") == [] and cut.ends_at_boundary()  # "3." may go on as "3.5": not cut yet
     assert cut.feed("5 dollars") == [] and not cut.ends_at_boundary()
     assert cut.feed(', right?"') == ["It costs 3.5 dollars,"] and cut.ends_at_boundary()
+
+
+def test_each_clause_is_spoken_in_full_while_the_client_waits_between_them(server):
+    """Sentence, wait for its audio, another sentence, wait, end: everything was heard before `end`, the second
+    clause continuing the same stream (whole frames, as many as the summary's audio tokens say)."""
+    client = WaitingStreamClient(server, ["Hello there."])
+    try:
+        first = client.wait_quiet(server)
+        client.send(" How are you?")
+        second = client.wait_quiet(server)
+    finally:
+        client.end()
+    assert client.error is None and client.summary is not None, client.error
+    total = len(client.audio)
+    assert 0 < first < second == total, (first, second, total)  # nothing was left for `end` to release
+    assert total == client.summary.audio_tokens // 7 * 2048 * 2
 
 
 def tone(seconds: float, rate: int) -> np.ndarray:
