@@ -97,6 +97,8 @@ def invalid_argument(violations: Sequence[FieldViolation]) -> ServiceError:
 
 
 def not_found(resource_type: str, name: str, message: str) -> ServiceError:
+    """`name` and `message` echo what the client asked for: cut to fit the trailers (see _DESCRIPTION_BYTES)."""
+    name, message = _cut(name, 200), _cut(message, _DESCRIPTION_BYTES)
     info = error_details_pb2.ResourceInfo(resource_type=resource_type, resource_name=name, description=message)
     return ServiceError(grpc.StatusCode.NOT_FOUND, message, [info])
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import jsonschema
 import pytest
 import torch
@@ -333,3 +334,10 @@ def test_a_long_refusal_still_arrives(stub, fields: dict, field: str) -> None:
     RESOURCE_EXHAUSTED "Stream removed" instead of INVALID_ARGUMENT (a 5,000-character regex's error was 30 KB)."""
     found = violations(stub, user_request("x", max_output_tokens=2, **fields))
     assert field in found and len(found) <= 16, found.keys()
+
+
+def test_a_long_unknown_model_name_is_not_found(stub) -> None:
+    """NOT_FOUND echoes the model name twice (message and ResourceInfo): 100,000 characters became RESOURCE_EXHAUSTED."""
+    with pytest.raises(grpc.RpcError) as info:
+        run(stub, user_request("x", model="m" * 100_000, max_output_tokens=2))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
