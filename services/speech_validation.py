@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from omnivox.codecs.audio_format import AudioEncoding, AudioFormatError, check_output_format
@@ -59,7 +59,7 @@ def validate_speech(
     model: ServedModel,
     layout: SpeechLayout,
     max_text_chars: int,
-    created: Container[str] = (),
+    created: Collection[str] = (),
 ) -> SpeechPlan:
     """INVALID_ARGUMENT listing every bad field, then NOT_FOUND for an unknown voice (`created`: the model's voices
     created from reference audio, besides the layout's own)."""
@@ -86,7 +86,9 @@ def validate_speech(
     voice = request.voice.name or layout.default_voice
     if voice and (layout.voices or created) and voice not in layout.voices and voice not in created:
         raise errors.not_found(
-            "voice", voice, f"model {model.name!r} has no voice {voice!r} (voices: {', '.join(layout.voices)})"
+            "voice",
+            voice,
+            f"model {model.name!r} has no voice {voice!r} (voices: {', '.join([*layout.voices, *created])})",
         )
     if request.voice.language_code and not language_matches(request.voice.language_code, layout.language_code):
         raise errors.not_found(

@@ -191,6 +191,9 @@ def test_create_voice_takes_headerless_reference_audio_by_its_declared_encoding(
         voice = stub(server).CreateVoice(request, timeout=60).voice
         assert voice.reference_seconds == pytest.approx(1.0, abs=1e-3)
         assert one_shot_pcm(server, "Hi.", voice=name)
+    with pytest.raises(grpc.RpcError) as err:  # an unknown voice's error lists the created voices too
+        one_shot_pcm(server, "Hi.", voice="nobody")
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "raw-mulaw" in err.value.details(), err.value.details()
     bad = content_pb2.AudioPart(data=wav.getvalue(), encoding=ENC.AUDIO_ENCODING_WAV, sample_rate_hertz=24000)
     with pytest.raises(grpc.RpcError) as err:
         stub(server).CreateVoice(speech_pb2.CreateVoiceRequest(name="x", transcript="A.", reference_audio=bad))
