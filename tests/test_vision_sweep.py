@@ -26,7 +26,7 @@ import transformers
 from PIL import Image, ImageOps
 from service_harness import ServerThread
 from test_service_images import ask, run
-from vision_checkpoints import sample_image
+from vision_checkpoints import png_bytes, sample_image
 from vision_variants import (
     LLAVA_HF_TEMPLATE,
     make_idefics3_variant,
@@ -172,7 +172,7 @@ def served(tmp_path_factory):
         }
 
 
-def reference(s, name: str, turns: list[tuple[str, list]]) -> tuple[int, list[int], torch.Tensor]:
+def reference(s, name: str, turns: list[tuple[str, list]], **processor_kwargs) -> tuple[int, list[int], torch.Tensor]:
     """(prompt length, greedy tokens, their log-probabilities) of transformers for these turns: the checkpoint's processor renders the chat
     template and processes text + images as its `apply_chat_template(tokenize=True)` does (special tokens added
     unless the text starts with BOS), then `generate`. The images go to the processor as given."""
@@ -195,6 +195,7 @@ def reference(s, name: str, turns: list[tuple[str, list]]) -> tuple[int, list[in
         images=[images] if nested else images,
         add_special_tokens=not (bos is not None and text.startswith(bos)),
         return_tensors="pt",
+        **processor_kwargs,
     )
     with torch.no_grad():
         out = model.generate(**batch, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False,
@@ -205,13 +206,16 @@ def reference(s, name: str, turns: list[tuple[str, list]]) -> tuple[int, list[in
     return n, tokens.tolist(), logprobs
 
 
-def check(s, name: str, turns: list[tuple[str, list]], request_turns: list[tuple[str, list]] | None = None) -> None:
+def check(
+    s, name: str, turns: list[tuple[str, list]], request_turns: list[tuple[str, list]] | None = None, **processor_kwargs
+) -> int:
     """Our server's prompt length, greedy tokens and their log-probabilities equal transformers'. (A tied-embedding
     random model repeats one token whatever it sees; the log-probabilities still depend on every input.)"""
     got, lps, summary = run(s["stub"], ask(name, request_turns or turns, logprobs=True))
-    n, want, want_lps = reference(s, name, turns)
+    n, want, want_lps = reference(s, name, turns, **processor_kwargs)
     assert (summary.usage.prompt_tokens, got) == (n, want)
     torch.testing.assert_close(torch.tensor(lps), want_lps, atol=2e-4, rtol=0)
+    return n
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -260,3 +264,20 @@ def _part(data: bytes):
     from omnivox.v1 import content_pb2
 
     return content_pb2.ImagePart(data=data)
+
+
+def test_idefics3_max_pixels_picks_the_processors_resolution(served):
+    """Idefics3 / SmolVLM processors scale every image to `size.longest_edge` (84 px here: 3 tiles on the long side):
+    a part's max_pixels used to shrink the image first, which the processor scaled back up (as many tiles, blurred).
+    Now it picks the processor's long side (56 px within 56x56 pixels, 28 px within 28x28): fewer image tokens,
+    equal to transformers' processor called with that `size`."""
+    from omnivox.v1 import content_pb2
+
+    image = sample_image(80, 50, seed=12)
+    turns = [("user", ["Size?", image])]
+    full = check(served, "idefics3", turns)
+    lengths = []
+    for max_pixels, edge in ((56 * 56, 56), (28 * 28, 28)):
+        part = content_pb2.ImagePart(data=png_bytes(image), max_pixels=max_pixels)
+        lengths.append(check(served, "idefics3", turns, [("user", ["Size?", part])], size={"longest_edge": edge}))
+    assert full > lengths[0] > lengths[1]

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 import transformers
+from PIL import Image
 
 from omnivox.models.vision.base import ImageInputs, VisionEncoder
 
@@ -44,6 +45,21 @@ class Idefics3Encoder(VisionEncoder):
         self.marker_token = processor.image_token
         self.marker_token_id = processor.tokenizer.convert_tokens_to_ids(self.marker_token)
         self.placeholder_token_id = config.image_token_id
+
+    def _preprocess_one(self, im: Image.Image, max_pixels: int | None) -> ImageInputs:
+        # The processor scales every image (up or down) to `size.longest_edge` on its long side, then cuts tiles of
+        # `max_image_size`: an image shrunk beforehand comes back at full size, as many tiles, only blurred. So
+        # max_pixels picks the processor's own resolution instead, as transformers' users do with
+        # `size={"longest_edge": k * tile}`: the most tiles whose padded area holds at most max_pixels (one tile
+        # at least), never more than the checkpoint's own.
+        kwargs = {}
+        if max_pixels is not None:
+            ip = self.processor.image_processor
+            longest, tile = ip.size["longest_edge"], ip.max_image_size["longest_edge"]
+            edge = longest_edge_within(im.width, im.height, max_pixels, tile, longest)
+            if edge < longest:
+                kwargs["size"] = {"longest_edge": edge}
+        return self._run_processor(im, kwargs)
 
     processor_keys = "the processor's image_seq_len and image processor tile size (max_image_size)"
 
@@ -87,3 +103,16 @@ def _groups(tiles: list[torch.Tensor]) -> list[list[int]]:
     for i, t in enumerate(tiles):
         by_shape.setdefault(tuple(t.shape), []).append(i)
     return list(by_shape.values())
+
+
+def longest_edge_within(width: int, height: int, max_pixels: int, tile: int, longest: int) -> int:
+    """The largest long side k * tile (k >= 1, at most `longest`) at which the image, scaled to it and padded up to
+    whole tiles on both sides as the Idefics3 processor does, covers at most max_pixels."""
+    aspect = min(width, height) / max(width, height)
+    best = tile
+    for k in range(1, longest // tile + 1):
+        edge = k * tile
+        short = -(-max(1, round(edge * aspect)) // tile) * tile  # the short side padded up to whole tiles
+        if edge * short <= max_pixels:
+            best = edge
+    return min(best, longest)
