@@ -129,7 +129,7 @@ def test_cli_output_path_that_cannot_be_written_is_one_line(served, tmp_path, ca
     server, _, _ = served
     clip = tmp_path / "clip.wav"
     clip.write_bytes(WAV)
-    out = str(tmp_path / "missing" / "out.txt")
+    out = str(tmp_path / "missing" / ("out.wav" if command == "speak" else "out.txt"))  # speak refuses .txt
     args = ["speak", "Hi", "-o", out] if command == "speak" else [*command.split(), str(clip), "-o", out, "--pace", "0"]
     if command == "transcribe":
         args.remove("--pace")
