@@ -34,6 +34,9 @@ import torch
 SECONDS_PER_TIMESTAMP = 0.02  # one timestamp token step: 2 mel frames of 10 ms (the encoder's stride)
 
 
+_OLD_CONFIG_KEYS = ("suppress_tokens", "begin_suppress_tokens", "forced_decoder_ids", "decoder_start_token_id")
+
+
 @dataclass(frozen=True)
 class WhisperVocab:
     vocab_size: int  # the model's (logits) vocabulary, timestamps included
@@ -65,6 +68,11 @@ class WhisperVocab:
     def from_folder(cls, folder: Path, tokenizer: Any, vocab_size: int) -> WhisperVocab:
         file = folder / "generation_config.json"
         gen: dict[str, Any] = json.loads(file.read_text()) if file.is_file() else {}
+        if not file.is_file() and (folder / "config.json").is_file():
+            # Checkpoints saved before generation_config.json existed keep these in config.json, and transformers
+            # reads them there (GenerationConfig.from_model_config): ignored, none of their suppression applied.
+            config = json.loads((folder / "config.json").read_text())
+            gen = {k: config[k] for k in _OLD_CONFIG_KEYS if config.get(k) is not None}
 
         def token(text: str) -> int | None:
             tid = tokenizer.convert_tokens_to_ids(text)

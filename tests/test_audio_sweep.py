@@ -3,7 +3,8 @@ ffmpeg's conventions, through a real gRPC server on tiny random Whispers (tests/
 - a Whisper whose encoder window is shorter than 30 s (max_source_positions 100, chunk_length 2: tiny configs);
   a window that disagrees with its feature extractor is refused at load naming max_source_positions;
 - a fine-tuned checkpoint's forced language (generation_config forced_decoder_ids, no lang_to_id) is its default,
-  and a begin_suppress_tokens id past the vocabulary is ignored (as transformers) instead of failing the load;
+  and a begin_suppress_tokens id past the vocabulary is ignored (as transformers) instead of failing the load; a
+  checkpoint without generation_config.json takes those settings from config.json, as transformers does;
 - a prompt holding a special token's text is INVALID_ARGUMENT on `prompt` (`config.prompt` when streaming); a long
   one is cut to half a small decoder context (max_target_positions 64), as openai-whisper cuts it;
 - language as "en" / "EN" / "english" / "en-US" (equal), a non-ASCII prompt, a released .en checkpoint's config;
@@ -68,13 +69,25 @@ def served(tmp_path_factory):
         english, drop=("lang_to_id", "task_to_id"), is_multilingual=False,
         forced_decoder_ids=[[1, ids["<|notimestamps|>"]]],
     )  # fmt: skip
+    # Saved before generation_config.json existed: suppression and the forced prompt live in config.json.
+    legacy = make_whisper(root / "legacy", seed=8)
+    gen = json.loads((legacy / "generation_config.json").read_text())
+    (legacy / "generation_config.json").unlink()
+    config = json.loads((legacy / "config.json").read_text())
+    config.update(
+        suppress_tokens=gen["suppress_tokens"] + list(range(100, 2000)),
+        begin_suppress_tokens=gen["begin_suppress_tokens"],
+        forced_decoder_ids=[[1, ids["<|de|>"]], [2, ids["<|transcribe|>"]], [3, ids["<|notimestamps|>"]]],
+    )
+    (legacy / "config.json").write_text(json.dumps(config))
     specs = [ModelSpec(path=short, name="short"), ModelSpec(path=forced, name="forced"),
-             ModelSpec(path=small_ctx, name="ctx64"), ModelSpec(path=english, name="en")]  # fmt: skip
+             ModelSpec(path=small_ctx, name="ctx64"), ModelSpec(path=english, name="en"),
+             ModelSpec(path=legacy, name="legacy")]  # fmt: skip
     with ServerThread(specs, EngineOptions(kv_cache_gib=0.02)) as server:
         yield {
             "server": server,
             "stub": transcription_pb2_grpc.TranscriptionServiceStub(server.channel()),
-            "paths": {"short": short, "forced": forced, "ctx64": small_ctx, "en": english},
+            "paths": {"short": short, "forced": forced, "ctx64": small_ctx, "en": english, "legacy": legacy},
             "root": root,
         }
 
@@ -90,7 +103,8 @@ def _hf_text(served, name: str, clip: np.ndarray, **generate) -> str:
     with torch.no_grad():
         out = hf.generate(fe(clip, sampling_rate=16000, return_tensors="pt").input_features, **generate)
     part = served["server"].registry.lookup(name).bundle.whisper
-    return part.tokenizer.decode(out[0], skip_special_tokens=True).strip()
+    text = [t for t in out[0].tolist() if part.vocab.is_text(t)]  # timestamps are plain added tokens: not text
+    return part.tokenizer.decode(text, skip_special_tokens=True).strip()
 
 
 def _transcribe(served, model: str, data: bytes, **fields) -> transcription_pb2.TranscriptionSummary:
@@ -158,6 +172,16 @@ def test_prompt_is_cut_to_half_a_small_decoder_context(served):
         )[0, len(decoder_prompt) :].tolist()  # fmt: skip
     out = out[: out.index(v.eot)] if v.eot in out else out
     assert summary.text == part.tokenizer.decode([t for t in out if v.is_text(t)], skip_special_tokens=True).strip()
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_a_checkpoint_without_generation_config_reads_config_json(served, seed):
+    """suppress_tokens, begin_suppress_tokens and forced_decoder_ids in config.json (older checkpoints): transformers
+    reads them there; we ignored them (no suppression, the language detected instead of the forced one)."""
+    clip = noise(2.0, seed=seed)
+    summary = _transcribe(served, "legacy", _wav(clip))
+    assert summary.language == "de"
+    assert summary.text == _hf_text(served, "legacy", clip, max_new_tokens=224)
 
 
 def test_english_only_checkpoint_equals_transformers(served):
