@@ -2,7 +2,8 @@
 
 - `WhisperVocab`: the ids of a checkpoint's special tokens, read from its generation_config.json (what transformers'
   `WhisperForConditionalGeneration.generate` reads: suppress_tokens, begin_suppress_tokens, lang_to_id, task_to_id,
-  no_timestamps_token_id, max_initial_timestamp_index), else from the tokenizer. Timestamp tokens are the ids after
+  no_timestamps_token_id, max_initial_timestamp_index, forced_decoder_ids' language; without that file, the same
+  keys of config.json, as older checkpoints keep them), else from the tokenizer. Timestamp tokens are the ids after
   `<|notimestamps|>`: `<|0.00|>`, `<|0.02|>`, ... (0.02 s each).
 - `suppress_bias`: suppress_tokens as a logit bias of -inf at every step (transformers' SuppressTokensLogitsProcessor).
 - `FirstStepBan`: begin_suppress_tokens banned at the first generated step only (SuppressTokensAtBeginLogitsProcessor).
