@@ -189,4 +189,11 @@ def compile_grammar(
     matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
     if matcher.is_error():
         raise GrammarError(matcher.get_error())
+    # A grammar whose language is empty (a regex like [^\s\S]) compiles, and failed only at its first mask, in the
+    # engine: INTERNAL. Its first mask, on a copy (a few ms, once per compile, in the compile worker), tells.
+    first = matcher.deep_copy()
+    bitmask = llg_torch.allocate_token_bitmask(1, vocab_size)
+    llg_torch.fill_next_token_bitmask(first, bitmask, 0)
+    if first.is_error() or not bitmask.any():
+        raise GrammarError("the grammar admits no output at all")
     return GrammarConstraintFactory(matcher, vocab_size, eos_ids)

@@ -341,3 +341,17 @@ def test_a_long_unknown_model_name_is_not_found(stub) -> None:
     with pytest.raises(grpc.RpcError) as info:
         run(stub, user_request("x", model="m" * 100_000, max_output_tokens=2))
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.mark.parametrize(
+    ("fmt", "field"),
+    [
+        (generation_pb2.ResponseFormat(regex=r"[^\s\S]"), "response_format.regex"),
+        (generation_pb2.ResponseFormat(lark_grammar="start: A\nA: /a+/ & /b+/"), "response_format.lark_grammar"),
+    ],
+)
+def test_a_grammar_that_admits_nothing_is_invalid_argument(stub, server: ServerThread, fmt, field: str) -> None:
+    """An empty language compiled, and failed at its first mask inside the engine: INTERNAL."""
+    found = violations(stub, user_request("x", response_format=fmt, max_output_tokens=4))
+    assert "admits no output" in found[field], found
+    assert server.wait_kv_free()[0] == server.wait_kv_free()[1]
