@@ -262,7 +262,10 @@ def messages(contents: list[content_pb2.Content]) -> list[dict]:
 
 def prompt_ids(tokenizer: Any, contents: list[content_pb2.Content], tool_plan: ToolPlan) -> list[int]:
     msgs = messages(contents)
-    if tool_plan.tools and "tools" not in str(getattr(tokenizer, "chat_template", "") or ""):
+    has_turns = any(m.get("tool_calls") or m["role"] == "tool" for m in msgs)
+    if (tool_plan.tools or has_turns) and "tools" not in str(getattr(tokenizer, "chat_template", "") or ""):
+        # calls and results are written in even when the request no longer sends the tools (a follow-up after the
+        # result came): the template dropped the call (an empty assistant turn) and showed a "tool" role turn
         msgs = _hermes_in_text(msgs, tool_plan.tools)
     text = tokenizer.apply_chat_template(
         msgs, tools=tool_plan.tools or None, tokenize=False, add_generation_prompt=True
@@ -283,9 +286,9 @@ def _hermes_in_text(msgs: list[dict], tools: list[dict]) -> list[dict]:
         "\n</tool_call>"
     )
     out = [dict(m) for m in msgs]
-    if out and out[0]["role"] == "system":
+    if tools and out and out[0]["role"] == "system":
         out[0]["content"] = f"{out[0]['content']}\n\n{block}"
-    else:
+    elif tools:
         out.insert(0, {"role": "system", "content": block})
     merged: list[dict] = []
     for m in out:

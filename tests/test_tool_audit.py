@@ -210,3 +210,21 @@ def test_arguments_holding_the_call_tags(stub) -> None:
     assert [c.arguments for c in stream.complete_calls(output)] == [call.arguments] * 2
     for i in (0, 1):
         assert "".join(d.arguments for d in streamed if d.index == i) == call.arguments
+
+
+def test_a_follow_up_without_the_tools_keeps_the_call_and_its_result(stub, server: ServerThread) -> None:
+    """The turn after a tool's result, sent without `tools` (the call is over): for a template that ignores tools,
+    the call and its result are still written in as Qwen2.5 writes them. The call was dropped (an empty assistant
+    turn) and the result showed as a "tool" role turn the model never saw in training."""
+    call = content_pb2.ToolCall(id="c1", name="weather", arguments='{"city": "Paris"}')
+    request = user_request("Weather?", max_output_tokens=1)
+    request.contents.add(role="assistant", tool_calls=[call])
+    request.contents.add(role="tool", tool_call_id="c1", parts=[content_pb2.Part(text="21 C")])
+    expected = (
+        "<|im_start|>user\nWeather?<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\n21 C\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    tok = server.engine().tokenizer
+    assert tok.decode(prompt_ids(tok, request.contents, plan(request, tok))) == expected
+    assert run(stub, request)[2].usage.prompt_tokens == len(tok.encode(expected, add_special_tokens=False))
