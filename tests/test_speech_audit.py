@@ -146,6 +146,10 @@ def test_clause_cutter_cjk_and_settled_tails():
     assert cut.feed("It costs 3.") == [] and cut.ends_at_boundary()  # "3." may go on as "3.5": not cut yet
     assert cut.feed("5 dollars") == [] and not cut.ends_at_boundary()
     assert cut.feed(', right?"') == ["It costs 3.5 dollars,"] and cut.ends_at_boundary()
+    assert cut.flush() == ['right?"']  # the text paused: its settle timer flushes it
+    assert cut.feed("! Next one,") == []  # "Next one," may go on: "one,000"
+    assert cut.feed(" more") == ["Next one,"]  # the '!' of '?!' had nothing to say on its own: dropped
+    assert cut.feed(" 😀 ... ") == ["more 😀 ..."] and cut.feed("… 😀") == [] and cut.flush() == []
 
 
 def test_each_clause_is_spoken_in_full_while_the_client_waits_between_them(server):
