@@ -297,7 +297,7 @@ def load_manifest(manifest: BundleManifest, options: EngineOptions) -> ModelBund
     if vision is not None:
         from omnivox.services.image_prompt import ImagePromptBuilder
 
-        prompt_builder = ImagePromptBuilder(vision)
+        prompt_builder = ImagePromptBuilder(vision, engine.model_config.max_model_len)
     return ModelBundle(
         manifest=manifest,
         source=source,

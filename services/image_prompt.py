@@ -221,8 +221,12 @@ class ImagePromptBuilder:
     """Turns of text and image parts (in any turn, several per turn) -> the chat template's prompt, markers expanded,
     one segment per feature run, and M-RoPE positions for Qwen2.5-VL."""
 
-    def __init__(self, image: ImageInputPart) -> None:
+    def __init__(self, image: ImageInputPart, context_tokens: int | None = None) -> None:
+        """context_tokens: the model's context; images whose placeholders alone fill it are refused as soon as
+        that is known, before the rest are decoded and preprocessed (a large photo takes seconds in Qwen2.5-VL's
+        processor: 16 of them would all be processed for a prompt the engine then refuses)."""
         self.image = image
+        self.context_tokens = context_tokens
 
     def build(self, contents: Sequence[content_pb2.Content]) -> Prompt:
         image = self.image
@@ -235,6 +239,7 @@ class ImagePromptBuilder:
         messages: list[dict] = []
         images: list[tuple[ImageInputs, str]] = []
         bad: list[FieldViolation] = []
+        image_tokens = 0
         for i, content in enumerate(contents):
             parts: list[dict] = []
             for j, part in enumerate(content.parts):
@@ -250,6 +255,19 @@ class ImagePromptBuilder:
                         images.append(image.decode(part.image, f"{path}.image"))
                     except errors.ServiceError as err:
                         bad.extend(err.field_violations)
+                    else:
+                        image_tokens += len(images[-1][0].placeholder_ids)
+                        if self.context_tokens is not None and image_tokens >= self.context_tokens:
+                            raise errors.invalid_argument(
+                                [
+                                    FieldViolation(
+                                        f"{path}.image",
+                                        f"the images up to this one take {image_tokens} prompt tokens; the model's "
+                                        f"context is {self.context_tokens} tokens (max_pixels lowers an image's count "
+                                        "where the model's processor allows)",
+                                    )
+                                ]
+                            )
                     parts.append({"type": "image"})
             messages.append({"role": role_of(content), "content": parts})
         if bad:

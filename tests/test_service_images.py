@@ -321,6 +321,30 @@ def test_bad_images_are_invalid_argument_and_the_server_keeps_serving(served):
     baseline(served, family)
 
 
+def test_images_past_the_context_are_refused_before_the_rest_are_processed(served):
+    """The image that fills the context is named, and the images after it are never decoded or preprocessed."""
+    family = "llava"
+    bundle = served["server"].registry.lookup(family).bundle
+    builder, vision = bundle.prompt_builder, bundle.vision
+    per_image = len(vision.encoder.preprocess([A])[0].placeholder_ids)
+    assert builder.context_tokens == bundle.engine.model_config.max_model_len
+    context, builder.context_tokens = builder.context_tokens, int(per_image * 2.5)  # the third image fills it
+    calls: list[int] = []
+    preprocess = vision.encoder.preprocess
+    vision.encoder.preprocess = lambda images, *a: calls.append(len(images)) or preprocess(images, *a)
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            run(served["stub"], ask(family, [("user", ["Compare:", *[A, B] * 8])]))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert _violations(info.value) == ["contents[0].parts[3].image"]
+        assert f"{3 * per_image} prompt tokens" in info.value.details()
+        assert calls == [1, 1, 1]
+    finally:
+        builder.context_tokens = context
+        del vision.encoder.preprocess
+    baseline(served, family)
+
+
 def bad_max_pixels() -> content_pb2.ImagePart:
     return content_pb2.ImagePart(data=png_bytes(B), max_pixels=10**9)
 
