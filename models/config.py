@@ -26,6 +26,17 @@ _MODEL_TYPE_TO_FAMILY = {
 }
 
 
+def served_families() -> str:
+    """What omnivox serves, for a refusal that names what it got (a Qwen2-VL folder is not a Qwen2.5-VL one)."""
+    from omnivox.models.audio import FAMILIES as AUDIO
+    from omnivox.models.vision import FAMILIES as VISION
+
+    return (
+        f"omnivox serves text decoders {sorted(SUPPORTED_ARCHITECTURES)} (and Mistral), vision-language checkpoints "
+        f"of model_type {sorted(VISION)}, audio-LLMs of model_type {sorted(AUDIO)}, Whisper and Orpheus speech"
+    )
+
+
 class NotApplicable(ValueError):
     """A load option this model cannot take (float-only Whisper asked for int8 weights, 8-bit activations over float
     weights, a draft model of another vocabulary). `field` is the EngineOptions field: an option given for every
@@ -72,8 +83,8 @@ class ModelConfig:
         family = family or _MODEL_TYPE_TO_FAMILY.get(getattr(text, "model_type", ""))
         if family is None:
             raise ValueError(
-                f"unsupported architecture {archs or getattr(text, 'model_type', '?')}: "
-                f"omnivox serves {sorted(SUPPORTED_ARCHITECTURES)}"
+                f"unsupported architecture {archs or getattr(text, 'model_type', '?')} "
+                f"(model_type {getattr(hf_config, 'model_type', '?')!r}): {served_families()}"
             )
         num_heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads

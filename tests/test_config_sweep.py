@@ -246,6 +246,19 @@ def test_multimodal_text_configs_as_released():
         ModelConfig.from_hf(audio)
 
 
+def test_a_family_we_do_not_serve_is_named_with_what_we_do():
+    """A Qwen2-VL folder (not Qwen2.5-VL) was refused listing only the three text decoders, as if no image model
+    were served: the refusal names its model_type and every family omnivox serves."""
+    from transformers import Qwen2VLConfig
+
+    cfg = Qwen2VLConfig(text_config={"vocab_size": 384, "hidden_size": 64, "num_attention_heads": 4}, architectures=["Qwen2VLForConditionalGeneration"])  # fmt: skip
+    with pytest.raises(ValueError) as info:
+        ModelConfig.from_hf(cfg)
+    message = str(info.value)
+    assert "Qwen2VLForConditionalGeneration" in message and "'qwen2_vl'" in message
+    assert all(name in message for name in ("qwen2_5_vl", "llava_next", "smolvlm", "qwen2_audio", "LlamaForCausalLM"))
+
+
 # Whisper's decoder (and encoder) under the shapes its releases use: distil-whisper (fewer decoder layers and heads
 # than the encoder's), large-v3 (128 mel bins, a vocabulary that is no multiple of 8), and an untied output
 # projection with scale_embedding (which transformers' Whisper defines but never applies, nor do we).
