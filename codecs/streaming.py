@@ -24,7 +24,8 @@ leaves early and each later chunk has time to be generated while the previous on
 After `finish()`, one last window emits everything that is left. `flush()` does the same without ending the stream:
 a stream whose frames pause for outside input (text streamed in, a clause spoken and the next not yet written) emits
 its held-back audio now instead of when the next frames come; the frames after a flush start a new run of windows
-(left context from the frames before, no crossfade into the flushed tail, which went out whole).
+(left context from the frames before, no crossfade into the flushed tail, which went out whole), their hops growing
+from the first one again (the listener has played everything it had).
 
 Windows of all streams that are ready at the same time are decoded in one codec forward pass
 (`BatchedStreamDecoder.decode_windows`). They need not have the same length (chunks grow, streams are at different
@@ -150,6 +151,7 @@ class StreamDecoderState:
         self._planned_windows = 0
         self._final_planned = False
         self._flush_frames = 0  # frames received when flush() was last called
+        self._hop_origin = 0  # the window index the hops grow from: 0, then the first window after each flush
         self._applied_windows = 0
         self.emitted_samples = 0
         self._tail: torch.Tensor | None = None
@@ -221,7 +223,7 @@ class StreamDecoderState:
         f, opt = self.frame_samples, self.options
         windows = []
         while True:
-            boundary = self._planned_boundary + opt.hop(self._planned_windows)
+            boundary = self._planned_boundary + opt.hop(self._planned_windows - self._hop_origin)
             if self.num_frames < boundary + opt.lookahead_frames:
                 break
             windows.append(
@@ -238,6 +240,7 @@ class StreamDecoderState:
         elif (n := self._flush_frames) * f > self._planned_until:
             windows.append(self._make_window(n * f, n * f, n, final=True))
             self._planned_boundary = n  # the next hop counts from the flushed end
+            self._hop_origin = self._planned_windows  # and is a first hop again: the listener's buffer ran out
         return windows
 
     def apply(self, window: DecodeWindow, audio: torch.Tensor) -> np.ndarray:

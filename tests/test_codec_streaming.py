@@ -259,6 +259,8 @@ def test_flush_emits_every_frame_so_far_and_the_stream_goes_on(codec):
     stream.finish()
     chunks += dec.decode_ready([stream]).get(stream, [])
     assert stream.done
+    # hops of 1 and 2 frames, the flush (to frame 6, the crossfade held before it included), then hops from 1 again
+    assert [len(c) for c in chunks] == [F - 256, 2 * F, 3 * F + 256, F - 256, 2 * F, 4 * F, 6 * F + 256]
     y = np.concatenate(chunks)
     assert len(y) == len(one_shot) == 19 * F
     # Before the flush the audio is that of the 6 frames alone (as if the stream had ended there: the last frame
