@@ -6,13 +6,14 @@
 Text is cut into clauses as it arrives (`ClauseCutter`: after , ; : . ! ? followed by a space, after CJK punctuation
 (。！？，、；：, which no space follows), or at a space once a clause reaches max_clause_chars). Text that ends at such
 punctuation with nothing after it is a complete clause once no more text comes for SETTLE_S (it may still be "3.5" or
-"?!" arriving token by token): a client that sends one sentence and waits for its audio before sending more gets it. Clauses are synthesised one after another, each with the previous clause's text and
-its last CONTEXT_FRAMES of codes as a prior turn (`SpeechLayout.build_reference_prompt`), so the voice and prosody
-carry over. All clauses' frames go into ONE codec stream: the streaming decoder's windows and crossfade run across
-clause joins exactly as within a clause, so the joins have no seam of their own. When a clause is spoken and the next
-one's text has not come, the codec stream is flushed: the clause's last window (up to a hop plus the lookahead frame,
-~1.5 s of audio) goes out now, not when the next clause's frames come (the flushed end is decoded as an utterance's
-end is; the next clause's audio continues from it with its left context).
+"?!" arriving token by token): a client that sends one sentence and waits for its audio before sending more gets it.
+Clauses are synthesised one after another, each with the previous clause's text and its last CONTEXT_FRAMES of codes
+as a prior turn (`SpeechLayout.build_reference_prompt`), so the voice and prosody carry over. All clauses' frames go
+into ONE codec stream: the streaming decoder's windows and crossfade run across clause joins exactly as within a
+clause, so the joins have no seam of their own. When a clause is spoken and the next one's text has not come, the
+codec stream is flushed: the clause's last window (up to a hop plus the lookahead frame, ~1.5 s of audio) goes out
+now, not when the next clause's frames come (the flushed end is decoded as an utterance's end is; the next clause's
+audio continues from it with its left context, in chunks growing from the first hop again).
 
 Latency trade-off: a clause starts synthesising when it is complete, so first audio comes roughly one clause (plus a
 few frames of generation) after its first word; a shorter max_clause_chars means earlier first audio but less text
