@@ -34,6 +34,10 @@ MAX_CHOICES = 1024
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
 
+# The keys of OpenAI's response_format.json_schema object, which wraps the schema itself in "schema".
+_OPENAI_WRAPPER = frozenset({"name", "description", "schema", "strict"})
+
+
 @dataclass(frozen=True)
 class GrammarSpec:
     field: str  # the request path a compile error names, e.g. "response_format.json_schema"
@@ -67,6 +71,9 @@ def json_schema_grammar(schema_text: str, field: str) -> str:
         raise _bad(field, "the schema false admits no value")
     if schema is True:  # any JSON value (llguidance takes only an object: "Expecting object schema to apply options")
         schema = {}
+    if isinstance(schema.get("schema"), dict) and schema.keys() <= _OPENAI_WRAPPER:
+        # A valid schema (unknown keywords are ignored) that admits any JSON value: the caller's schema went unused.
+        raise _bad(field, 'is OpenAI\'s json_schema wrapper ({"name", "schema", "strict"}): send its "schema" member')
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
     except ValueError as exc:

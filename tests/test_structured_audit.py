@@ -355,3 +355,21 @@ def test_a_grammar_that_admits_nothing_is_invalid_argument(stub, server: ServerT
     found = violations(stub, user_request("x", response_format=fmt, max_output_tokens=4))
     assert "admits no output" in found[field], found
     assert server.wait_kv_free()[0] == server.wait_kv_free()[1]
+
+
+def test_openais_json_schema_wrapper_is_refused(stub) -> None:
+    """OpenAI's response_format.json_schema object sent as the schema: a valid schema of unknown keywords, so any JSON
+    value was served and the caller's schema went unused. Refused, saying which member to send."""
+    inner = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    wrapper = {"name": "thing", "strict": True, "schema": inner}
+    found = violations(stub, schema_request(wrapper, 0))
+    assert '"schema" member' in found["response_format.json_schema"], found
+    text = run(stub, schema_request(inner, 0, max_output_tokens=40))[0]
+    jsonschema.validate(json.loads(text), inner)
+    named = {"type": "object", "properties": {"schema": inner}, "required": ["schema"], "additionalProperties": False}
+    check(named, run(stub, schema_request(named, 0))[0])  # a property named "schema" is no wrapper
