@@ -69,6 +69,11 @@ class ToolPlan:
         return bool(self.tools) and self.choice != NONE
 
 
+# The keys of OpenAI's function object, which wraps the arguments' schema in "parameters".
+_OPENAI_FUNCTION = frozenset({"name", "description", "parameters", "strict"})
+_WRAPPED = 'is OpenAI\'s function object ({"name", "parameters", ...}): send its "parameters" member'
+
+
 def _schema(tool: generation_pb2.Tool, i: int, v: list[FieldViolation]) -> dict:
     if not tool.parameters_json_schema:
         return {"type": "object"}
@@ -79,6 +84,10 @@ def _schema(tool: generation_pb2.Tool, i: int, v: list[FieldViolation]) -> dict:
         return {}
     if not isinstance(schema, dict):
         v.append(FieldViolation(f"tools[{i}].parameters_json_schema", "must be a JSON object (a schema)"))
+        return {}
+    if isinstance(schema.get("parameters"), dict) and schema.keys() <= _OPENAI_FUNCTION:
+        # a valid schema of unknown keywords: any JSON value would do as the arguments, the real schema unused
+        v.append(FieldViolation(f"tools[{i}].parameters_json_schema", _WRAPPED))
         return {}
     if _depth(schema) > MAX_SCHEMA_DEPTH:
         v.append(FieldViolation(f"tools[{i}].parameters_json_schema", f"nested deeper than {MAX_SCHEMA_DEPTH} levels"))

@@ -228,3 +228,12 @@ def test_a_follow_up_without_the_tools_keeps_the_call_and_its_result(stub, serve
     tok = server.engine().tokenizer
     assert tok.decode(prompt_ids(tok, request.contents, plan(request, tok))) == expected
     assert run(stub, request)[2].usage.prompt_tokens == len(tok.encode(expected, add_special_tokens=False))
+
+
+def test_openais_function_object_as_the_schema_is_refused(stub) -> None:
+    """OpenAI's function object sent as parameters_json_schema: a valid schema of unknown keywords, so a strict call's
+    arguments could be any JSON value (a number, a list) and the real schema went unused."""
+    function = {"name": "weather", "description": "d", "parameters": WEATHER}
+    tools = [generation_pb2.Tool(name="weather", strict=True, parameters_json_schema=json.dumps(function))]
+    found = violations(stub, tool_calls_request(tools, 0))
+    assert '"parameters" member' in found["tools[0].parameters_json_schema"], found
