@@ -5,7 +5,8 @@ Ogg (`OggS`, Vorbis or Opus) and MP3 (an ID3 tag or an MPEG audio frame sync), a
 soundfile. Headerless LINEAR16 (signed 16-bit little-endian) and MULAW (G.711) need `sample_rate_hertz`.
 Channels are mixed to mono as ffmpeg mixes them (codecs/downmix.py: stereo averaged, a 5.1 file's LFE left out);
 the rate is changed with torchaudio's windowed-sinc resampler. A WAV whose data chunk declares more bytes than
-arrived is decoded from what arrived, with a warning in the log (as ffmpeg and sox do).
+arrived is decoded from what arrived, with a warning in the log (as ffmpeg and sox do); one whose data size is 0 (a
+writer that could not seek back) is read to its end, as ffmpeg reads it (libsndfile alone reads no samples).
 
 Every problem raises `AudioInputError(field, reason)` (`field` is the AudioPart field: `data`, `encoding` or
 `sample_rate_hertz`), which the service answers with INVALID_ARGUMENT. Nothing is cut short: audio over the limit is
@@ -29,7 +30,7 @@ import torch
 import torchaudio.functional as AF
 
 from omnivox.codecs.audio_format import AudioEncoding
-from omnivox.codecs.downmix import to_mono, wav_facts
+from omnivox.codecs.downmix import to_mono, wav_facts, with_data_to_the_end
 from omnivox.codecs.text_payload import decoded_head
 
 log = logging.getLogger(__name__)
@@ -202,6 +203,7 @@ def decode_audio(
             f"encoding is {enc.value} (headerless samples) but the bytes hold {_magic_container(data)} audio: "
             "leave encoding unset",
         )
+    facts = None  # a WAV header's channel mask and sizes
     if enc in HEADERLESS:
         if not sample_rate_hertz:
             raise AudioInputError("sample_rate_hertz", f"{enc.value} audio has no header: the sample rate is required")
@@ -221,7 +223,8 @@ def decode_audio(
             )
         if enc is not None and _DECLARED_CONTAINER[enc] != source:
             raise AudioInputError("encoding", f"encoding is {enc.value} but the bytes hold {source} audio")
-        pcm, rate = _decode_container(data, source, limits)
+        facts = wav_facts(data) if source == "WAV" else None
+        pcm, rate = _decode_container(with_data_to_the_end(data, facts) if facts else data, source, limits)
         if sample_rate_hertz and sample_rate_hertz != rate:
             raise AudioInputError(
                 "sample_rate_hertz", f"sample_rate_hertz={sample_rate_hertz} but the {source} header says {rate} Hz"
@@ -240,7 +243,6 @@ def decode_audio(
             "data", f"the audio's samples reach {peak:.3g}; float audio is expected within [-1, 1] (its scale is wrong)"
         )
     channels = pcm.shape[1]
-    facts = wav_facts(data) if source == "WAV" else None
     if facts is not None and facts.missing_bytes:
         # As ffmpeg, sox and libsndfile do, the samples that arrived are used; the cut is logged (a client's upload
         # that stopped early), not refused: recorders that died mid-file leave such headers too.

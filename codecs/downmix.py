@@ -47,19 +47,34 @@ _GUESSED = {
 _GUESSED[("FLAC", 6)], _GUESSED[("FLAC", 8)] = _GUESSED[("WAV", 6)], _GUESSED[("WAV", 8)]
 
 
+# Writers that cannot seek back put a placeholder in the data chunk's size: 0, 0xFFFFFFFF (ffmpeg, ours), 0x7FFFFFFF
+# (arecord) or thereabouts; any size this close to 2 GiB is one (the files we take are at most 64 MiB).
+_UNKNOWN_SIZE = 0x7FFF0000
+
+
 @dataclass(frozen=True)
 class WavFacts:
     """What a WAV header says: the channel mask (None without WAVE_FORMAT_EXTENSIBLE or when 0), and the data
-    chunk's declared size against the bytes that follow it (`declared` None: a streaming placeholder, 0 or
-    0xFFFFFFFF, meaning "to the end of the file")."""
+    chunk's declared size against the bytes that follow it (`declared` None: a streaming placeholder, 0 or near
+    2^31 / 2^32, meaning "to the end of the file")."""
 
     channel_mask: int | None
     declared: int | None
     available: int
+    size_field: int  # offset of the data chunk's size in the file
+    zero_size: bool  # the size says 0 (libsndfile then reads no samples; ffmpeg reads to the end)
 
     @property
     def missing_bytes(self) -> int:
         return max(0, self.declared - self.available) if self.declared is not None else 0
+
+
+def with_data_to_the_end(data: bytes, facts: WavFacts) -> bytes:
+    """The file with a data size of 0 replaced by the bytes that follow (what ffmpeg reads: Python's `wave` module and
+    other writers that cannot seek back leave 0 there); other files unchanged."""
+    if not facts.zero_size or facts.available <= 0:
+        return data
+    return data[: facts.size_field] + struct.pack("<I", facts.available) + data[facts.size_field + 4 :]
 
 
 def wav_facts(data: bytes) -> WavFacts | None:
@@ -75,7 +90,8 @@ def wav_facts(data: bytes) -> WavFacts | None:
                 mask = struct.unpack("<I", data[pos + 28 : pos + 32])[0] if pos + 32 <= len(data) else None
         if kind == b"data":
             available = len(data) - (pos + 8)
-            return WavFacts(mask or None, None if size in (0, 0xFFFFFFFF) else size, available)
+            declared = None if size == 0 or size >= _UNKNOWN_SIZE else size
+            return WavFacts(mask or None, declared, available, pos + 4, size == 0)
         pos += 8 + size + size % 2
     return None
 

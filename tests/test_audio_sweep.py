@@ -282,7 +282,9 @@ def test_wav_extra_chunks_odd_data_and_truncation(caplog):
         _wav_bytes(mono, before=[info, _chunk(b"fact", struct.pack("<I", len(mono)))]),
         _wav_bytes(mono, after=[info]),
         _wav_bytes(mono, mask=FC),
-        _wav_bytes(mono, data_size=0xFFFFFFFF),  # a streaming header: "to the end of the file", not truncated
+        _wav_bytes(mono, data_size=0xFFFFFFFF),  # streaming headers: "to the end of the file", not truncated
+        _wav_bytes(mono, data_size=0x7FFFFFFF),  # (arecord's)
+        _wav_bytes(mono, data_size=0),
     ):
         np.testing.assert_array_equal(decode_audio(variant).samples, plain)
     assert "truncated" not in caplog.text
