@@ -373,3 +373,21 @@ def test_openais_json_schema_wrapper_is_refused(stub) -> None:
     jsonschema.validate(json.loads(text), inner)
     named = {"type": "object", "properties": {"schema": inner}, "required": ["schema"], "additionalProperties": False}
     check(named, run(stub, schema_request(named, 0))[0])  # a property named "schema" is no wrapper
+
+
+@pytest.mark.parametrize("stop", ["🎉", "京は", "é d", "😀🎉 東", " done"])
+def test_stop_strings_across_split_characters(stub, stop: str) -> None:
+    """The output forced by a regex; its emoji and CJK characters are split across byte-level tokens, so these stop
+    strings start and end inside tokens. Excluded by default, included with include_stop_sequence."""
+    target = "ab 😀🎉 東京は日本 café done"
+    for include in (False, True):
+        request = user_request(
+            "x",
+            response_format=generation_pb2.ResponseFormat(regex=target),
+            stop_sequences=[stop],
+            include_stop_sequence=include,
+            max_output_tokens=80,
+        )
+        text, _, summary = run(stub, request)
+        assert text == target[: target.index(stop) + (len(stop) if include else 0)]
+        assert summary.finish_reason == generation_pb2.FINISH_REASON_STOP
