@@ -1,7 +1,9 @@
 """Audio-LLM configs users bring, over a real gRPC server, against transformers' processor + `generate`:
 - Qwen2-Audio with tie_word_embeddings true, GQA 4:1, a 3-layer 2-head encoder of width 48 and a wider text model:
   transformers' Qwen2AudioForConditionalGeneration never ties (its lm_head is its own weight), and we tied it;
-- several audio parts in one turn, audio then text then audio (equal before; kept as regression cases);
+- several audio parts in one turn, audio then text then audio (equal before; kept as regression cases), on Qwen3-ASR
+  too, whose processor refuses more than one audio per text: there against its model fed the processor's per-clip
+  features and expanded prompt directly;
 - audio a few samples over the window is refused with a length that says so (it read "30.00 s ... at most 30 s").
 """
 
@@ -12,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from audio_checkpoints import QWEN2_AUDIO_TOKENS, _save, chirp, encode, noise, tokenizer_with, tone
+from audio_checkpoints import QWEN2_AUDIO_TOKENS, _save, chirp, encode, make_qwen3_asr, noise, tokenizer_with, tone
 from service_harness import ServerThread
 
 from omnivox.services.loading import EngineOptions, ModelSpec
@@ -98,3 +100,58 @@ def test_a_few_samples_over_the_window_says_so(served):
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "30.000062 s" in info.value.details() and "audio.data" in info.value.details()
     assert ours(served, [clip[:-1], "What?"]) == theirs(served, [clip[:-1], "What?"])  # exactly 30 s is served
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    path = make_qwen3_asr(tmp_path_factory.mktemp("qwen3") / "qwen3-asr", seed=1)
+    with ServerThread([ModelSpec(path=path, name="qwen3")], EngineOptions(kv_cache_gib=0.02)) as server:
+        yield {
+            "stub": generation_pb2_grpc.GenerationServiceStub(server.channel()),
+            "processor": transformers.AutoProcessor.from_pretrained(path),
+            "reference": transformers.Qwen3ASRForConditionalGeneration.from_pretrained(path).eval(),
+        }
+
+
+def qwen3_reference(s, parts: list) -> list[int]:
+    """Qwen3ASRForConditionalGeneration.generate on the processor's own per-clip features and placeholder counts."""
+    proc = s["processor"]
+    content = [{"type": "audio"} if isinstance(p, np.ndarray) else {"type": "text", "text": p} for p in parts]
+    prompt = proc.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+    )
+    clips = [proc._process_audio([p], sampling_rate=16000, return_tensors="pt", return_attention_mask=True)
+             for p in parts if isinstance(p, np.ndarray)]  # fmt: skip
+    pieces = prompt.split(proc.audio_token)
+    text = pieces[0] + "".join(markers[0] + piece for (_, markers), piece in zip(clips, pieces[1:], strict=True))
+    ids = proc.tokenizer([text], return_tensors="pt")
+    frames = max(f["input_features"].shape[-1] for f, _ in clips)
+    features = torch.zeros(len(clips), clips[0][0]["input_features"].shape[1], frames)
+    mask = torch.zeros(len(clips), frames, dtype=torch.long)
+    for i, (f, _) in enumerate(clips):
+        features[i, :, : f["input_features"].shape[-1]] = f["input_features"][0]
+        mask[i, : f["input_features"].shape[-1]] = f["input_features_mask"][0]
+    with torch.no_grad():
+        out = s["reference"].generate(
+            input_ids=ids["input_ids"], attention_mask=ids["attention_mask"], input_features=features,
+            input_features_mask=mask, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False,
+        )  # fmt: skip
+    return out[0, ids["input_ids"].shape[1] :].tolist()
+
+
+def test_qwen3_asr_several_audio_parts_equal_its_model(qwen3):
+    cases = [[chirp(1.0), noise(1.5, seed=2), "Which is louder?"], [chirp(1.2), "and then", tone(0.8), "compare"]]
+    for parts in cases:
+        request_parts = [
+            content_pb2.Part(audio=content_pb2.AudioPart(data=encode(p, 16000, "WAV", "FLOAT")))
+            if isinstance(p, np.ndarray) else content_pb2.Part(text=p)
+            for p in parts
+        ]  # fmt: skip
+        request = generation_pb2.GenerateRequest(
+            model="qwen3", contents=[content_pb2.Content(role="user", parts=request_parts)],
+            sampling=sampling_pb2.SamplingConfig(temperature=0.0), max_output_tokens=STEPS, ignore_eos=True,
+        )  # fmt: skip
+        got = [
+            t for r in qwen3["stub"].Generate(request, timeout=120) if r.HasField("delta") for t in r.delta.token_ids
+        ]
+        assert got == qwen3_reference(qwen3, parts)
