@@ -15,7 +15,7 @@ from omnivox.services.defaults import save_random_speech_model
 from omnivox.services.errors import status_details
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.services.speech import SpeechServicer
-from omnivox.v1 import content_pb2, speech_pb2, speech_pb2_grpc
+from omnivox.v1 import content_pb2, sampling_pb2, speech_pb2, speech_pb2_grpc
 
 SMALL_SNAC = dict(SNAC_24KHZ_CONFIG, encoder_dim=8, decoder_dim=64)
 ENC = content_pb2.AudioEncoding
@@ -108,7 +108,9 @@ def test_queue_bound_refuses_a_second_synthesis(server):
     model.max_queue, server.speech.limits.audio_seconds_base = 1, 30.0  # the first one runs for many seconds
     try:
         stub = speech_pb2_grpc.SpeechServiceStub(server.channel())
-        running = stub.SynthesizeSpeech(request("Keep talking."), timeout=120)
+        eos = server.registry.lookup("speech").bundle.speech.layout.end_of_speech  # banned: the random model may
+        never_ending = sampling_pb2.SamplingConfig(logit_bias={eos: -100.0})  # say it early, ending the first call
+        running = stub.SynthesizeSpeech(request("Keep talking.", sampling=never_ending), timeout=120)
         assert next(running).HasField("format")  # admitted
         with pytest.raises(grpc.RpcError) as info:
             synthesize(server, request("Me too."))

@@ -20,7 +20,7 @@ from omnivox.services.errors import status_details
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.services.speech import SpeechServicer
 from omnivox.services.speech_text import split_text
-from omnivox.v1 import content_pb2, model_pb2, model_pb2_grpc, speech_pb2, speech_pb2_grpc
+from omnivox.v1 import content_pb2, model_pb2, model_pb2_grpc, sampling_pb2, speech_pb2, speech_pb2_grpc
 
 SMALL_SNAC = dict(SNAC_24KHZ_CONFIG, encoder_dim=8, decoder_dim=64)  # same framing, less compute
 ENC = content_pb2.AudioEncoding
@@ -168,11 +168,19 @@ def test_bad_requests_leave_the_server_serving(server):
     assert data and summary.audio_seconds > 0
 
 
+def never_ending(server) -> sampling_pb2.SamplingConfig:
+    """Sampling that bans end-of-speech: the random model says it now and then (at ~1 frame in 4097; 1 of 40 calls
+    ended within 1.5 s), and a test that needs the call still running when it cancels or times out flaked."""
+    eos = server.registry.lookup("speech").bundle.speech.layout.end_of_speech
+    return sampling_pb2.SamplingConfig(logit_bias={eos: -100.0})
+
+
 def test_cancelled_stream_frees_kv_blocks_and_codec_state(server):
     server.speech.limits.audio_seconds_base = 30.0  # long enough to still be running when cancelled
     try:
         stub = speech_pb2_grpc.SpeechServiceStub(server.channel())
-        call = stub.SynthesizeSpeech(speech_pb2.SynthesizeSpeechRequest(text="Keep talking."), timeout=120)
+        request = speech_pb2.SynthesizeSpeechRequest(text="Keep talking.", sampling=never_ending(server))
+        call = stub.SynthesizeSpeech(request, timeout=120)
         seen = [next(call).WhichOneof("response"), next(call).WhichOneof("response")]
         assert seen == ["format", "audio"]
         engine = server.engine("speech")
@@ -192,7 +200,7 @@ def test_deadline_exceeded_frees_kv_blocks_and_codec_state(server):
     server.speech.limits.audio_seconds_base = 30.0
     try:
         with pytest.raises(grpc.RpcError) as info:
-            synthesize(server, text="Keep talking.", timeout=1.5)
+            synthesize(server, text="Keep talking.", timeout=1.5, sampling=never_ending(server))
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     finally:
         server.speech.limits.audio_seconds_base = 0.5
