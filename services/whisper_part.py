@@ -75,6 +75,9 @@ class WhisperPromptBuilder:
         )  # fmt: skip
 
 
+# BCP-47 codes Whisper spells otherwise (its token for Javanese is <|jw|>, Norwegian <|no|>, Hebrew <|he|>, ...).
+_WHISPER_CODES = {"jv": "jw", "nb": "no", "iw": "he", "in": "id", "ji": "yi", "fil": "tl"}
+
 # Far more than the 223 tokens of previous text a window's prompt keeps (a token is rarely over 16 characters).
 MAX_PROMPT_CHARS = 16 * 1024
 
@@ -123,15 +126,18 @@ class WhisperPart:
         return EncoderInput(key, source=self.worker.handle(key, features))
 
     def language_id(self, language: str | None) -> int | None:
-        """The `<|xx|>` token of a BCP-47 code or English name; for none, the checkpoint's forced language (a
-        fine-tuned model's generation_config forced_decoder_ids, as transformers' generate uses it) or None for
-        "detect". TranscriptionRequestError when the model does not know it."""
+        """The `<|xx|>` token of a BCP-47 code (`jv` for Whisper's `jw` and the like), an English name or the token's
+        own text; for none, the checkpoint's forced language (a fine-tuned model's generation_config
+        forced_decoder_ids, as transformers' generate uses it) or None for "detect". TranscriptionRequestError when
+        the model does not know it."""
         if not language:
             return self.vocab.default_language
         from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
 
-        code = language.strip().replace("_", "-").split("-")[0].lower()
+        code = language.strip().removeprefix("<|").removesuffix("|>").replace("_", "-").split("-")[0].lower()
         code = TO_LANGUAGE_CODE.get(language.strip().lower(), code)
+        if code not in self.vocab.languages and _WHISPER_CODES.get(code) in self.vocab.languages:
+            code = _WHISPER_CODES[code]
         if not self.vocab.multilingual:
             if code != "en":
                 raise TranscriptionRequestError("language", f"{language!r}: this model transcribes English only")

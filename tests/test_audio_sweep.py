@@ -64,6 +64,10 @@ def served(tmp_path_factory):
     small_ctx = make_whisper(root / "ctx-64", seed=6, max_target_positions=64)
     # A released .en checkpoint's generation config: no lang_to_id / task_to_id, <|notimestamps|> forced at 1; its
     # vocabulary keeps the language, task and timestamp tokens (51864 in the real ones).
+    # Whisper's own codes where BCP-47 differs: its four language tokens renamed <|en|>, <|jw|>, <|no|>, <|he|>.
+    codes = make_whisper(root / "codes", seed=9)
+    _edit_generation_config(codes, lang_to_id={f"<|{c}|>": ids[f"<|{o}|>"] for c, o in
+                                               (("en", "en"), ("jw", "de"), ("no", "fr"), ("he", "es"))})  # fmt: skip
     english = make_whisper(root / "tiny-en", seed=7)
     _edit_generation_config(
         english, drop=("lang_to_id", "task_to_id"), is_multilingual=False,
@@ -82,12 +86,19 @@ def served(tmp_path_factory):
     (legacy / "config.json").write_text(json.dumps(config))
     specs = [ModelSpec(path=short, name="short"), ModelSpec(path=forced, name="forced"),
              ModelSpec(path=small_ctx, name="ctx64"), ModelSpec(path=english, name="en"),
-             ModelSpec(path=legacy, name="legacy")]  # fmt: skip
+             ModelSpec(path=legacy, name="legacy"), ModelSpec(path=codes, name="codes")]  # fmt: skip
     with ServerThread(specs, EngineOptions(kv_cache_gib=0.02)) as server:
         yield {
             "server": server,
             "stub": transcription_pb2_grpc.TranscriptionServiceStub(server.channel()),
-            "paths": {"short": short, "forced": forced, "ctx64": small_ctx, "en": english, "legacy": legacy},
+            "paths": {
+                "short": short,
+                "forced": forced,
+                "ctx64": small_ctx,
+                "en": english,
+                "legacy": legacy,
+                "codes": codes,
+            },
             "root": root,
         }
 
@@ -193,6 +204,16 @@ def test_english_only_checkpoint_equals_transformers(served):
     with pytest.raises(grpc.RpcError) as info:
         _transcribe(served, "en", _wav(clip), language="de")
     assert _violations(info.value) == ["language"]
+
+
+@pytest.mark.parametrize(("bcp47", "whisper"), [("jv", "jw"), ("nb-NO", "no"), ("iw", "he"), ("<|jw|>", "jw")])
+def test_bcp47_codes_whisper_spells_otherwise(served, bcp47, whisper):
+    """Javanese is jv in BCP-47 and <|jw|> in Whisper (Norwegian Bokmål nb / <|no|>, Hebrew's old iw / <|he|>): the
+    request's BCP-47 code was refused as unknown. A token's own text is taken, as transformers takes it."""
+    clip = tone(1.0, freq=500.0)
+    summary = _transcribe(served, "codes", _wav(clip), language=bcp47)
+    assert summary.language == whisper
+    assert summary.text == _hf_text(served, "codes", clip, language=whisper, max_new_tokens=224)
 
 
 @pytest.mark.parametrize("language", ["EN", "english", "en-US", "English"])
