@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
@@ -65,8 +66,9 @@ def validate_speech(
     created from reference audio, besides the layout's own)."""
     v = validation.Violations()
     text = request.text.strip()
-    if not text:
-        v.add("text", "must not be empty")
+    if not any(unicodedata.category(c)[0] not in "ZC" for c in text):
+        # strip() keeps zero-width and other format characters ("\u200b"), which the model would then "speak"
+        v.add("text", "must not be empty (it holds only spaces, control or zero-width characters)")
     elif len(request.text) > max_text_chars:
         v.add("text", f"is {len(request.text)} characters; the limit is {max_text_chars}")
     name = encoding_name(request.audio_config.encoding)

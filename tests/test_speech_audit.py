@@ -319,3 +319,14 @@ def test_split_text_keeps_closing_quotes_and_cuts_cjk_at_its_sentences():
     ]
     assert split_text("你好。今天天气很好。", 300) == ["你好。今天天气很好。"]  # joined without a space
     assert split_text("今" * 25, 10) == ["今" * 10, "今" * 10, "今" * 5]  # no break anywhere: cut at max_chars
+
+
+def test_text_of_only_invisible_characters_is_empty(server):
+    """strip() keeps zero-width and format characters: "\u200b" passed the empty check and was spoken."""
+    import grpc
+
+    for text in ("\u200b", " \u200b\u2060\ufeff ", "\u200d\n\t"):
+        with pytest.raises(grpc.RpcError) as err:
+            one_shot_pcm(server, text)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("text:")
+    assert one_shot_pcm(server, "\u200bHi.")  # with something to say around them it is spoken
