@@ -247,7 +247,7 @@ def decode_audio(
         # As ffmpeg, sox and libsndfile do, the samples that arrived are used; the cut is logged (a client's upload
         # that stopped early), not refused: recorders that died mid-file leave such headers too.
         log.warning(
-            "a WAV audio part is truncated: its header declares %d bytes of samples, %d arrived; transcribing "
+            "a WAV audio part is truncated: its header declares %d bytes of samples, %d arrived; using "
             "the %.2f s that did", facts.declared, facts.available, pcm.shape[0] / rate,
         )  # fmt: skip
     mono = to_mono(pcm, source, facts.channel_mask if facts is not None else None)
