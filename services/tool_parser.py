@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
 import uuid
 from dataclasses import dataclass, field
 
@@ -22,10 +24,22 @@ class ToolFormat:
     close_tag: str
     separator: str  # between calls
     args_key: str
+    # Mistral's calls are one JSON list after the tag (`[TOOL_CALLS] [{...}, {...}]`), not one tagged object each
+    array: bool = False
+
+    def new_id(self) -> str:
+        """A call id in the form the model's chat template takes back: Mistral v0.3's template raises unless an id
+        is 9 alphanumerics ("Tool call IDs should be alphanumeric strings with length 9!"), as vLLM makes them."""
+        if self.array:
+            return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
+        return "call_" + uuid.uuid4().hex[:24]
 
 
+_ALPHANUMERIC = string.ascii_letters + string.digits
 HERMES = ToolFormat("hermes", "<tool_call>\n", "\n</tool_call>", "\n", "arguments")
 LLAMA3 = ToolFormat("llama3", "", "", "; ", "parameters")
+# Mistral v0.3 (tokenizer v3): `[TOOL_CALLS]` is a special token; its template writes `[TOOL_CALLS] [` + calls + `]`
+MISTRAL = ToolFormat("mistral", "[TOOL_CALLS]", "]", ", ", "arguments", array=True)
 
 
 @dataclass
@@ -55,6 +69,8 @@ def _parse_body(body: str, fmt: ToolFormat, complete: bool) -> ParsedCall:
 
 def parse(text: str, fmt: ToolFormat) -> tuple[str, list[ParsedCall]]:
     """(content text safe to show, the calls so far) — a pure function of the text."""
+    if fmt.array:
+        return _parse_array(text, fmt)
     if fmt.open_tag:
         tag, close = fmt.open_tag.strip(), fmt.close_tag.strip()
         first = text.find(tag)
@@ -89,6 +105,37 @@ def parse(text: str, fmt: ToolFormat) -> tuple[str, list[ParsedCall]]:
             piece = piece[: len(piece) - _partial_suffix(piece, fmt.separator)]
         calls.append(_parse_body(piece, fmt, done))
     return "", calls
+
+
+def _parse_array(text: str, fmt: ToolFormat) -> tuple[str, list[ParsedCall]]:
+    """Mistral's `[TOOL_CALLS] [{call}, {call}]`: a call is complete once a `,` or the list's `]` follows it."""
+    first = text.find(fmt.open_tag)
+    if first < 0:
+        return text[: len(text) - _partial_suffix(text, fmt.open_tag)], []
+    pos = _skip_space(text, first + len(fmt.open_tag))
+    if pos == len(text) or text[pos] != "[":
+        return text[:first], []
+    calls: list[ParsedCall] = []
+    pos += 1
+    while True:
+        end = _object_end(text, pos)
+        if end is None:  # still being written
+            if text[pos:].strip():
+                calls.append(_parse_body(text[pos:], fmt, False))
+            break
+        after = _skip_space(text, end)
+        closed = after < len(text) and text[after] in ",]"
+        calls.append(_parse_body(text[pos:end], fmt, closed))
+        if not closed or text[after] == "]":
+            break
+        pos = after + 1
+    return text[:first], calls
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -202,7 +249,7 @@ class ToolCallStream:
             if i == len(self.ids):
                 if call.name is None:
                     break  # its name is not complete yet: the call starts in a later delta
-                self.ids.append("call_" + uuid.uuid4().hex[:24])
+                self.ids.append(self.fmt.new_id())
                 self.sent_args.append(0)
                 deltas.append(generation_pb2.ToolCallDelta(index=i, id=self.ids[i], name=call.name))
             fragment = call.arguments[self.sent_args[i] :]

@@ -4,12 +4,15 @@ grammar that constrains the model's own tool-call format, and Generate's view of
 Formats (chosen from the chat template's text):
 - Hermes / Qwen: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, calls separated by a newline.
 - Llama 3 JSON: `{"name": ..., "parameters": {...}}` (optionally after `<|python_tag|>`), calls separated by `; `.
+- Mistral v0.3: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]` (the tag a special token, kept in the text
+  for these requests as vLLM keeps it); call ids are 9 alphanumerics, the only ids its template takes back.
 
 Grammars (llguidance Lark, the call object as an embedded `%json` schema per tool):
 - `required` / a named function: the output is one (or, with parallel_tool_calls, up to MAX_PARALLEL_CALLS) calls
   from the first token.
 - `auto`: free text that never contains the opening tag, or free text up to the tag (a lazy lexeme) and then calls:
-  the grammar is armed only by the tag. Llama's `auto` arms on a `{` (or the python tag) at the start of the output.
+  the grammar is armed only by the tag. Llama's `auto` arms on a `{` (or the python tag) at the start of the output,
+  Mistral's on its tag at the start (where v0.3 writes its calls).
 - `none`: free text that never contains the opening tag (Hermes), so a call can never appear.
 
 Parsing (services/tool_parser.py) re-reads the whole text so far on every update, so deltas are the same however the
@@ -29,7 +32,7 @@ import llguidance
 from omnivox.services import errors
 from omnivox.services.errors import FieldViolation
 from omnivox.services.structured import GrammarSpec, load_json
-from omnivox.services.tool_parser import HERMES, LLAMA3, ToolCallStream, ToolFormat
+from omnivox.services.tool_parser import HERMES, LLAMA3, MISTRAL, ToolCallStream, ToolFormat
 from omnivox.v1 import content_pb2, generation_pb2
 
 NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -48,6 +51,8 @@ _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 
 def format_of(tokenizer: Any) -> ToolFormat:
     template = str(getattr(tokenizer, "chat_template", "") or "")
+    if "[TOOL_CALLS]" in template:  # Mistral's template writes calls back with its tag (a tokenizer that has the
+        return MISTRAL  # token but a template without tools gets Hermes written into the text: prompt_ids)
     if "<tool_call>" not in template and ("<|python_tag|>" in template or "ipython" in template):
         return LLAMA3
     return HERMES
@@ -143,16 +148,15 @@ def _rebased(call: dict, key: str, at: str) -> dict:
     return {**call, "properties": props}
 
 
-def _grammar(fmt: ToolFormat, calls: list[dict], choice: str, parallel: bool, python_tag: bool = False) -> str:
+def _grammar(
+    fmt: ToolFormat, calls: list[dict], choice: str, parallel: bool, python_tag: bool = False, tag_id: int | None = None
+) -> str:
     """A Lark grammar (llguidance) for the choice; `calls` are the allowed call-object schemas. `python_tag`: the
-    tokenizer has Llama 3's `<|python_tag|>` special token, which may open the calls."""
-    key = fmt.args_key
-    if len(calls) == 1:
-        schema = _rebased(calls[0], key, "#")
-    else:
-        schema = {"anyOf": [_rebased(c, key, f"#/anyOf/{i}") for i, c in enumerate(calls)]}
-    schema["x-guidance"] = _JSON_STYLE
-    body = f"%json {json.dumps(schema)}"
+    tokenizer has Llama 3's `<|python_tag|>` special token, which may open the calls. `tag_id`: the token id of
+    Mistral's `[TOOL_CALLS]` (a special token: a string literal never matches it)."""
+    if fmt.array:
+        return _array_grammar(fmt, calls, choice, parallel, tag_id)
+    body = _call_body(fmt, calls)
     call = f"{json.dumps(fmt.open_tag)} {body} {json.dumps(fmt.close_tag)}" if fmt.open_tag else body
     more = f" ({json.dumps(fmt.separator)} call){{0,{MAX_PARALLEL_CALLS - 1}}}" if parallel else ""
     calls_rule = f"calls: call{more}"
@@ -177,6 +181,48 @@ def _grammar(fmt: ToolFormat, calls: list[dict], choice: str, parallel: bool, py
     if not fmt.open_tag:
         lines.append("tagged: <|python_tag|>? calls" if python_tag else "tagged: calls")
     return llguidance.LLMatcher.grammar_from_lark("\n".join(lines))
+
+
+def _call_body(fmt: ToolFormat, calls: list[dict]) -> str:
+    """`%json` of the call object (one of `calls`), with the templates' separators."""
+    key = fmt.args_key
+    if len(calls) == 1:
+        schema = _rebased(calls[0], key, "#")
+    else:
+        schema = {"anyOf": [_rebased(c, key, f"#/anyOf/{i}") for i, c in enumerate(calls)]}
+    schema["x-guidance"] = _JSON_STYLE
+    return f"%json {json.dumps(schema)}"
+
+
+def _array_grammar(fmt: ToolFormat, calls: list[dict], choice: str, parallel: bool, tag_id: int | None) -> str:
+    """Mistral: `[TOOL_CALLS] [call, call]`, the list opened as its template writes it back (`[TOOL_CALLS] [`)."""
+    tag = f"<[{tag_id}]>" if tag_id is not None else json.dumps(fmt.open_tag)
+    more = f" ({json.dumps(fmt.separator)} call){{0,{MAX_PARALLEL_CALLS - 1}}}" if parallel else ""
+    lines = [f'calls: {tag} " [" call{more} "]"', f"call: {_call_body(fmt, calls)}"]
+    # A special token is outside every regex's language: FREE can never write the tag. A plain-text tag is excluded.
+    free = f"FREE: /(?s:.*)/ & ~/(?s:.*{re.escape(fmt.open_tag)}.*)/"
+    if choice == AUTO:
+        lines += ["start: FREE | calls", free]
+    elif choice == NONE:
+        lines += ["start: FREE", free]
+    else:
+        lines.append("start: calls")
+    return llguidance.LLMatcher.grammar_from_lark("\n".join(lines))
+
+
+_MISTRAL_ID = re.compile(r"^[a-zA-Z0-9]{9}$")
+
+
+def _check_ids(request: generation_pb2.GenerateRequest, v: list[FieldViolation]) -> None:
+    """Mistral's template raises on any other id ("Tool call IDs should be alphanumeric strings with length 9!"):
+    name the field instead of 'cannot build the prompt'."""
+    why = "Mistral's chat template takes only ids of 9 letters and digits (as this server makes them)"
+    for i, c in enumerate(request.contents):
+        if c.role == "tool" and c.tool_call_id and not _MISTRAL_ID.match(c.tool_call_id):
+            v.append(FieldViolation(f"contents[{i}].tool_call_id", why))
+        for j, call in enumerate(c.tool_calls):
+            if not _MISTRAL_ID.match(call.id):
+                v.append(FieldViolation(f"contents[{i}].tool_calls[{j}].id", why))
 
 
 def plan(request: generation_pb2.GenerateRequest, tokenizer: Any) -> ToolPlan | None:
@@ -232,6 +278,8 @@ def plan(request: generation_pb2.GenerateRequest, tokenizer: Any) -> ToolPlan | 
                 load_json(call.arguments or "{}")
             except ValueError as exc:
                 v.append(FieldViolation(f"contents[{i}].tool_calls[{j}].arguments", str(exc)))
+    if fmt is MISTRAL:
+        _check_ids(request, v)
     if v:
         raise errors.invalid_argument(v)
     parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
@@ -242,8 +290,10 @@ def plan(request: generation_pb2.GenerateRequest, tokenizer: Any) -> ToolPlan | 
     if request.tools:
         allowed = [calls[choice]] if choice in calls else list(calls.values())
         mode = choice if choice in (AUTO, NONE) else REQUIRED
-        python_tag = fmt is LLAMA3 and "<|python_tag|>" in tokenizer.get_vocab()
-        text = _grammar(fmt, allowed, mode, parallel and choice not in calls, python_tag)
+        vocab = tokenizer.get_vocab()
+        python_tag = fmt is LLAMA3 and "<|python_tag|>" in vocab
+        tag_id = vocab.get(fmt.open_tag) if fmt is MISTRAL else None
+        text = _grammar(fmt, allowed, mode, parallel and choice not in calls, python_tag, tag_id)
         result.grammar = GrammarSpec("tools", text)
     return result
 
@@ -325,6 +375,9 @@ def _tojson(value: Any) -> str:
 
 async def constrain(tool_plan: ToolPlan | None, params: Any, engine: Any) -> None:
     """Set params.constraint_factory from the tool grammar (compiled off the loop by the model's grammar worker)."""
+    if tool_plan is not None and tool_plan.fmt is MISTRAL and tool_plan.parses_calls:
+        # `[TOOL_CALLS]` is a special token: decoded as usual it left the text, and the calls showed as content
+        params.skip_special_tokens = False
     if tool_plan is not None and tool_plan.grammar is not None:
         from omnivox.services.structured import compiler_for
 
