@@ -26,7 +26,8 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
 TORCH_BIN_INDEX = "pytorch_model.bin.index.json"
 TORCH_BIN_SINGLE = "pytorch_model.bin"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# tekken.json: Mistral's own format (Voxtral); transformers reads it through mistral_common (MistralCommonBackend).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tekken.json")
 
 # safetensors dtype strings -> torch dtypes (https://github.com/huggingface/safetensors, format spec).
 _SAFETENSORS_DTYPES = {

@@ -1,4 +1,4 @@
-"""Audio input for audio-LLM bundles (Qwen2-Audio, Qwen3-ASR): the bundle part and its PromptBuilder.
+"""Audio input for audio-LLM bundles (Qwen2-Audio, Qwen3-ASR, Voxtral): the bundle part and its PromptBuilder.
 
 One audio part of a request, off the event loop (the prompt is built in a worker thread):
   bytes -> `decode_audio` (mono float32 at the encoder's rate; AudioInputError -> INVALID_ARGUMENT on
@@ -9,6 +9,7 @@ One audio part of a request, off the event loop (the prompt is built in a worker
 
 The prompt is the checkpoint's own chat template (its processor's) with `{"type": "audio"}` where each clip goes; the
 template writes the audio marker once per clip and `AudioEncoder.expand_prompt` repeats it to the clip's count.
+Voxtral has no chat template: mistral_common writes its prompts (services/voxtral_prompt.py), one marker per clip too.
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ from omnivox.codecs.audio_input import AudioInputError, AudioLimits, DecodedAudi
 from omnivox.engine import EmbeddingSegment
 from omnivox.engine.encoder_cache import EncoderCache, EncoderWorker
 from omnivox.models.audio import AudioEncoder
+from omnivox.models.audio.transcription import TranscriptionRequestError, language_name, transcription_messages
 from omnivox.services import errors
 from omnivox.services.errors import FieldViolation
 from omnivox.services.prompt import Prompt, role_of
+from omnivox.services.voxtral_prompt import VoxtralPrompts, voxtral_language
 from omnivox.v1 import content_pb2
 
 log = logging.getLogger(__name__)
@@ -47,6 +50,7 @@ class AudioInputPart:
     worker: EncoderWorker
     processor: Any  # transformers' processor of the checkpoint: chat template + tokenizer
     model_key: str  # names the model in content keys (features of two models must never share an entry)
+    mistral: VoxtralPrompts | None = None  # Voxtral: prompts written by mistral_common, not a chat template
 
     @property
     def cache(self) -> EncoderCache:
@@ -74,11 +78,28 @@ class AudioInputPart:
             raise errors.invalid_argument([FieldViolation(f"{path}.{err.field}", err.description)]) from err
 
     def render(self, messages: list[dict], continue_final: bool = False) -> list[int]:
-        """Chat messages -> token ids through the checkpoint's template (one marker per clip, not yet expanded)."""
+        """Chat messages -> token ids through the checkpoint's template (one marker per clip, not yet expanded).
+        Voxtral continues a final assistant turn (mistral_common has no generation prompt to add; it refuses a
+        conversation that ends with an answer unless told to continue it)."""
+        if self.mistral is not None:
+            return self.mistral.chat_ids(messages, continue_final or messages[-1]["role"] == "assistant")
         text = self.processor.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=not continue_final, continue_final_message=continue_final
         )
         return list(self.processor.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def transcription_language(self, language: str) -> str:
+        """The request's language as this family's transcription prompt names it; TranscriptionRequestError."""
+        return voxtral_language(language) if self.mistral is not None else language_name(language)
+
+    def transcription_ids(self, language: str | None, context: str | None) -> list[int]:
+        """The family's transcription prompt (one marker, for one window's clip); TranscriptionRequestError."""
+        if self.mistral is not None:
+            if context:
+                raise TranscriptionRequestError("prompt", "Voxtral's transcription request takes no context")
+            return self.mistral.transcription_ids(voxtral_language(language) if language else None)
+        messages = transcription_messages(self.family, language, context)
+        return self.render(messages, continue_final=messages[-1]["role"] == "assistant")
 
     def prompt(self, token_ids: list[int], clips: Sequence[Any], field: str = "contents") -> Prompt:
         """Expand the markers of `token_ids` to the clips' placeholder counts and attach one segment per clip.
@@ -127,11 +148,18 @@ def load_audio_part(folder: Path, device: Any, dtype: Any, model_key: str) -> Au
         processor = transformers.AutoProcessor.from_pretrained(folder)
     except Exception as exc:  # e.g. Voxtral, whose processor comes from mistral_common
         raise ValueError(f"{folder}: cannot load its audio processor ({exc})") from exc
-    if not getattr(processor, "chat_template", None) or not hasattr(processor, "tokenizer"):
+    voxtral = family == "voxtral"  # a Tekken tokenizer (mistral_common), no chat template
+    if not hasattr(processor, "tokenizer") or not (voxtral or getattr(processor, "chat_template", None)):
         raise ValueError(f"{folder}: its processor has no chat template; audio prompts need one")
+    if voxtral and not hasattr(processor.tokenizer, "tokenizer"):
+        raise ValueError(f"{folder}: Voxtral's prompts need its tekken.json (read through mistral_common)")
     encoder = load_audio_encoder(folder, device=device, dtype=dtype)
+    try:
+        mistral = VoxtralPrompts(processor.tokenizer, encoder) if voxtral else None
+    except ValueError as exc:
+        raise ValueError(f"{folder}: {exc}") from exc
     worker = EncoderWorker(encoder.encode, EncoderCache(ENCODER_CACHE_BYTES), name=f"audio-{family}", device=device)
-    return AudioInputPart(family, encoder, worker, processor, model_key)
+    return AudioInputPart(family, encoder, worker, processor, model_key, mistral)
 
 
 class AudioPromptBuilder:
@@ -164,7 +192,13 @@ class AudioPromptBuilder:
             messages.append({"role": role_of(content), "content": parts})
         if bad:
             raise errors.invalid_argument(bad)
-        return audio.prompt(audio.render(messages), clips)
+        try:
+            ids = audio.render(messages)
+        except ValueError as exc:  # mistral_common refuses a conversation it cannot write (Voxtral)
+            if audio.mistral is None:
+                raise
+            raise errors.invalid_argument([FieldViolation("contents", str(exc))]) from exc
+        return audio.prompt(ids, clips)
 
 
 def log_message_limit(model, limit: int) -> None:

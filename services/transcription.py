@@ -30,7 +30,7 @@ import numpy as np
 
 from omnivox.codecs.audio_split import split_at_quiet
 from omnivox.engine import InvalidRequest, RequestOutput, SamplingParams
-from omnivox.models.audio.transcription import TranscriptionRequestError, language_name, transcription_messages
+from omnivox.models.audio.transcription import TranscriptionRequestError
 from omnivox.services import errors
 from omnivox.services.audio_prompt import AudioInputPart
 from omnivox.services.errors import FieldViolation, rpc_method
@@ -91,7 +91,7 @@ class TranscriptionServicer(transcription_pb2_grpc.TranscriptionServiceServicer)
         bad = []
         if request.language:
             try:
-                language_name(request.language)
+                audio.transcription_language(request.language)
             except TranscriptionRequestError as err:
                 bad.append(FieldViolation(err.field, err.description))
         marker = audio.marker_text()
@@ -114,8 +114,10 @@ class TranscriptionServicer(transcription_pb2_grpc.TranscriptionServiceServicer)
         # A last window too short for one embedding (a few ms) holds no speech: it is left out, not refused.
         if len(windows) > 1 and windows[-1][1] - windows[-1][0] < audio.limits.min_samples:
             windows.pop()
-        messages = transcription_messages(audio.family, request.language or None, request.prompt or None)
-        ids = audio.render(messages, continue_final=messages[-1]["role"] == "assistant")
+        try:
+            ids = audio.transcription_ids(request.language or None, request.prompt or None)
+        except TranscriptionRequestError as err:
+            raise errors.invalid_argument([FieldViolation(err.field, err.description)]) from err
         return _Plan(decoded.samples, decoded.sample_rate, windows, ids)
 
     @rpc_method

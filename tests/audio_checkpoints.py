@@ -133,11 +133,11 @@ def _audio_that_matters(model) -> None:
     model.model.multi_modal_projector.linear_2.weight.mul_(10.0)
 
 
-def make_voxtral(out: Path, seed: int = 0) -> Path:
+def make_voxtral(out: Path, seed: int = 0, vocab_size: int = 512) -> Path:
     """Voxtral: 128 mel bins, the real 30 s chunk (1500 positions), d_model 32 (4 frames per embedding), Llama text.
 
-    No processor or tokenizer: Voxtral's come from `mistral_common`, which the project does not depend on; the
-    feature extractor alone is saved (preprocessor_config.json)."""
+    The feature extractor alone is saved (preprocessor_config.json); tests/voxtral_checkpoint.py adds the Tekken
+    tokenizer and processor that serving needs."""
     config = transformers.VoxtralConfig(
         audio_config=dict(
             num_mel_bins=128,
@@ -147,7 +147,7 @@ def make_voxtral(out: Path, seed: int = 0) -> Path:
             intermediate_size=128,
             max_source_positions=1500,
         ),
-        text_config=dict(model_type="llama", vocab_size=512, head_dim=8, **_TEXT),
+        text_config=dict(model_type="llama", vocab_size=vocab_size, head_dim=8, **_TEXT),
         audio_token_id=24,
     )
     torch.manual_seed(seed)

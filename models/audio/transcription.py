@@ -65,6 +65,8 @@ def transcription_messages(family: str, language: str | None = None, context: st
 
 def parse_transcription(family: str, text: str, language: str | None = None) -> tuple[str | None, str]:
     """(language code or None, transcript) from the generated text. `language` is the one the request forced."""
+    if family == "voxtral":  # plain text; the forced language is the ISO 639-1 code its request was written with
+        return (language.strip().replace("_", "-").split("-")[0].lower() if language else None), text.strip()
     forced = _NAME_TO_CODE.get(language_name(language).lower()) if language else None
     if family != "qwen3_asr" or ASR_TEXT not in text:
         return forced, text.strip()
