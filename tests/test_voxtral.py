@@ -77,12 +77,17 @@ def generate(s, contents: list[content_pb2.Content], steps: int = STEPS):
         max_output_tokens=steps,
         ignore_eos=True,
     )
-    ids, summary = [], None
+    ids, text, summary = [], "", None
     for response in s["generate"].Generate(request, timeout=120):
         if response.HasField("delta"):
             ids.extend(response.delta.token_ids)
+            text += response.delta.text
         else:
             summary = response.summary
+    # The text deltas are the Tekken tokenizer's text of the tokens (detokenized through mistral_common); invalid
+    # bytes still unfinished when the stream ends (a random model's) are held back (engine/detokenizer.py).
+    full = s["processor"].tokenizer.decode(ids, skip_special_tokens=True)
+    assert text and full.startswith(text) and set(full[len(text) :]) <= {"\ufffd"}
     return ids, summary
 
 

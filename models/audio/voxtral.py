@@ -9,8 +9,8 @@ all of it (one normalisation for the whole clip) and cuts it into 3000-frame chu
 
 Placeholders: `375 * ceil(samples / 480000)` for the real config (max_source_positions * hidden / intermediate per
 chunk), every chunk full. The token is `config.audio_token_id` (`[AUDIO]`, 24 in the real tokenizer).
-Prompts are NOT built here: Voxtral's tokenizer and chat format come from `mistral_common` (transformers'
-`VoxtralProcessor` needs it), which omnivox does not depend on yet. `max_seconds` (default 300 s) is our bound.
+Prompts are not built here: Voxtral's tokenizer and chat format come from `mistral_common`
+(services/voxtral_prompt.py). `max_seconds` (default 300 s) is our bound.
 """
 
 from __future__ import annotations
