@@ -15,12 +15,12 @@ from google.protobuf import duration_pb2
 
 from omnivox.engine import RequestOutput
 from omnivox.engine.errors import InvalidRequest
-from omnivox.services import cascade, errors, structured, tools, validation
+from omnivox.services import cascade, errors, reasoning, structured, tools, validation
 from omnivox.services.errors import FieldViolation, ServiceError, rpc_method
 from omnivox.services.limits import check_generate_limits
 from omnivox.services.logs import current_call
 from omnivox.services.metrics import Metrics
-from omnivox.services.prompt import Prompt
+from omnivox.services.prompt import ChatPromptBuilder, Prompt
 from omnivox.services.registry import ModelRegistry, ServedModel
 from omnivox.v1 import generation_pb2, generation_pb2_grpc
 
@@ -78,14 +78,24 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             tool_plan = tools.plan(request, model.engine.tokenizer)  # None: no tools and no tool turns
             await tools.constrain(tool_plan, checked.params, model.engine)
             tool_output = tools.ToolOutput(tool_plan) if tool_plan is not None and tool_plan.parses_calls else None
+            tokenizer = model.engine.tokenizer
+            text_prompt = tool_plan is not None or isinstance(model.prompt_builder, ChatPromptBuilder)
+            template_kwargs = reasoning.template_kwargs(request, tokenizer, text_prompt)
             built = time.monotonic()
-            prompt = await self._build_prompt(model, request, tool_plan)
+            prompt = await self._build_prompt(model, request, tool_plan, template_kwargs)
             call.phase("prompt", built, time.monotonic())  # tokenise; decode and preprocess images and audio
             try:
                 validation.check_prompt_fits(len(prompt.token_ids), checked.params, model)
             except ServiceError:
                 prompt.release()  # never queued: its encoder-cache references are ours to drop
                 raise
+            # A reasoning model's thinking goes to reasoning_text; grammars and tool calls hold for the answer only
+            reasoning_output = None
+            if (tags := reasoning.tags_of(tokenizer)) is not None:
+                start = reasoning.start_of(tokenizer, prompt.token_ids)
+                reasoning_output = reasoning.ReasoningOutput(tags, start)
+                if checked.params.constraint_factory is not None:
+                    checked.params.constraint_factory = reasoning.gate(checked.params.constraint_factory, tags, start)
             assert model.engine is not None
             engine_request_id = uuid.uuid4().hex  # ours, so that clients reusing an id cannot collide in the engine
             stream = model.engine.stream(
@@ -104,8 +114,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                         last = out
                         if out.new_token_ids or out.new_text:
                             response = self._delta(out, model)
-                            if tool_output is not None:  # content and tool_calls re-read from the text so far
-                                tool_output.rewrite(response, out.text)
+                            answer = out.text
+                            if reasoning_output is not None:  # reasoning_text and text re-read from the text so far
+                                answer = reasoning_output.rewrite(response.delta, out.text)
+                            if tool_output is not None:  # content and tool_calls re-read from the answer so far
+                                tool_output.rewrite(response, answer)
                             await context.write(response)
                 except InvalidRequest as err:  # raised by add_request, before the engine queued anything
                     prompt.release()
@@ -114,10 +127,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             if last.finish_reason == "error":  # the engine failed this request's step and kept serving the others
                 raise errors.internal("the engine failed while computing this request; see the server log")
             final = self._summary(last, model, request.request_id or engine_request_id, received)
+            answer = last.text
+            tail = generation_pb2.GenerateDelta()
+            if reasoning_output is not None:  # what was held back (whitespace, a partial closing tag) comes now
+                answer = reasoning_output.rewrite(tail, last.text, final=True)
+                final.summary.usage.reasoning_tokens = reasoning_output.reasoning_tokens(last.token_ids)
             if tool_output is not None:
-                if (tail := tool_output.flush(last.text)) is not None:
-                    await context.write(tail)
-                tool_output.complete(final, last.text)
+                tool_tail = tool_output.flush(answer)
+                tail.text = tool_tail.delta.text if tool_tail is not None else ""
+                tail.tool_calls.extend(tool_tail.delta.tool_calls if tool_tail is not None else [])
+                tool_output.complete(final, answer)
+            if tail.text or tail.reasoning_text or tail.tool_calls:
+                await context.write(generation_pb2.GenerateResponse(delta=tail))
             self.metrics.request_finished(model.name, last)
             scheduled = self.metrics.admission(model.name, engine_request_id)
             if scheduled is not None and last.first_token_time is not None:  # tracing's spans (services/tracing.py)
@@ -149,14 +170,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     @staticmethod
     async def _build_prompt(
-        model: ServedModel, request: generation_pb2.GenerateRequest, tool_plan: tools.ToolPlan | None = None
+        model: ServedModel,
+        request: generation_pb2.GenerateRequest,
+        tool_plan: tools.ToolPlan | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> Prompt:
         assert model.prompt_builder is not None
         try:  # in a worker thread: a long prompt (or decoding audio and images) must not stall the other streams
             if tool_plan is not None:  # tools and tool turns through the tokenizer's chat template (text turns)
                 assert model.engine is not None
-                ids = await asyncio.to_thread(tools.prompt_ids, model.engine.tokenizer, request.contents, tool_plan)
+                tokenizer = model.engine.tokenizer
+                ids = await asyncio.to_thread(tools.prompt_ids, tokenizer, request.contents, tool_plan, template_kwargs)
                 return Prompt(token_ids=ids)
+            if template_kwargs:  # only the text builder takes them (reasoning.template_kwargs refuses otherwise)
+                assert isinstance(model.prompt_builder, ChatPromptBuilder)
+                return await build_in_thread(model.prompt_builder.build, request.contents, template_kwargs)
             return await build_in_thread(model.prompt_builder.build, request.contents)
         except ServiceError:
             raise

@@ -58,13 +58,16 @@ class ChatPromptBuilder:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
-    def build(self, contents: Sequence[content_pb2.Content]) -> Prompt:
+    def build(self, contents: Sequence[content_pb2.Content], template_kwargs: dict[str, Any] | None = None) -> Prompt:
+        """`template_kwargs`: further chat-template arguments (Qwen3's `enable_thinking`)."""
         messages = [
             {"role": role_of(c), "content": "\n".join(p.text for p in c.parts if p.WhichOneof("kind") == "text")}
             for c in contents
         ]
         if self.has_chat_template:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+            )
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         else:
             ids = self.tokenizer.encode("\n".join(m["content"] for m in messages), add_special_tokens=True)

@@ -148,28 +148,50 @@ def _rebased(call: dict, key: str, at: str) -> dict:
     return {**call, "properties": props}
 
 
+def _tag(text: str, added: dict[str, int]) -> str:
+    """A tag as a Lark sequence: by token id where the tag (without its whitespace) is one of the tokenizer's added
+    tokens. llguidance takes every added token for a special one, which a string literal never matches: Qwen's
+    `<tool_call>` (an added token) was the only token a required call's mask allowed, and then the grammar refused
+    it ('token doesn't satisfy the grammar'): INTERNAL on the first token of every required or named call."""
+    core = text.strip()
+    if core not in added:
+        return json.dumps(text)
+    lead, trail = text[: text.index(core)], text[text.index(core) + len(core) :]
+    return " ".join(
+        [*([json.dumps(lead)] if lead else []), f"<[{added[core]}]>", *([json.dumps(trail)] if trail else [])]
+    )
+
+
 def _grammar(
-    fmt: ToolFormat, calls: list[dict], choice: str, parallel: bool, python_tag: bool = False, tag_id: int | None = None
+    fmt: ToolFormat,
+    calls: list[dict],
+    choice: str,
+    parallel: bool,
+    python_tag: bool = False,
+    added: dict[str, int] | None = None,
 ) -> str:
     """A Lark grammar (llguidance) for the choice; `calls` are the allowed call-object schemas. `python_tag`: the
-    tokenizer has Llama 3's `<|python_tag|>` special token, which may open the calls. `tag_id`: the token id of
-    Mistral's `[TOOL_CALLS]` (a special token: a string literal never matches it)."""
+    tokenizer has Llama 3's `<|python_tag|>` special token, which may open the calls. `added`: the tokenizer's added
+    tokens (text -> id), which the tags are written with when they are one of them."""
+    added = added or {}
     if fmt.array:
-        return _array_grammar(fmt, calls, choice, parallel, tag_id)
+        return _array_grammar(fmt, calls, choice, parallel, added)
     body = _call_body(fmt, calls)
-    call = f"{json.dumps(fmt.open_tag)} {body} {json.dumps(fmt.close_tag)}" if fmt.open_tag else body
+    open_tag, close_tag = _tag(fmt.open_tag, added), _tag(fmt.close_tag, added)
+    call = f"{open_tag} {body} {close_tag}" if fmt.open_tag else body
     more = f" ({json.dumps(fmt.separator)} call){{0,{MAX_PARALLEL_CALLS - 1}}}" if parallel else ""
     calls_rule = f"calls: call{more}"
     lines = [calls_rule, f"call: {call}"]
     tag = fmt.open_tag.strip() or "{"
     free = f"FREE: /(?s:.*)/ & ~/(?s:.*{re.escape(tag)}.*)/"
     if choice == AUTO and fmt.open_tag:
-        lines += ["start: FREE | lz calls_after_tag", free, f"lz[lazy]: /(?s:.*){re.escape(tag)}/"]
         rest = fmt.open_tag[len(tag) :]
-        after = (
-            f"{json.dumps(rest)} {body} {json.dumps(fmt.close_tag)}" if rest else f"{body} {json.dumps(fmt.close_tag)}"
-        )
+        after = f"{json.dumps(rest)} {body} {close_tag}" if rest else f"{body} {close_tag}"
         lines.append(f"calls_after_tag: {after}{more}")
+        if tag in added:  # a token no regex matches: free text ends where it comes
+            lines += [f"start: FREE | FREE? <[{added[tag]}]> calls_after_tag", free]
+        else:
+            lines += ["start: FREE | lz calls_after_tag", free, f"lz[lazy]: /(?s:.*){re.escape(tag)}/"]
     elif choice == AUTO:  # Llama: plain text that does not start with a call, or calls
         lines += ["start: TEXT | tagged", r"TEXT: /(?s:.*)/ & ~/(?s:\s*\{.*)/"]
     elif choice == NONE and fmt.open_tag:
@@ -194,9 +216,9 @@ def _call_body(fmt: ToolFormat, calls: list[dict]) -> str:
     return f"%json {json.dumps(schema)}"
 
 
-def _array_grammar(fmt: ToolFormat, calls: list[dict], choice: str, parallel: bool, tag_id: int | None) -> str:
+def _array_grammar(fmt: ToolFormat, calls: list[dict], choice: str, parallel: bool, added: dict[str, int]) -> str:
     """Mistral: `[TOOL_CALLS] [call, call]`, the list opened as its template writes it back (`[TOOL_CALLS] [`)."""
-    tag = f"<[{tag_id}]>" if tag_id is not None else json.dumps(fmt.open_tag)
+    tag = _tag(fmt.open_tag, added)
     more = f" ({json.dumps(fmt.separator)} call){{0,{MAX_PARALLEL_CALLS - 1}}}" if parallel else ""
     lines = [f'calls: {tag} " [" call{more} "]"', f"call: {_call_body(fmt, calls)}"]
     # A special token is outside every regex's language: FREE can never write the tag. A plain-text tag is excluded.
@@ -290,10 +312,9 @@ def plan(request: generation_pb2.GenerateRequest, tokenizer: Any) -> ToolPlan | 
     if request.tools:
         allowed = [calls[choice]] if choice in calls else list(calls.values())
         mode = choice if choice in (AUTO, NONE) else REQUIRED
-        vocab = tokenizer.get_vocab()
-        python_tag = fmt is LLAMA3 and "<|python_tag|>" in vocab
-        tag_id = vocab.get(fmt.open_tag) if fmt is MISTRAL else None
-        text = _grammar(fmt, allowed, mode, parallel and choice not in calls, python_tag, tag_id)
+        python_tag = fmt is LLAMA3 and "<|python_tag|>" in tokenizer.get_vocab()
+        added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
+        text = _grammar(fmt, allowed, mode, parallel and choice not in calls, python_tag, added)
         result.grammar = GrammarSpec("tools", text)
     return result
 
@@ -319,7 +340,12 @@ def messages(contents: list[content_pb2.Content]) -> list[dict]:
     return out
 
 
-def prompt_ids(tokenizer: Any, contents: list[content_pb2.Content], tool_plan: ToolPlan) -> list[int]:
+def prompt_ids(
+    tokenizer: Any,
+    contents: list[content_pb2.Content],
+    tool_plan: ToolPlan,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
     msgs = messages(contents)
     has_turns = any(m.get("tool_calls") or m["role"] == "tool" for m in msgs)
     if (tool_plan.tools or has_turns) and "tools" not in str(getattr(tokenizer, "chat_template", "") or ""):
@@ -327,7 +353,7 @@ def prompt_ids(tokenizer: Any, contents: list[content_pb2.Content], tool_plan: T
         # result came): the template dropped the call (an empty assistant turn) and showed a "tool" role turn
         msgs = _hermes_in_text(msgs, tool_plan.tools)
     text = tokenizer.apply_chat_template(
-        msgs, tools=tool_plan.tools or None, tokenize=False, add_generation_prompt=True
+        msgs, tools=tool_plan.tools or None, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
     )
     return list(tokenizer.encode(text, add_special_tokens=False))
 

@@ -121,6 +121,38 @@ def test_llama3_grammar_with_python_tag(tmp_path) -> None:
     assert not accepts(tools.NONE, [tag, *ids(call_text)])
 
 
+def test_hermes_grammar_with_added_tag_tokens(tmp_path) -> None:
+    """Qwen2.5 / Qwen3 tokenizers carry `<tool_call>` and `</tool_call>` as added tokens, which llguidance takes for
+    special ones: the grammar names them by id. Before, a required call's first mask allowed only `<tool_call>` and
+    the grammar then refused it (INTERNAL on every required or named call of a real Qwen checkpoint)."""
+    import llguidance
+    import llguidance.hf
+
+    ckpt = make_checkpoint(tmp_path / "t", family="qwen2", num_hidden_layers=1, hidden_size=32, intermediate_size=64)
+    tok = transformers.AutoTokenizer.from_pretrained(ckpt)
+    tok.add_tokens(["<tool_call>", "</tool_call>"])
+    llg = llguidance.hf.from_tokenizer(tok, n_vocab=len(tok))
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": 3}}\n</tool_call>'
+    assert tok.convert_tokens_to_ids("<tool_call>") in tok.encode(call, add_special_tokens=False)
+
+    def accepts(mode: str, text: str) -> bool:
+        grammar = tools._grammar(
+            tools.HERMES,
+            [tools._call_schema(tools.HERMES, "get_time", TIME, True)],
+            mode,
+            True,
+            added=tok.get_added_vocab(),
+        )
+        m = llguidance.LLMatcher(llg, grammar, log_level=0)
+        return m.consume_tokens(tok.encode(text, add_special_tokens=False)) and m.is_accepting()
+
+    assert accepts(tools.REQUIRED, call) and accepts(tools.REQUIRED, call + "\n" + call)
+    assert (
+        accepts(tools.AUTO, "Let me see. " + call) and accepts(tools.AUTO, "It is noon.") and accepts(tools.AUTO, call)
+    )
+    assert not accepts(tools.REQUIRED, "It is noon.") and not accepts(tools.NONE, call)
+
+
 @pytest.mark.parametrize("mode", [tools.REQUIRED, tools.AUTO])
 def test_parallel_calls_are_bounded(tmp_path, mode) -> None:
     """At most MAX_PARALLEL_CALLS calls, then only the end: unbounded, the embedded SmolLM2 at temperature 0 repeated
