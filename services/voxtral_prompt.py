@@ -12,7 +12,9 @@ mistral_common writes `[AUDIO]` once per 12.5 Hz frame of the clip padded to 30 
 gives (`VoxtralAudioEncoder.num_placeholders`; both are checked to agree when the model loads). Each clip is handed
 to mistral_common as a short silent stand-in (one chunk: 375 markers, whatever its real length), the run is folded
 to one marker, and `AudioInputPart.prompt` expands it to the real clip's count as for every other family; so a
-prompt is written once for all the windows of a transcription and no clip is encoded to WAV and back to be counted.
+prompt is written once for all the windows of a transcription and no clip is encoded to WAV and back to be counted
+(handing mistral_common the real clip as the processor does took 61 ms for 30 s of audio and 640 ms for 300 s, the
+stand-in ~1 ms: medians of 7 alternating runs, one thread; the expanded ids were equal).
 """
 
 from __future__ import annotations

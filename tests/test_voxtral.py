@@ -6,11 +6,13 @@ transformers' VoxtralProcessor (its `apply_chat_template` / `apply_transcription
 from __future__ import annotations
 
 import base64
+import io
 import math
 
 import grpc
 import numpy as np
 import pytest
+import soundfile
 import torch
 import transformers
 from audio_checkpoints import chirp, encode, noise, tone
@@ -133,6 +135,50 @@ def test_generate_audio_and_question_equals_transformers(served):
     ])  # fmt: skip
     assert got == want and summary.usage.prompt_tokens == n > 375 * 3
     baseline(served)
+
+
+@pytest.mark.parametrize(
+    "conversation",
+    [
+        [{"role": "user", "content": [{"type": "text", "text": "no audio at all"}]}],
+        [  # the answer is prefilled: mistral_common continues the final assistant turn
+            {"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "what is it?"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "It is the"}]},
+        ],
+        [{"role": "user", "content": [{"type": "audio"}, {"type": "audio"}]}],
+    ],
+    ids=["text only", "prefilled answer", "two clips"],
+)
+def test_prompt_ids_equal_the_processor(served, conversation):
+    """The served prompt (markers expanded to the clips' counts) is the processor's, token for token."""
+    clips = iter([pcm_clip(0.4), pcm_clip(45.0, seed=7)])
+    filled = [
+        {**m, "content": [_audio_ref(next(clips)) if p["type"] == "audio" else p for p in m["content"]]}
+        for m in conversation
+    ]
+    samples = [wav_samples(p["base64"]) for m in filled for p in m["content"] if p["type"] == "audio"]
+    audio = served["audio"]
+    prompt = audio.prompt(audio.render(conversation), samples)
+    try:
+        prefill = conversation[-1]["role"] == "assistant"
+        want = served["processor"].tokenizer.apply_chat_template(
+            filled, return_dict=False, continue_final_message=prefill
+        )
+        assert prompt.token_ids == list(want)
+        assert [(g.start, g.num_tokens) for g in prompt.segments] == [
+            (i + 1, 375 * math.ceil(len(c) / 480000)) for i, c in zip(_runs(want), samples, strict=True)
+        ]
+    finally:
+        prompt.release()
+
+
+def wav_samples(b64: str) -> np.ndarray:
+    return soundfile.read(io.BytesIO(base64.b64decode(b64)), dtype="float32")[0]
+
+
+def _runs(ids: list[int]) -> list[int]:
+    """Where each [BEGIN_AUDIO] (25) stands."""
+    return [i for i, t in enumerate(ids) if t == 25]
 
 
 def transcribe(s, **fields):
