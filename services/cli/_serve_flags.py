@@ -257,3 +257,57 @@ def model_specs(
         ModelSpec(s.path, s.name, s.speech, s.asr, sampling_overrides=o, engine_overrides=e, lenient_fields=loose)
         for s, o, (e, loose) in zip(specs, overrides, engine, strict=True)
     ]
+
+
+MAX_MESSAGE_MIB = 2047  # gRPC takes the message limit as a C int (bytes): 2048 MiB overflows it
+MAX_SECONDS_AS_MS = 2**31 // 1000 - 1  # gRPC channel options in ms are C ints too: ~24.8 days
+
+
+def check_flag_values(args: argparse.Namespace) -> None:
+    """One-line CliError naming the flag for a value out of its range, before anything is loaded or bound: NaN and
+    infinities too (float flags take 'nan' and 'inf'; they failed later as a traceback or a message without the flag,
+    or were taken: --grace-period nan meant no grace at all), and negative quotas (-1 refused every call)."""
+    import math
+
+    def finite(flag: str, value: float | None, low: float, high: float = math.inf, open_low: bool = False) -> None:
+        if value is None:
+            return
+        bad = not math.isfinite(value) or value < low or (open_low and value == low) or value > high
+        if bad:
+            bound = f"greater than {low:.12g}" if open_low else f"at least {low:.12g}"
+            if high != math.inf:
+                bound += f" and at most {high:.12g}"
+            raise CliError(f"{flag} must be a number {bound}, got {value:g}")
+
+    finite("--kv-cache-gib", args.kv_cache_gib, 0.0, open_low=True)
+    finite("--grace-period", args.grace_period, 0.0)
+    finite("--stream-idle-timeout", args.stream_idle_timeout, 0.0, MAX_SECONDS_AS_MS)
+    finite("--max-connection-age", args.max_connection_age, 0.0, MAX_SECONDS_AS_MS, open_low=True)
+    finite("--max-message-mib", args.max_message_mib, 1, MAX_MESSAGE_MIB)
+    finite("--image-cache-mib", args.image_cache_mib, 1)  # 0 refused every image as larger than the cache
+    finite("--max-streams-per-key", args.max_streams_per_key, 0)
+    finite("--max-rpm-per-key", args.max_rpm_per_key, 0)
+    finite("--max-model-len", args.max_model_len, 1)
+    for name in args.names:
+        if not name.strip() or name != name.strip():
+            raise CliError(f"--name {name!r}: a model name is not empty and has no surrounding spaces")
+    if args.data_dir is not None and args.data_dir.exists() and not args.data_dir.is_dir():
+        raise CliError(f"--data-dir {args.data_dir} is not a folder")
+    if args.device is not None:
+        check_device(args.device)
+
+
+def check_device(text: str) -> None:
+    """--device: a torch device string whose device exists here (a one-line error, not torch's long one at load)."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise CliError(f"--device {text!r} is not a device: cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        if not count:
+            raise CliError(f"--device {text}: no CUDA device is available here")
+        if device.index is not None and device.index >= count:
+            raise CliError(f"--device {text}: there are {count} CUDA devices (cuda:0 to cuda:{count - 1})")

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from omnivox.services.cli._common import CliError
-from omnivox.services.cli._serve_flags import add_serve_arguments, model_specs
+from omnivox.services.cli._serve_flags import add_serve_arguments, check_flag_values, model_specs
 
 if TYPE_CHECKING:
     from omnivox.services.server import OmnivoxServer
@@ -37,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
             check_model_path(path)
     except ModelLoadError as err:
         raise CliError(str(err)) from None
+    check_flag_values(args)
     check_tensor_parallel(args)
     from omnivox.codecs.streaming import StreamingOptions
     from omnivox.services import server
