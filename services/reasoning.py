@@ -47,11 +47,16 @@ def tags_of(tokenizer: Any) -> ThinkTags | None:
     """The model's think tags when its chat template writes them and they are single tokens kept in decoded text."""
     if END not in str(getattr(tokenizer, "chat_template", "") or ""):
         return None
-    vocab = tokenizer.get_vocab()
-    think_id, end_id = vocab.get(THINK), vocab.get(END)
+    think_id, end_id = _token_id(tokenizer, THINK), _token_id(tokenizer, END)
     if think_id is None or end_id is None or {think_id, end_id} & skipped_token_ids(tokenizer):
         return None  # several tokens each, or special ones decoding drops: the text could not tell
     return ThinkTags(think_id, end_id)
+
+
+def _token_id(tokenizer: Any, token: str) -> int | None:
+    """The id of `token` when it is one token (get_vocab() copies the whole vocabulary: per request, no)."""
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    return token_id if isinstance(token_id, int) and tokenizer.convert_ids_to_tokens(token_id) == token else None
 
 
 def template_kwargs(request: generation_pb2.GenerateRequest, tokenizer: Any, text_prompt: bool) -> dict[str, Any]:
