@@ -219,3 +219,25 @@ def test_gate_advances_and_rolls_back_across_the_closing_tag(server: ServerThrea
     assert gate.inner.num_consumed == 0 and gate.answer_from is None and gate.allowed([think, 5, 6]) is None
     gate.advance([end])
     assert not gate.allowed([think, 5, 6, end])[think] and gate.allowed([think, 5, 6, end])[yes[0]]
+
+
+def test_cli_prints_the_thinking_to_stderr(server: ServerThread, capsys: pytest.CaptureFixture[str]) -> None:
+    """`omnivox generate`: stdout is the answer (what a pipe or the chat history takes), the thinking on stderr;
+    --no-thinking sends enable_thinking false."""
+    import argparse
+
+    from omnivox.services.cli import generate as cli
+
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers())
+    stub = generation_pb2_grpc.GenerationServiceStub(server.channel())
+    _, end = tag_ids(server, "r1")
+    args = parser.parse_args(["generate", "Is it raining?", "--model", "r1", "--seed", "3", "--max-tokens", "40"])
+    request = cli.build_request(args, [("user", args.prompt)])
+    request.sampling.logit_bias[end] = 4.0
+    answer = cli.stream_answer(stub, request, args)
+    thought, expected, _, _ = generate(stub, request)
+    out, err = capsys.readouterr()
+    assert answer == expected and out.strip() == expected.strip() and thought and err.startswith(thought)
+    args = parser.parse_args(["generate", "hi", "--model", "qwen3", "--no-thinking"])
+    assert cli.build_request(args, [("user", "hi")]).enable_thinking is False

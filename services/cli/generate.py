@@ -24,6 +24,9 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition-penalty", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
+    p.add_argument(
+        "--no-thinking", action="store_true", help="a reasoning model (Qwen3) answers without thinking first"
+    )
     p.add_argument("--quiet", "-q", action="store_true", help="no summary line on stderr")
 
 
@@ -62,6 +65,8 @@ def build_request(args: argparse.Namespace, turns: list[tuple[str, str]]) -> gen
     )
     if args.max_tokens is not None:
         request.max_output_tokens = args.max_tokens
+    if getattr(args, "no_thinking", False):
+        request.enable_thinking = False
     _set_response_format(request, args)
     return request
 
@@ -88,7 +93,8 @@ def _set_response_format(request: generation_pb2.GenerateRequest, args: argparse
 def stream_answer(
     stub: generation_pb2_grpc.GenerationServiceStub, request: generation_pb2.GenerateRequest, args: argparse.Namespace
 ) -> str:
-    """Print deltas to stdout as they arrive, the summary to stderr; return the answer's text."""
+    """Print deltas to stdout as they arrive, a reasoning model's thinking and the summary to stderr; return the
+    answer's text."""
     import grpc
 
     from omnivox.services.cli.serve import summary_line
@@ -97,6 +103,9 @@ def stream_answer(
     try:
         for response in stub.Generate(request, timeout=args.timeout):
             if response.HasField("delta"):
+                if response.delta.reasoning_text and not args.quiet:  # stdout stays the answer (pipes, chat turns)
+                    sys.stderr.write(response.delta.reasoning_text)
+                    sys.stderr.flush()
                 pieces.append(response.delta.text)
                 sys.stdout.write(response.delta.text)
                 sys.stdout.flush()
