@@ -15,6 +15,8 @@ from __future__ import annotations
 import collections
 import hashlib
 import hmac
+import logging
+import os
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -27,6 +29,8 @@ import grpc
 from omnivox.services import errors
 from omnivox.services.logs import OMNIVOX_PREFIX, Behavior, around_call, current_call, wrap_handler
 
+log = logging.getLogger(__name__)
+
 
 def digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
@@ -34,9 +38,15 @@ def digest(key: str) -> bytes:
 
 def load_api_keys(path: Path) -> dict[bytes, str]:
     """Digest -> key id from a file of one key per line, or `id:key`; blank lines and `#` comments skipped.
-    A key without an id is named by the first 8 hex digits of its digest (never by the key itself)."""
+    A key without an id is named by the first 8 hex digits of its digest (never by the key itself). UTF-8, with or
+    without the byte order mark Windows editors write (with it kept, the first key never matched); ValueError for
+    anything else, with a message that holds no key material."""
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text (saved as UTF-16? write it as UTF-8)") from None
     keys: dict[bytes, str] = {}
-    for n, raw in enumerate(path.read_text().splitlines(), 1):
+    for n, raw in enumerate(text.splitlines(), 1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
@@ -51,6 +61,49 @@ def load_api_keys(path: Path) -> dict[bytes, str]:
     if not keys:
         raise ValueError(f"{path} holds no API keys")
     return keys
+
+
+class KeyFile:
+    """The `--api-keys` file, re-read when it changes, so keys rotate without a restart: write the new file (or let
+    Kubernetes update the mounted Secret, which it swaps in place) and calls see it within `RECHECK_S`. Checked on
+    the call path, at most one stat() per `RECHECK_S`; a file that no longer parses (or is gone, mid-swap) is logged
+    and the keys read before stay in force."""
+
+    RECHECK_S = 1.0
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._stamp = self._stat()
+        self.keys = load_api_keys(path)  # ValueError / OSError at start: the server does not start
+        self._checked = time.monotonic()
+        self._lock = threading.Lock()
+
+    def _stat(self) -> tuple[int, ...]:
+        st = os.stat(self.path)
+        return (st.st_mtime_ns, st.st_size, st.st_ino, st.st_dev)
+
+    def current(self) -> dict[bytes, str]:
+        now = time.monotonic()
+        if now - self._checked >= self.RECHECK_S and self._lock.acquire(blocking=False):
+            try:
+                self._checked = now
+                self._reload_if_changed()
+            finally:
+                self._lock.release()
+        return self.keys
+
+    def _reload_if_changed(self) -> None:
+        try:
+            stamp = self._stat()
+            if stamp == self._stamp:
+                return
+            self._stamp = stamp  # taken before reading: a write after it is seen at the next check
+            keys = load_api_keys(self.path)
+        except (OSError, ValueError) as err:
+            log.error("API keys not reloaded (%s); the %d keys read before stay in force", err, len(self.keys))
+            return
+        self.keys = keys
+        log.info("API keys reloaded from %s: %d keys", self.path, len(keys))
 
 
 @dataclass(frozen=True)
@@ -135,8 +188,10 @@ def certificate_name(context: Any) -> str | None:
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     """API keys and/or client certificates, then quotas, on every omnivox.v1 method."""
 
-    def __init__(self, api_keys: dict[bytes, str] | None = None, mtls: bool = False, quota: Quota = Quota()) -> None:
-        self.api_keys = api_keys or {}
+    def __init__(
+        self, api_keys: dict[bytes, str] | KeyFile | None = None, mtls: bool = False, quota: Quota = Quota()
+    ) -> None:
+        self.api_keys = api_keys or {}  # a KeyFile is re-read when it changes
         self.mtls = mtls
         self.quotas = QuotaBook(quota)
 
@@ -146,7 +201,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             return None
         d = digest(key)
         found = None
-        for stored, key_id in self.api_keys.items():
+        keys = self.api_keys.current() if isinstance(self.api_keys, KeyFile) else self.api_keys
+        for stored, key_id in keys.items():
             if hmac.compare_digest(stored, d):
                 found = key_id
         return found

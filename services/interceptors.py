@@ -8,7 +8,7 @@ from typing import Any
 
 import grpc
 
-from omnivox.services.auth import AuthInterceptor, Quota, load_api_keys
+from omnivox.services.auth import AuthInterceptor, KeyFile, Quota
 from omnivox.services.logs import CallInterceptor
 from omnivox.services.metrics import Metrics
 
@@ -23,6 +23,6 @@ def server_interceptors(metrics: Metrics, options: Any) -> tuple[list[grpc.aio.S
         tracing = TracingInterceptor(options.trace_exporter)
         chain.append(tracing)
     if options.api_keys or options.tls_client_ca or options.quota != Quota():
-        keys = load_api_keys(options.api_keys) if options.api_keys else None
+        keys = KeyFile(options.api_keys) if options.api_keys else None  # re-read when it changes
         chain.append(AuthInterceptor(keys, mtls=options.tls_client_ca is not None, quota=options.quota))
     return chain, tracing

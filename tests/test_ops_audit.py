@@ -4,15 +4,22 @@ files as operators write them, rotated without a restart, and never logged."""
 
 from __future__ import annotations
 
+import logging
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import grpc
 import pytest
 from checkpoints import make_checkpoint
+from service_harness import ServerThread, user_request
 
+from omnivox.services.auth import KeyFile
 from omnivox.services.cli import main as cli_main
+from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.v1 import generation_pb2_grpc, model_pb2, model_pb2_grpc
 
 
 @pytest.fixture(scope="module")
@@ -61,3 +68,79 @@ def test_serve_flag_error_from_the_command_line_has_no_traceback(checkpoint: Pat
         f"omnivox: error: --max-connection-age must be a number greater than 0 and at most {2**31 // 1000 - 1}, "
         f"got {math.inf:g}"
     ]
+
+
+# ---- API keys: files as operators write them, rotation without a restart, no key material in logs -------------------
+OLD_KEY, NEW_KEY, BOM_KEY = "sk-old-0123456789", "sk-new-9876543210", "sk-bom-5555555555"
+
+
+def test_bad_key_file_is_one_line_naming_the_flag(checkpoint: Path, tmp_path: Path, capsys) -> None:
+    for name, data in [
+        ("short", b"alice:short\n"),  # was a ValueError traceback from the server's start
+        ("empty", b"# no keys yet\n"),
+        ("utf16", "alice:sk-alice-0123456789\n".encode("utf-16")),  # PowerShell's `>`: a UnicodeDecodeError traceback
+    ]:
+        (tmp_path / name).write_bytes(data)
+        assert cli_main(["serve", "--model", str(checkpoint), "--port", "0", "--api-keys", str(tmp_path / name)]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("omnivox: error: --api-keys: "), err
+        assert "sk-alice" not in err[0]
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """As Kubernetes updates a mounted Secret and editors save: a new file renamed over the old one."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(text.encode())
+    tmp.replace(path)
+
+
+@pytest.fixture(scope="module")
+def keyed(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory):
+    keys = tmp_path_factory.mktemp("keys") / "keys"
+    # Windows Notepad's UTF-8: a byte order mark first, CRLF line ends; the first key had the BOM in it.
+    keys.write_bytes(b"\xef\xbb\xbf" + f"{BOM_KEY}\r\nops: {OLD_KEY} \r\n".encode())
+    spec = ModelSpec(path=checkpoint, name="tiny")
+    with ServerThread([spec], EngineOptions(kv_cache_gib=0.01), api_keys=keys, metrics_port=0) as srv:
+        yield srv, keys
+
+
+def bearer(key: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {key}"),)
+
+
+def list_models_code(srv: ServerThread, key: str) -> grpc.StatusCode:
+    stub = model_pb2_grpc.ModelServiceStub(srv.channel())
+    try:
+        stub.ListModels(model_pb2.ListModelsRequest(), metadata=bearer(key), timeout=10)
+    except grpc.RpcError as err:
+        return err.code()
+    return grpc.StatusCode.OK
+
+
+def test_keys_rotate_without_restart_and_never_reach_the_log(keyed, monkeypatch, caplog) -> None:
+    srv, keys = keyed
+    caplog.set_level(logging.DEBUG)
+    monkeypatch.setattr(KeyFile, "RECHECK_S", 0.05)
+    ok, unauthenticated = grpc.StatusCode.OK, grpc.StatusCode.UNAUTHENTICATED
+    assert list_models_code(srv, BOM_KEY) == ok  # was UNAUTHENTICATED: the digest held the BOM
+    assert list_models_code(srv, OLD_KEY) == ok
+    assert list_models_code(srv, "sk-nobody-000000") == unauthenticated
+
+    write_atomically(keys, f"ops:{NEW_KEY}\n")  # rotate: the old key out, the new one in, no restart
+    deadline = time.monotonic() + 5
+    while list_models_code(srv, NEW_KEY) != ok and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list_models_code(srv, NEW_KEY) == ok
+    assert list_models_code(srv, OLD_KEY) == unauthenticated
+
+    write_atomically(keys, "ops:short\n")  # a broken file: logged, the keys before stay in force
+    time.sleep(0.1)
+    assert list_models_code(srv, NEW_KEY) == ok
+    time.sleep(0.1)
+    assert list_models_code(srv, NEW_KEY) == ok
+    assert "API keys not reloaded" in caplog.text
+    gen = generation_pb2_grpc.GenerationServiceStub(srv.channel())
+    out = list(gen.Generate(user_request("Hi", max_output_tokens=2), metadata=bearer(NEW_KEY), timeout=30))
+    assert out[-1].HasField("summary")
+    for key in (BOM_KEY, OLD_KEY, NEW_KEY, "sk-nobody-000000"):
+        assert key not in caplog.text

@@ -295,6 +295,13 @@ def check_flag_values(args: argparse.Namespace) -> None:
         raise CliError(f"--data-dir {args.data_dir} is not a folder")
     if args.device is not None:
         check_device(args.device)
+    if args.api_keys is not None and args.api_keys.is_file():  # a missing file is named by serve.run
+        from omnivox.services.auth import load_api_keys
+
+        try:  # else the server's start raised it: a traceback
+            load_api_keys(args.api_keys)
+        except ValueError as err:
+            raise CliError(f"--api-keys: {err}") from None
 
 
 def check_device(text: str) -> None:

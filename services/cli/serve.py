@@ -144,7 +144,7 @@ def trace_exporter(args: argparse.Namespace):
 
 def demo_metadata(api_keys: Path | None) -> tuple[tuple[str, str], ...]:
     """The demo request's key: the first in --api-keys (the server asks its own callers for one too)."""
-    for line in api_keys.read_text().splitlines() if api_keys else ():
+    for line in api_keys.read_text(encoding="utf-8-sig").splitlines() if api_keys else ():
         if line.strip() and not line.strip().startswith("#"):
             key_id, sep, key = line.strip().partition(":")
             return (("authorization", f"Bearer {(key if sep else key_id).strip()}"),)
