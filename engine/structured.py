@@ -113,6 +113,16 @@ class GrammarConstraint:
             self._state += 1
 
 
+def grammar_row(constraint: Any) -> GrammarConstraint | None:
+    """The grammar whose mask a row needs this step: the constraint itself, or the one a wrapper names as its
+    `active_grammar` (services/reasoning.py's gate, once the model's thinking is over), so that it is filled with
+    the batch too."""
+    if isinstance(constraint, GrammarConstraint):
+        return constraint
+    inner = getattr(constraint, "active_grammar", None)
+    return inner if isinstance(inner, GrammarConstraint) else None
+
+
 class GrammarConstraintFactory:
     """A compiled grammar shared by its requests; calling it makes one request's constraint."""
 
@@ -148,9 +158,7 @@ class GrammarMasks:
 
     def start(self, requests: Iterable[Any]) -> Future | None:
         """Begin filling the masks of these requests' grammar constraints that are not up to date."""
-        rows = [
-            r.constraint for r in requests if isinstance(r.constraint, GrammarConstraint) and r.constraint.needs_mask
-        ]
+        rows = [g for r in requests if (g := grammar_row(r.constraint)) is not None and g.needs_mask]
         if not rows:
             return None
         if self._worker is None:
@@ -176,10 +184,39 @@ class GrammarError(ValueError):
 
 
 def grammar_tokenizer(hf_tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]) -> llguidance.LLTokenizer:
-    """llguidance's view of a fast HF tokenizer over the model's vocabulary (~1 s for 50k tokens: build it once)."""
+    """llguidance's view of a fast HF tokenizer, or of a Tekken one (Voxtral's, read through mistral_common), over
+    the model's vocabulary (~1 s for 50k tokens: build it once)."""
     import llguidance.hf
 
+    tekken = _tekkenizer(hf_tokenizer)
+    if tekken is not None:
+        wrapper = llguidance.TokenizerWrapper(_TekkenTokens(tekken))
+        return llguidance.LLTokenizer(wrapper, n_vocab=vocab_size, eos_token=list(eos_ids))
     return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=list(eos_ids))
+
+
+def _tekkenizer(hf_tokenizer: Any) -> Any:
+    """The mistral_common Tekkenizer inside transformers' MistralCommonBackend, else None (not a fast tokenizer:
+    llguidance.hf refuses it)."""
+    inner = getattr(getattr(getattr(hf_tokenizer, "tokenizer", None), "instruct_tokenizer", None), "tokenizer", None)
+    return inner if type(inner).__name__ == "Tekkenizer" else None
+
+
+class _TekkenTokens:
+    """What llguidance's TokenizerWrapper reads: every id's bytes (special tokens as their text, marked special),
+    and the tokenizer itself for the text a grammar forces."""
+
+    def __init__(self, tekken: Any) -> None:
+        from mistral_common.tokens.tokenizers.base import SpecialTokenPolicy
+
+        self._tekken = tekken
+        self.eos_token_id = tekken.eos_id
+        self.bos_token_id = tekken.bos_id
+        self.tokens = [tekken.id_to_byte_piece(i, SpecialTokenPolicy.KEEP) for i in range(tekken.n_words)]
+        self.special_token_ids = sorted(tekken.special_ids)
+
+    def __call__(self, text: str) -> list[int]:
+        return self._tekken.encode(text, bos=False, eos=False)
 
 
 def compile_grammar(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import io
 import math
+import re
 
 import grpc
 import numpy as np
@@ -242,6 +243,28 @@ def test_bad_audio_and_requests_are_invalid_argument_and_the_server_keeps_servin
     baseline(served)
     got, summary = generate(served, [content_pb2.Content(role="user", parts=[content_pb2.Part(audio=good)])])
     assert len(got) == STEPS and summary.finish_reason == generation_pb2.FINISH_REASON_LENGTH  # still serving
+    baseline(served)
+
+
+def test_structured_output_over_the_tekken_vocabulary(served):
+    """A grammar's token masks come from the Tekken vocabulary (llguidance cannot read a MistralCommonBackend as it
+    reads fast tokenizers: INTERNAL before). The output is the grammar's, with audio in the prompt."""
+    parts = [content_pb2.Part(audio=content_pb2.AudioPart(data=wav(pcm_clip(1.0)))), content_pb2.Part(text="Which?")]
+    for fmt, check in (
+        (generation_pb2.ResponseFormat(regex="[a-z]{3,5} the"), lambda t: re.fullmatch("[a-z]{3,5} the", t)),
+        (generation_pb2.ResponseFormat(json_schema='{"enum": ["yes", "no"]}'), lambda t: t in ('"yes"', '"no"')),
+    ):
+        request = generation_pb2.GenerateRequest(
+            model=NAME,
+            contents=[content_pb2.Content(role="user", parts=parts)],
+            sampling=sampling_pb2.SamplingConfig(temperature=0.0),
+            max_output_tokens=STEPS,
+            response_format=fmt,
+        )
+        responses = list(served["generate"].Generate(request, timeout=60))
+        text = "".join(r.delta.text for r in responses if r.HasField("delta"))
+        assert check(text), (fmt, text)
+        assert responses[-1].summary.finish_reason == generation_pb2.FINISH_REASON_STOP
     baseline(served)
 
 
