@@ -4,8 +4,9 @@ A bundle's parts are declared by its checkpoint and decide what it accepts and p
 - every bundle: a text decoder (the engine) and a prompt builder (its chat template);
 - speech out: `speech_layout.json` + a SNAC codec folder (models/orpheus.py) -> a SpeechPart (services/speech_part.py:
   layout, codec, decode worker, token constraint), output modality audio instead of text;
-- audio in: an audio-LLM checkpoint (Qwen2-Audio, Qwen3-ASR: `models.audio.audio_family`) -> an AudioInputPart
-  (services/audio_prompt.py: encoder, encoder worker + cache, the processor's chat template), input modality audio;
+- audio in: an audio-LLM checkpoint (Qwen2-Audio, Qwen3-ASR, Voxtral: `models.audio.audio_family`) -> an
+  AudioInputPart (services/audio_prompt.py: encoder, encoder worker + cache, the processor's chat template or, for
+  Voxtral, mistral_common's prompts), input modality audio;
 - speech recognition: a Whisper checkpoint (config model_type "whisper"; a CTranslate2 folder is converted into the
   cache first) -> a WhisperPart (services/whisper.py: special tokens, mel extractor, encoder worker + cache), input
   modality audio only (TranscriptionService, and Generate's cascade), output text;

@@ -1,8 +1,9 @@
 """TranscriptionService: speech in, text deltas out, then one summary (text, language, audio seconds, real-time factor,
 segments with their offsets).
 
-For audio-LLMs (Qwen2-Audio, Qwen3-ASR) a transcription is the family's transcription prompt
-(models/audio/transcription.py) through the shared engine, greedy. One request:
+For audio-LLMs (Qwen2-Audio, Qwen3-ASR, Voxtral) a transcription is the family's transcription prompt
+(models/audio/transcription.py; Voxtral's from mistral_common, services/voxtral_prompt.py) through the shared engine,
+greedy. One request:
 
   validate -> decode the audio (up to TRANSCRIBE_MAX_SECONDS, off the event loop) -> split it into windows the
   encoder accepts, each cut at the quietest 100 ms near the window's edge (codecs/audio_split.py) -> one engine
