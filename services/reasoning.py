@@ -165,6 +165,12 @@ class ReasoningGate:
         return None  # thinking: anything
 
     @property
+    def active_grammar(self) -> TokenConstraint | None:
+        """The inner constraint while its mask is needed (engine/structured.py fills it with the batch's)."""
+        thinking = self.answer_from is None and not (self.start is Start.EITHER and not self.tokens)
+        return None if thinking else self.inner
+
+    @property
     def must_end(self) -> bool:
         return self.answer_from is not None and bool(getattr(self.inner, "must_end", False))
 

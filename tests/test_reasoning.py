@@ -200,7 +200,7 @@ def test_gate_advances_and_rolls_back_across_the_closing_tag(server: ServerThrea
     """Speculative tokens are advanced and taken back: the grammar sees exactly the answer's tokens."""
     import llguidance
 
-    from omnivox.engine.structured import compile_grammar, grammar_tokenizer
+    from omnivox.engine.structured import compile_grammar, grammar_row, grammar_tokenizer
 
     tok = server.engine("qwen3").tokenizer
     think, end = tag_ids(server, "qwen3")
@@ -211,13 +211,15 @@ def test_gate_advances_and_rolls_back_across_the_closing_tag(server: ServerThrea
     gate = reasoning.gate(factory, reasoning.ThinkTags(think, end), reasoning.Start.EITHER)()
     first = gate.allowed([])
     assert first[think] and first[yes[0]] and int(first.sum()) < vocab // 2  # <think> or the answer's first token
+    assert grammar_row(gate) is gate.inner  # the first mask comes from the grammar: filled with the batch's
     gate.advance([think, 5, 6])
-    assert gate.allowed([think, 5, 6]) is None  # thinking: anything
+    assert gate.allowed([think, 5, 6]) is None and grammar_row(gate) is None  # thinking: anything, no mask to fill
     gate.advance([end, *yes])
     assert gate.inner.num_consumed == len(yes) and gate.must_end
     gate.rollback(len(yes) + 1)  # back into the thinking
     assert gate.inner.num_consumed == 0 and gate.answer_from is None and gate.allowed([think, 5, 6]) is None
     gate.advance([end])
+    assert grammar_row(gate) is gate.inner
     assert not gate.allowed([think, 5, 6, end])[think] and gate.allowed([think, 5, 6, end])[yes[0]]
 
 
