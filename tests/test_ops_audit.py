@@ -9,11 +9,14 @@ import math
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
 from checkpoints import make_checkpoint
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
+from prometheus_client.parser import text_string_to_metric_families
 from service_harness import ServerThread, user_request
 
 from omnivox.services.auth import KeyFile
@@ -24,7 +27,7 @@ from omnivox.v1 import generation_pb2_grpc, model_pb2, model_pb2_grpc
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("audit") / "tiny", family="llama")
+    return make_checkpoint(tmp_path_factory.mktemp("audit") / "tiny", family="llama", max_position_embeddings=4096)
 
 
 # ---- CLI: every flag's value is checked, in one line naming the flag ---------------------------------------------
@@ -144,3 +147,80 @@ def test_keys_rotate_without_restart_and_never_reach_the_log(keyed, monkeypatch,
     assert out[-1].HasField("summary")
     for key in (BOM_KEY, OLD_KEY, NEW_KEY, "sk-nobody-000000"):
         assert key not in caplog.text
+
+
+# ---- Metrics as Prometheus scrapes them -------------------------------------------------------------------------------
+UNLABELLED = {"omnivox_grpc_requests"}  # per RPC method and status, not per model
+
+
+def scrape(srv: ServerThread, accept: str | None = None) -> tuple[str, str]:
+    request = urllib.request.Request(f"http://127.0.0.1:{srv.server.metrics_port}/metrics")
+    if accept:
+        request.add_header("Accept", accept)
+    with urllib.request.urlopen(request, timeout=10) as r:
+        return r.headers["Content-Type"], r.read().decode()
+
+
+def samples(srv: ServerThread) -> dict[tuple[str, tuple], float]:
+    """Every sample of a text-format scrape, checked as a dashboard needs it."""
+    _, body = scrape(srv)
+    out: dict[tuple[str, tuple], float] = {}
+    for family in text_string_to_metric_families(body):
+        assert family.name.startswith("omnivox_"), family.name
+        for s in family.samples:
+            if family.name.removesuffix("_created") not in UNLABELLED:  # the text format types _created a gauge
+                assert s.labels.get("model"), (family.name, s)
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        if family.type == "histogram":
+            series: dict[tuple, list[tuple[float, float]]] = {}
+            for s in family.samples:
+                if s.name.endswith("_bucket"):
+                    key = tuple(sorted((k, v) for k, v in s.labels.items() if k != "le"))
+                    series.setdefault(key, []).append((float(s.labels["le"]), s.value))
+            for key, buckets in series.items():
+                bounds = [b for b, _ in buckets]
+                assert bounds == sorted(bounds) and bounds[-1] == math.inf, (family.name, bounds)
+                assert [c for _, c in buckets] == sorted(c for _, c in buckets), (family.name, key)  # cumulative
+    return out
+
+
+def test_metrics_parse_counters_only_grow_and_gauges_return_to_zero(keyed) -> None:
+    srv, _ = keyed
+    gen = generation_pb2_grpc.GenerationServiceStub(srv.channel())
+    md = bearer(next(k for k in (OLD_KEY, NEW_KEY) if list_models_code(srv, k) == grpc.StatusCode.OK))  # rotated?
+    list(gen.Generate(user_request("Warm up.", max_output_tokens=3), metadata=md, timeout=30))
+    before = samples(srv)
+
+    # Traffic that ends every way but OK: cancelled mid-stream, past its deadline, refused, unauthenticated.
+    call = gen.Generate(user_request("Talk on. " * 8, max_output_tokens=4000, ignore_eos=True), metadata=md)
+    next(call)
+    busy = samples(srv)
+    assert busy[("omnivox_num_requests_running", (("model", "tiny"),))] == 1
+    assert busy[("omnivox_kv_cache_usage_perc", (("model", "tiny"),))] > 0
+    call.cancel()
+    with pytest.raises(grpc.RpcError) as info:
+        list(gen.Generate(user_request("Long.", max_output_tokens=4000, ignore_eos=True), metadata=md, timeout=0.3))
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    with pytest.raises(grpc.RpcError) as info:
+        list(gen.Generate(user_request("Bad.", max_output_tokens=-1), metadata=md, timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as info:
+        list(gen.Generate(user_request("Who?", max_output_tokens=2), metadata=bearer("sk-nobody-000000"), timeout=30))
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    srv.wait_kv_free("tiny", timeout=5.0)
+
+    after = samples(srv)
+    tiny = (("model", "tiny"),)
+    for gauge in ("omnivox_num_requests_running", "omnivox_num_requests_waiting", "omnivox_kv_cache_usage_perc"):
+        assert after[(gauge, tiny)] == 0, gauge
+    for key, v in before.items():  # counters and histogram series never go down
+        if key[0].endswith(("_total", "_count", "_sum", "_bucket")):
+            assert after[key] >= v, key
+    codes = {dict(k[1])["grpc_code"] for k in after if k[0] == "omnivox_grpc_requests_total"}
+    assert {"OK", "CANCELLED", "DEADLINE_EXCEEDED", "INVALID_ARGUMENT", "UNAUTHENTICATED"} <= codes
+
+    # OpenMetrics when the scraper asks for it (Prometheus does by default), parsed by its strict parser.
+    content_type, body = scrape(srv, "application/openmetrics-text; version=1.0.0")
+    assert content_type.startswith("application/openmetrics-text")
+    names = {f.name for f in openmetrics_families(body)}
+    assert {"omnivox_prompt_tokens", "omnivox_time_to_first_token_seconds", "omnivox_request_success"} <= names
