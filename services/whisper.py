@@ -79,7 +79,7 @@ OnText = Callable[[str, int], Awaitable[None]]  # (text delta, segment index)
 @dataclass
 class WhisperResult:
     text: str  # the segments' texts joined by one space
-    language: str | None  # the requested language's code, else the detected one; None for an English-only model
+    language: str | None  # the requested language's code, else the detected one; "en" for an English-only model
     segments: list[tuple[float, float, str]]  # (start s, end s, text) from the start of the audio
     num_tokens: int  # tokens generated, over all windows (language detection included)
     token_ids: list[int] = field(default_factory=list)  # every window's generated tokens, in order (no end-of-text)
@@ -138,7 +138,8 @@ class _Transcription:
             while seek < n:
                 end = min(seek + window, n)
                 seek, lang = await self._window_timestamps(samples[seek:end], seek, end, lang)
-        code = next((c for c, t in self.part.vocab.languages.items() if t == lang), None)
+        v = self.part.vocab  # an English-only model's language is English (openai-whisper reports "en")
+        code = next((c for c, t in v.languages.items() if t == lang), None) if v.multilingual else "en"
         text = " ".join(t for _, _, t in self.segments if t)
         return WhisperResult(text, code, self.segments, self.num_tokens, self.token_ids, self.no_speech_probs)
 
