@@ -173,7 +173,24 @@ def load_tokenizer(path: str | os.PathLike) -> transformers.PreTrainedTokenizerB
         return load_gguf_tokenizer(path)
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         return None
-    return transformers.AutoTokenizer.from_pretrained(path)
+    return transformers.AutoTokenizer.from_pretrained(path, mistral_format=_reads_tekken(path))
+
+
+def _reads_tekken(folder: Path) -> bool | None:
+    """Whether transformers may read the folder's tekken.json (None: its choice) or must not (False).
+
+    With mistral_common installed (Voxtral needs it) transformers reads tekken.json first, even next to a
+    tokenizer.json, as a MistralCommonBackend that has no chat template: a Mistral text checkpoint that ships both
+    (the hub's do) then had its turns joined by newlines instead of its template. Its HF files win; tekken.json is
+    read when it is the only tokenizer, or for Voxtral, whose prompts are mistral_common's (services/voxtral_prompt.py).
+    """
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES if name != "tekken.json"):
+        return None
+    try:
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        model_type = None
+    return None if model_type == "voxtral" else False
 
 
 # ---------------------------------------------------------------------------------------------------------------------

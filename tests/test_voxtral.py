@@ -17,9 +17,10 @@ import soundfile
 import torch
 import transformers
 from audio_checkpoints import chirp, encode, noise, tone
+from checkpoints import make_checkpoint
 from google.rpc import error_details_pb2
 from service_harness import ServerThread
-from voxtral_checkpoint import AUDIO_SECTION, make_voxtral_bundle
+from voxtral_checkpoint import AUDIO_SECTION, make_voxtral_bundle, write_tekken
 
 from omnivox.codecs.audio_format import float_to_int16
 from omnivox.services.audio_prompt import load_audio_part
@@ -279,3 +280,22 @@ def test_tekken_audio_section_that_disagrees_with_the_encoder_is_refused_at_load
     path = make_voxtral_bundle(tmp_path / "voxtral", audio={**AUDIO_SECTION, "frame_rate": 25.0})
     with pytest.raises(ValueError, match="750 audio tokens per chunk; the encoder gives 375"):
         load_audio_part(path, "cpu", torch.float32, model_key="v")
+
+
+def test_mistral_text_folder_with_tekken_json_keeps_its_chat_template(tmp_path):
+    """mistral_common (installed for Voxtral) makes transformers read tekken.json first, as a backend with no chat
+    template; a Mistral text folder that ships it next to tokenizer.json (as the hub's do) then served its turns
+    joined by newlines. Its HF tokenizer and template are what the prompt is built from."""
+    path = make_checkpoint(tmp_path / "mistral", family="mistral")
+    write_tekken(path / "tekken.json")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path, mistral_format=False)
+    messages = [{"role": "user", "content": "the thing"}]
+    want = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    with ServerThread([ModelSpec(path=path, name="mistral")], EngineOptions(kv_cache_gib=0.01)) as server:
+        stub = generation_pb2_grpc.GenerationServiceStub(server.channel())
+        request = generation_pb2.GenerateRequest(
+            model="mistral", contents=[content_pb2.Content(role="user", parts=[content_pb2.Part(text="the thing")])],
+            max_output_tokens=1,
+        )  # fmt: skip
+        summary = list(stub.Generate(request, timeout=60))[-1].summary
+    assert summary.usage.prompt_tokens == len(want)
