@@ -34,6 +34,7 @@ from omnivox.services.metrics import Metrics
 from omnivox.services.reflection import enable_reflection
 from omnivox.services.registry import ModelRegistry, ModelState, ServedModel
 from omnivox.services.stream_idle import DEFAULT_STREAM_IDLE_S
+from omnivox.services.tls import CertificateFiles
 
 log = logging.getLogger(__name__)
 
@@ -123,13 +124,9 @@ class OmnivoxServer:
             if opts.tls_cert or opts.tls_key:
                 if not (opts.tls_cert and opts.tls_key):
                     raise ValueError("TLS needs both a certificate and a key")
-                client_ca = opts.tls_client_ca.read_bytes() if opts.tls_client_ca else None
-                credentials = grpc.ssl_server_credentials(
-                    [(opts.tls_key.read_bytes(), opts.tls_cert.read_bytes())],
-                    root_certificates=client_ca,
-                    require_client_auth=client_ca is not None,
-                )
-                self.port = self._server.add_secure_port(address, credentials)
+                # Re-read when the files change (services/tls.py): renewed certificates need no restart.
+                files = CertificateFiles(opts.tls_cert, opts.tls_key, opts.tls_client_ca)
+                self.port = self._server.add_secure_port(address, files.credentials())
             elif opts.tls_client_ca:
                 raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
             else:

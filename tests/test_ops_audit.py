@@ -4,6 +4,8 @@ files as operators write them, rotated without a restart, and never logged."""
 
 from __future__ import annotations
 
+import datetime
+import ipaddress
 import logging
 import math
 import subprocess
@@ -15,6 +17,10 @@ from pathlib import Path
 import grpc
 import pytest
 from checkpoints import make_checkpoint
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 from service_harness import ServerThread, user_request
@@ -22,6 +28,7 @@ from service_harness import ServerThread, user_request
 from omnivox.services.auth import KeyFile
 from omnivox.services.cli import main as cli_main
 from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.tls import CertificateFiles
 from omnivox.v1 import generation_pb2_grpc, model_pb2, model_pb2_grpc
 
 
@@ -224,3 +231,83 @@ def test_metrics_parse_counters_only_grow_and_gauges_return_to_zero(keyed) -> No
     assert content_type.startswith("application/openmetrics-text")
     names = {f.name for f in openmetrics_families(body)}
     assert {"omnivox_prompt_tokens", "omnivox_time_to_first_token_seconds", "omnivox_request_success"} <= names
+
+
+# ---- TLS: foreign and expired client certificates, server certificates renewed without a restart -------------------
+def make_cert(subject: str, key, issuer: x509.Certificate | None = None, issuer_key=None, days: float = 1.0):
+    """A certificate for `subject` signed by `issuer` (self-signed CA without one), valid from a day ago for `days`
+    (negative: expired)."""
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
+    start = datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=1)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(issuer.subject if issuer else name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(start + datetime.timedelta(days=1 + days))
+        .add_extension(x509.BasicConstraints(ca=issuer is None, path_length=None), critical=True)
+    )
+    if issuer is not None:
+        san = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+        builder = builder.add_extension(x509.SubjectAlternativeName(san), critical=False)
+    return builder.sign(issuer_key or key, hashes.SHA256())
+
+
+def pem(obj) -> bytes:
+    if isinstance(obj, x509.Certificate):
+        return obj.public_bytes(serialization.Encoding.PEM)
+    return obj.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
+class Authority:
+    def __init__(self, name: str) -> None:
+        self.key = ec.generate_private_key(ec.SECP256R1())
+        self.cert = make_cert(name, self.key)
+
+    def issue(self, subject: str, days: float = 1.0) -> tuple[bytes, bytes]:
+        """(certificate PEM, key PEM)."""
+        key = ec.generate_private_key(ec.SECP256R1())
+        return pem(make_cert(subject, key, self.cert, self.key, days)), pem(key)
+
+
+def list_models_over_tls(port: int, root: bytes, client: tuple[bytes, bytes] | None = None) -> grpc.StatusCode:
+    cert, key = client or (None, None)
+    with grpc.secure_channel(f"localhost:{port}", grpc.ssl_channel_credentials(root, key, cert)) as channel:
+        try:
+            model_pb2_grpc.ModelServiceStub(channel).ListModels(model_pb2.ListModelsRequest(), timeout=10)
+        except grpc.RpcError as err:
+            return err.code()
+    return grpc.StatusCode.OK
+
+
+def test_mtls_refuses_foreign_and_expired_client_certificates_and_server_certificates_rotate(
+    checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(CertificateFiles, "RECHECK_S", 0.0)
+    ours, foreign, renewed = Authority("our CA"), Authority("someone else's CA"), Authority("our next CA")
+    cert, key = ours.issue("localhost")
+    (tmp_path / "server.pem").write_bytes(cert)
+    (tmp_path / "server.key").write_bytes(key)
+    (tmp_path / "clients.pem").write_bytes(pem(ours.cert))
+    opts = dict(
+        tls_cert=tmp_path / "server.pem", tls_key=tmp_path / "server.key", tls_client_ca=tmp_path / "clients.pem"
+    )
+    ok, refused = grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE  # refused in the handshake: no RPC runs
+    with ServerThread([ModelSpec(path=checkpoint, name="tiny")], load=False, **opts) as srv:
+        port = srv.server.port
+        root = pem(ours.cert)
+        assert list_models_over_tls(port, root, ours.issue("carol")) == ok
+        assert list_models_over_tls(port, root, foreign.issue("mallory")) == refused
+        assert list_models_over_tls(port, root, ours.issue("carol", days=-0.5)) == refused  # expired
+        assert list_models_over_tls(port, root) == refused  # none
+
+        # Renewal: new server certificate (from a new CA, so the test can tell them apart) and key written in place.
+        cert, key = renewed.issue("localhost")
+        write_atomically(tmp_path / "server.key", key.decode())
+        write_atomically(tmp_path / "server.pem", cert.decode())
+        assert list_models_over_tls(port, pem(renewed.cert), ours.issue("carol")) == ok  # was refused: the old one
+        assert list_models_over_tls(port, root, ours.issue("carol")) == refused
