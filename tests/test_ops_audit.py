@@ -21,6 +21,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 from service_harness import ServerThread, user_request
@@ -311,3 +312,39 @@ def test_mtls_refuses_foreign_and_expired_client_certificates_and_server_certifi
         write_atomically(tmp_path / "server.pem", cert.decode())
         assert list_models_over_tls(port, pem(renewed.cert), ours.issue("carol")) == ok  # was refused: the old one
         assert list_models_over_tls(port, root, ours.issue("carol")) == refused
+
+
+# ---- Health: Check and Watch per service name through loading, serving and draining -------------------------------
+def test_health_watch_follows_load_serve_and_drain_per_service(checkpoint: Path) -> None:
+    SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+    srv = ServerThread([ModelSpec(path=checkpoint, name="tiny")], EngineOptions(kv_cache_gib=0.01), load=False)
+    with srv:
+        health = health_pb2_grpc.HealthStub(srv.channel())
+        names = ["", "omnivox.v1.GenerationService", "model/tiny"]
+        watches = {name: health.Watch(health_pb2.HealthCheckRequest(service=name), timeout=60) for name in names}
+        assert next(watches[""]).status == NOT_SERVING  # loading: probes keep the pod out of the endpoints
+        assert next(watches["omnivox.v1.GenerationService"]).status == NOT_SERVING
+        assert next(watches["model/tiny"]).status == UNKNOWN  # known once its load ends
+        with pytest.raises(grpc.RpcError) as info:
+            health.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=10)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+        srv.run(srv.server.load_models(srv.engine_options), timeout=120)
+        for name in names:  # each watch streams the change, not only the status at its start
+            assert next(watches[name]).status == SERVING, name
+            assert health.Check(health_pb2.HealthCheckRequest(service=name), timeout=10).status == SERVING
+        listed = health.List(health_pb2.HealthListRequest(), timeout=10).statuses
+        assert {n: s.status for n, s in listed.items() if n in names} == dict.fromkeys(names, SERVING)
+
+        # Drain with a call in flight: every name turns NOT_SERVING at once, while the call still runs.
+        gen = generation_pb2_grpc.GenerationServiceStub(srv.channel())
+        call = gen.Generate(user_request("Talk on.", max_output_tokens=4000, ignore_eos=True), timeout=60)
+        next(call)
+        stopping = srv.run_async(srv.server.stop(30.0))
+        for name in names:
+            assert next(watches[name]).status == NOT_SERVING, name
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == NOT_SERVING
+        assert not stopping.done()
+        call.cancel()
+        stopping.result(timeout=30)
