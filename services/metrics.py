@@ -132,10 +132,15 @@ class Metrics:
 
     # ---- feeding --------------------------------------------------------------------------------------------
     def attach(self, model: str, engine: Engine) -> None:
-        """Observe every step of `engine` (idempotent per engine)."""
+        """Observe every step of `engine` (idempotent per engine). The model's engine series exist from here, at 0
+        (as vLLM's do from start-up): a replica that has served nothing yet is 0 waiting, not absent, to the
+        autoscaler's average, `absent()` alerts and dashboards (they appeared only with its first request)."""
         if not any(isinstance(o, StepObserver) for o in engine.step_observers):
             self.observers[model] = StepObserver(self, model, engine)
             engine.step_observers.append(self.observers[model])
+        engine_series = (self.running, self.waiting, self.kv_usage, self.prompt_tokens, self.generation_tokens)
+        for series in (*engine_series, self.prefix_queries, self.prefix_hits, self.preemptions):
+            series.labels(model)
 
     def watch_codec(self, model: str, worker: Any) -> None:
         if not any(w is worker for _, w in self.codecs):

@@ -318,7 +318,8 @@ def test_mtls_refuses_foreign_and_expired_client_certificates_and_server_certifi
 def test_health_watch_follows_load_serve_and_drain_per_service(checkpoint: Path) -> None:
     SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
     UNKNOWN = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
-    srv = ServerThread([ModelSpec(path=checkpoint, name="tiny")], EngineOptions(kv_cache_gib=0.01), load=False)
+    spec = ModelSpec(path=checkpoint, name="tiny")
+    srv = ServerThread([spec], EngineOptions(kv_cache_gib=0.01), load=False, metrics_port=0)
     with srv:
         health = health_pb2_grpc.HealthStub(srv.channel())
         names = ["", "omnivox.v1.GenerationService", "model/tiny"]
@@ -334,6 +335,12 @@ def test_health_watch_follows_load_serve_and_drain_per_service(checkpoint: Path)
         for name in names:  # each watch streams the change, not only the status at its start
             assert next(watches[name]).status == SERVING, name
             assert health.Check(health_pb2.HealthCheckRequest(service=name), timeout=10).status == SERVING
+        # A replica that has served nothing yet exports its engine series at 0 (they appeared with its first call:
+        # the autoscaler's average and absent() alerts saw no series).
+        fresh = samples(srv)
+        for name in ("omnivox_num_requests_waiting", "omnivox_num_requests_running", "omnivox_kv_cache_usage_perc"):
+            assert fresh[(name, (("model", "tiny"),))] == 0, name
+        assert fresh[("omnivox_generation_tokens_total", (("model", "tiny"),))] == 0
         listed = health.List(health_pb2.HealthListRequest(), timeout=10).statuses
         assert {n: s.status for n, s in listed.items() if n in names} == dict.fromkeys(names, SERVING)
 
