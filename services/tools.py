@@ -7,13 +7,7 @@ Formats (chosen from the chat template's text):
 - Mistral v0.3: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]` (the tag a special token, kept in the text
   for these requests as vLLM keeps it); call ids are 9 alphanumerics, the only ids its template takes back.
 
-Grammars (llguidance Lark, the call object as an embedded `%json` schema per tool):
-- `required` / a named function: the output is one (or, with parallel_tool_calls, up to MAX_PARALLEL_CALLS) calls
-  from the first token.
-- `auto`: free text that never contains the opening tag, or free text up to the tag (a lazy lexeme) and then calls:
-  the grammar is armed only by the tag. Llama's `auto` arms on a `{` (or the python tag) at the start of the output,
-  Mistral's on its tag at the start (where v0.3 writes its calls).
-- `none`: free text that never contains the opening tag (Hermes), so a call can never appear.
+Grammars: services/tool_grammar.py.
 
 Parsing (services/tool_parser.py) re-reads the whole text so far on every update, so deltas are the same however the
 text arrived in chunks.
@@ -24,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,21 +26,23 @@ import llguidance
 from omnivox.services import errors
 from omnivox.services.errors import FieldViolation
 from omnivox.services.structured import GrammarSpec, load_json
+from omnivox.services.tool_grammar import (
+    AUTO,
+    JSON_STYLE,
+    NONE,
+    REQUIRED,
+    added_tokens,
+    call_schema,
+    grammar,
+)
 from omnivox.services.tool_parser import HERMES, LLAMA3, MISTRAL, ToolCallStream, ToolFormat
 from omnivox.v1 import content_pb2, generation_pb2
 
 NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 MAX_TOOLS = 128
-# Calls one answer may make. Unbounded, a small model at temperature 0 repeated the same call until the context was
-# full (8,000 tokens, minutes) on `tool_choice: required` with no max_output_tokens; after this many only the end of
-# the message is allowed.
-MAX_PARALLEL_CALLS = 16
 # The grammar compiler refuses JSON nested past 128 levels (serde_json's limit) and the call object adds a few; the
 # refs of a schema deeper than this could not be rebased without hitting Python's recursion limit.
 MAX_SCHEMA_DEPTH = 100
-AUTO, NONE, REQUIRED = "auto", "none", "required"
-# Separators as the chat templates' tojson writes them, with no other whitespace: what the model saw, and bounded.
-_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def format_of(tokenizer: Any) -> ToolFormat:
@@ -112,127 +107,6 @@ def _depth(value: Any) -> int:
     return deepest
 
 
-def _call_schema(fmt: ToolFormat, name: str, params: dict, strict: bool) -> dict:
-    return {
-        "type": "object",
-        "properties": {"name": {"const": name}, fmt.args_key: params if strict else {"type": "object"}},
-        "required": ["name", fmt.args_key],
-        "additionalProperties": False,
-    }
-
-
-# Values that are data, not subschemas: a `$ref` key inside them is not a reference.
-_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
-
-
-def _rebase_refs(node: Any, prefix: str) -> Any:
-    """A copy of a schema with each local `$ref` ("#" or "#/...") moved under `prefix`, the JSON pointer fragment
-    where the schema now sits. A tool's parameters schema is embedded in its call object's schema, so its
-    `#/$defs/...` refs (pydantic writes one for every nested model) resolved against the call object: "Pointer
-    '/$defs/unit' does not exist" refused a valid tool."""
-    if isinstance(node, list):
-        return [_rebase_refs(v, prefix) for v in node]
-    if not isinstance(node, dict) or isinstance(node.get("$id"), str):
-        return node  # under an $id, "#..." refs resolve against that resource: they stay as written
-    out = {k: v if k in _DATA_KEYWORDS else _rebase_refs(v, prefix) for k, v in node.items()}
-    ref = node.get("$ref")
-    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
-        out["$ref"] = prefix + ref[1:]
-    return out
-
-
-def _rebased(call: dict, key: str, at: str) -> dict:
-    """The call-object schema `call`, placed at pointer `at` of the grammar's schema, with its arguments' refs
-    rebased to there."""
-    props = dict(call["properties"])
-    props[key] = _rebase_refs(props[key], f"{at}/properties/{key}")
-    return {**call, "properties": props}
-
-
-def _tag(text: str, added: dict[str, int]) -> str:
-    """A tag as a Lark sequence: by token id where the tag (without its whitespace) is one of the tokenizer's added
-    tokens. llguidance takes every added token for a special one, which a string literal never matches: Qwen's
-    `<tool_call>` (an added token) was the only token a required call's mask allowed, and then the grammar refused
-    it ('token doesn't satisfy the grammar'): INTERNAL on the first token of every required or named call."""
-    core = text.strip()
-    if core not in added:
-        return json.dumps(text)
-    lead, trail = text[: text.index(core)], text[text.index(core) + len(core) :]
-    return " ".join(
-        [*([json.dumps(lead)] if lead else []), f"<[{added[core]}]>", *([json.dumps(trail)] if trail else [])]
-    )
-
-
-def _grammar(
-    fmt: ToolFormat,
-    calls: list[dict],
-    choice: str,
-    parallel: bool,
-    python_tag: bool = False,
-    added: dict[str, int] | None = None,
-) -> str:
-    """A Lark grammar (llguidance) for the choice; `calls` are the allowed call-object schemas. `python_tag`: the
-    tokenizer has Llama 3's `<|python_tag|>` special token, which may open the calls. `added`: the tokenizer's added
-    tokens (text -> id), which the tags are written with when they are one of them."""
-    added = added or {}
-    if fmt.array:
-        return _array_grammar(fmt, calls, choice, parallel, added)
-    body = _call_body(fmt, calls)
-    open_tag, close_tag = _tag(fmt.open_tag, added), _tag(fmt.close_tag, added)
-    call = f"{open_tag} {body} {close_tag}" if fmt.open_tag else body
-    more = f" ({json.dumps(fmt.separator)} call){{0,{MAX_PARALLEL_CALLS - 1}}}" if parallel else ""
-    calls_rule = f"calls: call{more}"
-    lines = [calls_rule, f"call: {call}"]
-    tag = fmt.open_tag.strip() or "{"
-    free = f"FREE: /(?s:.*)/ & ~/(?s:.*{re.escape(tag)}.*)/"
-    if choice == AUTO and fmt.open_tag:
-        rest = fmt.open_tag[len(tag) :]
-        after = f"{json.dumps(rest)} {body} {close_tag}" if rest else f"{body} {close_tag}"
-        lines.append(f"calls_after_tag: {after}{more}")
-        if tag in added:  # a token no regex matches: free text ends where it comes
-            lines += [f"start: FREE | FREE? <[{added[tag]}]> calls_after_tag", free]
-        else:
-            lines += ["start: FREE | lz calls_after_tag", free, f"lz[lazy]: /(?s:.*){re.escape(tag)}/"]
-    elif choice == AUTO:  # Llama: plain text that does not start with a call, or calls
-        lines += ["start: TEXT | tagged", r"TEXT: /(?s:.*)/ & ~/(?s:\s*\{.*)/"]
-    elif choice == NONE and fmt.open_tag:
-        lines += ["start: FREE", free]
-    elif choice == NONE:  # Llama: a call is a whole message starting with "{"; braces later in the text are fine
-        lines += ["start: TEXT", r"TEXT: /(?s:.*)/ & ~/(?s:\s*\{.*)/"]
-    else:
-        lines.append("start: tagged" if not fmt.open_tag else "start: calls")
-    if not fmt.open_tag:
-        lines.append("tagged: <|python_tag|>? calls" if python_tag else "tagged: calls")
-    return llguidance.LLMatcher.grammar_from_lark("\n".join(lines))
-
-
-def _call_body(fmt: ToolFormat, calls: list[dict]) -> str:
-    """`%json` of the call object (one of `calls`), with the templates' separators."""
-    key = fmt.args_key
-    if len(calls) == 1:
-        schema = _rebased(calls[0], key, "#")
-    else:
-        schema = {"anyOf": [_rebased(c, key, f"#/anyOf/{i}") for i, c in enumerate(calls)]}
-    schema["x-guidance"] = _JSON_STYLE
-    return f"%json {json.dumps(schema)}"
-
-
-def _array_grammar(fmt: ToolFormat, calls: list[dict], choice: str, parallel: bool, added: dict[str, int]) -> str:
-    """Mistral: `[TOOL_CALLS] [call, call]`, the list opened as its template writes it back (`[TOOL_CALLS] [`)."""
-    tag = _tag(fmt.open_tag, added)
-    more = f" ({json.dumps(fmt.separator)} call){{0,{MAX_PARALLEL_CALLS - 1}}}" if parallel else ""
-    lines = [f'calls: {tag} " [" call{more} "]"', f"call: {_call_body(fmt, calls)}"]
-    # A special token is outside every regex's language: FREE can never write the tag. A plain-text tag is excluded.
-    free = f"FREE: /(?s:.*)/ & ~/(?s:.*{re.escape(fmt.open_tag)}.*)/"
-    if choice == AUTO:
-        lines += ["start: FREE | calls", free]
-    elif choice == NONE:
-        lines += ["start: FREE", free]
-    else:
-        lines.append("start: calls")
-    return llguidance.LLMatcher.grammar_from_lark("\n".join(lines))
-
-
 _MISTRAL_ID = re.compile(r"^[a-zA-Z0-9]{9}$")
 
 
@@ -267,7 +141,7 @@ def plan(request: generation_pb2.GenerateRequest, tokenizer: Any) -> ToolPlan | 
         params = _schema(tool, i, v)
         fn = {"name": tool.name, "description": tool.description, "parameters": params}
         tools.append({"type": "function", "function": fn})
-        calls[tool.name] = _call_schema(fmt, tool.name, params, tool.strict)
+        calls[tool.name] = call_schema(fmt, tool.name, params, tool.strict)
     choice = AUTO if request.tools else NONE
     tc = request.tool_choice
     kind = tc.WhichOneof("choice") if request.HasField("tool_choice") else None
@@ -314,27 +188,10 @@ def plan(request: generation_pb2.GenerateRequest, tokenizer: Any) -> ToolPlan | 
         allowed = [calls[choice]] if choice in calls else list(calls.values())
         mode = choice if choice in (AUTO, NONE) else REQUIRED
         python_tag = fmt is LLAMA3 and "<|python_tag|>" in tokenizer.get_vocab()
-        added = _added_tokens(tokenizer)
-        text = _grammar(fmt, allowed, mode, parallel and choice not in calls, python_tag, added)
+        added = added_tokens(tokenizer)
+        text = grammar(fmt, allowed, mode, parallel and choice not in calls, python_tag, added)
         result.grammar = GrammarSpec("tools", text)
     return result
-
-
-# tokenizer -> (its size with added tokens, its added tokens): get_added_vocab() took 1.7 ms with 1,000 of them
-_ADDED: weakref.WeakKeyDictionary[Any, tuple[int, dict[str, int]]] = weakref.WeakKeyDictionary()
-
-
-def _added_tokens(tokenizer: Any) -> dict[str, int]:
-    """The tokenizer's added tokens (text -> id), cached per tokenizer; {} for one without them."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or not hasattr(tokenizer, "get_added_vocab"):
-        return {}
-    size = backend.get_vocab_size(with_added_tokens=True)
-    cached = _ADDED.get(tokenizer)
-    if cached is None or cached[0] != size:
-        cached = (size, dict(tokenizer.get_added_vocab()))
-        _ADDED[tokenizer] = cached
-    return cached[1]
 
 
 def messages(contents: list[content_pb2.Content]) -> list[dict]:
@@ -445,8 +302,8 @@ def _uncompilable(schemas: dict[int, dict]) -> list[FieldViolation]:
     """The first strict tool schema that llguidance refuses on its own, as a violation naming it ([] if none)."""
     for i, schema in schemas.items():
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_STYLE)
-            message = llguidance.LLMatcher.validate_grammar(grammar)
+            alone = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE)
+            message = llguidance.LLMatcher.validate_grammar(alone)
         except ValueError as exc:
             message = str(exc)
         if message:

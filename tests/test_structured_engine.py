@@ -132,7 +132,7 @@ def test_realistic_tokenizer_json_and_tool_calls(default_gguf, tmp_path) -> None
     from checkpoints import make_checkpoint
 
     from omnivox.models.checkpoint import load_tokenizer
-    from omnivox.services import tool_parser, tools
+    from omnivox.services import tool_grammar, tool_parser, tools
 
     hf = load_tokenizer(default_gguf)
     ckpt = make_checkpoint(
@@ -152,7 +152,7 @@ def test_realistic_tokenizer_json_and_tool_calls(default_gguf, tmp_path) -> None
         json_f = factory(
             engine, llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
         )
-        call = tools._call_schema(
+        call = tool_grammar.call_schema(
             tools.HERMES,
             "lookup",
             {
@@ -163,7 +163,7 @@ def test_realistic_tokenizer_json_and_tool_calls(default_gguf, tmp_path) -> None
             },
             True,
         )
-        tool_f = factory(engine, tools._grammar(tools.HERMES, [call], tools.REQUIRED, parallel=False))
+        tool_f = factory(engine, tool_grammar.grammar(tools.HERMES, [call], tools.REQUIRED, parallel=False))
         params = [SamplingParams(temperature=1.0, seed=s, max_tokens=80, constraint_factory=json_f) for s in range(12)]
         params += [SamplingParams(temperature=1.0, seed=s, max_tokens=80, constraint_factory=tool_f) for s in range(8)]
         outs = engine.generate(["Hello"] * len(params), params)

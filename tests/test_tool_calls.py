@@ -13,7 +13,7 @@ from checkpoints import make_checkpoint
 from google.rpc import error_details_pb2
 from service_harness import ServerThread, user_request
 
-from omnivox.services import tool_parser, tools
+from omnivox.services import tool_grammar, tool_parser, tools
 from omnivox.services.errors import status_details
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2
@@ -102,11 +102,11 @@ def test_llama3_grammar_with_python_tag(tmp_path) -> None:
     tok.add_special_tokens({"additional_special_tokens": ["<|python_tag|>"]})
     tag = tok.convert_tokens_to_ids("<|python_tag|>")
     llg = llguidance.hf.from_tokenizer(tok, n_vocab=len(tok))
-    calls = [tools._call_schema(tools.LLAMA3, "get_time", TIME, True)]
+    calls = [tool_grammar.call_schema(tools.LLAMA3, "get_time", TIME, True)]
     call_text = '{"name": "get_time", "parameters": {"zone": 3}}'
 
     def accepts(mode: str, ids: list[int]) -> bool:
-        grammar = tools._grammar(tools.LLAMA3, calls, mode, parallel=True, python_tag=True)
+        grammar = tool_grammar.grammar(tools.LLAMA3, calls, mode, parallel=True, python_tag=True)
         m = llguidance.LLMatcher(llg, grammar, log_level=0)
         assert not m.is_error(), m.get_error()
         return m.consume_tokens(ids) and m.is_accepting()
@@ -136,9 +136,9 @@ def test_hermes_grammar_with_added_tag_tokens(tmp_path) -> None:
     assert tok.convert_tokens_to_ids("<tool_call>") in tok.encode(call, add_special_tokens=False)
 
     def accepts(mode: str, text: str) -> bool:
-        grammar = tools._grammar(
+        grammar = tool_grammar.grammar(
             tools.HERMES,
-            [tools._call_schema(tools.HERMES, "get_time", TIME, True)],
+            [tool_grammar.call_schema(tools.HERMES, "get_time", TIME, True)],
             mode,
             True,
             added=tok.get_added_vocab(),
@@ -163,7 +163,9 @@ def test_parallel_calls_are_bounded(tmp_path, mode) -> None:
     ckpt = make_checkpoint(tmp_path / "t", family="qwen2", num_hidden_layers=1, hidden_size=32, intermediate_size=64)
     tok = transformers.AutoTokenizer.from_pretrained(ckpt)
     llg = llguidance.hf.from_tokenizer(tok, n_vocab=len(tok))
-    grammar = tools._grammar(tools.HERMES, [tools._call_schema(tools.HERMES, "get_time", TIME, True)], mode, True)
+    grammar = tool_grammar.grammar(
+        tools.HERMES, [tool_grammar.call_schema(tools.HERMES, "get_time", TIME, True)], mode, True
+    )
     call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": 3}}\n</tool_call>'
 
     def accepts(n: int) -> bool:
@@ -171,7 +173,7 @@ def test_parallel_calls_are_bounded(tmp_path, mode) -> None:
         text = tools.HERMES.separator.join([call] * n)
         return m.consume_tokens(tok.encode(text, add_special_tokens=False)) and m.is_accepting()
 
-    assert accepts(1) and accepts(tools.MAX_PARALLEL_CALLS) and not accepts(tools.MAX_PARALLEL_CALLS + 1)
+    assert accepts(1) and accepts(tool_grammar.MAX_PARALLEL_CALLS) and not accepts(tool_grammar.MAX_PARALLEL_CALLS + 1)
 
 
 @pytest.fixture(scope="module")
