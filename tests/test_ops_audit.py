@@ -8,6 +8,7 @@ import datetime
 import ipaddress
 import logging
 import math
+import shutil
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import yaml
 from checkpoints import make_checkpoint
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
@@ -27,7 +29,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from service_harness import ServerThread, user_request
 
 from omnivox.services.auth import KeyFile
+from omnivox.services.cli import build_parser
 from omnivox.services.cli import main as cli_main
+from omnivox.services.cli._serve_flags import check_flag_values
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.services.tls import CertificateFiles
 from omnivox.v1 import generation_pb2_grpc, model_pb2, model_pb2_grpc
@@ -355,3 +359,25 @@ def test_health_watch_follows_load_serve_and_drain_per_service(checkpoint: Path)
         assert not stopping.done()
         call.cancel()
         stopping.result(timeout=30)
+
+
+# ---- Deploy: the values the manifests and the image pass are ones `omnivox serve` accepts ----------------------------
+def test_manifest_and_image_flag_values_pass_the_serve_checks() -> None:
+    """tests/test_deploy.py parses the flags; this checks their values as `omnivox serve` would at start (a
+    --max-connection-age or --grace-period out of range is caught here, not by a pod in CrashLoopBackOff)."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl not installed (kubectl kustomize renders the overlays)")
+    root = Path(__file__).resolve().parent.parent
+    argvs = [["serve", "--host", "0.0.0.0", "--port", "50051"]]  # docker/Dockerfile's CMD (test_deploy pins it)
+    for overlay in sorted((root / "deploy" / "overlays").iterdir()):
+        out = subprocess.run([kubectl, "kustomize", str(overlay)], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        for doc in yaml.safe_load_all(out.stdout):
+            if doc and doc["kind"] == "Deployment":
+                argvs += [c["args"] for c in doc["spec"]["template"]["spec"]["containers"]]
+    assert len(argvs) >= 4
+    for argv in argvs:
+        args = build_parser().parse_args(argv)
+        args.device = None  # cuda exists on the GPU node the overlay schedules on, not necessarily here
+        check_flag_values(args)  # CliError names the flag
