@@ -155,7 +155,7 @@ def _array_grammar(fmt: ToolFormat, calls: list[dict], choice: str, parallel: bo
     """Mistral: `[TOOL_CALLS] [call, call]`, the list opened as its template writes it back (`[TOOL_CALLS] [`)."""
     tag = _tag(fmt.open_tag, added)
     more = f" ({json.dumps(fmt.separator)} call){{0,{MAX_PARALLEL_CALLS - 1}}}" if parallel else ""
-    lines = [f'calls: {tag} " [" call{more} "]"', f"call: {_call_body(fmt, calls)}"]
+    lines = [f'calls: {tag} {json.dumps(fmt.list_open)} call{more} "]"', f"call: {_call_body(fmt, calls)}"]
     # A special token is outside every regex's language: FREE can never write the tag. A plain-text tag is excluded.
     free = f"FREE: /(?s:.*)/ & ~/(?s:.*{re.escape(fmt.open_tag)}.*)/"
     if choice == AUTO:

@@ -24,8 +24,13 @@ class ToolFormat:
     close_tag: str
     separator: str  # between calls
     args_key: str
-    # Mistral's calls are one JSON list after the tag (`[TOOL_CALLS] [{...}, {...}]`), not one tagged object each
-    array: bool = False
+    # Mistral's calls are one JSON list after the tag (`[TOOL_CALLS] [{...}, {...}]`), not one tagged object each:
+    # what opens the list after the tag, as the template writes it back ("" for the other formats)
+    list_open: str = ""
+
+    @property
+    def array(self) -> bool:
+        return bool(self.list_open)
 
     def new_id(self) -> str:
         """A call id in the form the model's chat template takes back: Mistral v0.3's template raises unless an id
@@ -39,7 +44,9 @@ _ALPHANUMERIC = string.ascii_letters + string.digits
 HERMES = ToolFormat("hermes", "<tool_call>\n", "\n</tool_call>", "\n", "arguments")
 LLAMA3 = ToolFormat("llama3", "", "", "; ", "parameters")
 # Mistral v0.3 (tokenizer v3): `[TOOL_CALLS]` is a special token; its template writes `[TOOL_CALLS] [` + calls + `]`
-MISTRAL = ToolFormat("mistral", "[TOOL_CALLS]", "]", ", ", "arguments", array=True)
+MISTRAL = ToolFormat("mistral", "[TOOL_CALLS]", "]", ", ", "arguments", list_open=" [")
+# Mistral-Nemo's template writes the list with no space: `[TOOL_CALLS][` + calls + `]`
+MISTRAL_NEMO = ToolFormat("mistral_nemo", "[TOOL_CALLS]", "]", ", ", "arguments", list_open="[")
 
 
 @dataclass

@@ -35,7 +35,7 @@ from omnivox.services.tool_grammar import (
     call_schema,
     grammar,
 )
-from omnivox.services.tool_parser import HERMES, LLAMA3, MISTRAL, ToolCallStream, ToolFormat
+from omnivox.services.tool_parser import HERMES, LLAMA3, MISTRAL, MISTRAL_NEMO, ToolCallStream, ToolFormat
 from omnivox.v1 import content_pb2, generation_pb2
 
 NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -48,7 +48,8 @@ MAX_SCHEMA_DEPTH = 100
 def format_of(tokenizer: Any) -> ToolFormat:
     template = str(getattr(tokenizer, "chat_template", "") or "")
     if "[TOOL_CALLS]" in template:  # Mistral's template writes calls back with its tag (a tokenizer that has the
-        return MISTRAL  # token but a template without tools gets Hermes written into the text: prompt_ids)
+        # token but a template without tools gets Hermes written into the text: prompt_ids)
+        return MISTRAL_NEMO if "[TOOL_CALLS][" in template else MISTRAL
     if "<tool_call>" not in template and ("<|python_tag|>" in template or "ipython" in template):
         return LLAMA3
     return HERMES
@@ -175,7 +176,7 @@ def plan(request: generation_pb2.GenerateRequest, tokenizer: Any) -> ToolPlan | 
                 load_json(call.arguments or "{}")
             except ValueError as exc:
                 v.append(FieldViolation(f"contents[{i}].tool_calls[{j}].arguments", str(exc)))
-    if fmt is MISTRAL:
+    if fmt.array:  # Mistral
         _check_ids(request, v)
     if v:
         raise errors.invalid_argument(v)
@@ -276,7 +277,7 @@ def _tojson(value: Any) -> str:
 
 async def constrain(tool_plan: ToolPlan | None, params: Any, engine: Any) -> None:
     """Set params.constraint_factory from the tool grammar (compiled off the loop by the model's grammar worker)."""
-    if tool_plan is not None and tool_plan.fmt is MISTRAL and tool_plan.parses_calls:
+    if tool_plan is not None and tool_plan.fmt.array and tool_plan.parses_calls:
         # `[TOOL_CALLS]` is a special token: decoded as usual it left the text, and the calls showed as content
         params.skip_special_tokens = False
     if tool_plan is not None and tool_plan.grammar is not None:

@@ -17,7 +17,7 @@ from checkpoints import make_checkpoint
 from service_harness import ServerThread, user_request
 from test_tool_calls import SCHEMAS, TOOLS, feed, run, violations
 
-from omnivox.services import tool_parser, tools
+from omnivox.services import tool_grammar, tool_parser, tools
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2
 
@@ -160,3 +160,28 @@ def test_ids_the_template_refuses_are_invalid_argument(stub) -> None:
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert {"contents[1].tool_calls[0].id", "contents[2].tool_call_id"} <= violations(info.value).keys()
     assert run(stub, user_request("hi", max_output_tokens=2))[2].usage.output_tokens >= 1
+
+
+def test_mistral_nemo_writes_the_list_without_a_space(server: ServerThread) -> None:
+    """Mistral-Nemo's template writes `[TOOL_CALLS][`: the grammar opens the list the same way (what the model saw)."""
+    import llguidance
+    import llguidance.hf
+
+    tok = server.engine("tiny").tokenizer
+    nemo = MISTRAL_V03_TEMPLATE.replace("'[TOOL_CALLS] ['", "'[TOOL_CALLS]['")
+    assert tools.format_of(type("T", (), {"chat_template": nemo})()) is tools.MISTRAL_NEMO
+    assert tools.format_of(tok) is tools.MISTRAL
+    llg = llguidance.hf.from_tokenizer(tok, n_vocab=len(tok))
+    call = '{"name": "get_time", "arguments": {"zone": 3}}'
+
+    def accepts(fmt: tool_parser.ToolFormat, text: str) -> bool:
+        schema = tool_grammar.call_schema(fmt, "get_time", SCHEMAS["get_time"], True)
+        grammar = tool_grammar.grammar(fmt, [schema], tools.REQUIRED, True, added=tool_grammar.added_tokens(tok))
+        m = llguidance.LLMatcher(llg, grammar, log_level=0)
+        return m.consume_tokens(tok.encode(text, add_special_tokens=False)) and m.is_accepting()
+
+    assert accepts(tools.MISTRAL_NEMO, f"[TOOL_CALLS][{call}, {call}]")
+    assert not accepts(tools.MISTRAL_NEMO, f"[TOOL_CALLS] [{call}]") and accepts(
+        tools.MISTRAL, f"[TOOL_CALLS] [{call}]"
+    )
+    assert feed(tools.MISTRAL_NEMO, f"[TOOL_CALLS][{call}]", 1)[2] == [("get_time", '{"zone": 3}')]
