@@ -138,7 +138,12 @@ class OmnivoxServer:
         await self._server.start()
         log.info("listening on %s%s", listen_address(opts.host, self.port), " (TLS)" if opts.tls_cert else "")
         if opts.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(opts.metrics_port, opts.host)
+            try:
+                self.metrics_port = self.metrics.serve(opts.metrics_port, opts.host)
+            except OSError as exc:  # stop the started gRPC server here: left to the GC, it printed a traceback at exit
+                await self._server.stop(0)
+                address = listen_address(opts.host, opts.metrics_port)
+                raise OSError(f"cannot serve metrics on {address}: {exc.strerror or exc}") from exc
             log.info("metrics on http://%s/metrics", listen_address(opts.host, self.metrics_port))
         return self.port
 

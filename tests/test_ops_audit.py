@@ -8,7 +8,9 @@ import datetime
 import ipaddress
 import logging
 import math
+import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -59,6 +61,7 @@ BAD_FLAGS = [
     (["--name", ""], "--name"),  # served a model named ''
     (["--device", "foo"], "--device"),  # torch's list of 20 device types, no flag named
     (["--data-dir", __file__], "--data-dir"),  # served; creating a voice failed later
+    (["--port", "50999", "--metrics-port", "50999"], "--metrics-port"),  # 'Address already in use' + a traceback
 ]
 
 
@@ -83,6 +86,24 @@ def test_serve_flag_error_from_the_command_line_has_no_traceback(checkpoint: Pat
         f"omnivox: error: --max-connection-age must be a number greater than 0 and at most {2**31 // 1000 - 1}, "
         f"got {math.inf:g}"
     ]
+
+
+def test_metrics_port_in_use_is_one_line_and_no_traceback(checkpoint: Path) -> None:
+    """The gRPC server had started when the metrics port failed to bind; left to the GC, it printed 'Exception ignored
+    ... Event loop is closed' with a traceback after the error line."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "omnivox.services.cli", "serve", "--model", str(checkpoint), "--port", "0",
+             "--metrics-port", str(port)],
+            capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr and "Exception ignored" not in out.stderr, out.stderr
+    errors = [line for line in out.stderr.splitlines() if " INFO " not in line and line.strip()]
+    assert errors == [f"omnivox: error: cannot serve metrics on 127.0.0.1:{port}: Address already in use"], errors
 
 
 # ---- API keys: files as operators write them, rotation without a restart, no key material in logs -------------------

@@ -288,6 +288,8 @@ def check_flag_values(args: argparse.Namespace) -> None:
     finite("--max-streams-per-key", args.max_streams_per_key, 0)
     finite("--max-rpm-per-key", args.max_rpm_per_key, 0)
     finite("--max-model-len", args.max_model_len, 1)
+    if args.metrics_port and args.metrics_port == args.port:
+        raise CliError(f"--metrics-port and --port are both {args.port}: metrics need a port of their own")
     for name in args.names:
         if not name.strip() or name != name.strip():
             raise CliError(f"--name {name!r}: a model name is not empty and has no surrounding spaces")
