@@ -402,3 +402,24 @@ def test_manifest_and_image_flag_values_pass_the_serve_checks() -> None:
         args = build_parser().parse_args(argv)
         args.device = None  # cuda exists on the GPU node the overlay schedules on, not necessarily here
         check_flag_values(args)  # CliError names the flag
+
+
+def test_bad_tls_files_are_one_line_naming_the_flag(checkpoint: Path, tmp_path: Path, capsys) -> None:
+    """gRPC said 'cannot listen on 127.0.0.1:0: Failed to bind to address' for each of these."""
+    ca = Authority("our CA")
+    cert, key = ca.issue("localhost")
+    _, other_key = ca.issue("someone else")
+    files = {"cert": cert, "key": key, "other.key": other_key, "garbage": b"not a certificate\n", "ca": pem(ca.cert)}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    base = ["serve", "--model", str(checkpoint), "--port", "0"]
+    for flags, named in [
+        (["--tls-cert", "garbage", "--tls-key", "key"], "--tls-cert"),
+        (["--tls-cert", "cert", "--tls-key", "garbage"], "--tls-key"),
+        (["--tls-cert", "cert", "--tls-key", "other.key"], "the key is not the certificate's"),
+        (["--tls-cert", "cert", "--tls-key", "key", "--tls-client-ca", "garbage"], "--tls-client-ca"),
+    ]:
+        argv = [str(tmp_path / f) if not f.startswith("--") else f for f in flags]
+        assert cli_main([*base, *argv]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and named in err[0] and "Failed to bind" not in err[0], err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ssl
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -297,6 +298,7 @@ def check_flag_values(args: argparse.Namespace) -> None:
         raise CliError(f"--data-dir {args.data_dir} is not a folder")
     if args.device is not None:
         check_device(args.device)
+    check_tls_files(args)
     if args.api_keys is not None and args.api_keys.is_file():  # a missing file is named by serve.run
         from omnivox.services.auth import load_api_keys
 
@@ -320,3 +322,29 @@ def check_device(text: str) -> None:
             raise CliError(f"--device {text}: no CUDA device is available here")
         if device.index is not None and device.index >= count:
             raise CliError(f"--device {text}: there are {count} CUDA devices (cuda:0 to cuda:{count - 1})")
+
+
+def check_tls_files(args: argparse.Namespace) -> None:
+    """--tls-cert / --tls-key / --tls-client-ca: PEM files that load, and a key that matches its certificate (gRPC
+    said only 'cannot listen on HOST:PORT: Failed to bind' for any of these). Missing files are serve.run's to name."""
+    cert, key, client_ca = args.tls_cert, args.tls_key, args.tls_client_ca
+    if cert is None or key is None or not (cert.is_file() and key.is_file()):
+        return
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(cert, key)
+    except ssl.SSLError as err:
+        why = _ssl_reason(err, "no PEM certificate or key could be read")
+        raise CliError(f"--tls-cert {cert} / --tls-key {key}: {why}") from None
+    if client_ca is not None and client_ca.is_file():
+        try:
+            context.load_verify_locations(cafile=client_ca)
+        except ssl.SSLError as err:
+            why = _ssl_reason(err, "no PEM certificate could be read")
+            raise CliError(f"--tls-client-ca {client_ca}: {why}") from None
+
+
+def _ssl_reason(err: ssl.SSLError, default: str) -> str:
+    if err.reason == "KEY_VALUES_MISMATCH":
+        return "the key is not the certificate's"
+    return err.reason.lower().replace("_", " ") if err.reason else default
