@@ -30,7 +30,7 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families
 from service_harness import ServerThread, user_request
 
-from omnivox.services.auth import KeyFile
+from omnivox.services.auth import KeyFile, Quota
 from omnivox.services.cli import build_parser
 from omnivox.services.cli import main as cli_main
 from omnivox.services.cli._serve_flags import check_flag_values
@@ -423,3 +423,46 @@ def test_bad_tls_files_are_one_line_naming_the_flag(checkpoint: Path, tmp_path: 
         assert cli_main([*base, *argv]) == 1
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and named in err[0] and "Failed to bind" not in err[0], err
+
+
+# ---- Quotas: a call's slot comes back however it ends ------------------------------------------------------------------
+def test_quota_slot_comes_back_after_every_kind_of_end(checkpoint: Path, tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text(f"ops:{OLD_KEY}\n")
+    spec = ModelSpec(path=checkpoint, name="tiny")
+    with ServerThread([spec], EngineOptions(kv_cache_gib=0.01), api_keys=keys, quota=Quota(max_concurrent=1)) as srv:
+        gen = generation_pb2_grpc.GenerationServiceStub(srv.channel())
+        md = bearer(OLD_KEY)
+        long = user_request("Talk on.", max_output_tokens=4000, ignore_eos=True)
+
+        def slot_is_free() -> bool:
+            """A short call succeeds within 3 s (the slot is given back when the server's handler ends)."""
+            deadline = time.monotonic() + 3
+            while time.monotonic() < deadline:
+                try:
+                    list(gen.Generate(user_request("Hi", max_output_tokens=1), metadata=md, timeout=10))
+                    return True
+                except grpc.RpcError as err:
+                    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+                    time.sleep(0.05)
+            return False
+
+        call = gen.Generate(long, metadata=md)
+        next(call)
+        with pytest.raises(grpc.RpcError) as info:  # the quota holds while the first runs
+            list(gen.Generate(user_request("Hi", max_output_tokens=1), metadata=md, timeout=10))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        call.cancel()
+        assert slot_is_free(), "after a client cancel"
+        with pytest.raises(grpc.RpcError):
+            list(gen.Generate(long, metadata=md, timeout=0.3))
+        assert slot_is_free(), "after a deadline"
+        with pytest.raises(grpc.RpcError):
+            list(gen.Generate(user_request("Bad.", max_output_tokens=-1), metadata=md, timeout=10))
+        assert slot_is_free(), "after INVALID_ARGUMENT"
+        closing = grpc.insecure_channel(srv.address)
+        call = generation_pb2_grpc.GenerationServiceStub(closing).Generate(long, metadata=md)
+        next(call)
+        closing.close()  # the client goes away without a cancel of its own
+        assert slot_is_free(), "after the client's channel closed"
+        srv.wait_kv_free("tiny", timeout=5.0)
