@@ -145,7 +145,7 @@ def test_cli_output_path_that_cannot_be_written_is_one_line(served, tmp_path, ca
         (["--port", "99999"], "--port must be in [0, 65535], got 99999"),
         (["--port", "-5"], "--port must be in [0, 65535], got -5"),
         (["--metrics-port", "70000"], "--metrics-port must be in [0, 65535], got 70000"),
-        (["--max-message-mib", "0"], "--max-message-mib must be at least 1"),
+        (["--max-message-mib", "0"], "--max-message-mib must be a number at least 1 and at most 2047, got 0"),
         (["--speech-first-hop", "-3"], "--speech-first-hop must be at least 1"),
     ],
 )
