@@ -12,6 +12,7 @@ import re
 import secrets
 import string
 import uuid
+from collections.abc import Generator
 from dataclasses import dataclass, field
 
 from omnivox.v1 import content_pb2, generation_pb2
@@ -164,57 +165,12 @@ def _balanced(s: str) -> bool:
         return _closes(s)
 
 
-def _object_end(s: str, start: int) -> int | None:
-    """The index just past the JSON object that starts at `start` (after whitespace), or None while it is open."""
-    i = start
-    while i < len(s) and s[i] in " \t\r\n":
-        i += 1
-    if i == len(s) or s[i] != "{":
-        return None
+def _structure(s: str, start: int = 0) -> Generator[tuple[int, str, int], None, bool]:
+    """(index, character, bracket depth after it) for each character of s[start:] outside JSON strings (quotes and
+    string contents are skipped; the depth counts `{` and `[` not yet closed). Returns True when s ends in a string."""
     depth, in_str, esc = 0, False, False
-    for j in range(i, len(s)):
+    for j in range(start, len(s)):
         ch = s[j]
-        if in_str:
-            if esc:
-                esc = False
-            elif ch == "\\":
-                esc = True
-            elif ch == '"':
-                in_str = False
-        elif ch == '"':
-            in_str = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return j + 1
-    return None
-
-
-def _closes(s: str) -> bool:
-    """True when every bracket that `s` opens outside strings is closed (the grammar made the rest valid JSON)."""
-    depth, in_str, esc = 0, False, False
-    for ch in s:
-        if in_str:
-            if esc:
-                esc = False
-            elif ch == "\\":
-                esc = True
-            elif ch == '"':
-                in_str = False
-        elif ch == '"':
-            in_str = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-    return depth == 0 and not in_str
-
-
-def _split_top_level(s: str, sep: str) -> list[str]:
-    out, depth, in_str, esc, last = [], 0, False, False, 0
-    for i, ch in enumerate(s):
         if in_str:
             if esc:
                 esc = False
@@ -225,11 +181,39 @@ def _split_top_level(s: str, sep: str) -> list[str]:
             continue
         if ch == '"':
             in_str = True
-        elif ch in "{[":
+            continue
+        if ch in "{[":
             depth += 1
         elif ch in "}]":
             depth -= 1
-        elif depth == 0 and s.startswith(sep, i):
+        yield j, ch, depth
+    return in_str
+
+
+def _object_end(s: str, start: int) -> int | None:
+    """The index just past the JSON object that starts at `start` (after whitespace), or None while it is open."""
+    i = start
+    while i < len(s) and s[i] in " \t\r\n":
+        i += 1
+    if i == len(s) or s[i] != "{":
+        return None
+    return next((j + 1 for j, ch, depth in _structure(s, i) if depth == 0 and ch in "}]"), None)
+
+
+def _closes(s: str) -> bool:
+    """True when every bracket that `s` opens outside strings is closed (the grammar made the rest valid JSON)."""
+    scan, depth = _structure(s), 0
+    while True:
+        try:
+            _, _, depth = next(scan)
+        except StopIteration as end:
+            return depth == 0 and not end.value
+
+
+def _split_top_level(s: str, sep: str) -> list[str]:
+    out, last = [], 0
+    for i, _, depth in _structure(s):
+        if depth == 0 and i >= last and s.startswith(sep, i):
             out.append(s[last:i])
             last = i + len(sep)
     out.append(s[last:])
