@@ -64,6 +64,7 @@ class SpeechEvent:
     kind: SpeechEventKind
     offset: int  # sample index: START = first sample of the utterance, END = one past its last sample
     decided_at: int  # samples of the stream seen when the event was decided (>= offset)
+    cut: bool = False  # an END at MAX_SPEECH_MS: the speech goes on, in the utterance that STARTs at the same offset
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,6 @@ class VoiceActivityDetector:
             self.in_speech, self.speech_start = False, None
             events.append(SpeechEvent(SpeechEventKind.END, self._last_voiced_end, end))
         elif self._speech_frames >= self._max_frames:  # cut a too-long utterance; the next one starts here
-            events.append(SpeechEvent(SpeechEventKind.END, end, end))
+            events.append(SpeechEvent(SpeechEventKind.END, end, end, cut=True))
             events.append(SpeechEvent(SpeechEventKind.START, end, end))
             self.speech_start, self._speech_frames, self._last_voiced_end = end, 0, end

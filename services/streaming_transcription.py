@@ -202,7 +202,11 @@ class _Stream:
             self._event(transcription_pb2.SPEECH_EVENT_TYPE_SPEECH_END, ev.offset, u.index)
             if u.interim is not None:
                 u.interim.cancel()  # the final supersedes it
-            a, b, clip = self._span(u.start, ev.offset + round(PAD_S * SAMPLE_RATE))
+            # A cut utterance's span ends at the cut, where the next one's begins: padded into the audio after it,
+            # its end was min(cut + PAD_S, audio received), which depends on how the client chunked the stream
+            # (20 ms chunks: 29.46 s; 1 s chunks: 29.66 s, and the next utterance then lost those 0.2 s).
+            end = ev.offset if ev.cut else ev.offset + round(PAD_S * SAMPLE_RATE)
+            a, b, clip = self._span(u.start, end)
             self.prev_end = b
             self.pending_finals += 1
             self.finals.put_nowait((u, a, b, clip))
