@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 import torch
 
 from omnivox.engine.block_pool import BlockPool
+from omnivox.engine.errors import InvalidRequest
 from omnivox.engine.kv_manager import KVCacheManager
 from omnivox.engine.outputs import TokenLogprob
 from omnivox.engine.request import Request
 from omnivox.engine.runner import ModelRunner
-from omnivox.engine.sampler import PendingSample, Sampler
+from omnivox.engine.sampler import NOTHING_ALLOWED, PendingSample, Sampler
 from omnivox.engine.scheduler import ScheduledChunk, SchedulePlan, Scheduler
 from omnivox.engine.speculative import AcceptanceGate, PendingVerification, Proposal, Proposer, draw_verification
 from omnivox.engine.structured import GrammarMasks
@@ -260,6 +261,8 @@ class EngineCore:
         for i, req in enumerate(sample.reqs):
             if i in out.failed:
                 result.failed.append(req)
+            elif out.token_ids[i] == NOTHING_ALLOWED:
+                self._fail_nothing_allowed(req, req.num_output_tokens, result)
             else:
                 self._commit(req, [out.token_ids[i]], [out.logprobs[i]], result)
 
@@ -273,6 +276,10 @@ class EngineCore:
             if tokens is None:
                 self._fail_drafted([req], result)
                 continue
+            if tokens[-1] == NOTHING_ALLOWED:  # reached after the accepted drafts: plain decoding would get there too
+                req.draft_token_ids.clear()
+                self._fail_nothing_allowed(req, req.num_output_tokens + len(tokens) - 1, result)
+                continue
             drafted = len(req.draft_token_ids)
             result.stats.accepted_by_position += [0] * (drafted - len(result.stats.accepted_by_position))
             for j in range(len(tokens) - 1):
@@ -280,6 +287,24 @@ class EngineCore:
             if self.gate is not None:
                 self.gate.record(req, drafted, len(tokens) - 1)
             self._commit(req, tokens, [None] * len(tokens), result)
+
+    @staticmethod
+    def _fail_nothing_allowed(req: Request, position: int, result: StepResult) -> None:
+        """A row left with no token at all: the request's own doing when its -inf biases (or min_tokens) banned
+        everything its constraint admits there. Failed with that InvalidRequest (INVALID_ARGUMENT at the service);
+        anything else is an engine fault, failed as one."""
+        p = req.params
+        rules = "the request's constraint (response format, tool call, speech or transcription rules)"
+        if p.logit_bias and any(b == float("-inf") for b in p.logit_bias.values()):
+            what = f"every token {rules} allows there" if req.constraint is not None else "every token"
+            req.error = InvalidRequest("logit_bias", f"-inf biases ban {what}: output position {position}")
+        elif position < p.min_tokens:
+            req.error = InvalidRequest(
+                "min_tokens", f"output position {position}: {rules} allows only tokens that end the output there"
+            )
+        else:
+            log.error("request %s has no token left to sample at output position %d", req.request_id, position)
+        result.failed.append(req)
 
     @staticmethod
     def _fail_drafted(reqs: list[Request], result: StepResult) -> None:

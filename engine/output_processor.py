@@ -109,6 +109,7 @@ class OutputProcessor:
             new_text=new_text,
             new_logprobs=new_lp,
             finish_reason=req.finish_reason if finished else None,
+            error=req.error if finished else None,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             first_token_time=state.first_token_time,
             arrival_time=req.arrival_time,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from omnivox.engine.errors import InvalidRequest
+
 
 @dataclass(frozen=True)
 class TokenLogprob:
@@ -43,6 +45,7 @@ class RequestOutput:
     new_text: str = ""  # since the previous output of this request
     new_logprobs: list[TokenLogprob] | None = None  # one per new token when logprobs were asked for
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (engine failure) | None while running
+    error: InvalidRequest | None = None  # with "error": the request's own values caused it (INVALID_ARGUMENT)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     first_token_time: float | None = None  # time.monotonic() when the first output token was sampled
     arrival_time: float = 0.0  # time.monotonic() when the request was added

@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from omnivox.engine.errors import InvalidRequest
 from omnivox.engine.params import SamplingParams, TokenConstraint
 
 
@@ -209,6 +210,7 @@ class Request:
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first admission (-1: not yet admitted)
     status: Status = Status.WAITING
     finish_reason: str | None = None
+    error: InvalidRequest | None = None  # why a request ended with "error" when the request itself caused it
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
 

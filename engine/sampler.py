@@ -29,9 +29,14 @@ from omnivox.engine.transfer import HostTransfer, take_rows, to_device
 log = logging.getLogger(__name__)
 
 
+# The token a row gets when nothing is left to draw: every id its constraint admits is banned (-inf bias, min_tokens).
+# Drawn by argmax, such a row took id 0, which the grammar then rejected: INTERNAL for what is the request's own doing.
+NOTHING_ALLOWED = -1
+
+
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]
+    token_ids: list[int]  # NOTHING_ALLOWED for a row whose processed logits were all -inf
     logprobs: list[TokenLogprob | None]
     failed: list[int]  # rows whose own token constraint raised: no token for them, the rest sampled normally
 
@@ -232,7 +237,11 @@ class Sampler:
             picked.index_copy_(0, g, logits.index_select(0, g).argmax(dim=-1))
             sub = self._sample(logits.index_select(0, s), [reqs[i] for i in sampled], [sizes[i] for i in sampled])
             picked.index_copy_(0, s, sub)
-        drawn = _Drawn(picked + first_id if cand is None else cand.gather(1, picked.unsqueeze(1)).squeeze(1), lp_rows)
+        tokens = picked + first_id if cand is None else cand.gather(1, picked.unsqueeze(1)).squeeze(1)
+        # A row's pick is -inf only when all of it is (a sampled row's NaN softmax included): marked on the device,
+        # read back with the tokens, so it costs no host sync.
+        dead = logits.gather(1, picked.unsqueeze(1)).squeeze(1) == NEG_INF
+        drawn = _Drawn(tokens.masked_fill(dead, NOTHING_ALLOWED), lp_rows)
         if lp_rows:
             assert logprobs_all is not None
             top_n = max(reqs[i].params.logprobs for i in lp_rows)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from omnivox.engine.request import Request
+from omnivox.engine.sampler import NOTHING_ALLOWED
 from omnivox.engine.transfer import to_device
 
 NEG_INF = float("-inf")
@@ -158,7 +159,9 @@ def _draw_sampled(
     accept, tokens = resolve(probs[:k], q, to_device(drafts, dev, torch.long), u, noise)
     state = gen.get_state() if gen is not None else None
     bonus = (probs[k] / torch.empty_like(probs[k]).exponential_(generator=gen)).argmax()
-    return [accept, tokens, bonus], state
+    dead = probs[:, 0].isnan()  # [k + 1]: nothing allowed at that row (all -inf: a NaN softmax)
+    tokens = tokens.masked_fill(dead[:k], NOTHING_ALLOWED)
+    return [accept, tokens, bonus.masked_fill(dead[k], NOTHING_ALLOWED)], state
 
 
 class _FixedMask:
@@ -265,7 +268,9 @@ def draw_verification(
     # Everything the host needs goes down in one copy (the sampler's transfer, shared with the step's plain rows):
     # greedy picks for every row at once, then each sampled request's draws.
     greedy = any(req.params.is_greedy for req, c in zip(reqs, cut, strict=True) if c is not None)
-    parts: list[torch.Tensor] = [probs.argmax(dim=-1)] if greedy else []
+    # A row with nothing allowed (all -inf: its softmax is NaN) picks NOTHING_ALLOWED; reached, it fails the request.
+    picks = probs.argmax(dim=-1).masked_fill(probs[:, 0].isnan(), NOTHING_ALLOWED) if greedy else None
+    parts: list[torch.Tensor] = [picks] if picks is not None else []
     offset = probs.shape[0] if greedy else 0
     pending: list[_Draws | None] = []
     spans_iter = iter(spans)

@@ -124,6 +124,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     prompt.release()
                     raise validation.from_invalid_request(err) from err
             assert last is not None and last.finished, "the engine stream ended without a finished output"
+            if last.error is not None:  # its own values left it nothing to sample (e.g. -inf biases on every token)
+                raise validation.from_invalid_request(last.error)
             if last.finish_reason == "error":  # the engine failed this request's step and kept serving the others
                 raise errors.internal("the engine failed while computing this request; see the server log")
             final = self._summary(last, model, request.request_id or engine_request_id, received)

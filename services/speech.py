@@ -70,6 +70,7 @@ class _Segment:
     stream: AudioStream
     audio_tokens: int = 0
     finish_reason: str | None = None
+    error: InvalidRequest | None = None  # with "error": the request's own values caused it
     cached_tokens: int = 0  # prompt tokens the prefix cache served
 
 
@@ -237,6 +238,9 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
             done = time.monotonic()
             audio_seconds = encoder.samples_out / plan.sample_rate
             reasons = {s.finish_reason for s in segments}
+            caused = next((s.error for s in segments if s.error is not None), None)
+            if caused is not None:  # its own values left a segment nothing to sample (-inf biases on every code)
+                raise invalid(caused)
             if "error" in reasons:  # the engine failed a segment's step and kept serving the others
                 raise errors.internal("the engine failed while computing this request; see the server log")
             finish = "length" if "length" in reasons else "stop"
@@ -332,7 +336,7 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
                                 frame = []
                         worker.push(seg.stream, frames)
                         if out.finished:
-                            seg.finish_reason = out.finish_reason
+                            seg.finish_reason, seg.error = out.finish_reason, out.error
             worker.finish(seg.stream)
         except BaseException as exc:
             if not isinstance(exc, asyncio.CancelledError):

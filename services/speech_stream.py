@@ -229,6 +229,8 @@ async def streaming_synthesize(
                     if out.finished:
                         stats["cached"] += out.num_cached_tokens
                         stats["length"] = stats["length"] or out.finish_reason == "length"
+                        if out.error is not None:  # its own values left it nothing to sample
+                            raise invalid(out.error)
                         if out.finish_reason == "error":
                             raise errors.internal("the engine failed while computing this request")
             stats["tokens"] += count

@@ -1,0 +1,107 @@
+"""Engine edges: a request whose own -inf biases leave nothing to sample (INVALID_ARGUMENT naming
+`sampling.logit_bias`, not INTERNAL), speculative decoding combined with the other sampling features (output equal
+to plain decoding), and seeds (distinct seeds, distinct streams)."""
+
+from __future__ import annotations
+
+import math
+
+import llguidance
+import pytest
+from audit_generate import run, violations
+from engines import tiny_checkpoint, tiny_engine
+from service_harness import ServerThread, user_request
+
+from omnivox.engine import SamplingParams
+from omnivox.engine.speculative import NgramProposer
+from omnivox.engine.structured import compile_grammar, grammar_tokenizer
+from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
+
+PROMPT = [5, 6, 7, 5, 6, 7, 5, 6]  # repeats: the n-gram proposer drafts from it
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("edges"), "llama")
+
+
+@pytest.fixture(scope="module")
+def engines(ckpt):
+    return {"plain": tiny_engine(ckpt), "ngram": tiny_engine(ckpt, proposer=NgramProposer(k=3, min_n=1, max_n=3))}
+
+
+def regex_factory(engine, regex: str):
+    cfg = engine.model_config
+    tok = grammar_tokenizer(engine.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+    return compile_grammar(tok, llguidance.LLMatcher.grammar_from_regex(regex), cfg.vocab_size, cfg.eos_token_ids)
+
+
+def allowed_after(factory, tokens: list[int]) -> list[int]:
+    c = factory()
+    c.advance(tokens)
+    return c.allowed([]).nonzero().flatten().tolist()
+
+
+def finals(engine, prompts, params, drafted: list[int] | None = None) -> list:
+    """Final outputs in order; `drafted` gets the number of draft tokens verified."""
+    ids = [engine.add_request(p, params[i] if isinstance(params, list) else params) for i, p in enumerate(prompts)]
+    out = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = o
+        if drafted is not None:
+            drafted.append(engine.last_step.stats.num_drafted)
+    return [out[i] for i in ids]
+
+
+@pytest.mark.parametrize("kind", ["plain", "ngram"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_bans_on_every_allowed_token_fail_the_request_naming_logit_bias(engines, kind, temperature):
+    engine = engines[kind]
+    factory = regex_factory(engine, "xy|xz")
+    first = allowed_after(factory, [])
+    x = engine.tokenizer("x", add_special_tokens=False).input_ids
+    assert len(x) == 1 and x[0] in first
+    second = allowed_after(factory, x)
+    # Position 0: everything but "x" banned, so "x" is taken; position 1: all that may follow "x" banned.
+    bias = {t: float("-inf") for t in first + second if t != x[0]}
+    params = SamplingParams(temperature=temperature, seed=3, max_tokens=8, constraint_factory=factory, logit_bias=bias)
+    ok = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    drafted: list[int] = []
+    prompt = [5, 6, *x, 7, 8, 9]  # after "x" the n-gram proposer drafts 7 8 9: verified at the dead row
+    bad, good = finals(engine, [prompt, PROMPT], [params, ok], drafted)
+    assert (sum(drafted) > 0) == (kind == "ngram")
+    assert bad.finish_reason == "error"
+    assert bad.error is not None and bad.error.field == "logit_bias", bad.error
+    assert "output position 1" in bad.error.description, bad.error.description
+    assert bad.token_ids == [] or bad.token_ids == x
+    assert good.finish_reason == "length" and len(good.token_ids) == 6
+    engine.check_integrity()
+    assert engine.pool.num_free == engine.pool.usage().total_blocks
+
+
+@pytest.fixture(scope="module")
+def server(ckpt):
+    with ServerThread([ModelSpec(path=ckpt, name="tiny")], EngineOptions(kv_cache_gib=0.01)) as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_over_grpc_it_is_invalid_argument_and_the_server_keeps_serving(server, temperature):
+    """It was INTERNAL "the engine failed": argmax over a row of -inf took token 0, which the grammar rejected."""
+    engine = server.engine("tiny")
+    factory = regex_factory(engine, "xy|xz")
+    x = engine.tokenizer("x", add_special_tokens=False).input_ids
+    banned = [t for t in allowed_after(factory, []) + allowed_after(factory, x) if t != x[0]]
+    sampling = sampling_pb2.SamplingConfig(temperature=temperature, seed=1, logit_bias=dict.fromkeys(banned, -math.inf))
+    request = user_request(
+        "x", response_format=generation_pb2.ResponseFormat(regex="xy|xz"), sampling=sampling, max_output_tokens=8
+    )
+    stub = generation_pb2_grpc.GenerationServiceStub(server.channel())
+    found = violations(stub, request)
+    assert "output position 1" in found["sampling.logit_bias"], found
+    assert server.wait_kv_free()[0] == server.wait_kv_free()[1]
+    _, _, summary = run(stub, user_request("x", max_output_tokens=3))
+    assert summary.usage.output_tokens >= 1
