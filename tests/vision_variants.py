@@ -10,20 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import transformers
-from vision_checkpoints import _save, chat_template, tokenizer_with
+from vision_checkpoints import _TEXT, _save, chat_template, tokenizer_with
 
 from omnivox.models.vision.base import image_only_processor_class
 
-TEXT = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=2048,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
+TEXT = _TEXT  # the tiny text decoder the served vision checkpoints use; variants override its keys
 
 
 def make_llava_variant(
