@@ -155,6 +155,11 @@ class Metrics:
         observer = self.observers.get(model)
         return observer.scheduled.pop(request_id, None) if observer is not None else None
 
+    def request_ended(self, model: str, reason: str) -> None:
+        """A request that ended without a last output to report: "abort" (the client cancelled, its deadline passed,
+        the server stopped) or "error" (the engine failed its step); counted as vLLM counts them."""
+        self.success.labels(model, reason).inc()
+
     def request_finished(self, model: str, out: RequestOutput) -> None:
         """A request's last output (from the servicer): finish reason, end-to-end and decode time."""
         now = time.monotonic()
