@@ -63,6 +63,9 @@ _NUM = (int, float)
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
+MAX_SEED = 2**32 - 1  # seeds are 32-bit (see the "seed" rule)
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -123,7 +126,9 @@ _RULES: dict[str, FieldRule] = {
     "presence_penalty": _rule(lambda v: _is_num(v) and -2.0 <= v <= 2.0, "must be in [-2, 2]"),
     "frequency_penalty": _rule(lambda v: _is_num(v) and -2.0 <= v <= 2.0, "must be in [-2, 2]"),
     "logit_bias": FieldRule(_check_logit_bias, optional=True),
-    "seed": _rule(_is_int, "must be an integer", optional=True),
+    # The CPU generator (mt19937) keeps a seed's low 32 bits: -1, 2**32 - 1 and 2**63 - 1 drew one stream. Seeds are
+    # refused past 32 bits rather than folded, so distinct seeds are distinct streams on every device.
+    "seed": _rule(lambda v: _is_int(v) and 0 <= v <= MAX_SEED, f"must be an integer in [0, {MAX_SEED}]", optional=True),
     "max_tokens": _rule(lambda v: _is_int(v) and v >= 1, "must be an integer >= 1", optional=True),
     "min_tokens": _rule(lambda v: _is_int(v) and v >= 0, "must be an integer >= 0"),
     "stop": FieldRule(_check_stop, optional=True),

@@ -27,6 +27,7 @@ import grpc
 from omnivox.codecs.audio_format import AudioStreamEncoder
 from omnivox.codecs.decode_worker import END, AudioStream
 from omnivox.engine import InvalidRequest, SamplingParams, shared
+from omnivox.engine.params import MAX_SEED
 from omnivox.models.orpheus import SpeechLayout
 from omnivox.services import errors
 from omnivox.services.errors import FieldViolation, rpc_method
@@ -293,7 +294,8 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
         frames = min(room, math.ceil(seconds * layout.sample_rate / bundle.codec.frame_samples))
         kwargs = dict(plan.sampling)
         if "seed" in kwargs:
-            kwargs["seed"] = int(kwargs["seed"]) + index  # segments differ, the request stays reproducible
+            # segments differ, the request stays reproducible (wrapped: the seed range ends at MAX_SEED)
+            kwargs["seed"] = (int(kwargs["seed"]) + index) % (MAX_SEED + 1)
         params = SamplingParams(
             **kwargs,  # type: ignore[arg-type]
             max_tokens=frames * layout.frame_size,

@@ -12,7 +12,7 @@ from audit_generate import run, violations
 from engines import tiny_checkpoint, tiny_engine
 from service_harness import ServerThread, user_request
 
-from omnivox.engine import SamplingParams
+from omnivox.engine import InvalidRequest, SamplingParams
 from omnivox.engine.speculative import NgramProposer
 from omnivox.engine.structured import compile_grammar, grammar_tokenizer
 from omnivox.services.loading import EngineOptions, ModelSpec
@@ -105,3 +105,21 @@ def test_over_grpc_it_is_invalid_argument_and_the_server_keeps_serving(server, t
     assert server.wait_kv_free()[0] == server.wait_kv_free()[1]
     _, _, summary = run(stub, user_request("x", max_output_tokens=3))
     assert summary.usage.output_tokens >= 1
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32, 2**63 - 1])
+def test_a_seed_past_32_bits_is_refused_naming_it(server, engines, seed):
+    """-1, 2**32 - 1 and 2**63 - 1 drew the same stream (the CPU generator keeps a seed's low 32 bits)."""
+    with pytest.raises(InvalidRequest) as info:
+        engines["plain"].add_request(PROMPT, SamplingParams(temperature=1.0, seed=seed, max_tokens=2))
+    assert info.value.field == "seed"
+    stub = generation_pb2_grpc.GenerationServiceStub(server.channel())
+    sampling = sampling_pb2.SamplingConfig(temperature=1.0, seed=seed)
+    found = violations(stub, user_request("x", sampling=sampling, max_output_tokens=2))
+    assert "[0, 4294967295]" in found["sampling.seed"], found
+
+
+def test_distinct_seeds_at_the_ends_of_the_range_are_distinct_streams(engines):
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=16, ignore_eos=True) for s in (0, 2**32 - 1, 0)]
+    a, b, again = (o.token_ids for o in finals(engines["plain"], [PROMPT] * 3, params))
+    assert a == again and a != b

@@ -115,7 +115,8 @@ def test_eight_concurrent_streams_complete_and_share_codec_passes(server):
     assert free == total
 
 
-def test_long_text_is_split_and_streamed_in_order(server):
+@pytest.mark.parametrize("seed", [11, 2**32 - 2])  # the last: segment seeds wrap past the range's end to 0
+def test_long_text_is_split_and_streamed_in_order(server, seed):
     """Each segment is its own seeded engine request, so the long request's audio == its sentences said alone."""
     sentences = ["First sentence here.", "And a second one!", "Third?"]
     long_text = " ".join(sentences)
@@ -123,8 +124,8 @@ def test_long_text_is_split_and_streamed_in_order(server):
     server.speech.limits.max_segment_chars = 20
     try:
         pcm = ENC.AUDIO_ENCODING_LINEAR16
-        _, whole, summary = split_responses(synthesize(server, long_text, pcm, sampling={"seed": 11}))
-        parts = [split_responses(synthesize(server, s, pcm, sampling={"seed": 11 + i}))
+        _, whole, summary = split_responses(synthesize(server, long_text, pcm, sampling={"seed": seed}))
+        parts = [split_responses(synthesize(server, s, pcm, sampling={"seed": (seed + i) % 2**32}))
                  for i, s in enumerate(sentences)]  # fmt: skip
     finally:
         server.speech.limits.max_segment_chars = 300
