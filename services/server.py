@@ -52,6 +52,9 @@ class ServerOptions:
     max_queue: int = 256  # requests admitted at once per model (waiting + running)
     grace_period_s: float = 30.0  # how long in-flight streams may run on after SIGTERM
     metrics_port: int | None = None  # HTTP /metrics (Prometheus) on host:port; None = not served; 0 = any free port
+    # Plaintext grpc.health.v1 alone on host:port, for probes that cannot speak TLS or mTLS (the kubelet's gRPC
+    # probes, Docker's HEALTHCHECK) when `port` has them; None = not served; 0 = any free port.
+    health_port: int | None = None
     api_keys: Path | None = None  # one key per line (or id:key): omnivox RPCs then need `authorization: Bearer KEY`
     tls_client_ca: Path | None = None  # mTLS: client certificates signed by this CA are required
     quota: Quota = Quota()  # per caller (API key id / certificate name)
@@ -82,6 +85,8 @@ class OmnivoxServer:
         self.engine_failed = asyncio.Event()  # crash-only: set when an engine's step loop raised
         self.tracing: Any = None
         self._server: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None
+        self.health_port: int | None = None
         self._force_stop = asyncio.Event()
         self.forced = False  # a drain cut short by force_stop()
 
@@ -145,7 +150,26 @@ class OmnivoxServer:
                 address = listen_address(opts.host, opts.metrics_port)
                 raise OSError(f"cannot serve metrics on {address}: {exc.strerror or exc}") from exc
             log.info("metrics on http://%s/metrics", listen_address(opts.host, self.metrics_port))
+        if opts.health_port is not None:
+            await self._serve_health(opts.host, opts.health_port)
         return self.port
+
+    async def _serve_health(self, host: str, port: int) -> None:
+        """The health service (the same servicer: the same statuses and Watch updates) alone, in plaintext."""
+        self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
+        address = listen_address(host, port)
+        try:
+            self.health_port = self._health_server.add_insecure_port(address)
+        except RuntimeError:
+            self.health_port = 0
+        if not self.health_port:
+            assert self._server is not None
+            await self._server.stop(0)
+            self.metrics.close()
+            raise OSError(f"cannot serve health checks on {address}")
+        await self._health_server.start()
+        log.info("health checks (plaintext) on %s", listen_address(host, self.health_port))
 
     async def _set_health(self, status: int) -> None:
         for name in ("", *self.service_names):
@@ -221,6 +245,8 @@ class OmnivoxServer:
             # calls still running are cancelled, which aborts their engine requests.
             remaining = max(deadline - asyncio.get_running_loop().time(), 0.0)
             await self._server.stop(0 if self._force_stop.is_set() else min(remaining, 1.0))
+        if self._health_server is not None:  # after the main port: probes saw NOT_SERVING through the drain
+            await self._health_server.stop(0)
         await self.registry.aclose()  # every bundle: its codec worker, then its engine
         self.metrics.close()
         if self.tracing is not None:

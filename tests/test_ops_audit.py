@@ -62,6 +62,8 @@ BAD_FLAGS = [
     (["--device", "foo"], "--device"),  # torch's list of 20 device types, no flag named
     (["--data-dir", __file__], "--data-dir"),  # served; creating a voice failed later
     (["--port", "50999", "--metrics-port", "50999"], "--metrics-port"),  # 'Address already in use' + a traceback
+    (["--health-port", "70000"], "--health-port"),
+    (["--port", "50999", "--health-port", "50999"], "--health-port"),
 ]
 
 
@@ -472,3 +474,39 @@ def test_quota_slot_comes_back_after_every_kind_of_end(checkpoint: Path, tmp_pat
         closing.close()  # the client goes away without a cancel of its own
         assert slot_is_free(), "after the client's channel closed"
         srv.wait_kv_free("tiny", timeout=5.0)
+
+
+def test_health_port_answers_plaintext_probes_of_a_tls_server(checkpoint: Path, tmp_path: Path) -> None:
+    """Kubernetes' gRPC probes and the image's HEALTHCHECK speak plaintext only: against a TLS (or mTLS) port they
+    always failed. --health-port serves the same health service alone, in plaintext."""
+    ca = Authority("our CA")
+    cert, key = ca.issue("localhost")
+    (tmp_path / "server.pem").write_bytes(cert)
+    (tmp_path / "server.key").write_bytes(key)
+    (tmp_path / "clients.pem").write_bytes(pem(ca.cert))
+    opts = dict(
+        tls_cert=tmp_path / "server.pem", tls_key=tmp_path / "server.key", tls_client_ca=tmp_path / "clients.pem"
+    )
+    spec = ModelSpec(path=checkpoint, name="tiny")
+    srv = ServerThread([spec], EngineOptions(kv_cache_gib=0.01), load=False, health_port=0, **opts)
+    with srv:
+        probe = grpc.insecure_channel(f"127.0.0.1:{srv.server.health_port}")
+        health = health_pb2_grpc.HealthStub(probe)
+        request = health_pb2.HealthCheckRequest()
+        assert health.Check(request, timeout=10).status == health_pb2.HealthCheckResponse.NOT_SERVING  # loading
+        watch = health.Watch(request, timeout=60)
+        assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        srv.run(srv.server.load_models(srv.engine_options), timeout=120)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        assert health.Check(request, timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as info:  # only health there: no way around TLS and keys
+            model_pb2_grpc.ModelServiceStub(probe).ListModels(model_pb2.ListModelsRequest(), timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        plain = grpc.insecure_channel(f"127.0.0.1:{srv.server.port}")  # the TLS port itself refuses plaintext
+        with pytest.raises(grpc.RpcError) as info:
+            health_pb2_grpc.HealthStub(plain).Check(request, timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        plain.close()
+        srv.run(srv.server.stop(5.0))
+        assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING  # the drain, seen by the probe
+        probe.close()

@@ -74,6 +74,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds before a client connection is closed gracefully (GOAWAY), so clients rebalance onto new replicas",
     )
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at http://HOST:PORT/metrics")
+    p.add_argument(
+        "--health-port",
+        type=int,
+        help="also serve grpc.health.v1 alone, in plaintext, on this port: for probes that cannot speak TLS or "
+        "mTLS (Kubernetes' gRPC probes, Docker's HEALTHCHECK) when --tls-cert is set",
+    )
     p.add_argument("--api-keys", type=Path, help="file of API keys (one per line, or id:key); RPCs then need one")
     p.add_argument("--tls-client-ca", type=Path, help="PEM CA: require client certificates it signed (mTLS)")
     p.add_argument("--max-streams-per-key", type=int, default=0, help="concurrent calls per caller (0: no limit)")
@@ -289,8 +295,11 @@ def check_flag_values(args: argparse.Namespace) -> None:
     finite("--max-streams-per-key", args.max_streams_per_key, 0)
     finite("--max-rpm-per-key", args.max_rpm_per_key, 0)
     finite("--max-model-len", args.max_model_len, 1)
-    if args.metrics_port and args.metrics_port == args.port:
-        raise CliError(f"--metrics-port and --port are both {args.port}: metrics need a port of their own")
+    for flag, port in (("--metrics-port", args.metrics_port), ("--health-port", args.health_port)):
+        if port and port == args.port:
+            raise CliError(f"{flag} and --port are both {args.port}: it needs a port of its own")
+    if args.health_port and args.health_port == args.metrics_port:
+        raise CliError(f"--health-port and --metrics-port are both {args.health_port}: each needs a port of its own")
     for name in args.names:
         if not name.strip() or name != name.strip():
             raise CliError(f"--name {name!r}: a model name is not empty and has no surrounding spaces")

@@ -49,7 +49,11 @@ def run(args: argparse.Namespace) -> int:
     for path in (args.tls_cert, args.tls_key, args.api_keys, args.tls_client_ca):
         if path is not None and not path.is_file():
             raise CliError(f"no such file: {path}")
-    for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+    for flag, port in (
+        ("--port", args.port),
+        ("--metrics-port", args.metrics_port),
+        ("--health-port", args.health_port),
+    ):
         if port is not None and not 0 <= port <= 65535:  # gRPC bound --port 99999 as 34463, saying so only in a log
             raise CliError(f"{flag} must be in [0, 65535], got {port}")
     if args.max_message_mib < 1 or args.grace_period < 0 or args.stream_idle_timeout < 0:
@@ -79,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
         grace_period_s=args.grace_period,
         stream_idle_timeout_s=args.stream_idle_timeout,
         metrics_port=args.metrics_port,
+        health_port=args.health_port,
         api_keys=args.api_keys,
         tls_client_ca=args.tls_client_ca,
         quota=Quota(max_concurrent=args.max_streams_per_key, max_per_minute=args.max_rpm_per_key),
