@@ -29,6 +29,8 @@ from omnivox.models.audio.transcription import TranscriptionRequestError, langua
 from omnivox.services import errors
 from omnivox.services.errors import FieldViolation
 from omnivox.services.prompt import Prompt, role_of
+from omnivox.services.tool_parser import ToolFormat
+from omnivox.services.tools import format_of, tool_turn_content, turn_fields
 from omnivox.services.voxtral_prompt import VoxtralPrompts, voxtral_language
 from omnivox.v1 import content_pb2
 
@@ -77,14 +79,18 @@ class AudioInputPart:
         except AudioInputError as err:
             raise errors.invalid_argument([FieldViolation(f"{path}.{err.field}", err.description)]) from err
 
-    def render(self, messages: list[dict], continue_final: bool = False) -> list[int]:
-        """Chat messages -> token ids through the checkpoint's template (one marker per clip, not yet expanded).
-        Voxtral continues a final assistant turn (mistral_common has no generation prompt to add; it refuses a
-        conversation that ends with an answer unless told to continue it)."""
+    def render(self, messages: list[dict], continue_final: bool = False, tools: list[dict] | None = None) -> list[int]:
+        """Chat messages (and the request's `tools`) -> token ids through the checkpoint's template (one marker per
+        clip, not yet expanded). Voxtral continues a final assistant turn (mistral_common has no generation prompt to
+        add; it refuses a conversation that ends with an answer unless told to continue it)."""
         if self.mistral is not None:
-            return self.mistral.chat_ids(messages, continue_final or messages[-1]["role"] == "assistant")
+            return self.mistral.chat_ids(messages, continue_final or messages[-1]["role"] == "assistant", tools)
         text = self.processor.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=not continue_final, continue_final_message=continue_final
+            messages,
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=not continue_final,
+            continue_final_message=continue_final,
         )
         return list(self.processor.tokenizer(text, add_special_tokens=False).input_ids)
 
@@ -168,7 +174,16 @@ class AudioPromptBuilder:
     def __init__(self, audio: AudioInputPart) -> None:
         self.audio = audio
 
-    def build(self, contents: Sequence[content_pb2.Content]) -> Prompt:
+    def tool_format(self) -> ToolFormat | None:
+        """The call format the checkpoint's prompts write; None when they render no tools (Qwen2-Audio's template)."""
+        if self.audio.mistral is not None:
+            return self.audio.mistral.tool_format()
+        template = str(getattr(self.audio.processor, "chat_template", "") or "")
+        return format_of(None, template) if "tools" in template else None
+
+    def build(self, contents: Sequence[content_pb2.Content], tools: list[dict] | None = None) -> Prompt:
+        """`tools`: the request's tools for the template (services/tools.py); tool results and assistant calls are
+        turns of their own, their text one string."""
         audio = self.audio
         marker = audio.marker_text()
         messages: list[dict] = []
@@ -189,11 +204,12 @@ class AudioPromptBuilder:
                     except errors.ServiceError as err:
                         bad.extend(err.field_violations)
                     parts.append({"type": "audio"})
-            messages.append({"role": role_of(content), "content": parts})
+            messages.append({"role": role_of(content), "content": tool_turn_content(content, parts)})
+            messages[-1].update(turn_fields(content))
         if bad:
             raise errors.invalid_argument(bad)
         try:
-            ids = audio.render(messages)
+            ids = audio.render(messages, tools=tools)
         except ValueError as exc:  # mistral_common refuses a conversation it cannot write (Voxtral)
             if audio.mistral is None:
                 raise

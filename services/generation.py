@@ -75,11 +75,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         with model.admit():
             assert model.engine is not None
             await structured.constrain(request, checked.params, model.engine)  # compiled off the loop, cached
-            tool_plan = tools.plan(request, model.engine.tokenizer)  # None: no tools and no tool turns
+            # A vision or audio model's own template renders the tools with its images and audio (None: text model)
+            media = None if isinstance(model.prompt_builder, ChatPromptBuilder) else model.prompt_builder
+            media_format = tools.media_format(request, media) if media is not None else None
+            tool_plan = tools.plan(request, model.engine.tokenizer, media_format)  # None: no tools, no tool turns
             await tools.constrain(tool_plan, checked.params, model.engine)
             tool_output = tools.ToolOutput(tool_plan) if tool_plan is not None and tool_plan.parses_calls else None
             tokenizer = model.engine.tokenizer
-            text_prompt = tool_plan is not None or isinstance(model.prompt_builder, ChatPromptBuilder)
+            text_prompt = media is None
             template_kwargs = reasoning.template_kwargs(request, tokenizer, text_prompt)
             built = time.monotonic()
             prompt = await self._build_prompt(model, request, tool_plan, template_kwargs)
@@ -183,6 +186,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     ) -> Prompt:
         assert model.prompt_builder is not None
         try:  # in a worker thread: a long prompt (or decoding audio and images) must not stall the other streams
+            if tool_plan is not None and not isinstance(model.prompt_builder, ChatPromptBuilder):
+                # images / audio and tools through the model's own builder (tools.media_format allowed them)
+                return await build_in_thread(model.prompt_builder.build, request.contents, tool_plan.tools or None)
             if tool_plan is not None:  # tools and tool turns through the tokenizer's chat template (text turns)
                 assert model.engine is not None
                 tokenizer = model.engine.tokenizer

@@ -31,6 +31,8 @@ from omnivox.models.vision import ImageInputs, VisionEncoder
 from omnivox.services import errors
 from omnivox.services.errors import FieldViolation
 from omnivox.services.prompt import Prompt, role_of
+from omnivox.services.tool_parser import ToolFormat
+from omnivox.services.tools import format_of, tool_turn_content, turn_fields
 from omnivox.v1 import content_pb2
 
 log = logging.getLogger(__name__)
@@ -124,14 +126,15 @@ class ImageInputPart:
         key = image_content_key(part.data, self.model_key, {**self.feature_settings(), "max_pixels": max_pixels})
         return item, key
 
-    def render(self, messages: list[dict]) -> list[int]:
-        """Chat messages -> token ids through the checkpoint's template (one marker per image, not yet expanded).
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Chat messages (and the request's `tools`) -> token ids through the checkpoint's template (one marker per
+        image, not yet expanded).
 
         Tokenized as transformers' `ProcessorMixin.apply_chat_template(tokenize=True)` does: with the tokenizer's
         special tokens unless the rendered text already starts with its BOS. llava-1.5-hf's and LLaVA-NeXT-Mistral's
         templates write no BOS and their Llama/Mistral tokenizers add one; without it the prompt lost its first token.
         """
-        text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = self.processor.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         tok = self.processor.tokenizer
         add_special = not (tok.bos_token is not None and text.startswith(tok.bos_token))
         return list(tok(text, add_special_tokens=add_special).input_ids)
@@ -228,7 +231,14 @@ class ImagePromptBuilder:
         self.image = image
         self.context_tokens = context_tokens
 
-    def build(self, contents: Sequence[content_pb2.Content]) -> Prompt:
+    def tool_format(self) -> ToolFormat | None:
+        """The call format the checkpoint's template writes; None when it renders no tools (LLaVA's, SmolVLM's)."""
+        template = str(getattr(self.image.processor, "chat_template", "") or "")
+        return format_of(None, template) if "tools" in template else None
+
+    def build(self, contents: Sequence[content_pb2.Content], tools: list[dict] | None = None) -> Prompt:
+        """`tools`: the request's tools for the template (services/tools.py); tool results and assistant calls are
+        turns of their own, their text one string."""
         image = self.image
         reserved = image.reserved_texts()
         count = sum(1 for c in contents for p in c.parts if p.WhichOneof("kind") == "image")
@@ -269,7 +279,8 @@ class ImagePromptBuilder:
                                 ]
                             )
                     parts.append({"type": "image"})
-            messages.append({"role": role_of(content), "content": parts})
+            messages.append({"role": role_of(content), "content": tool_turn_content(content, parts)})
+            messages[-1].update(turn_fields(content))
         if bad:
             raise errors.invalid_argument(bad)
-        return image.prompt(image.render(messages), images)
+        return image.prompt(image.render(messages, tools), images)

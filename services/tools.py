@@ -45,8 +45,10 @@ MAX_TOOLS = 128
 MAX_SCHEMA_DEPTH = 100
 
 
-def format_of(tokenizer: Any) -> ToolFormat:
-    template = str(getattr(tokenizer, "chat_template", "") or "")
+def format_of(tokenizer: Any, template: str | None = None) -> ToolFormat:
+    """The call format the chat template writes: `template` (a multimodal processor's), else the tokenizer's."""
+    if template is None:
+        template = str(getattr(tokenizer, "chat_template", "") or "")
     if "[TOOL_CALLS]" in template:  # Mistral's template writes calls back with its tag (a tokenizer that has the
         # token but a template without tools gets Hermes written into the text: prompt_ids)
         return MISTRAL_NEMO if "[TOOL_CALLS][" in template else MISTRAL
@@ -123,15 +125,34 @@ def _check_ids(request: generation_pb2.GenerateRequest, v: list[FieldViolation])
                 v.append(FieldViolation(f"contents[{i}].tool_calls[{j}].id", why))
 
 
-def plan(request: generation_pb2.GenerateRequest, tokenizer: Any) -> ToolPlan | None:
-    """Validate tools / tool_choice / tool turns; None when the request uses none of them."""
+def uses_tools(request: generation_pb2.GenerateRequest) -> bool:
+    """The request sends tools, a tool choice, or tool turns (calls, results)."""
     has_turns = any(c.role == "tool" or c.tool_calls for c in request.contents)
-    if not request.tools and not request.HasField("tool_choice") and not has_turns:
+    return bool(request.tools) or request.HasField("tool_choice") or has_turns
+
+
+def media_format(request: generation_pb2.GenerateRequest, builder: Any) -> ToolFormat | None:
+    """The call format of a multimodal model's prompt builder (images or audio with tools, as vLLM's chat API takes
+    them: the model's own template renders both); None when the request uses no tools. INVALID_ARGUMENT on `tools`
+    when the model's template cannot render tools (LLaVA's, SmolVLM's, Qwen2-Audio's, Whisper's)."""
+    if not uses_tools(request):
+        return None
+    fmt = builder.tool_format() if hasattr(builder, "tool_format") else None
+    if fmt is None:
+        why = "this model's chat template does not render tools (nor tool calls and results)"
+        raise errors.invalid_argument([FieldViolation("tools", why)])
+    return fmt
+
+
+def plan(request: generation_pb2.GenerateRequest, tokenizer: Any, media: ToolFormat | None = None) -> ToolPlan | None:
+    """Validate tools / tool_choice / tool turns; None when the request uses none of them. `media`: the call format
+    of a multimodal model's template (`media_format`), whose turns may hold image and audio parts too."""
+    if not uses_tools(request):
         return None
     v: list[FieldViolation] = []
     if len(request.tools) > MAX_TOOLS:
         v.append(FieldViolation("tools", f"at most {MAX_TOOLS} tools, got {len(request.tools)}"))
-    fmt = format_of(tokenizer)
+    fmt = media if media is not None else format_of(tokenizer)
     tools, calls, names = [], {}, set()
     for i, tool in enumerate(request.tools):
         if not NAME.match(tool.name):
@@ -169,7 +190,7 @@ def plan(request: generation_pb2.GenerateRequest, tokenizer: Any) -> ToolPlan | 
         if c.tool_calls and c.role != "assistant":
             v.append(FieldViolation(f"contents[{i}].tool_calls", "only an assistant turn carries tool calls"))
         for j, part in enumerate(c.parts):
-            if part.WhichOneof("kind") not in ("text", None):
+            if media is None and part.WhichOneof("kind") not in ("text", None):
                 v.append(FieldViolation(f"contents[{i}].parts[{j}]", "with tools, turns take text parts only"))
         for j, call in enumerate(c.tool_calls):
             try:
@@ -200,20 +221,34 @@ def messages(contents: list[content_pb2.Content]) -> list[dict]:
     out = []
     for c in contents:
         text = "\n".join(p.text for p in c.parts if p.WhichOneof("kind") == "text")
-        message: dict[str, Any] = {"role": c.role or "user", "content": text}
-        if c.tool_calls:
-            message["tool_calls"] = [
-                {
-                    "id": call.id,
-                    "type": "function",
-                    "function": {"name": call.name, "arguments": json.loads(call.arguments or "{}")},
-                }
-                for call in c.tool_calls
-            ]
-        if c.role == "tool":
-            message["tool_call_id"] = c.tool_call_id
-        out.append(message)
+        out.append({"role": c.role or "user", "content": text, **turn_fields(c)})
     return out
+
+
+def turn_fields(content: content_pb2.Content) -> dict[str, Any]:
+    """A turn's tool fields as chat templates read them: an assistant's `tool_calls`, a result's `tool_call_id`."""
+    fields: dict[str, Any] = {}
+    if content.tool_calls:
+        fields["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": json.loads(call.arguments or "{}")},
+            }
+            for call in content.tool_calls
+        ]
+    if content.role == "tool":
+        fields["tool_call_id"] = content.tool_call_id
+    return fields
+
+
+def tool_turn_content(content: content_pb2.Content, parts: list[dict]) -> str | list[dict]:
+    """A multimodal turn's chat-template content: `parts` ({"type": ...} dicts), but one string for a tool result or
+    an assistant's calls of text only (templates read those turns' `message.content` as text, as transformers' and
+    vLLM's examples send them)."""
+    if (content.role == "tool" or content.tool_calls) and all(p["type"] == "text" for p in parts):
+        return "\n".join(p["text"] for p in parts)
+    return parts
 
 
 def prompt_ids(

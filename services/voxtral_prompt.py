@@ -27,6 +27,7 @@ import numpy as np
 import soundfile
 
 from omnivox.models.audio.transcription import TranscriptionRequestError
+from omnivox.services.tool_parser import MISTRAL, MISTRAL_NEMO, ToolFormat
 
 
 class VoxtralPrompts:
@@ -56,21 +57,45 @@ class VoxtralPrompts:
         )
         self._stand_in = buf.getvalue()
 
-    def chat_ids(self, messages: list[dict], continue_final: bool) -> list[int]:
-        """Chat messages (`{"type": "audio"}` where each clip goes) -> token ids, one marker per clip.
-        mistral_common's refusals (turn order, an empty conversation) are ValueError."""
+    def chat_ids(self, messages: list[dict], continue_final: bool, tools: list[dict] | None = None) -> list[int]:
+        """Chat messages (`{"type": "audio"}` where each clip goes; a tool turn's content a string) and the request's
+        `tools` -> token ids, one marker per clip. mistral_common's refusals (turn order, an empty conversation) are
+        ValueError."""
         stand_in = base64.b64encode(self._stand_in).decode()
         filled = [
-            {**m, "content": [{**p, "base64": stand_in} if p["type"] == "audio" else p for p in m["content"]]}
+            m
+            if isinstance(m["content"], str)
+            else {**m, "content": [{**p, "base64": stand_in} if p["type"] == "audio" else p for p in m["content"]]}
             for m in messages
         ]
         try:
             ids = self.backend.apply_chat_template(
-                filled, tokenize=True, return_dict=False, continue_final_message=continue_final
+                filled, tools=tools, tokenize=True, return_dict=False, continue_final_message=continue_final
             )
         except (ValueError, AssertionError) as exc:  # mistral_common's exceptions are ValueErrors
             raise ValueError(str(exc)) from exc
         return self._fold(list(ids))
+
+    def tool_format(self) -> ToolFormat | None:
+        """How mistral_common writes an assistant's calls for this tokenizer version: `[TOOL_CALLS][{...}]` (v3 to
+        v7 Tekken, Voxtral's) or `[TOOL_CALLS] [{...}]`; None for a format our parser does not read (v11's
+        `[TOOL_CALLS]name[ARGS]{...}`), which refuses tools."""
+        call = {"id": "a" * 9, "type": "function", "function": {"name": "f", "arguments": {}}}
+        probe = [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "a" * 9, "content": "r"},  # mistral_common ends on a user or tool turn
+        ]
+        try:
+            ids = self.backend.apply_chat_template(probe, tokenize=True, return_dict=False)
+        except (ValueError, AssertionError):
+            return None
+        text = self.backend.decode(ids, skip_special_tokens=False)
+        if '[TOOL_CALLS][{"name"' in text:
+            return MISTRAL_NEMO
+        if '[TOOL_CALLS] [{"name"' in text:
+            return MISTRAL
+        return None
 
     def transcription_ids(self, language: str | None) -> list[int]:
         """The transcription request's token ids (one marker), `language` an ISO 639-1 code or None (detect)."""
