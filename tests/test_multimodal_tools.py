@@ -119,21 +119,25 @@ def _request(model: str, contents: list[content_pb2.Content], **fields) -> gener
     )
 
 
-def _generate(stub, request) -> generation_pb2.GenerateSummary:
+def _generate(stub, request, ids: list[int] | None = None) -> generation_pb2.GenerateSummary:
+    """The summary; the output's token ids appended to `ids`."""
     summary = None
     for response in stub.Generate(request, timeout=120):
+        if ids is not None:
+            ids.extend(response.delta.token_ids)
         if response.HasField("summary"):
             summary = response.summary
     assert summary is not None
     return summary
 
 
-def _round_trip(s, model: str, kind: str, call_id: str = "call_1") -> tuple[list[content_pb2.Content], int, int]:
+def _round_trip(s, model: str, kind: str, call_id: str = "call_1", call_ids: list[int] | None = None):
     """[media, question] + tools (required) -> one valid call; the result sent back with the media still in the
-    history -> an answer (tool_choice none). Returns the history and both prompts' token counts."""
+    history -> an answer (tool_choice none). Returns the history and both prompts' token counts; the call's token ids
+    are appended to `call_ids`."""
     question = content_pb2.Content(role="user", parts=[_media(kind), content_pb2.Part(text="Weather there?")])
     required = generation_pb2.ToolChoice(mode=generation_pb2.TOOL_CHOICE_MODE_REQUIRED)
-    first = _generate(s["stub"], _request(model, [question], tool_choice=required, parallel_tool_calls=False))
+    first = _generate(s["stub"], _request(model, [question], tool_choice=required, parallel_tool_calls=False), call_ids)
     assert first.finish_reason == generation_pb2.FINISH_REASON_TOOL_CALLS
     assert [c.name for c in first.tool_calls] == ["get_weather"]
     jsonschema.validate(json.loads(first.tool_calls[0].arguments), WEATHER)
@@ -196,7 +200,9 @@ def test_media_question_with_tools_calls_and_the_prompt_is_the_processors(served
 
 
 def test_voxtral_audio_question_with_tools_round_trip(served):
-    history, first_n, answer_n = _round_trip(served, "voxtral", "audio", call_id="abc123XYZ")  # Mistral: 9 chars
+    ids: list[int] = []
+    history, first_n, answer_n = _round_trip(served, "voxtral", "audio", "abc123XYZ", ids)  # Mistral: 9 characters
+    assert ids[0] == 9  # its own [TOOL_CALLS] special token, not the tag spelt in bytes
     import base64
 
     audio = {"type": "audio", "base64": base64.b64encode(CLIP).decode()}
