@@ -1,0 +1,140 @@
+"""Speculative decoding together with the other features: greedy output (tokens and logprobs) with drafts equals the
+output without, for penalties, logit bias, min_tokens, stop strings and max_tokens met inside a draft run, a
+grammar behind a reasoning gate, logprob requests in a drafted batch, and a sliding-window model whose blocks are
+released behind the window while drafts are rolled back."""
+
+from __future__ import annotations
+
+import llguidance
+import pytest
+from engines import tiny_checkpoint, tiny_engine
+
+from omnivox.engine import SamplingParams
+from omnivox.engine.draft import DraftModelProposer
+from omnivox.engine.speculative import NgramProposer
+from omnivox.engine.structured import compile_grammar, grammar_tokenizer
+from omnivox.services.reasoning import Start, ThinkTags, gate
+
+PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6], list(range(30, 50)) * 2]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("spec-edges"), "llama")
+
+
+@pytest.fixture(scope="module")
+def engines(ckpt):
+    return {
+        "plain": tiny_engine(ckpt),
+        "ngram": tiny_engine(ckpt, proposer=NgramProposer(k=3, min_n=1, max_n=3)),
+        "draft": tiny_engine(
+            ckpt, proposer=DraftModelProposer.from_pretrained(ckpt, device="cpu", k=3, kv_cache_gib=0.01)
+        ),
+    }
+
+
+def run(engine, params: list[SamplingParams], prompts=PROMPTS) -> tuple[list, int]:
+    """(final outputs in order, draft tokens verified); checks the pool after every step. `engine.most_skipped`:
+    the most blocks a request had released behind a sliding window."""
+    ids = [engine.add_request(p, params[i]) for i, p in enumerate(prompts)]
+    out, drafted = {}, 0
+    engine.most_skipped = 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                out[o.request_id] = o
+        drafted += engine.last_step.stats.num_drafted
+        for req in engine.scheduler.running:  # blocks held = what committed tokens plus drafts need
+            engine.most_skipped = max(engine.most_skipped, req.num_skipped_blocks)
+            assert len(req.block_table) <= -(-(req.num_tokens + len(req.draft_token_ids)) // engine.block_size)
+    engine.check_integrity()
+    assert engine.pool.num_free == engine.pool.usage().total_blocks
+    return [out[i] for i in ids], drafted
+
+
+def same_with_speculation(engines, params: list[SamplingParams], prompts=PROMPTS) -> list:
+    expected, _ = run(engines["plain"], params, prompts)
+    for name in ("ngram", "draft"):
+        got, drafted = run(engines[name], params, prompts)
+        assert drafted > 0 or name == "ngram", name  # the draft model always proposes; n-grams need a match
+        for g, e in zip(got, expected, strict=True):
+            assert (g.token_ids, g.finish_reason, g.text) == (e.token_ids, e.finish_reason, e.text), name
+            if e.logprobs is not None:
+                for a, b in zip(g.logprobs, e.logprobs, strict=True):  # values: float32 sums in other batches
+                    assert (a.token_id, [t for t, _ in a.top]) == (b.token_id, [t for t, _ in b.top]), name
+                    assert [a.logprob, *(v for _, v in a.top)] == pytest.approx(
+                        [b.logprob, *(v for _, v in b.top)], abs=1e-4
+                    )
+    return expected
+
+
+def greedy(**kw) -> SamplingParams:
+    kw.setdefault("max_tokens", 24)
+    return SamplingParams(temperature=0, **kw)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"repetition_penalty": 1.3, "ignore_eos": True},
+        {"presence_penalty": 0.8, "frequency_penalty": 0.6, "ignore_eos": True},
+        {"logit_bias": {7: 4.0, 8: float("-inf"), 40: 3.0}, "ignore_eos": True},
+        {"min_tokens": 12, "logit_bias": {2: 6.0}},  # EOS made likely, banned until 12 tokens
+        {"max_tokens": 5, "ignore_eos": True},  # ends inside a draft run
+    ],
+    ids=["repetition", "presence-frequency", "bias", "min-tokens", "max-tokens"],
+)
+def test_greedy_output_equals_plain_decoding(engines, kw):
+    same_with_speculation(engines, [greedy(**kw), greedy(**kw)])
+
+
+def test_stop_string_inside_accepted_drafts(engines):
+    free, _ = run(engines["plain"], [greedy(ignore_eos=True)] * 2)
+    stop = free[1].text[len(free[1].text) // 2 :][:3]  # a string the output reaches mid-way
+    assert stop.strip()
+    out = same_with_speculation(engines, [greedy(ignore_eos=True, stop=[stop])] * 2)
+    assert out[1].finish_reason == "stop"
+
+
+def test_logprob_rows_in_a_drafted_batch(engines):
+    same_with_speculation(engines, [greedy(ignore_eos=True), greedy(ignore_eos=True, logprobs=3)])
+
+
+def test_grammar_behind_a_reasoning_gate(engines):
+    """Thinking is free until the end tag (a token the model emits), then a regex holds; bias inside both."""
+    engine = engines["plain"]
+    cfg = engine.model_config
+    extra = {"logit_bias": {9: 0.2}, "repetition_penalty": 1.5}  # varied thinking: the end tag comes once
+    free, _ = run(engine, [greedy(max_tokens=30, **extra)] * 2)
+    seen = free[0].token_ids
+    at = next(i for i in range(4, len(seen)) if seen[i] not in seen[:i])  # thinking runs a few tokens first
+    end_id = seen[at]
+    think_id = next(t for t in range(3, 50) if t not in seen[: at + 1])
+    tok = grammar_tokenizer(engine.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+    factory = compile_grammar(
+        tok, llguidance.LLMatcher.grammar_from_regex("(ab|cd)+[0-9]"), cfg.vocab_size, cfg.eos_token_ids
+    )
+    gated = gate(factory, ThinkTags(think_id, end_id), Start.THINKING)
+    params = [greedy(max_tokens=30, constraint_factory=gated, **extra)] * 2
+    out = same_with_speculation(engines, params)
+    answer = out[0].token_ids[out[0].token_ids.index(end_id) + 1 :]
+    assert answer, out[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory):
+    path = tiny_checkpoint(tmp_path_factory.mktemp("spec-swa"), "mistral", sliding_window=32)
+    return {
+        "plain": tiny_engine(path),
+        "ngram": tiny_engine(path, proposer=NgramProposer(k=4, min_n=1, max_n=3)),
+        "draft": tiny_engine(
+            path, proposer=DraftModelProposer.from_pretrained(path, device="cpu", k=4, kv_cache_gib=0.01)
+        ),
+    }
+
+
+def test_sliding_window_releases_blocks_and_rolls_drafts_back(windowed):
+    assert windowed["ngram"].core.kv.sliding_window == 32
+    same_with_speculation(windowed, [greedy(max_tokens=120, ignore_eos=True)] * 2)
+    assert windowed["ngram"].most_skipped > 0 and windowed["draft"].most_skipped > 0
