@@ -78,29 +78,59 @@ class StreamingResampler:
         return out
 
 
-def leading_file_header(data: bytes, encoding: AudioEncoding, sample_rate: int) -> int:
-    """How many bytes of a stream's first audio chunk are a file header to skip (0: none).
+MAGIC_BYTES = 12  # what detect_container reads
+MAX_HEADER_BYTES = 1 << 16  # a WAV header (with LIST / bext metadata) is looked for in a stream's first 64 KiB
 
-    Clients often stream a WAV file's bytes as they are: its 44-byte header decoded as samples is a click, but a
-    header saying 44.1 kHz stereo under a 16 kHz mono config means the whole stream is garbled, and FLAC, Ogg or
-    MP3 bytes are noise; those raise AudioInputError naming the field to change. A header split over several
-    chunks is not looked for (its bytes decode as samples, as before).
-    """
-    container = None if data[:1] == b"\xff" else detect_container(data[:12])  # raw samples may open 0xFF..
-    if container is None:
-        return 0
-    if container != "WAV":
-        raise AudioInputError("audio", f"the stream holds {container} audio: send headerless LINEAR16 or MULAW")
+
+def _container(data: bytes) -> str | None:
+    return None if data[:1] == b"\xff" else detect_container(data[:MAGIC_BYTES])  # raw samples may open 0xFF..
+
+
+def _wav_data_chunk(data: bytes) -> tuple[int, tuple[int, ...] | None] | None:
+    """In a WAV file's first bytes: (where its samples start, its fmt fields or None); None: not within `data`."""
     pos, fmt = 12, None
     while pos + 8 <= len(data):
         kind, size = data[pos : pos + 4], struct.unpack("<I", data[pos + 4 : pos + 8])[0]
         if kind == b"fmt " and pos + 24 <= len(data):
             fmt = struct.unpack("<HHI", data[pos + 8 : pos + 16]) + struct.unpack("<H", data[pos + 22 : pos + 24])
         if kind == b"data":
-            break
+            return pos + 8, fmt
         pos += 8 + size + size % 2
-    else:
+    return None
+
+
+def header_pending(data: bytes) -> bool:
+    """Whether a stream's first bytes are too few to tell whether, and where, a file header ends: hold them.
+
+    Clients send a WAV file's first bytes in chunks of any size (an empty first message, 20-byte chunks); looking
+    at the first chunk alone missed those headers, and a 44.1 kHz file under a 16 kHz config was decoded as
+    16 kHz samples (its events and offsets 2.76x late, its text garbage). Holds at most MAX_HEADER_BYTES, and
+    MAGIC_BYTES (6 LINEAR16 samples) of a headerless stream.
+    """
+    if len(data) >= MAX_HEADER_BYTES:
+        return False
+    if len(data) < MAGIC_BYTES:
+        return data[:1] != b"\xff"
+    return _container(data) == "WAV" and _wav_data_chunk(data) is None
+
+
+def leading_file_header(data: bytes, encoding: AudioEncoding, sample_rate: int) -> int:
+    """How many of a stream's first bytes (held while `header_pending`) are a file header to skip (0: none).
+
+    Clients often stream a WAV file's bytes as they are: its 44-byte header decoded as samples is a click, but a
+    header saying 44.1 kHz stereo under a 16 kHz mono config means the whole stream is garbled, and FLAC, Ogg or
+    MP3 bytes are noise; those raise AudioInputError naming the field to change. A WAV header that does not reach
+    its samples within `data` is not skipped (its bytes decode as samples).
+    """
+    container = _container(data)
+    if container is None:
         return 0
+    if container != "WAV":
+        raise AudioInputError("audio", f"the stream holds {container} audio: send headerless LINEAR16 or MULAW")
+    found = _wav_data_chunk(data)
+    if found is None:
+        return 0
+    pos, fmt = found
     if fmt is None:
         return 0
     tag, channels, rate, bits = fmt
@@ -115,7 +145,7 @@ def leading_file_header(data: bytes, encoding: AudioEncoding, sample_rate: int) 
         raise AudioInputError(
             "config.sample_rate_hertz", f"the stream is a WAV file at {rate} Hz; the config says {sample_rate} Hz"
         )
-    return pos + 8
+    return pos
 
 
 class StreamingAudioDecoder:

@@ -33,10 +33,11 @@ from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
+from google.protobuf import duration_pb2
 
 from omnivox.codecs.audio_format import AudioEncoding
 from omnivox.codecs.audio_input import AudioInputError
-from omnivox.codecs.audio_stream_input import StreamingAudioDecoder, leading_file_header
+from omnivox.codecs.audio_stream_input import StreamingAudioDecoder, header_pending, leading_file_header
 from omnivox.codecs.vad import SpeechEvent, SpeechEventKind, VadConfig, VoiceActivityDetector
 from omnivox.models.audio.transcription import TranscriptionRequestError
 from omnivox.services import errors
@@ -109,6 +110,12 @@ def _validate(part: WhisperPart, cfg: transcription_pb2.StreamingTranscriptionCo
     return decoder
 
 
+def _offset(samples: int) -> duration_pb2.Duration:
+    """A stream position (16 kHz samples) as an exact Duration: 62,500 ns a sample. Through float seconds
+    (seconds_to_duration) 66,240 samples were 4.139999999 s, and a client comparing offsets saw 1 ns gaps."""
+    return duration_pb2.Duration(seconds=samples // SAMPLE_RATE, nanos=samples % SAMPLE_RATE * 10**9 // SAMPLE_RATE)
+
+
 def _stability(words: list[str], previous: list[str]) -> float:
     """The share of `words` that the previous interim had too, from the start (its common prefix)."""
     if not words:
@@ -148,6 +155,7 @@ class _Stream:
         self.texts: list[str] = []
         self.compute_s = 0.0
         self.first_audio: float | None = None
+        self.head: bytes | None = b""  # the stream's first bytes, held until a file header can be told (None: done)
         self.first_result: float | None = None
         self.passes: set[asyncio.Task] = set()
 
@@ -157,21 +165,29 @@ class _Stream:
             kind = req.WhichOneof("request")
             if kind == "config":
                 raise errors.invalid_argument([FieldViolation("config", "only the first message may be a config")])
-            if kind == "audio":
-                audio = req.audio if self.first_audio else req.audio[self._file_header(req.audio) :]
+            if kind == "audio" and req.audio:
                 self.first_audio = self.first_audio or time.monotonic()
-                self._push(self.decoder.feed(audio))
+                self._audio(req.audio)
             elif kind == "finalize":
                 self._events(self.vad.end_now())
+        if self.head is not None:
+            self._audio(b"", end=True)
         self._push(self.decoder.flush())
         self._events(self.vad.flush())
         self.finals.put_nowait(None)
 
-    def _file_header(self, chunk: bytes) -> int:
-        try:
-            return leading_file_header(chunk, self.decoder.encoding, self.decoder.sample_rate)
-        except AudioInputError as err:
-            raise errors.invalid_argument([FieldViolation(err.field, err.description)]) from None
+    def _audio(self, chunk: bytes, end: bool = False) -> None:
+        """Decode a chunk; the stream's first bytes are held until they tell whether a file header opens it."""
+        if self.head is not None:
+            self.head += chunk
+            if header_pending(self.head) and not end:
+                return
+            chunk, self.head = self.head, None
+            try:
+                chunk = chunk[leading_file_header(chunk, self.decoder.encoding, self.decoder.sample_rate) :]
+            except AudioInputError as err:
+                raise errors.invalid_argument([FieldViolation(err.field, err.description)]) from None
+        self._push(self.decoder.feed(chunk))
 
     def _push(self, samples: np.ndarray) -> None:
         if len(samples):
@@ -212,9 +228,7 @@ class _Stream:
             self.finals.put_nowait((u, a, b, clip))
 
     def _event(self, kind: int, offset: int, index: int) -> None:
-        event = transcription_pb2.SpeechEvent(
-            type=kind, offset=seconds_to_duration(offset / SAMPLE_RATE), utterance_index=index
-        )
+        event = transcription_pb2.SpeechEvent(type=kind, offset=_offset(offset), utterance_index=index)
         self.out.put_nowait(Response(speech_event=event))
 
     # --- passes ---------------------------------------------------------------------------------------------------
@@ -282,8 +296,8 @@ class _Stream:
                     text=result.text,
                     is_final=is_final,
                     stability=stability,
-                    start_offset=seconds_to_duration(a / SAMPLE_RATE),
-                    end_offset=seconds_to_duration(b / SAMPLE_RATE),
+                    start_offset=_offset(a),
+                    end_offset=_offset(b),
                     language=result.language or self.cfg.language,
                     utterance_index=index,
                 )

@@ -3,15 +3,17 @@ detector's edges, result semantics, and what a call leaves behind. Real server, 
 
 from __future__ import annotations
 
+import grpc
 import numpy as np
 import pytest
-from audio_checkpoints import noise, tone
+from audio_checkpoints import encode, noise, tone
 from service_harness import ServerThread
 from whisper_checkpoints import make_whisper
 
-from omnivox.codecs.audio_format import float_to_int16
+from omnivox.codecs.audio_format import float_to_int16, int16_to_mulaw
+from omnivox.codecs.audio_input import resample
 from omnivox.services.loading import EngineOptions, ModelSpec
-from omnivox.v1 import transcription_pb2, transcription_pb2_grpc
+from omnivox.v1 import content_pb2, transcription_pb2, transcription_pb2_grpc
 
 RATE = 16000
 Request = transcription_pb2.StreamingTranscribeRequest
@@ -112,9 +114,8 @@ def long_talk() -> np.ndarray:
 def test_results_do_not_depend_on_chunking(served):
     data = linear16(long_talk())
     chunkings = {
-        "20 ms": [640],
-        "1-byte, then odd splits": [1] * 999 + [333],  # every sample split across messages
         "100 ms": [3200],
+        "1-byte, then odd splits": [1] * 999 + [3333],  # every sample split across messages
         "1 s": [32000],
         "the whole file in one message": [len(data)],
     }
@@ -123,7 +124,7 @@ def test_results_do_not_depend_on_chunking(served):
         name: sorted(outline(stream(served, [config(), *chunks(data, sizes)])), key=lambda x: x[0])
         for name, sizes in chunkings.items()
     }
-    reference = got.pop("20 ms")
+    reference = got.pop("100 ms")
     for name, other in got.items():
         assert other == reference, name
     events = [e for e in reference if e[0] == "event"]
@@ -134,4 +135,96 @@ def test_results_do_not_depend_on_chunking(served):
     # The cut utterance's span ends where the next one's begins (no audio twice, none lost).
     assert results[0][4] == results[1][3] == events[1][3]
     assert results[2][3] == pytest.approx(36.5 - 0.2, abs=0.07) and results[2][4] == pytest.approx(39.5 + 0.2, abs=0.07)
+    baseline(served)
+
+
+# --- encodings, rates and file headers -----------------------------------------------------------------------------
+def two_bursts() -> np.ndarray:
+    parts = [quiet(0.5), syllables(1.5), quiet(1.0, 2), syllables(1.2), quiet(1.0, 4)]
+    return np.concatenate(parts).astype(np.float32)
+
+
+def events_of(responses) -> list[tuple]:
+    return [e[1:] for e in outline(responses) if e[0] == "event"]
+
+
+@pytest.fixture(scope="module")
+def reference(served):
+    x = two_bursts()
+    responses = stream(served, [config(), *chunks(linear16(x), [3200])])
+    return x, responses
+
+
+def test_offsets_are_exact_sample_positions(reference):
+    x, responses = reference
+    events = [r.speech_event for r in responses if r.HasField("speech_event")]
+    assert [e.offset.ToNanoseconds() for e in events] == [480_000_000, 1_950_000_000, 3_000_000_000, 4_140_000_000]
+    for f in finals(responses):
+        assert f.start_offset.nanos % 62_500 == 0 and f.end_offset.nanos % 62_500 == 0  # whole 16 kHz samples
+
+
+@pytest.mark.parametrize(
+    ("encoding", "rate"), [("MULAW", 8000), ("LINEAR16", 8000), ("LINEAR16", 11025), ("LINEAR16", 22050),
+                           ("LINEAR16", 44100), ("LINEAR16", 48000)]
+)  # fmt: skip
+def test_rates_and_encodings_give_the_same_utterances(served, reference, rate, encoding):
+    x, ref = reference
+    pcm = float_to_int16(resample(x, RATE, rate))
+    data = int16_to_mulaw(pcm).tobytes() if encoding == "MULAW" else pcm.astype("<i2").tobytes()
+    enc = content_pb2.AudioEncoding.Value(f"AUDIO_ENCODING_{encoding}")
+    step = (1 if encoding == "MULAW" else 2) * rate // 50 + 1  # 20 ms and a byte: every chunk splits a sample
+    got = stream(served, [config(sample_rate_hertz=rate, encoding=enc), *chunks(data, [step])])
+    for (kind, index, at), (kind_r, index_r, at_r) in zip(events_of(got), events_of(ref), strict=True):
+        assert (kind, index) == (kind_r, index_r) and abs(at - at_r) <= 0.03  # within a detector frame
+    assert len(finals(got)) == 2
+    assert got[-1].summary.audio_seconds == pytest.approx(len(pcm) / rate, abs=1e-9)
+
+
+def test_wav_header_in_small_or_late_chunks(served, reference):
+    x, ref = reference
+    wav16 = encode(float_to_int16(x), RATE, "WAV")
+    wav44 = encode(float_to_int16(resample(x, RATE, 44100)), 44100, "WAV")
+    # A header after an empty message, or in 20-byte chunks, is still read: its rate is checked ...
+    for messages in ([Request(audio=b""), *chunks(wav44, [4096])], list(chunks(wav44, [20] * 100 + [4096]))):
+        with pytest.raises(grpc.RpcError) as err:
+            stream(served, [config(), *messages])
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "WAV file at 44100 Hz" in err.value.details() and "config.sample_rate_hertz" in err.value.details()
+    # ... and it is skipped, not heard as 22 samples of noise: the same stream as the bare samples.
+    got = stream(served, [config(), Request(audio=b""), *chunks(wav16, [7] * 20 + [3200])])
+    assert events_of(got) == events_of(ref)
+    assert [f.text for f in finals(got)] == [f.text for f in finals(ref)]
+    assert got[-1].summary.audio_seconds == len(x) / RATE
+    baseline(served)
+
+
+def test_finalize_and_empty_chunk_edges(served, reference):
+    x, ref = reference
+    data = linear16(x)
+    cut = 40_000  # 1.25 s: inside the first burst
+    messages = [
+        config(),
+        Request(finalize=True),  # before any audio
+        Request(audio=b""),
+        Request(finalize=True),
+        *chunks(data[:cut], [3200]),
+        Request(finalize=True),  # closes utterance 0 here; the burst goes on as utterance 1
+        Request(finalize=True),  # spam: nothing open
+        Request(audio=b""),
+        *chunks(data[cut:], [3200]),
+        Request(finalize=True),
+    ]
+    got = stream(served, messages)
+    events = events_of(got)
+    assert [(k, i) for k, i, _ in events] == [(START, 0), (END, 0), (START, 1), (END, 1), (START, 2), (END, 2)]
+    fs = finals(got)
+    assert [f.utterance_index for f in fs] == [0, 1, 2]
+    assert seconds(fs[0].end_offset) == 1.25 and seconds(fs[1].start_offset) == 1.25  # no audio in two spans
+    summary = got[-1].summary
+    assert summary.utterances == 3 and summary.text == " ".join(f.text for f in fs if f.text)
+    assert summary.audio_seconds == len(x) / RATE
+    # No audio at all, in several ways: one summary, nothing else.
+    for messages in ([config()], [config(), Request(finalize=True)], [config(), Request(audio=b"")] * 1):
+        [only] = stream(served, messages)
+        assert only.summary.utterances == 0 and only.summary.audio_seconds == 0
     baseline(served)
