@@ -166,11 +166,15 @@ def _draw_sampled(
 
 class _FixedMask:
     """A constraint stand-in that answers with one precomputed mask (a verification row's), and whether the grammar
-    was finished at that row (`must_end`: only EOS may follow, which wins over min_tokens)."""
+    was finished at that row (`must_end`: only EOS may follow, which wins over min_tokens). The constraint's
+    `adjust_logits` hook comes along (Whisper's timestamp rule): it reads the row's output, drafts included, so it
+    must be a function of that output alone (the sampler calls it for rows that may then be rejected)."""
 
-    def __init__(self, mask: torch.Tensor | None, must_end: bool = False) -> None:
+    def __init__(self, mask: torch.Tensor | None, must_end: bool = False, adjust: Callable | None = None) -> None:
         self.mask = mask
         self.must_end = must_end
+        if adjust is not None:  # the sampler looks the hook up by name: absent, not None, when there is none
+            self.adjust_logits = adjust
 
     def allowed(self, output_token_ids: list[int]) -> torch.Tensor | None:
         return self.mask
@@ -186,7 +190,8 @@ class _RowView:
         self.eos_token_ids = req.eos_token_ids
         self.generator = req.generator
         self.output_token_ids = req.output_token_ids + extra
-        self.constraint = _FixedMask(mask, must_end) if req.constraint is not None else None
+        c = req.constraint
+        self.constraint = _FixedMask(mask, must_end, getattr(c, "adjust_logits", None)) if c is not None else None
 
     @property
     def num_output_tokens(self) -> int:

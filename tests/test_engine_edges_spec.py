@@ -5,6 +5,8 @@ released behind the window while drafts are rolled back."""
 
 from __future__ import annotations
 
+import itertools
+
 import llguidance
 import pytest
 from engines import tiny_checkpoint, tiny_engine
@@ -138,3 +140,24 @@ def test_sliding_window_releases_blocks_and_rolls_drafts_back(windowed):
     assert windowed["ngram"].core.kv.sliding_window == 32
     same_with_speculation(windowed, [greedy(max_tokens=120, ignore_eos=True)] * 2)
     assert windowed["ngram"].most_skipped > 0 and windowed["draft"].most_skipped > 0
+
+
+class NoRepeat:
+    """A stateless constraint with an `adjust_logits` hook (the shape of Whisper's timestamp rules): the last output
+    token may not come again. No mask; the hook reads the output so far."""
+
+    def allowed(self, output_token_ids):
+        return None
+
+    def adjust_logits(self, logits, output_token_ids):
+        if output_token_ids:
+            logits[output_token_ids[-1]] = float("-inf")
+
+
+def test_a_constraints_adjust_logits_hook_holds_on_verification_rows(engines):
+    """Verification rows dropped the hook (only the mask was carried): speculation then repeated what plain
+    decoding never does."""
+    params = greedy(ignore_eos=True, constraint_factory=NoRepeat, logit_bias={9: 2.0})  # 9 9 9 ... without it
+    out = same_with_speculation(engines, [params] * 2)
+    assert out[0].token_ids.count(9) > 5
+    assert all(a != b for o in out for a, b in itertools.pairwise(o.token_ids))
