@@ -36,7 +36,7 @@ from omnivox.services.cli import main as cli_main
 from omnivox.services.cli._serve_flags import check_flag_values
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.services.tls import CertificateFiles
-from omnivox.v1 import generation_pb2_grpc, model_pb2, model_pb2_grpc
+from omnivox.v1 import generation_pb2, generation_pb2_grpc, model_pb2, model_pb2_grpc
 
 
 @pytest.fixture(scope="module")
@@ -253,10 +253,11 @@ def test_metrics_parse_counters_only_grow_and_gauges_return_to_zero(keyed) -> No
     for key, v in before.items():  # counters and histogram series never go down
         if key[0].endswith(("_total", "_count", "_sum", "_bucket")):
             assert after[key] >= v, key
-    # The cancelled and the timed-out request count as finished_reason="abort", as vLLM counts them and the README
-    # says (they were not counted at all: a dashboard of requests by finish reason saw none of them).
+    # The cancelled request counts as finished_reason="abort", as vLLM counts it and the README says (it was not
+    # counted at all: a dashboard of requests by finish reason saw none). The timed-out one too when its deadline
+    # found it in the engine (on a loaded machine it may pass while the prompt is still being built).
     abort = ("omnivox_request_success_total", (("finished_reason", "abort"), ("model", "tiny")))
-    assert after[abort] - before.get(abort, 0) == 2
+    assert after[abort] - before.get(abort, 0) in (1, 2)
     codes = {dict(k[1])["grpc_code"] for k in after if k[0] == "omnivox_grpc_requests_total"}
     assert {"OK", "CANCELLED", "DEADLINE_EXCEEDED", "INVALID_ARGUMENT", "UNAUTHENTICATED"} <= codes
 
@@ -510,3 +511,32 @@ def test_health_port_answers_plaintext_probes_of_a_tls_server(checkpoint: Path, 
         srv.run(srv.server.stop(5.0))
         assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING  # the drain, seen by the probe
         probe.close()
+
+
+def test_every_omnivox_method_of_every_cardinality_needs_a_key(keyed) -> None:
+    """Each RPC as its proto declares it (unary, server-streaming, bidirectional), with no key and a wrong one:
+    UNAUTHENTICATED before any handler runs, whatever the request holds."""
+    from google.protobuf import message_factory
+
+    from omnivox.v1 import speech_pb2, transcription_pb2
+
+    srv, _ = keyed
+    channel = srv.channel()
+    seen = 0
+    for module in (generation_pb2, model_pb2, speech_pb2, transcription_pb2):
+        for service in module.DESCRIPTOR.services_by_name.values():
+            for method in service.methods:
+                request_cls = message_factory.GetMessageClass(method.input_type)
+                path = f"/{service.full_name}/{method.name}"
+                kind = ("stream" if method.client_streaming else "unary") + "_"
+                kind += "stream" if method.server_streaming else "unary"
+                rpc = getattr(channel, kind)(path, request_serializer=lambda m: m.SerializeToString())
+                for metadata in ((), bearer("sk-nobody-000000")):
+                    request = iter([request_cls()]) if method.client_streaming else request_cls()
+                    with pytest.raises(grpc.RpcError) as info:
+                        out = rpc(request, metadata=metadata, timeout=10)
+                        if method.server_streaming:
+                            list(out)
+                    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, (path, metadata)
+                seen += 1
+    assert seen >= 9  # Generate, ListModels, five speech and two transcription methods
