@@ -12,9 +12,10 @@ from audit_generate import run, violations
 from engines import tiny_checkpoint, tiny_engine
 from service_harness import ServerThread, user_request
 
-from omnivox.engine import InvalidRequest, SamplingParams
+from omnivox.engine import InvalidRequest, SamplingParams, shared
 from omnivox.engine.speculative import NgramProposer
 from omnivox.engine.structured import compile_grammar, grammar_tokenizer
+from omnivox.models.orpheus import SpeechLayout, SpeechTokenConstraint
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
 
@@ -123,3 +124,26 @@ def test_distinct_seeds_at_the_ends_of_the_range_are_distinct_streams(engines):
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=16, ignore_eos=True) for s in (0, 2**32 - 1, 0)]
     a, b, again = (o.token_ids for o in finals(engines["plain"], [PROMPT] * 3, params))
     assert a == again and a != b
+
+
+@pytest.mark.parametrize("kind", ["plain", "ngram"])
+def test_bans_on_every_code_of_a_speech_frame_position(engines, kind):
+    """Speech rows sample among their frame position's codes only (allowed_ids): with all of them banned the row
+    took the first code anyway, a banned token, and went on."""
+    layout = SpeechLayout(
+        name="tiny", prompt_prefix=(7,), prompt_suffix=(8, 9), start_of_speech=9, end_of_speech=10,
+        audio_token_base=100, codebook_size=30, voices=("ann",), default_voice="ann",
+    )  # fmt: skip
+    engine = engines[kind]
+    constraint = SpeechTokenConstraint(layout, engine.model_config.vocab_size)
+    third = range(100 + 2 * 30, 100 + 3 * 30)  # frame position 2's codes
+    params = SamplingParams(
+        temperature=1.0, seed=2, max_tokens=14, constraint_factory=shared(constraint),
+        logit_bias=dict.fromkeys(third, float("-inf")),
+    )  # fmt: skip
+    (out,) = finals(engine, [PROMPT + [9]], [params])
+    assert out.finish_reason == "error" and out.error.field == "logit_bias", out
+    assert "output position 2" in out.error.description
+    assert not set(out.token_ids) & set(third)
+    engine.check_integrity()
+    assert engine.pool.num_free == engine.pool.usage().total_blocks
