@@ -5,10 +5,9 @@ that failed, and the step's statistics (what metrics read). Stop rules live on t
 (engine/output_processor.py), which tells the core which requests to finish.
 
 Multi-token steps: a proposer may give a decoding request draft tokens; the step computes the last committed token
-plus the drafts in one chunk and samples every position. Drafts are accepted while they equal what the request would
-have produced itself; the K/V of rejected drafts is rolled back (its blocks freed) and never enters the prefix cache.
-Exact verification for sampled rows (rejection sampling) is speculative decoding's job; until then only plain greedy
-rows (no logit processors, no logprobs) accept drafts, every other row takes its first token.
+plus the drafts in one chunk and engine/speculative.py verifies every position as plain sampling would have produced
+it (greedy rows by argmax, sampled rows by rejection sampling, exact in distribution; each accepted token's logprobs
+when asked for). The K/V of rejected drafts is rolled back (its blocks freed) and never enters the prefix cache.
 """
 
 from __future__ import annotations
@@ -129,7 +128,7 @@ class EngineCore:
         for req in self.scheduler.running:
             if not (req.num_output_tokens and req.num_computed_tokens == req.num_tokens - 1):
                 continue  # still prefilling
-            if req.params.logprobs is not None or not self.gate.wants(req, batch):
+            if not self.gate.wants(req, batch):
                 continue
             proposal = self.proposer(req)
             tokens, q = (proposal.tokens, proposal.q) if isinstance(proposal, Proposal) else (list(proposal), None)
@@ -272,10 +271,11 @@ class EngineCore:
         except Exception:
             log.exception("verifying drafts failed; failing the %d requests it served", len(verify.reqs))
             accepted = [None] * len(verify.reqs)
-        for req, tokens in zip(verify.reqs, accepted, strict=True):
-            if tokens is None:
+        for req, got in zip(verify.reqs, accepted, strict=True):
+            if got is None:
                 self._fail_drafted([req], result)
                 continue
+            tokens, lps = got
             if tokens[-1] == NOTHING_ALLOWED:  # reached after the accepted drafts: plain decoding would get there too
                 req.draft_token_ids.clear()
                 self._fail_nothing_allowed(req, req.num_output_tokens + len(tokens) - 1, result)
@@ -286,7 +286,7 @@ class EngineCore:
                 result.stats.accepted_by_position[j] += 1
             if self.gate is not None:
                 self.gate.record(req, drafted, len(tokens) - 1)
-            self._commit(req, tokens, [None] * len(tokens), result)
+            self._commit(req, tokens, lps, result)
 
     @staticmethod
     def _fail_nothing_allowed(req: Request, position: int, result: StepResult) -> None:

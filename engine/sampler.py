@@ -183,11 +183,15 @@ class Sampler:
                 groups.append((rows, self._sample_group(sub, [reqs[i] for i in rows], cands, first_id)))
         return PendingSample(reqs, groups, failed)
 
-    def distributions(self, logits: torch.Tensor, reqs: list) -> torch.Tensor:
+    def distributions(
+        self, logits: torch.Tensor, reqs: list, logprob_rows: list[int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The next-token distributions [B, V] plain sampling would draw from, without drawing: the same processing
         (bias and bans, the constraint's mask, penalties; for sampled rows temperature and top-k / top-p / min-p).
-        Greedy rows get the softmax of their processed logits: their token is its argmax. Speculative verification
-        uses this; a constraint that raises propagates (the caller fails that request). Writes into `logits`."""
+        Greedy rows get the softmax of their processed logits: their token is its argmax. With `logprob_rows`, also
+        those rows' log-softmax of the processed logits before temperature ([L, V]: what plain sampling reports as
+        logprobs). Speculative verification uses this; a constraint that raises propagates (the caller fails that
+        request). Writes into `logits`."""
         self._apply_bias_and_bans(logits, reqs)
         masked = []
         for i, r in enumerate(reqs):
@@ -197,6 +201,7 @@ class Sampler:
         _apply_masks(logits, masked)
         _adjust(logits, reqs, None)
         self._apply_penalties(logits, reqs, None)
+        logprobs = take_rows(logits, logprob_rows).log_softmax(dim=-1) if logprob_rows else None
         sampled = [i for i, r in enumerate(reqs) if not r.params.is_greedy]
         if sampled:
             dev = logits.device
@@ -204,7 +209,7 @@ class Sampler:
             rows = [reqs[i] for i in sampled]
             filtered = apply_top_k_top_p_min_p(take_rows(logits, sampled) / temp, *filters_of(rows, dev))
             logits.index_copy_(0, to_device(sampled, dev, torch.long), filtered)
-        return logits.softmax(dim=-1)
+        return logits.softmax(dim=-1), logprobs
 
     def _sample_group(
         self, logits: torch.Tensor, reqs: list[Request], cands: list[torch.Tensor] | None, first_id: int = 0

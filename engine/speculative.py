@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from omnivox.engine.outputs import TokenLogprob
 from omnivox.engine.request import Request
 from omnivox.engine.sampler import NOTHING_ALLOWED
 from omnivox.engine.transfer import to_device
@@ -117,6 +118,32 @@ def resolve(
 
 
 @dataclass
+class _Logprobs:
+    """Where one request's logprobs lie in the step's copy: for each of its `rows` verification rows the logprob of
+    the row's token (the token the row ends with if reached), then the rows' top-`top` values and ids."""
+
+    offset: int
+    rows: int
+    top: int
+
+    @property
+    def size(self) -> int:
+        return self.rows * (1 + 2 * self.top)
+
+    def read(self, values: list[float], tokens: list[int]) -> list[TokenLogprob | None]:
+        o, n, t = self.offset, self.rows, self.top
+        vals, ids = values[o + n : o + n + n * t], values[o + n + n * t : o + n + 2 * n * t]
+        return [
+            TokenLogprob(
+                tok,
+                values[o + j],
+                tuple((int(i), v) for i, v in zip(ids[j * t : j * t + t], vals[j * t : j * t + t], strict=True)),
+            )
+            for j, tok in enumerate(tokens)
+        ]
+
+
+@dataclass
 class _Draws:
     """One request's verification, drawn on the device and read back with the step's other requests in one copy."""
 
@@ -125,6 +152,7 @@ class _Draws:
     offset: int  # greedy: its first row in the step's argmax picks; sampled: where its draws start in the copy
     gen: torch.Generator | None = None
     state: torch.Tensor | None = None  # gen's state before the bonus draw (restored when a draft is rejected)
+    lp: _Logprobs | None = None  # when the request asked for logprobs
 
     def tokens(self, values: list[float]) -> list[int]:
         """The tokens this request accepts: the accepted drafts, then one corrected or bonus token."""
@@ -238,8 +266,16 @@ class PendingVerification:
     parts: list[torch.Tensor]
     draws: list[_Draws | None]  # per request; None: its constraint raised
 
-    def read(self, values: list[float]) -> list[list[int] | None]:
-        return [d.tokens(values) if d is not None else None for d in self.draws]
+    def read(self, values: list[float]) -> list[tuple[list[int], list[TokenLogprob | None]] | None]:
+        """Per request: (its accepted tokens, their logprobs: None each unless asked for), or None."""
+        out: list[tuple[list[int], list[TokenLogprob | None]] | None] = []
+        for d in self.draws:
+            if d is None:
+                out.append(None)
+                continue
+            tokens = d.tokens(values)
+            out.append((tokens, d.lp.read(values, tokens) if d.lp is not None else [None] * len(tokens)))
+        return out
 
 
 def verify_requests(
@@ -248,7 +284,7 @@ def verify_requests(
     """Each request's accepted tokens (None: its constraint raised). rows[i]: the logits [1 + drafts, V] of request i
     (whose draft_token_ids are cut here to what its constraint admits). One device-to-host copy."""
     pending = draw_verification(sampler, rows, reqs, qs)
-    return pending.read(sampler.transfer(pending.parts))
+    return [got[0] if got is not None else None for got in pending.read(sampler.transfer(pending.parts))]
 
 
 def draw_verification(
@@ -269,7 +305,9 @@ def draw_verification(
         cut.append(logits[: len(drafts) + 1])
     if not views:
         return PendingVerification(reqs, [], [None] * len(reqs))
-    probs = sampler.distributions(torch.cat([c for c in cut if c is not None]), views)
+    lp_views = [i for i, v in enumerate(views) if v.params.logprobs is not None]
+    probs, logprobs = sampler.distributions(torch.cat([c for c in cut if c is not None]), views, lp_views)
+    lp_first = {row: j for j, row in reversed(list(enumerate(lp_views)))}  # a request's rows are contiguous
     # Everything the host needs goes down in one copy (the sampler's transfer, shared with the step's plain rows):
     # greedy picks for every row at once, then each sampled request's draws.
     greedy = any(req.params.is_greedy for req, c in zip(reqs, cut, strict=True) if c is not None)
@@ -286,11 +324,23 @@ def draw_verification(
         start, n = next(spans_iter)
         drafts = req.draft_token_ids
         if req.params.is_greedy:
-            pending.append(_Draws(drafts, True, start))
-            continue
-        q_rows = q[: n - 1] if q is not None else None
-        draws, state = _draw_sampled(probs[start : start + n], drafts, q_rows, req.generator)
-        pending.append(_Draws(drafts, False, offset, req.generator, state))
-        parts += draws
-        offset += 2 * len(drafts) + 1
+            draw = _Draws(drafts, True, start)
+            assert picks is not None
+            row_tokens = picks[start : start + n]  # each reached row's token is its argmax
+        else:
+            q_rows = q[: n - 1] if q is not None else None
+            draws, state = _draw_sampled(probs[start : start + n], drafts, q_rows, req.generator)
+            draw = _Draws(drafts, False, offset, req.generator, state)
+            parts += draws
+            offset += 2 * len(drafts) + 1
+            row_tokens = torch.cat([draws[1], draws[2].view(1)])  # a reached row's token: its draft or correction
+        if logprobs is not None and req.params.logprobs is not None:
+            lp = logprobs[lp_first[start] : lp_first[start] + n]  # [n, V]
+            draw.lp = _Logprobs(offset, n, min(req.params.logprobs, lp.shape[1]))
+            parts.append(lp.gather(1, row_tokens.clamp_min(0).unsqueeze(1)).squeeze(1))  # [n]
+            if draw.lp.top:
+                top_vals, top_ids = lp.topk(draw.lp.top, dim=-1)  # [n, top]
+                parts += [top_vals.flatten(), top_ids.flatten()]
+            offset += draw.lp.size
+        pending.append(draw)
     return PendingVerification(reqs, parts, pending)

@@ -9,6 +9,8 @@ import itertools
 
 import llguidance
 import pytest
+import torch
+from checkpoints import load_reference
 from engines import tiny_checkpoint, tiny_engine
 
 from omnivox.engine import SamplingParams
@@ -99,8 +101,27 @@ def test_stop_string_inside_accepted_drafts(engines):
     assert out[1].finish_reason == "stop"
 
 
-def test_logprob_rows_in_a_drafted_batch(engines):
-    same_with_speculation(engines, [greedy(ignore_eos=True), greedy(ignore_eos=True, logprobs=3)])
+def test_logprobs_of_accepted_drafts_equal_plain_decodings(engines):
+    """Requests asking for logprobs were never drafted; now each accepted draft carries its logprobs."""
+    params = [greedy(ignore_eos=True, logprobs=0), greedy(ignore_eos=True, logprobs=3, repetition_penalty=1.2)]
+    same_with_speculation(engines, params)  # drafted > 0: both rows ask for logprobs
+
+
+def test_sampled_logprobs_of_accepted_drafts_are_the_models(ckpt, engines):
+    """Sampled output differs from plain decoding's draw by draw; each token's logprobs (and top 3) are still
+    log-softmax of the target's logits at its position, as transformers computes them."""
+    params = SamplingParams(temperature=0.8, seed=4, max_tokens=16, ignore_eos=True, logprobs=3)
+    outs, drafted = run(engines["draft"], [params, params])
+    assert drafted > 0
+    reference = load_reference(ckpt)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        with torch.no_grad():
+            lps = reference(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1].log_softmax(-1)
+        for row, tok, lp in zip(lps, out.token_ids, out.logprobs, strict=True):
+            assert lp.token_id == tok and lp.logprob == pytest.approx(float(row[tok]), abs=1e-4)
+            top = row.topk(3)
+            assert [t for t, _ in lp.top] == top.indices.tolist()
+            assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-4)
 
 
 def test_grammar_behind_a_reasoning_gate(engines):
