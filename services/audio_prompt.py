@@ -30,7 +30,7 @@ from omnivox.services import errors
 from omnivox.services.errors import FieldViolation
 from omnivox.services.prompt import Prompt, role_of
 from omnivox.services.tool_parser import ToolFormat
-from omnivox.services.tools import format_of, tool_turn_content, turn_fields
+from omnivox.services.tools import format_of, media_template, tool_turn_content, turn_fields
 from omnivox.services.voxtral_prompt import VoxtralPrompts, voxtral_language
 from omnivox.v1 import content_pb2
 
@@ -80,17 +80,19 @@ class AudioInputPart:
             raise errors.invalid_argument([FieldViolation(f"{path}.{err.field}", err.description)]) from err
 
     def render(self, messages: list[dict], continue_final: bool = False, tools: list[dict] | None = None) -> list[int]:
-        """Chat messages (and the request's `tools`) -> token ids through the checkpoint's template (one marker per
-        clip, not yet expanded). Voxtral continues a final assistant turn (mistral_common has no generation prompt to
+        """Chat messages -> token ids through the checkpoint's template (one marker per clip, not yet expanded);
+        `tools` (a list, maybe empty, for a request with tools or tool turns) through the template that renders them
+        (`tools.media_template`). Voxtral continues a final assistant turn (mistral_common has no generation prompt to
         add; it refuses a conversation that ends with an answer unless told to continue it)."""
         if self.mistral is not None:
-            return self.mistral.chat_ids(messages, continue_final or messages[-1]["role"] == "assistant", tools)
+            return self.mistral.chat_ids(messages, continue_final or messages[-1]["role"] == "assistant", tools or None)
+        tool_kwargs = {} if tools is None else {"tools": tools or None, "chat_template": media_template(self.processor)}
         text = self.processor.apply_chat_template(
             messages,
-            tools=tools,
             tokenize=False,
             add_generation_prompt=not continue_final,
             continue_final_message=continue_final,
+            **tool_kwargs,
         )
         return list(self.processor.tokenizer(text, add_special_tokens=False).input_ids)
 
@@ -178,12 +180,12 @@ class AudioPromptBuilder:
         """The call format the checkpoint's prompts write; None when they render no tools (Qwen2-Audio's template)."""
         if self.audio.mistral is not None:
             return self.audio.mistral.tool_format()
-        template = str(getattr(self.audio.processor, "chat_template", "") or "")
-        return format_of(None, template) if "tools" in template else None
+        template = media_template(self.audio.processor)
+        return format_of(None, template) if template is not None else None
 
     def build(self, contents: Sequence[content_pb2.Content], tools: list[dict] | None = None) -> Prompt:
-        """`tools`: the request's tools for the template (services/tools.py); tool results and assistant calls are
-        turns of their own, their text one string."""
+        """`tools`: the request's tools (a list, maybe empty; None: no tools nor tool turns) for the template
+        (services/tools.py); tool results and assistant calls are turns of their own, their text one string."""
         audio = self.audio
         marker = audio.marker_text()
         messages: list[dict] = []

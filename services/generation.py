@@ -188,7 +188,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         try:  # in a worker thread: a long prompt (or decoding audio and images) must not stall the other streams
             if tool_plan is not None and not isinstance(model.prompt_builder, ChatPromptBuilder):
                 # images / audio and tools through the model's own builder (tools.media_format allowed them)
-                return await build_in_thread(model.prompt_builder.build, request.contents, tool_plan.tools or None)
+                return await build_in_thread(model.prompt_builder.build, request.contents, tool_plan.tools)
             if tool_plan is not None:  # tools and tool turns through the tokenizer's chat template (text turns)
                 assert model.engine is not None
                 tokenizer = model.engine.tokenizer

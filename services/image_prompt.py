@@ -32,7 +32,7 @@ from omnivox.services import errors
 from omnivox.services.errors import FieldViolation
 from omnivox.services.prompt import Prompt, role_of
 from omnivox.services.tool_parser import ToolFormat
-from omnivox.services.tools import format_of, tool_turn_content, turn_fields
+from omnivox.services.tools import format_of, media_template, tool_turn_content, turn_fields
 from omnivox.v1 import content_pb2
 
 log = logging.getLogger(__name__)
@@ -127,14 +127,16 @@ class ImageInputPart:
         return item, key
 
     def render(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """Chat messages (and the request's `tools`) -> token ids through the checkpoint's template (one marker per
-        image, not yet expanded).
+        """Chat messages -> token ids through the checkpoint's template (one marker per image, not yet expanded).
+        `tools` (a list, maybe empty, for a request with tools or tool turns): through the template that renders them
+        (`tools.media_template`).
 
         Tokenized as transformers' `ProcessorMixin.apply_chat_template(tokenize=True)` does: with the tokenizer's
         special tokens unless the rendered text already starts with its BOS. llava-1.5-hf's and LLaVA-NeXT-Mistral's
         templates write no BOS and their Llama/Mistral tokenizers add one; without it the prompt lost its first token.
         """
-        text = self.processor.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        tool_kwargs = {} if tools is None else {"tools": tools or None, "chat_template": media_template(self.processor)}
+        text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **tool_kwargs)
         tok = self.processor.tokenizer
         add_special = not (tok.bos_token is not None and text.startswith(tok.bos_token))
         return list(tok(text, add_special_tokens=add_special).input_ids)
@@ -233,12 +235,12 @@ class ImagePromptBuilder:
 
     def tool_format(self) -> ToolFormat | None:
         """The call format the checkpoint's template writes; None when it renders no tools (LLaVA's, SmolVLM's)."""
-        template = str(getattr(self.image.processor, "chat_template", "") or "")
-        return format_of(None, template) if "tools" in template else None
+        template = media_template(self.image.processor)
+        return format_of(None, template) if template is not None else None
 
     def build(self, contents: Sequence[content_pb2.Content], tools: list[dict] | None = None) -> Prompt:
-        """`tools`: the request's tools for the template (services/tools.py); tool results and assistant calls are
-        turns of their own, their text one string."""
+        """`tools`: the request's tools (a list, maybe empty; None: no tools nor tool turns) for the template
+        (services/tools.py); tool results and assistant calls are turns of their own, their text one string."""
         image = self.image
         reserved = image.reserved_texts()
         count = sum(1 for c in contents for p in c.parts if p.WhichOneof("kind") == "image")

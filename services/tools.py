@@ -144,6 +144,16 @@ def media_format(request: generation_pb2.GenerateRequest, builder: Any) -> ToolF
     return fmt
 
 
+def media_template(processor: Any) -> str | None:
+    """The chat template that renders tools for a multimodal processor: its own when that renders tools, else its
+    tokenizer's when that does (the hub's Qwen2.5-VL: chat_template.json renders none, tokenizer_config.json's does,
+    and vLLM's chat API takes the tokenizer's for a request with tools); None when neither does."""
+    for template in (getattr(processor, "chat_template", None), getattr(processor.tokenizer, "chat_template", None)):
+        if isinstance(template, str) and "tools" in template:
+            return template
+    return None
+
+
 def plan(request: generation_pb2.GenerateRequest, tokenizer: Any, media: ToolFormat | None = None) -> ToolPlan | None:
     """Validate tools / tool_choice / tool turns; None when the request uses none of them. `media`: the call format
     of a multimodal model's template (`media_format`), whose turns may hold image and audio parts too."""

@@ -22,7 +22,7 @@ from audio_checkpoints import encode, make_qwen2_audio, tone
 from checkpoints import make_checkpoint
 from google.rpc import error_details_pb2
 from service_harness import ServerThread
-from vision_checkpoints import make_llava, make_qwen2_5_vl, png_bytes, sample_image
+from vision_checkpoints import chat_template, make_llava, make_qwen2_5_vl, png_bytes, sample_image
 from voxtral_checkpoint import make_voxtral_bundle
 from whisper_checkpoints import make_whisper
 
@@ -74,6 +74,17 @@ def _with_template(folder: Path, template: str) -> Path:
     return folder
 
 
+def _hub_layout(folder: Path) -> Path:
+    """As the hub's Qwen2.5-VL ships: the processor's chat_template.json renders no tools, the tokenizer's template
+    (tokenizer_config.json) does; a request with tools is rendered by the tokenizer's, as vLLM's chat API does."""
+    (folder / "chat_template.jinja").unlink()
+    plain = chat_template("<|vision_start|><|image_pad|><|vision_end|>")
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": plain}))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": VL_TEMPLATE}))
+    return folder
+
+
 def _with_eos(folder: Path) -> Path:
     """make_qwen2_audio's config names no end of sequence (the real one's generation config does: <|im_end|>); a
     grammar needs one to end on."""
@@ -91,6 +102,7 @@ def served(tmp_path_factory):
     (text / "chat_template.jinja").write_text(_TOOLS_TEMPLATE)  # a text model with Qwen's tools template
     specs = [
         ModelSpec(path=_with_template(make_qwen2_5_vl(root / "vl"), VL_TEMPLATE), name="vl"),
+        ModelSpec(path=_hub_layout(make_qwen2_5_vl(root / "vl-hub")), name="vl-hub"),
         ModelSpec(path=_with_eos(_with_template(make_qwen2_audio(root / "qa"), AUDIO_TEMPLATE)), name="qa"),
         ModelSpec(path=make_qwen2_audio(root / "qa-plain"), name="qa-plain"),  # its default template: no tools
         ModelSpec(path=make_llava(root / "llava"), name="llava"),  # no tools in its template
@@ -172,22 +184,28 @@ def _messages(history: list[content_pb2.Content], media: dict) -> list[dict]:
     return out
 
 
-def _processor_ids(s, model: str, messages: list[dict]) -> list[int]:
+def _processor_ids(s, model: str, messages: list[dict], tools: list[dict] | None = SPEC) -> list[int]:
     processor = s["server"].registry.lookup(model).prompt_builder
-    processor = getattr(processor, "image", None) or processor.audio
-    out = processor.processor.apply_chat_template(
-        messages, tools=SPEC, tokenize=True, return_dict=True, add_generation_prompt=True
+    processor = (getattr(processor, "image", None) or processor.audio).processor
+    template = processor.chat_template if "tools" in processor.chat_template else processor.tokenizer.chat_template
+    out = processor.apply_chat_template(
+        messages, tools=tools, chat_template=template, tokenize=True, return_dict=True, add_generation_prompt=True
     )
     return list(np.asarray(out["input_ids"]).reshape(-1))
 
 
-@pytest.mark.parametrize(("model", "kind"), [("vl", "image"), ("qa", "audio")])
+@pytest.mark.parametrize(("model", "kind"), [("vl", "image"), ("vl-hub", "image"), ("qa", "audio")])
 def test_media_question_with_tools_calls_and_the_prompt_is_the_processors(served, model, kind):
     history, first_n, answer_n = _round_trip(served, model, kind)
     media = {"type": "image", "image": IMAGE} if kind == "image" else {"type": "audio", "audio": tone(1.2, freq=330.0)}
     first = _processor_ids(served, model, _messages(history[:1], media))
     whole = _processor_ids(served, model, _messages(history, media))
     assert (first_n, answer_n) == (len(first), len(whole))
+    # A follow-up that no longer sends the tools: the calls and results still rendered by the tools template
+    later = _generate(
+        served["stub"], generation_pb2.GenerateRequest(model=model, contents=history, max_output_tokens=2)
+    )
+    assert later.usage.prompt_tokens == len(_processor_ids(served, model, _messages(history, media), tools=None))
     builder = served["server"].registry.lookup(model).prompt_builder
     for contents, want in ((history[:1], first), (history, whole)):
         prompt = builder.build(contents, SPEC)
