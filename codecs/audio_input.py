@@ -250,6 +250,7 @@ def decode_audio(
             "a WAV audio part is truncated: its header declares %d bytes of samples, %d arrived; using "
             "the %.2f s that did", facts.declared, facts.available, pcm.shape[0] / rate,
         )  # fmt: skip
+    check_resample(rate, target_rate, "sample_rate_hertz" if enc in HEADERLESS else "data")
     mono = to_mono(pcm, source, facts.channel_mask if facts is not None else None)
     samples = resample(mono, rate, target_rate)
     if len(samples) > limits.max_samples(target_rate):
@@ -259,6 +260,34 @@ def decode_audio(
             "data", f"the audio is {len(samples)} samples at {target_rate} Hz; this model needs {limits.min_samples}"
         )
     return DecodedAudio(np.ascontiguousarray(samples, np.float32), target_rate, source, rate, channels)
+
+
+# torchaudio's sinc resampler builds a table of new/g x (orig/g + 2 x width) float32 weights (g: the rates' gcd). For
+# the usual rates it is small (44100 -> 16000: 160 x 475, 0.3 MB), but a rate with no common factor makes it huge: a
+# client's sample_rate_hertz of 44101 built a 2.8 GB table in 95 s (12 GB resident) for every clip, and for every chunk
+# of a stream. Rates whose table exceeds this are refused, naming the field; 44056 Hz (44 MB) still passes.
+MAX_RESAMPLE_TABLE_BYTES = 64 << 20
+RESAMPLE_FILTER_WIDTH, RESAMPLE_ROLLOFF = 6, 0.99  # torchaudio's defaults
+
+
+def resample_table_bytes(orig_rate: int, new_rate: int) -> int:
+    """Bytes of the weight table torchaudio's resampler builds for orig_rate -> new_rate (0: the same rate)."""
+    if orig_rate == new_rate:
+        return 0
+    g = math.gcd(orig_rate, new_rate)
+    orig, new = orig_rate // g, new_rate // g
+    width = math.ceil(RESAMPLE_FILTER_WIDTH * orig / (min(orig, new) * RESAMPLE_ROLLOFF))
+    return new * (orig + 2 * width) * 4
+
+
+def check_resample(orig_rate: int, new_rate: int, field: str) -> None:
+    """AudioInputError naming `field` when orig_rate -> new_rate would need too large a resampling table."""
+    if resample_table_bytes(orig_rate, new_rate) > MAX_RESAMPLE_TABLE_BYTES:
+        raise AudioInputError(
+            field,
+            f"{orig_rate} Hz cannot be resampled to {new_rate} Hz here (the rates share no large factor); send "
+            "audio at a common rate (8000, 11025, 16000, 22050, 24000, 32000, 44100, 48000, 96000 Hz)",
+        )
 
 
 def resample(samples: np.ndarray, orig_rate: int, new_rate: int) -> np.ndarray:

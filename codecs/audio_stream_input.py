@@ -17,7 +17,7 @@ import torch
 import torchaudio.transforms as AT
 
 from omnivox.codecs.audio_format import AudioEncoding
-from omnivox.codecs.audio_input import AudioInputError, AudioLimits, detect_container, mulaw_to_int16
+from omnivox.codecs.audio_input import AudioInputError, AudioLimits, check_resample, detect_container, mulaw_to_int16
 
 STREAM_ENCODINGS = (AudioEncoding.LINEAR16, AudioEncoding.MULAW)
 LOWPASS_FILTER_WIDTH, ROLLOFF = 6, 0.99  # torchaudio's resample defaults (what audio_input.resample uses)
@@ -180,6 +180,7 @@ class StreamingAudioDecoder:
                 "sample_rate_hertz",
                 f"{sample_rate} Hz is outside [{limits.min_sample_rate}, {limits.max_sample_rate}]",
             )
+        check_resample(sample_rate, target_rate, "sample_rate_hertz")
         self.encoding, self.sample_rate, self.target_rate = encoding, sample_rate, target_rate
         self.resampler = StreamingResampler(sample_rate, target_rate)
         self._carry = b""  # an odd LINEAR16 byte

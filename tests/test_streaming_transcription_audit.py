@@ -7,11 +7,13 @@ import grpc
 import numpy as np
 import pytest
 from audio_checkpoints import encode, noise, tone
+from google.rpc import error_details_pb2
 from service_harness import ServerThread
 from whisper_checkpoints import make_whisper
 
 from omnivox.codecs.audio_format import float_to_int16, int16_to_mulaw
-from omnivox.codecs.audio_input import resample
+from omnivox.codecs.audio_input import MAX_RESAMPLE_TABLE_BYTES, resample, resample_table_bytes
+from omnivox.services.errors import status_details
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.v1 import content_pb2, transcription_pb2, transcription_pb2_grpc
 
@@ -98,6 +100,11 @@ def baseline(s) -> None:
     assert free == total
     assert s["part"].cache.total_refs() == 0
     s["server"].engine("whisper").check_integrity()
+
+
+def _violations(err: grpc.RpcError) -> list[str]:
+    return [v.field for d in status_details(err) if isinstance(d, error_details_pb2.BadRequest)
+            for v in d.field_violations]  # fmt: skip
 
 
 def stream(s, messages, timeout: float = 120):
@@ -227,4 +234,24 @@ def test_finalize_and_empty_chunk_edges(served, reference):
     for messages in ([config()], [config(), Request(finalize=True)], [config(), Request(audio=b"")] * 1):
         [only] = stream(served, messages)
         assert only.summary.utterances == 0 and only.summary.audio_seconds == 0
+    baseline(served)
+
+
+def test_a_rate_without_common_factor_is_refused_at_once(served):
+    """8001 Hz -> 16 kHz reduces to 8001/16000: torchaudio's table would be 513 MB (7.5 s to build; 44101 Hz: 2.8 GB,
+    95 s), for every chunk of a stream and every clip of Transcribe. Refused naming the field; the server serves on."""
+    with pytest.raises(grpc.RpcError) as err:
+        stream(served, [config(sample_rate_hertz=8001), Request(audio=b"\0\0" * 800)], timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert _violations(err.value) == ["config.sample_rate_hertz"]
+    audio = content_pb2.AudioPart(
+        data=b"\1\0" * 8001, encoding=content_pb2.AUDIO_ENCODING_LINEAR16, sample_rate_hertz=8001
+    )
+    with pytest.raises(grpc.RpcError) as err:
+        list(served["stub"].Transcribe(transcription_pb2.TranscribeRequest(model="whisper", audio=audio), timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert _violations(err.value) == ["audio.sample_rate_hertz"]
+    for rate in (11025, 22050, 37800, 44056, 44100, 48000, 96000, 192000):  # real rates, odd ones too, still taken
+        assert resample_table_bytes(rate, RATE) <= MAX_RESAMPLE_TABLE_BYTES, rate
+    assert stream(served, [config(), *chunks(linear16(quiet(0.5)), [3200])])[-1].summary.audio_seconds == 0.5
     baseline(served)
