@@ -79,7 +79,12 @@ class VoxtralPrompts:
     def tool_format(self) -> ToolFormat | None:
         """How mistral_common writes an assistant's calls for this tokenizer version: `[TOOL_CALLS][{...}]` (v3 to
         v7 Tekken, Voxtral's) or `[TOOL_CALLS] [{...}]`; None for a format our parser does not read (v11's
-        `[TOOL_CALLS]name[ARGS]{...}`), which refuses tools."""
+        `[TOOL_CALLS]name[ARGS]{...}`), which refuses tools. Probed once (0.3 ms, on the event loop)."""
+        if not hasattr(self, "_tool_format"):
+            self._tool_format = self._probe_tool_format()
+        return self._tool_format
+
+    def _probe_tool_format(self) -> ToolFormat | None:
         call = {"id": "a" * 9, "type": "function", "function": {"name": "f", "arguments": {}}}
         probe = [
             {"role": "user", "content": "q"},
