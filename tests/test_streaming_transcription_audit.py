@@ -3,6 +3,8 @@ detector's edges, result semantics, and what a call leaves behind. Real server, 
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import numpy as np
 import pytest
@@ -95,9 +97,14 @@ def served(tmp_path_factory):
 
 
 def baseline(s) -> None:
-    """No engine request, KV block or encoder-cache reference left behind."""
+    """No engine request, KV block, encoder-cache reference or admission slot left behind."""
     free, total = s["server"].wait_kv_free("whisper", timeout=5.0)
     assert free == total
+    engine, model = s["server"].engine("whisper"), s["server"].registry.lookup("whisper")
+    deadline = time.monotonic() + 5.0
+    while (engine.num_unfinished() or model._in_flight) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the handler's finally runs just after the client saw the status
+    assert engine.num_unfinished() == 0 and model._in_flight == 0
     assert s["part"].cache.total_refs() == 0
     s["server"].engine("whisper").check_integrity()
 
@@ -254,4 +261,25 @@ def test_a_rate_without_common_factor_is_refused_at_once(served):
     for rate in (11025, 22050, 37800, 44056, 44100, 48000, 96000, 192000):  # real rates, odd ones too, still taken
         assert resample_table_bytes(rate, RATE) <= MAX_RESAMPLE_TABLE_BYTES, rate
     assert stream(served, [config(), *chunks(linear16(quiet(0.5)), [3200])])[-1].summary.audio_seconds == 0.5
+    baseline(served)
+
+
+# --- robustness ----------------------------------------------------------------------------------------------------
+def test_deadline_mid_utterance_frees_everything(served):
+    """A client whose deadline passes while an utterance is open and its interim pass runs (a paced 20 ms stream)."""
+    x = np.concatenate([quiet(0.5), syllables(20.0)]).astype(np.float32)
+
+    def paced():
+        yield config(interim_results=True)
+        for message in chunks(linear16(x), [3200]):
+            yield message
+            time.sleep(0.02)  # 5x real time: the call is mid-utterance at its deadline
+
+    call = served["stub"].StreamingTranscribe(paced(), timeout=2.0)
+    got = []
+    with pytest.raises(grpc.RpcError) as err:
+        for response in call:
+            got.append(response)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert any(r.HasField("speech_event") for r in got) and not any(r.HasField("summary") for r in got)
     baseline(served)
