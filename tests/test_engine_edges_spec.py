@@ -182,3 +182,37 @@ def test_a_constraints_adjust_logits_hook_holds_on_verification_rows(engines):
     out = same_with_speculation(engines, [params] * 2)
     assert out[0].token_ids.count(9) > 5
     assert all(a != b for o in out for a, b in itertools.pairwise(o.token_ids))
+
+
+def test_over_grpc_speculation_keeps_tokens_logprobs_and_stop(ckpt):
+    """A server with --speculative ngram answers a greedy request with logprobs, penalties, a -inf bias, a regex and
+    a stop string as one without it does."""
+    from audit_generate import run as generate
+    from service_harness import ServerThread, user_request
+
+    from omnivox.services.loading import EngineOptions, ModelSpec
+    from omnivox.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
+
+    sampling = sampling_pb2.SamplingConfig(temperature=0, repetition_penalty=1.1, logit_bias={3: float("-inf")})
+    request = user_request(
+        "abab abab abab", sampling=sampling, max_output_tokens=40, logprobs=True, top_logprobs=2,
+        response_format=generation_pb2.ResponseFormat(regex="(ab|ba| )+!"), stop_sequences=["babab"],
+    )  # fmt: skip
+    answers, drafted = [], []
+    for speculative in (None, "ngram"):
+        options = EngineOptions(kv_cache_gib=0.01, speculative=speculative, num_speculative_tokens=3)
+        with ServerThread([ModelSpec(path=ckpt, name="tiny")], options) as server:
+            server.engine("tiny").step_observers.append(lambda step: drafted.append(step.stats.num_drafted))
+            text, deltas, summary = generate(generation_pb2_grpc.GenerationServiceStub(server.channel()), request)
+            answers.append(
+                (
+                    text,
+                    [(lp.token_id, round(lp.logprob, 4)) for d in deltas for lp in d.logprobs],
+                    summary.finish_reason,
+                )
+            )
+            assert server.wait_kv_free()[0] == server.wait_kv_free()[1]
+    assert sum(drafted) > 0
+    assert answers[0] == answers[1]
+    text, logprobs, finish = answers[0]
+    assert finish == generation_pb2.FINISH_REASON_STOP and len(logprobs) > 5, answers
