@@ -10,6 +10,7 @@ as `<tool_call>` JSON, results as `<tool_response>` in a user turn), with the fa
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from whisper_checkpoints import make_whisper
 
 from omnivox.services.errors import status_details
 from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.whisper import transcribe
 from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2
 
 _TOOLS_TEMPLATE = (
@@ -221,8 +223,6 @@ def test_voxtral_audio_question_with_tools_round_trip(served):
     ids: list[int] = []
     history, first_n, answer_n = _round_trip(served, "voxtral", "audio", "abc123XYZ", ids)  # Mistral: 9 characters
     assert ids[0] == 9  # its own [TOOL_CALLS] special token, not the tag spelt in bytes
-    import base64
-
     audio = {"type": "audio", "base64": base64.b64encode(CLIP).decode()}
     backend = served["server"].registry.lookup("voxtral").bundle.audio.processor.tokenizer
     for contents, n in ((history[:1], first_n), (history, answer_n)):
@@ -240,8 +240,6 @@ def test_spoken_question_to_a_text_model_with_tools(served):
     history, first_n, answer_n = _round_trip(served, "text", "audio")
     tokenizer = served["server"].registry.lookup("text").engine.tokenizer
     whisper = served["server"].registry.lookup("whisper").bundle.whisper
-    from omnivox.services.whisper import transcribe
-
     samples = whisper.decode(history[0].parts[0].audio, "audio").samples
     spoken = served["server"].run(transcribe(whisper, samples, language=None)).text
     messages = _messages(history, {"type": "text", "text": spoken})
