@@ -1,7 +1,7 @@
 """Speculative decoding together with the other features: greedy output (tokens and logprobs) with drafts equals the
 output without, for penalties, logit bias, min_tokens, stop strings and max_tokens met inside a draft run, a
-grammar behind a reasoning gate, logprob requests in a drafted batch, and a sliding-window model whose blocks are
-released behind the window while drafts are rolled back."""
+grammar behind a reasoning gate, a constraint's adjust_logits hook, logprobs of accepted drafts, preemption, a
+sliding-window model whose blocks are released behind the window while drafts are rolled back, and over gRPC."""
 
 from __future__ import annotations
 
@@ -216,3 +216,21 @@ def test_over_grpc_speculation_keeps_tokens_logprobs_and_stop(ckpt):
     assert answers[0] == answers[1]
     text, logprobs, finish = answers[0]
     assert finish == generation_pb2.FINISH_REASON_STOP and len(logprobs) > 5, answers
+
+
+def test_preemption_under_speculation(ckpt):
+    """A 7-block pool: requests are preempted (drafts dropped, recomputed later) and the output is plain decoding's."""
+    small = {"kv_cache_gib": 0.00006}
+    tight = {
+        "plain": tiny_engine(ckpt, **small),
+        "ngram": tiny_engine(ckpt, proposer=NgramProposer(k=3, min_n=1, max_n=3), **small),
+        "draft": tiny_engine(
+            ckpt, proposer=DraftModelProposer.from_pretrained(ckpt, device="cpu", k=3, kv_cache_gib=0.01), **small
+        ),
+    }
+    prompts = [*PROMPTS, [9, 10, 11] * 5, [40, 41] * 9]
+    params = [greedy(max_tokens=70, ignore_eos=True, logprobs=1, repetition_penalty=1.05)] * 4
+    preempted = []
+    tight["draft"].step_observers.append(lambda step: preempted.append(step.stats.num_preempted))
+    same_with_speculation(tight, params, prompts)
+    assert sum(preempted) > 0
