@@ -159,6 +159,9 @@ class GrammarCompiler:
     async def factory(self, spec: GrammarSpec) -> GrammarConstraintFactory:
         """Wait (without blocking the event loop) for the compiled grammar; INVALID_ARGUMENT naming spec.field when
         it does not compile or takes longer than the timeout."""
+        if not self.eos_ids:  # llguidance's "eos_token list must not be empty", an INTERNAL at every compile
+            why = "this model names no end-of-sequence token (eos_token_id in config.json or generation_config.json)"
+            raise _bad(spec.field, f"{why}, so constrained output could never end")
         fut = asyncio.wrap_future(self.submit(spec.grammar))
         try:
             return await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)

@@ -275,3 +275,16 @@ def test_template_without_tools_refuses_them_naming_tools(served, model, kind):
     assert summary.usage.output_tokens == 2  # still serving
     free, total = served["server"].wait_kv_free(model)
     assert free == total
+
+
+def test_grammar_on_a_model_without_end_of_sequence_is_invalid_argument(served):
+    """make_qwen2_audio's config names no eos: a response_format was INTERNAL 'eos_token list must not be empty'."""
+    contents = [content_pb2.Content(role="user", parts=[_media("audio"), content_pb2.Part(text="Which?")])]
+    request = generation_pb2.GenerateRequest(
+        model="qa-plain", contents=contents, response_format=generation_pb2.ResponseFormat(regex="(yes|no)")
+    )
+    with pytest.raises(grpc.RpcError) as err:
+        _generate(served["stub"], request)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    (bad,) = [d for d in status_details(err.value) if isinstance(d, error_details_pb2.BadRequest)]
+    assert [v.field for v in bad.field_violations] == ["response_format.regex"]
