@@ -325,16 +325,18 @@ def draw_verification(
         drafts = req.draft_token_ids
         if req.params.is_greedy:
             draw = _Draws(drafts, True, start)
-            assert picks is not None
-            row_tokens = picks[start : start + n]  # each reached row's token is its argmax
         else:
             q_rows = q[: n - 1] if q is not None else None
             draws, state = _draw_sampled(probs[start : start + n], drafts, q_rows, req.generator)
             draw = _Draws(drafts, False, offset, req.generator, state)
             parts += draws
             offset += 2 * len(drafts) + 1
-            row_tokens = torch.cat([draws[1], draws[2].view(1)])  # a reached row's token: its draft or correction
         if logprobs is not None and req.params.logprobs is not None:
+            if req.params.is_greedy:  # each reached row's token: its argmax
+                assert picks is not None
+                row_tokens = picks[start : start + n]
+            else:  # a reached row's token: its accepted draft or correction, then the bonus
+                row_tokens = torch.cat([draws[1], draws[2].view(1)])
             lp = logprobs[lp_first[start] : lp_first[start] + n]  # [n, V]
             draw.lp = _Logprobs(offset, n, min(req.params.logprobs, lp.shape[1]))
             parts.append(lp.gather(1, row_tokens.clamp_min(0).unsqueeze(1)).squeeze(1))  # [n]
