@@ -1,17 +1,22 @@
 """Speculative decoding together with the other features: greedy output (tokens and logprobs) with drafts equals the
 output without, for penalties, logit bias, min_tokens, stop strings and max_tokens met inside a draft run, a
 grammar behind a reasoning gate, a constraint's adjust_logits hook, logprobs of accepted drafts, preemption, a
-sliding-window model whose blocks are released behind the window while drafts are rolled back, and over gRPC."""
+sliding-window model whose blocks are released behind the window while drafts are rolled back, and over gRPC; and
+sampled output keeps its distribution with penalties, bias and top-k."""
 
 from __future__ import annotations
 
 import itertools
 
 import llguidance
+import numpy as np
 import pytest
 import torch
 from checkpoints import load_reference
 from engines import tiny_checkpoint, tiny_engine
+from test_sampling_distribution import PROMPT, chi_square_ok, expected_probs
+from test_sampling_distribution import spread as spread  # noqa: F401  (fixture)
+from test_speculative import GeneralDraft
 
 from omnivox.engine import SamplingParams
 from omnivox.engine.draft import DraftModelProposer
@@ -234,3 +239,49 @@ def test_preemption_under_speculation(ckpt):
     tight["draft"].step_observers.append(lambda step: preempted.append(step.stats.num_preempted))
     same_with_speculation(tight, params, prompts)
     assert sum(preempted) > 0
+
+
+def test_sampled_first_two_tokens_keep_their_distribution_with_penalties_and_bias(spread):  # noqa: F811
+    """The drafted (second) token is verified against p processed as plain sampling processes it: bias, a -inf
+    ban, repetition / presence / frequency penalties counting the first token, temperature and top-k."""
+    path, first_logits = spread
+    bias = {3: 1.5, 17: 2.0, 40: float("-inf")}
+    kw = {"repetition_penalty": 1.3, "presence_penalty": 1.0, "frequency_penalty": 0.5}
+    temperature, top_k = 0.9, 40
+
+    def processed(logits: np.ndarray, output: list[int]) -> np.ndarray:  # the sampler's order, in numpy
+        z = logits.copy()
+        for t, b in bias.items():
+            z[t] += b
+        for t in set(PROMPT) | set(output):
+            z[t] = z[t] / kw["repetition_penalty"] if z[t] > 0 else z[t] * kw["repetition_penalty"]
+        for t in set(output):
+            z[t] -= kw["presence_penalty"] + kw["frequency_penalty"] * output.count(t)
+        return z
+
+    model = load_reference(path)
+    with torch.no_grad():  # logits after PROMPT + t1 for every t1
+        second = model(torch.tensor([PROMPT + [t] for t in range(384)])).logits[:, -1].double().numpy()
+    p1 = expected_probs(processed(np.asarray(first_logits), []), temperature, top_k)
+    joint = np.zeros((384, 384))
+    for t1 in np.flatnonzero(p1):
+        joint[t1] = p1[t1] * expected_probs(processed(second[t1], [int(t1)]), temperature, top_k)
+    draft = GeneralDraft(384)
+    engine = tiny_engine(path, proposer=draft, max_num_batched_tokens=512)
+    engine.core.gate.max_batch = 10**6  # verify in every step, however large the batch
+    engine.core.gate.min_acceptance = 0.0
+    n = 3000
+    params = [
+        SamplingParams(
+            max_tokens=3, ignore_eos=True, seed=i, temperature=temperature, top_k=top_k, logit_bias=bias, **kw
+        )
+        for i in range(n)
+    ]
+    outs = engine.generate([PROMPT] * n, params)
+    assert draft.proposed >= n
+    counts = np.zeros(384 * 384)
+    for o in outs:
+        counts[o.token_ids[0] * 384 + o.token_ids[1]] += 1
+    ok, stat, limit = chi_square_ok(counts, joint.ravel())
+    assert ok, (stat, limit)
+    engine.check_integrity()
