@@ -6,18 +6,31 @@ part is transcribed by that model (language detected, greedy, services/whisper.p
 holding its transcript; the text model then answers the text. Each transcription is admitted on the Whisper model
 (its queue bound applies) and its errors name the audio part (`contents[i].parts[j].audio.<field>`). Without
 `--asr-model` such a request keeps its INVALID_ARGUMENT (the model does not accept audio).
+
+A voice agent sends its whole conversation with each turn, every earlier spoken question included (and with tools,
+the call and its result after it): the transcripts of recent clips are kept per ASR model (keyed by a hash of the
+part's bytes, encoding and rate; greedy decoding makes the transcript a function of those), so each clip is
+transcribed once, not once per later turn.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import weakref
+from collections import OrderedDict
+from typing import Any
 
 from omnivox.models.audio.transcription import TranscriptionRequestError
 from omnivox.services import errors
 from omnivox.services.errors import FieldViolation
 from omnivox.services.registry import AUDIO, ModelRegistry, ServedModel
 from omnivox.services.whisper import transcribe
-from omnivox.v1 import generation_pb2
+from omnivox.v1 import content_pb2, generation_pb2
+
+TRANSCRIPT_ENTRIES = 1024  # clips remembered per ASR model (a few hundred bytes each)
+# ASR model's engine -> (clip key -> transcript), most recent last; dropped with the engine
+_TRANSCRIPTS: weakref.WeakKeyDictionary[Any, OrderedDict[bytes, str]] = weakref.WeakKeyDictionary()
 
 
 def applies(request: generation_pb2.GenerateRequest, model: ServedModel, registry: ModelRegistry) -> bool:
@@ -37,9 +50,15 @@ async def transcribe_audio_parts(
         raise errors.internal(f"--asr-model {asr.name!r} is not a Whisper model")
     out = generation_pb2.GenerateRequest()
     out.CopyFrom(request)
+    known = _TRANSCRIPTS.setdefault(part.engine, OrderedDict())
     for i, content in enumerate(out.contents):
         for j, p in enumerate(content.parts):
             if p.WhichOneof("kind") != "audio":
+                continue
+            key = await asyncio.to_thread(_clip_key, p.audio)  # sha256 of a 20 MB WAV: ~40 ms
+            if (text := known.get(key)) is not None:
+                known.move_to_end(key)
+                p.text = text
                 continue
             path = f"contents[{i}].parts[{j}].audio"
             with asr.admit():
@@ -50,5 +69,15 @@ async def transcribe_audio_parts(
                     raise errors.invalid_argument([FieldViolation(f"{path}", err.description)]) from err
                 except RuntimeError as err:
                     raise errors.internal(str(err)) from err
+            known[key] = result.text
+            while len(known) > TRANSCRIPT_ENTRIES:
+                known.popitem(last=False)
             p.text = result.text  # setting the oneof's text clears its audio
     return out
+
+
+def _clip_key(audio: content_pb2.AudioPart) -> bytes:
+    """What decides a clip's transcript besides the model: its bytes, encoding and stated rate."""
+    h = hashlib.sha256(audio.data)
+    h.update(f"{audio.encoding}:{audio.sample_rate_hertz}".encode())
+    return h.digest()

@@ -123,14 +123,9 @@ def _media(kind: str) -> content_pb2.Part:
 
 
 def _request(model: str, contents: list[content_pb2.Content], **fields) -> generation_pb2.GenerateRequest:
-    return generation_pb2.GenerateRequest(
-        model=model,
-        contents=contents,
-        tools=[TOOL],
-        sampling=sampling_pb2.SamplingConfig(temperature=0.0),
-        max_output_tokens=STEPS,
-        **fields,
-    )
+    fields.setdefault("max_output_tokens", STEPS)
+    sampling = sampling_pb2.SamplingConfig(temperature=0.0)
+    return generation_pb2.GenerateRequest(model=model, contents=contents, tools=[TOOL], sampling=sampling, **fields)
 
 
 def _generate(stub, request, ids: list[int] | None = None) -> generation_pb2.GenerateSummary:
@@ -249,6 +244,12 @@ def test_spoken_question_to_a_text_model_with_tools(served):
     for msgs, n in ((messages[:1], first_n), (messages, answer_n)):
         text = tokenizer.apply_chat_template(msgs, tools=SPEC, tokenize=False, add_generation_prompt=True)
         assert n == len(tokenizer.encode(text, add_special_tokens=False))
+    # The next turn re-sends the spoken question: its transcript is remembered, Whisper does not run again
+    steps = served["server"].registry.lookup("whisper").engine.num_steps
+    none = generation_pb2.ToolChoice(mode=generation_pb2.TOOL_CHOICE_MODE_NONE)
+    again = _generate(served["stub"], _request("text", history, tool_choice=none, max_output_tokens=2))
+    assert again.usage.prompt_tokens == answer_n
+    assert served["server"].registry.lookup("whisper").engine.num_steps == steps
 
 
 @pytest.mark.parametrize(("model", "kind"), [("llava", "image"), ("qa-plain", "audio")])
