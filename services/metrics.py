@@ -35,6 +35,8 @@ _ITL = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0
 _LONG = (0.01, 0.05, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 240.0, 480.0)
 _RTF = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0)
 _COUNT = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Tokens per request: vLLM's 1-2-5 series (it stops at the model's context; one registry serves every model here).
+_TOKENS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))[:-2]  # 1 ... 1,000,000
 
 
 class Metrics:
@@ -78,6 +80,12 @@ class Metrics:
             "omnivox_request_decode_time_seconds", "First token to the end", m, buckets=_LONG, registry=r
         )
         self.success = Counter("omnivox_request_success", "Finished requests", ("model", "finished_reason"), registry=r)
+        self.request_prompt_tokens = Histogram(
+            "omnivox_request_prompt_tokens", "Prompt tokens per finished request", m, buckets=_TOKENS, registry=r
+        )
+        self.request_generation_tokens = Histogram(
+            "omnivox_request_generation_tokens", "Output tokens per finished request", m, buckets=_TOKENS, registry=r
+        )
         self.grpc_status = Counter("omnivox_grpc_requests", "Finished RPCs", ("method", "grpc_code"), registry=r)
         # Audio out.
         self.ttfa = Histogram(
@@ -165,6 +173,8 @@ class Metrics:
         now = time.monotonic()
         self.success.labels(model, out.finish_reason or "unknown").inc()
         self.e2e.labels(model).observe(max(now - out.arrival_time, 0.0))
+        self.request_prompt_tokens.labels(model).observe(len(out.prompt_token_ids))
+        self.request_generation_tokens.labels(model).observe(out.num_tokens)
         if out.first_token_time is not None:
             self.decode_time.labels(model).observe(max(now - out.first_token_time, 0.0))
 

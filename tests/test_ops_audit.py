@@ -223,8 +223,14 @@ def test_metrics_parse_counters_only_grow_and_gauges_return_to_zero(keyed) -> No
     srv, _ = keyed
     gen = generation_pb2_grpc.GenerationServiceStub(srv.channel())
     md = bearer(next(k for k in (OLD_KEY, NEW_KEY) if list_models_code(srv, k) == grpc.StatusCode.OK))  # rotated?
-    list(gen.Generate(user_request("Warm up.", max_output_tokens=3), metadata=md, timeout=30))
+    start = samples(srv)
+    warm = list(gen.Generate(user_request("Warm up.", max_output_tokens=3), metadata=md, timeout=30))[-1].summary
     before = samples(srv)
+    tiny = (("model", "tiny"),)
+    for name, tokens in (("prompt", warm.usage.prompt_tokens), ("generation", warm.usage.output_tokens)):
+        family = f"omnivox_request_{name}_tokens"  # per-request token histograms, as vLLM's
+        assert before[(f"{family}_count", tiny)] - start.get((f"{family}_count", tiny), 0) == 1
+        assert before[(f"{family}_sum", tiny)] - start.get((f"{family}_sum", tiny), 0) == tokens > 0
 
     # Traffic that ends every way but OK: cancelled mid-stream, past its deadline, refused, unauthenticated.
     call = gen.Generate(user_request("Talk on. " * 8, max_output_tokens=4000, ignore_eos=True), metadata=md)
@@ -246,8 +252,14 @@ def test_metrics_parse_counters_only_grow_and_gauges_return_to_zero(keyed) -> No
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     srv.wait_kv_free("tiny", timeout=5.0)
 
-    after = samples(srv)
-    tiny = (("model", "tiny"),)
+    def generate_calls(snapshot: dict) -> float:
+        return sum(v for (name, labels), v in snapshot.items() if name == "omnivox_grpc_requests_total"
+                   and dict(labels)["method"] == "Generate")  # fmt: skip
+
+    deadline = time.monotonic() + 5  # a call's status is counted when its server handler ends, after the client's
+    while generate_calls(after := samples(srv)) < generate_calls(before) + 4:
+        assert time.monotonic() < deadline, after
+        time.sleep(0.02)
     for gauge in ("omnivox_num_requests_running", "omnivox_num_requests_waiting", "omnivox_kv_cache_usage_perc"):
         assert after[(gauge, tiny)] == 0, gauge
     for key, v in before.items():  # counters and histogram series never go down
