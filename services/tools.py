@@ -137,6 +137,8 @@ def media_format(request: generation_pb2.GenerateRequest, builder: Any) -> ToolF
     when the model's template cannot render tools (LLaVA's, SmolVLM's, Qwen2-Audio's, Whisper's)."""
     if not uses_tools(request):
         return None
+    if not request.tools and not any(c.role == "tool" or c.tool_calls for c in request.contents):
+        return HERMES  # a tool_choice alone: nothing to render nor parse (plan checks the choice)
     fmt = builder.tool_format() if hasattr(builder, "tool_format") else None
     if fmt is None:
         why = "this model's chat template does not render tools (nor tool calls and results)"

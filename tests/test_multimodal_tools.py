@@ -270,8 +270,10 @@ def test_template_without_tools_refuses_them_naming_tools(served, model, kind):
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         (bad,) = [d for d in status_details(err.value) if isinstance(d, error_details_pb2.BadRequest)]
         assert [v.field for v in bad.field_violations] == ["tools"]
+    none = generation_pb2.ToolChoice(mode=generation_pb2.TOOL_CHOICE_MODE_NONE)  # a choice alone changes nothing
     summary = _generate(
-        served["stub"], generation_pb2.GenerateRequest(model=model, contents=contents, max_output_tokens=2)
+        served["stub"],
+        generation_pb2.GenerateRequest(model=model, contents=contents, max_output_tokens=2, tool_choice=none),
     )
     assert summary.usage.output_tokens == 2  # still serving
     free, total = served["server"].wait_kv_free(model)
