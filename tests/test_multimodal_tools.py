@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 from pathlib import Path
 
 import grpc
@@ -210,8 +211,19 @@ def test_media_question_with_tools_calls_and_the_prompt_is_the_processors(served
             assert prompt.token_ids == want  # markers expanded as the processor expands them
         finally:
             prompt.release()
-    free, total = served["server"].wait_kv_free(model)
+    _baseline(served, model)
+
+
+def _baseline(s, model: str) -> None:
+    """Every KV block free again and no encoder-cache reference held."""
+    free, total = s["server"].wait_kv_free(model)
     assert free == total
+    bundle = s["server"].registry.lookup(model).bundle
+    cache = (bundle.vision or bundle.audio).cache
+    deadline = time.monotonic() + 2.0
+    while cache.total_refs() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert cache.total_refs() == 0
 
 
 def test_voxtral_audio_question_with_tools_round_trip(served):
@@ -228,6 +240,7 @@ def test_voxtral_audio_question_with_tools_round_trip(served):
             assert prompt.token_ids == list(want)
         finally:
             prompt.release()
+    _baseline(served, "voxtral")
 
 
 def test_spoken_question_to_a_text_model_with_tools(served):
@@ -276,8 +289,7 @@ def test_template_without_tools_refuses_them_naming_tools(served, model, kind):
         generation_pb2.GenerateRequest(model=model, contents=contents, max_output_tokens=2, tool_choice=none),
     )
     assert summary.usage.output_tokens == 2  # still serving
-    free, total = served["server"].wait_kv_free(model)
-    assert free == total
+    _baseline(served, model)
 
 
 def test_grammar_on_a_model_without_end_of_sequence_is_invalid_argument(served):
