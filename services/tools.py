@@ -9,6 +9,10 @@ Formats (chosen from the chat template's text):
 
 Grammars: services/tool_grammar.py.
 
+Vision and audio models (`media_format`): their own prompt builder renders the tools, calls and results with the
+images and audio (services/image_prompt.py, audio_prompt.py, voxtral_prompt.py), through the processor's template or
+else its tokenizer's (`media_template`); a model whose template renders no tools refuses them on `tools`.
+
 Parsing (services/tool_parser.py) re-reads the whole text so far on every update, so deltas are the same however the
 text arrived in chunks.
 """
