@@ -135,16 +135,18 @@ class QuotaBook:
             u = self._usage[caller]
             while u.started and u.started[0] <= now - self.WINDOW_S:
                 u.started.popleft()
+            # Without keys or client certificates every call is the one anonymous caller: the quota is the server's
+            who = (
+                f"caller {caller!r}" if caller else "all callers together (no API key or certificate tells them apart)"
+            )
             if q.max_concurrent and u.in_flight >= q.max_concurrent:
                 raise errors.resource_exhausted(
-                    f"caller {caller!r} has {u.in_flight} calls in flight (the limit is {q.max_concurrent})",
-                    retry_after_s=1.0,
+                    f"{who}: {u.in_flight} calls in flight (the limit is {q.max_concurrent})", retry_after_s=1.0
                 )
             if q.max_per_minute and len(u.started) >= q.max_per_minute:
                 wait = max(u.started[0] + self.WINDOW_S - now, 0.001)
                 raise errors.resource_exhausted(
-                    f"caller {caller!r} started {len(u.started)} calls in the last minute "
-                    f"(the limit is {q.max_per_minute})",
+                    f"{who}: {len(u.started)} calls started in the last minute (the limit is {q.max_per_minute})",
                     retry_after_s=wait,
                 )
             u.in_flight += 1

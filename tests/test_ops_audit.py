@@ -30,10 +30,11 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families
 from service_harness import ServerThread, user_request
 
-from omnivox.services.auth import KeyFile, Quota
+from omnivox.services.auth import KeyFile, Quota, QuotaBook
 from omnivox.services.cli import build_parser
 from omnivox.services.cli import main as cli_main
 from omnivox.services.cli._serve_flags import check_flag_values
+from omnivox.services.errors import ServiceError
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.services.tls import CertificateFiles
 from omnivox.v1 import generation_pb2, generation_pb2_grpc, model_pb2, model_pb2_grpc
@@ -552,3 +553,16 @@ def test_every_omnivox_method_of_every_cardinality_needs_a_key(keyed) -> None:
                     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, (path, metadata)
                 seen += 1
     assert seen >= 9  # Generate, ListModels, five speech and two transcription methods
+
+
+def test_quota_without_keys_or_certificates_says_it_is_the_servers() -> None:
+    """With neither, every call is one anonymous caller; the refusal said "caller '' has 1 calls in flight"."""
+    book = QuotaBook(Quota(max_concurrent=1))
+    book.take("")
+    with pytest.raises(ServiceError) as info:
+        book.take("")
+    assert "all callers together" in str(info.value) and "''" not in str(info.value)
+    book.take("alice")
+    with pytest.raises(ServiceError) as info:
+        book.take("alice")
+    assert "caller 'alice': 1 calls in flight" in str(info.value)
