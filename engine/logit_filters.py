@@ -11,6 +11,14 @@ from omnivox.engine.transfer import to_device
 NEG_INF = float("-inf")
 
 
+def divide_by_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] / temperature [B, 1], shifted by each row's max first. A logit near float32's max (a logit bias
+    of 3e38 is accepted) divided by 0.5 was inf, the softmax NaN, and the draw took id 0 (INTERNAL under a grammar).
+    Softmax and the filters are shift-invariant; shifted, every value is <= 0 and a division only underflows to -inf,
+    where the probability was 0 anyway."""
+    return (logits - logits.amax(dim=-1, keepdim=True)) / temperature
+
+
 def apply_top_k_top_p_min_p(
     logits: torch.Tensor,  # [B, V], already divided by temperature
     top_k: torch.Tensor | None,  # [B] int, 0 = off

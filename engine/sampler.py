@@ -21,7 +21,14 @@ from itertools import islice
 
 import torch
 
-from omnivox.engine.logit_filters import NEG_INF, apply_top_k_top_p_min_p, counts_among, filters_of, token_counts
+from omnivox.engine.logit_filters import (
+    NEG_INF,
+    apply_top_k_top_p_min_p,
+    counts_among,
+    divide_by_temperature,
+    filters_of,
+    token_counts,
+)
 from omnivox.engine.outputs import TokenLogprob
 from omnivox.engine.request import Request
 from omnivox.engine.transfer import HostTransfer, take_rows, to_device
@@ -207,7 +214,8 @@ class Sampler:
             dev = logits.device
             temp = to_device([reqs[i].params.temperature for i in sampled], dev)[:, None]
             rows = [reqs[i] for i in sampled]
-            filtered = apply_top_k_top_p_min_p(take_rows(logits, sampled) / temp, *filters_of(rows, dev))
+            scaled = divide_by_temperature(take_rows(logits, sampled), temp)
+            filtered = apply_top_k_top_p_min_p(scaled, *filters_of(rows, dev))
             logits.index_copy_(0, to_device(sampled, dev, torch.long), filtered)
         return logits.softmax(dim=-1), logprobs
 
@@ -321,7 +329,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, reqs: list[Request], sizes: list[int]) -> torch.Tensor:
         dev = logits.device
         temp = to_device([r.params.temperature for r in reqs], dev).unsqueeze(1)
-        logits = logits / temp
+        logits = divide_by_temperature(logits, temp)
         logits = apply_top_k_top_p_min_p(logits, *filters_of(reqs, dev))
         probs = logits.softmax(dim=-1)
         unseeded = [j for j, r in enumerate(reqs) if r.generator is None]

@@ -147,3 +147,19 @@ def test_bans_on_every_code_of_a_speech_frame_position(engines, kind):
     assert not set(out.token_ids) & set(third)
     engine.check_integrity()
     assert engine.pool.num_free == engine.pool.usage().total_blocks
+
+
+def test_a_bias_near_float32s_max_at_a_low_temperature_is_followed(engines, server):
+    """logits / 0.5 overflowed to inf, the softmax was NaN and every draw took id 0: a token nobody favoured, and
+    under a response format INTERNAL (the grammar rejected it)."""
+    engine = engines["plain"]
+    params = SamplingParams(temperature=0.5, seed=1, max_tokens=4, ignore_eos=True, logit_bias={50: 3e38})
+    (out,) = finals(engine, [PROMPT], [params])
+    assert out.token_ids == [50] * 4
+    x = engine.tokenizer("x", add_special_tokens=False).input_ids[0]
+    sampling = sampling_pb2.SamplingConfig(temperature=0.5, seed=1, logit_bias={x: 3e38})
+    request = user_request(
+        "x", response_format=generation_pb2.ResponseFormat(regex="xy|xz"), sampling=sampling, max_output_tokens=8
+    )
+    text, _, _ = run(generation_pb2_grpc.GenerationServiceStub(server.channel()), request)
+    assert text in ("xy", "xz")
