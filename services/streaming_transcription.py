@@ -56,6 +56,12 @@ PAD_S = 0.2  # audio kept around an utterance's voiced span: the detector's edge
 INTERIM_FIRST_S = 0.5  # of an utterance before its first interim pass
 INTERIM_EVERY_S = 1.0  # new audio between the starts of interim passes
 IDLE_KEEP_S = 1.0  # audio kept while no one speaks: an utterance starts up to START_MS + PAD_S back
+# Finals queued (each holding its clip, up to 29.4 s) before the reader stops taking the client's messages, so that
+# gRPC's flow control holds back a client sending faster than the passes run. Unbounded, every message was read at
+# once and its clips held: a 300 s file of 30 utterances sent flat out was all taken in 1.6 s while the passes ran
+# 16 s (tiny Whisper; whisper-base takes 2-4 s a pass: an hour's recording is 230 MB of float32 clips). Held back, the
+# client was still sending at 4.9 s (gRPC's windows still take a few MB of its bytes ahead).
+MAX_PENDING_FINALS = 4
 ENDPOINT_SILENCE_MS = (100, 10_000)  # accepted range of config.endpoint_silence_ms
 MAX_REQUEST_ID_CHARS = 256
 Response = transcription_pb2.StreamingTranscribeResponse
@@ -152,6 +158,7 @@ class _Stream:
         self.count = 0  # utterances opened
         self.prev_end = 0  # end of the last final span
         self.pending_finals = 0
+        self.final_done = asyncio.Event()  # set when a final pass ends (the reader waits on it while finals pile up)
         self.texts: list[str] = []
         self.compute_s = 0.0
         self.first_audio: float | None = None
@@ -170,6 +177,9 @@ class _Stream:
                 self._audio(req.audio)
             elif kind == "finalize":
                 self._events(self.vad.end_now())
+            while self.pending_finals > MAX_PENDING_FINALS:
+                self.final_done.clear()
+                await self.final_done.wait()
         if self.head is not None:
             self._audio(b"", end=True)
         self._push(self.decoder.flush())
@@ -284,6 +294,7 @@ class _Stream:
             u, a, b, clip = item
             result = await self._spawn(self._pass(clip))
             self.pending_finals -= 1
+            self.final_done.set()
             self.texts.append(result.text)
             self._result(u.index, result, a, b, is_final=True, stability=1.0)
         self.out.put_nowait(None)

@@ -3,6 +3,7 @@ detector's edges, result semantics, and what a call leaves behind. Real server, 
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import subprocess
 import time
@@ -21,6 +22,7 @@ from omnivox.codecs.audio_input import MAX_RESAMPLE_TABLE_BYTES, decode_audio, r
 from omnivox.services.defaults import ensure_default_whisper
 from omnivox.services.errors import status_details
 from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.streaming_transcription import MAX_PENDING_FINALS, _Stream, _validate, next_item
 from omnivox.v1 import content_pb2, transcription_pb2, transcription_pb2_grpc
 
 RATE = 16000
@@ -323,3 +325,39 @@ def test_whisper_base_noise_gives_no_text_and_language_is_per_utterance():
     assert word_error_rate("Ich habe heute keine Zeit.", fs[1].text) < 0.3, fs[1].text
     assert fs[2].text == ""  # the noise: no hallucinated "Thank you."
     assert responses[-1].summary.text == f"{fs[0].text} {fs[1].text}"
+
+
+def test_a_client_faster_than_the_passes_is_held_back(served):
+    """The reader stops taking messages while more than MAX_PENDING_FINALS finals wait (their clips held), so gRPC's
+    flow control holds back a client streaming a recording flat out. Unbounded, every message was read at once: a
+    300 s file was all sent in 1.6 s, its clips held while the passes ran (tiny Whisper: 16 s). Run on the server's
+    loop with its real Whisper part, as the handler runs it."""
+    cfg = config().config
+    part = served["part"]
+    utterance = linear16(np.concatenate([syllables(0.6), quiet(0.7, 2)]))
+    consumed: list[int] = []
+
+    async def messages():
+        for i in range(MAX_PENDING_FINALS + 3):  # one utterance a message, sent as fast as they are taken
+            consumed.append(i)
+            yield Request(audio=utterance)
+
+    async def scenario() -> tuple[int, list[str]]:
+        stream = _Stream(part, cfg, _validate(part, cfg))
+        tasks = [asyncio.create_task(stream.read(messages())), asyncio.create_task(stream.run_finals())]
+        try:
+            taken_at_first_final, texts = None, []
+            while (item := await next_item(stream.out, tasks)) is not None:
+                if item.HasField("result") and item.result.is_final:
+                    taken_at_first_final = taken_at_first_final or len(consumed)
+                    texts.append(item.result.text)
+            return taken_at_first_final, texts
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    taken, texts = served["server"].run(scenario())
+    # Taken: the utterances that held the reader back, and one more once the first final freed a place (was: all).
+    assert taken <= MAX_PENDING_FINALS + 2, taken
+    assert len(texts) == MAX_PENDING_FINALS + 3  # and every one was transcribed in the end
+    baseline(served)
