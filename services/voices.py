@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
 import threading
@@ -33,6 +34,8 @@ from omnivox.services.validation import Violations
 from omnivox.v1 import speech_pb2
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+log = logging.getLogger(__name__)
 
 
 def default_data_dir() -> Path:
@@ -112,12 +115,21 @@ class VoiceStore:
             return self._load(model).get(name)
 
     def _save(self, model: str, voice: CreatedVoice) -> None:
+        """Write the voice's file; FAILED_PRECONDITION when the data folder cannot take it (a read-only root file
+        system with no --data-dir volume: it was INTERNAL with a traceback)."""
         folder = self._folder(model)
-        folder.mkdir(parents=True, exist_ok=True)
         data = {**voice.__dict__, "frames": [list(f) for f in voice.frames]}
         tmp = folder / f".{voice.name}.json.tmp"
-        tmp.write_text(json.dumps(data))
-        tmp.replace(folder / f"{voice.name}.json")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(data))
+            tmp.replace(folder / f"{voice.name}.json")
+        except OSError as exc:
+            log.error("cannot store created voice %r in %s: %s", voice.name, folder, exc)
+            raise errors.failed_precondition(
+                f"this server cannot store created voices: {folder}: {exc.strerror or exc}; serve with --data-dir "
+                "(or $OMNIVOX_DATA_DIR) on a writable volume"
+            ) from exc
 
     def delete(self, model: str, name: str) -> None:
         with self._lock:

@@ -146,3 +146,23 @@ def test_cli_voices_and_speak_voice_from(model_path, tmp_path, capsys):
         assert main(["voices", "delete", "bob", *server]) != 0  # NOT_FOUND now
     finally:
         srv.stop()
+
+
+def test_voices_that_cannot_be_stored_are_failed_precondition(model_path, tmp_path):
+    """A data folder that cannot take files (the shipped deployment's read-only root with no --data-dir volume) was
+    INTERNAL with a traceback; now FAILED_PRECONDITION saying how to serve, and the server keeps serving."""
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    (data_dir / "voices").write_text("a file where the voices folder should be")  # root ignores chmod: block mkdir
+    srv = start(model_path, data_dir)
+    try:
+        stub = speech_pb2_grpc.SpeechServiceStub(srv.channel())
+        with pytest.raises(grpc.RpcError) as info:
+            stub.CreateVoice(create_request(reference_wav(tmp_path)), timeout=120)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "--data-dir" in info.value.details(), info.value.details()
+        names = [v.name for v in stub.ListVoices(speech_pb2.ListVoicesRequest(), timeout=30).voices]
+        assert "alice" not in names
+        synthesize(stub, "tara")
+    finally:
+        srv.stop()
