@@ -169,7 +169,11 @@ def test_dockerfile_names_what_exists(dockerfile: Path) -> None:
     assert entrypoint == ["omnivox"] and "omnivox" in scripts
     args = serve_args(cmd)
     health = dict(instructions)["HEALTHCHECK"]
-    assert f"127.0.0.1:{args.port}'" in health and args.port == ServerOptions().port
+    # The health check's port is an ENV (a TLS server answers plaintext health on its --health-port), by default
+    # the port the command serves on.
+    env = dict(rest.split("=", 1) for op, rest in instructions if op == "ENV" and "=" in rest)
+    assert "os.environ['OMNIVOX_HEALTH_PORT']" in health and "127.0.0.1:" in health
+    assert int(env["OMNIVOX_HEALTH_PORT"]) == args.port == ServerOptions().port
     assert f"EXPOSE {args.port}" in [f"{op} {rest}" for op, rest in instructions]
     assert (dockerfile.parent / f"{dockerfile.name}.dockerignore").exists()
 
