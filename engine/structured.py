@@ -188,14 +188,14 @@ def grammar_tokenizer(hf_tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]
     the model's vocabulary (~1 s for 50k tokens: build it once)."""
     import llguidance.hf
 
-    tekken = _tekkenizer(hf_tokenizer)
+    tekken = tekkenizer(hf_tokenizer)
     if tekken is not None:
         wrapper = llguidance.TokenizerWrapper(_TekkenTokens(tekken))
         return llguidance.LLTokenizer(wrapper, n_vocab=vocab_size, eos_token=list(eos_ids))
     return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=list(eos_ids))
 
 
-def _tekkenizer(hf_tokenizer: Any) -> Any:
+def tekkenizer(hf_tokenizer: Any) -> Any:
     """The mistral_common Tekkenizer inside transformers' MistralCommonBackend, else None (not a fast tokenizer:
     llguidance.hf refuses it)."""
     inner = getattr(getattr(getattr(hf_tokenizer, "tokenizer", None), "instruct_tokenizer", None), "tokenizer", None)

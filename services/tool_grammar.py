@@ -37,9 +37,9 @@ def added_tokens(tokenizer: Any) -> dict[str, int]:
     """The tokenizer's added tokens (text -> id), cached per tokenizer; {} for one without them. A Tekken tokenizer's
     (Voxtral's, through mistral_common) are its special tokens: `[TOOL_CALLS]` was written as a text literal, which a
     special token never matches, so the grammar masked the model's own tag (id 9) and made it spell the tag in bytes."""
-    from omnivox.engine.structured import _tekkenizer
+    from omnivox.engine.structured import tekkenizer
 
-    if (tekken := _tekkenizer(tokenizer)) is not None:
+    if (tekken := tekkenizer(tokenizer)) is not None:
         if tokenizer not in _ADDED:
             _ADDED[tokenizer] = (0, {tekken.id_to_piece(i): i for i in range(tekken.num_special_tokens)})
         return _ADDED[tokenizer][1]
