@@ -227,6 +227,9 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
                     await context.write(speech_pb2.SynthesizeSpeechResponse(audio=speech_pb2.AudioChunk(data=tail)))
             except InvalidRequest as err:
                 raise invalid(err) from err
+            except asyncio.CancelledError:  # client cancel, deadline, forced stop: counted as vLLM does
+                self.metrics.request_ended(model.name, "abort")
+                raise
             finally:
                 for task in tasks:
                     task.cancel()
@@ -243,6 +246,7 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
             if caused is not None:  # its own values left a segment nothing to sample (-inf biases on every code)
                 raise invalid(caused)
             if "error" in reasons:  # the engine failed a segment's step and kept serving the others
+                self.metrics.request_ended(model.name, "error")
                 raise errors.internal("the engine failed while computing this request; see the server log")
             finish = "length" if "length" in reasons else "stop"
             slo.finish(audio_seconds, done)

@@ -284,6 +284,9 @@ async def streaming_synthesize(
                 await send(tail)
         except InvalidRequest as err:
             raise invalid(err) from err
+        except asyncio.CancelledError:  # client cancel, deadline, idle bound, forced stop: counted as vLLM does
+            m.request_ended(model.name, "abort")
+            raise
         finally:
             for task in tasks:
                 task.cancel()

@@ -250,6 +250,9 @@ def test_streams_cancelled_mid_audio_and_while_waiting_leave_no_state(server):
     KV block is left behind."""
     import grpc
 
+    registry = server.server.metrics.registry
+    abort = {"model": "speech", "finished_reason": "abort"}
+    aborted_before = registry.get_sample_value("omnivox_request_success_total", abort) or 0.0
     server.speech.limits.audio_seconds_base = 3.0  # long enough to still be speaking when cancelled
     try:
         speaking = WaitingStreamClient(server, ["Keep talking, please. "])
@@ -275,6 +278,11 @@ def test_streams_cancelled_mid_audio_and_while_waiting_leave_no_state(server):
     while server.worker.open_streams and time.monotonic() < deadline:
         time.sleep(0.02)
     assert server.worker.open_streams == 0
+    # Both cancelled streams count as finished_reason="abort", as cancelled Generate calls do (they were not counted).
+    deadline = time.monotonic() + 5
+    while registry.get_sample_value("omnivox_request_success_total", abort) != aborted_before + 2:
+        assert time.monotonic() < deadline, registry.get_sample_value("omnivox_request_success_total", abort)
+        time.sleep(0.02)
 
 
 def test_cli_speak_to_stdout_and_files(server, tmp_path, capsysbinary):
