@@ -2,7 +2,7 @@
 output without, for penalties, logit bias, min_tokens, stop strings and max_tokens met inside a draft run, a
 grammar behind a reasoning gate, a constraint's adjust_logits hook, logprobs of accepted drafts, preemption, a
 sliding-window model whose blocks are released behind the window while drafts are rolled back, and over gRPC; and
-sampled output keeps its distribution with penalties, bias and top-k."""
+sampled output keeps its distribution with penalties, bias and top-k; Whisper's transcripts are unchanged."""
 
 from __future__ import annotations
 
@@ -12,17 +12,24 @@ import llguidance
 import numpy as np
 import pytest
 import torch
+from audio_checkpoints import chirp, noise, tone
+from audit_generate import run as generate
 from checkpoints import load_reference
 from engines import tiny_checkpoint, tiny_engine
+from service_harness import ServerThread, user_request
 from test_sampling_distribution import PROMPT, chi_square_ok, expected_probs
 from test_sampling_distribution import spread as spread  # noqa: F401  (fixture)
 from test_speculative import GeneralDraft
+from whisper_checkpoints import make_whisper
 
 from omnivox.engine import SamplingParams
 from omnivox.engine.draft import DraftModelProposer
 from omnivox.engine.speculative import NgramProposer
 from omnivox.engine.structured import compile_grammar, grammar_tokenizer
+from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.services.reasoning import Start, ThinkTags, gate
+from omnivox.services.whisper import transcribe
+from omnivox.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6], list(range(30, 50)) * 2]
 
@@ -192,12 +199,6 @@ def test_a_constraints_adjust_logits_hook_holds_on_verification_rows(engines):
 def test_over_grpc_speculation_keeps_tokens_logprobs_and_stop(ckpt):
     """A server with --speculative ngram answers a greedy request with logprobs, penalties, a -inf bias, a regex and
     a stop string as one without it does."""
-    from audit_generate import run as generate
-    from service_harness import ServerThread, user_request
-
-    from omnivox.services.loading import EngineOptions, ModelSpec
-    from omnivox.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
-
     sampling = sampling_pb2.SamplingConfig(temperature=0, repetition_penalty=1.1, logit_bias={3: float("-inf")})
     request = user_request(
         "abab abab abab", sampling=sampling, max_output_tokens=40, logprobs=True, top_logprobs=2,
@@ -285,3 +286,22 @@ def test_sampled_first_two_tokens_keep_their_distribution_with_penalties_and_bia
     ok, stat, limit = chi_square_ok(counts, joint.ravel())
     assert ok, (stat, limit)
     engine.check_integrity()
+
+
+def test_whisper_transcripts_equal_with_speculation(tmp_path_factory):
+    """A Whisper model served with --speculative ngram (its rules: suppression bias, first-step ban, timestamp
+    masks and hook) transcribes token for token as without it."""
+    path = make_whisper(tmp_path_factory.mktemp("spec-whisper") / "tiny-whisper")
+    clip = np.concatenate([tone(1.5), noise(1.0, amp=0.05), chirp(1.5)])
+    tokens, drafted = [], []
+    for speculative in (None, "ngram"):
+        options = EngineOptions(kv_cache_gib=0.02, speculative=speculative, num_speculative_tokens=3)
+        with ServerThread([ModelSpec(path=path, name="w")], options) as server:
+            part = server.registry.lookup("w").bundle.whisper
+            part.engine.step_observers.append(lambda step: drafted.append(step.stats.num_drafted))
+            tokens.append([
+                server.run(transcribe(part, clip, language="en", timestamps=ts, max_tokens=60)).token_ids
+                for ts in (True, False)
+            ])  # fmt: skip
+    assert sum(drafted) > 0
+    assert tokens[0] == tokens[1]
