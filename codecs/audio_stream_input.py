@@ -17,7 +17,14 @@ import torch
 import torchaudio.transforms as AT
 
 from omnivox.codecs.audio_format import AudioEncoding
-from omnivox.codecs.audio_input import AudioInputError, AudioLimits, check_resample, detect_container, mulaw_to_int16
+from omnivox.codecs.audio_input import (
+    AudioInputError,
+    AudioLimits,
+    check_resample,
+    detect_container,
+    mulaw_to_int16,
+    resampling_rate,
+)
 
 STREAM_ENCODINGS = (AudioEncoding.LINEAR16, AudioEncoding.MULAW)
 LOWPASS_FILTER_WIDTH, ROLLOFF = 6, 0.99  # torchaudio's resample defaults (what audio_input.resample uses)
@@ -33,6 +40,7 @@ class StreamingResampler:
     """
 
     def __init__(self, orig_rate: int, new_rate: int) -> None:
+        orig_rate = resampling_rate(orig_rate, new_rate)  # as the one-shot resample: an awkward rate approximated
         g = math.gcd(orig_rate, new_rate)
         self.orig_rate, self.new_rate = orig_rate, new_rate
         self.orig, self.new = orig_rate // g, new_rate // g

@@ -18,7 +18,16 @@ from test_whisper_default import word_error_rate
 from whisper_checkpoints import make_whisper
 
 from omnivox.codecs.audio_format import float_to_int16, int16_to_mulaw
-from omnivox.codecs.audio_input import MAX_RESAMPLE_TABLE_BYTES, decode_audio, resample, resample_table_bytes
+from omnivox.codecs.audio_input import (
+    MAX_RESAMPLE_TABLE_BYTES,
+    AudioInputError,
+    check_resample,
+    decode_audio,
+    resample,
+    resample_table_bytes,
+    resampling_rate,
+)
+from omnivox.codecs.audio_stream_input import StreamingResampler
 from omnivox.services.defaults import ensure_default_whisper
 from omnivox.services.errors import status_details
 from omnivox.services.loading import EngineOptions, ModelSpec
@@ -249,23 +258,32 @@ def test_finalize_and_empty_chunk_edges(served, reference):
     baseline(served)
 
 
-def test_a_rate_without_common_factor_is_refused_at_once(served):
+def test_a_rate_without_common_factor_is_resampled_as_its_nearest_rate(served):
     """8001 Hz -> 16 kHz reduces to 8001/16000: torchaudio's table would be 513 MB (7.5 s to build; 44101 Hz: 2.8 GB,
-    95 s), for every chunk of a stream and every clip of Transcribe. Refused naming the field; the server serves on."""
-    with pytest.raises(grpc.RpcError) as err:
-        stream(served, [config(sample_rate_hertz=8001), Request(audio=b"\0\0" * 800)], timeout=10)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert _violations(err.value) == ["config.sample_rate_hertz"]
-    audio = content_pb2.AudioPart(
-        data=b"\1\0" * 8001, encoding=content_pb2.AUDIO_ENCODING_LINEAR16, sample_rate_hertz=8001
+    95 s), for every chunk of a stream and every clip of Transcribe. Such a rate is resampled as the nearest rate
+    within 0.1 % whose table fits (as ffmpeg approximates an awkward ratio), in one shot and streamed alike; a rate
+    with none near it is refused naming the field."""
+    for rate, as_rate in ((8001, 8000), (44101, 44100), (11127, 11128), (22254, 22255)):
+        assert resampling_rate(rate, RATE) == as_rate
+    assert resampling_rate(44100, RATE) == 44100
+    x = syllables(1.0)  # at 16 kHz: read as 8001 Hz samples below
+    streamed = StreamingResampler(8001, RATE)
+    out = np.concatenate([streamed.feed(x[:3000]), streamed.feed(x[3000:]), streamed.flush()])
+    assert np.allclose(out, resample(x, 8001, RATE), atol=1e-6)
+    assert np.array_equal(resample(x, 8001, RATE), resample(x, 8000, RATE))
+    for rate in range(4000, 192001, 7):  # every rate the API takes is served
+        assert resample_table_bytes(resampling_rate(rate, RATE), RATE) <= MAX_RESAMPLE_TABLE_BYTES, rate
+    data = linear16(np.concatenate([quiet(0.5, seed=3)[:4000], np.zeros(4001, np.float32)]))
+    summary = stream(served, [config(sample_rate_hertz=8001), *chunks(data, [1600])], timeout=30)[-1].summary
+    assert summary.audio_seconds == pytest.approx(8001 / 8001, abs=1e-3)
+    audio = content_pb2.AudioPart(data=data, encoding=content_pb2.AUDIO_ENCODING_LINEAR16, sample_rate_hertz=8001)
+    request = transcription_pb2.TranscribeRequest(model="whisper", audio=audio)
+    assert list(served["stub"].Transcribe(request, timeout=60))[-1].summary.audio_seconds == pytest.approx(
+        1.0, abs=1e-3
     )
-    with pytest.raises(grpc.RpcError) as err:
-        list(served["stub"].Transcribe(transcription_pb2.TranscribeRequest(model="whisper", audio=audio), timeout=10))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert _violations(err.value) == ["audio.sample_rate_hertz"]
-    for rate in (11025, 22050, 37800, 44056, 44100, 48000, 96000, 192000):  # real rates, odd ones too, still taken
-        assert resample_table_bytes(rate, RATE) <= MAX_RESAMPLE_TABLE_BYTES, rate
-    assert stream(served, [config(), *chunks(linear16(quiet(0.5)), [3200])])[-1].summary.audio_seconds == 0.5
+    with pytest.raises(AudioInputError) as err:
+        check_resample(4001, 1_000_003, "sample_rate_hertz")  # a prime target: no rate near 4001 fits
+    assert err.value.field == "sample_rate_hertz"
     baseline(served)
 
 
