@@ -23,7 +23,7 @@ from enum import StrEnum
 import numpy as np
 import soundfile
 import torch
-import torchaudio.functional as AF
+import torchaudio.transforms as AT
 
 
 class AudioEncoding(StrEnum):
@@ -129,11 +129,15 @@ class StreamingResampler:
         self._buf_start = 0  # input index of _buf[0], a multiple of o
         self._total_in = 0
         self._out_next = 0
+        # The sinc kernel made once (functional.resample made it again on every push), as the input side's resampler
+        # (codecs/audio_stream_input.py) keeps its own.
+        self._module = AT.Resample(
+            orig_freq, new_freq, lowpass_filter_width=self.LOWPASS_FILTER_WIDTH, rolloff=self.ROLLOFF
+        )
 
     def _resample(self, x: torch.Tensor) -> torch.Tensor:
-        return AF.resample(
-            x, self.orig_freq, self.new_freq, lowpass_filter_width=self.LOWPASS_FILTER_WIDTH, rolloff=self.ROLLOFF
-        )
+        with torch.inference_mode():
+            return self._module(x)
 
     def _emit(self, out_end: int) -> np.ndarray:
         if out_end <= self._out_next:
