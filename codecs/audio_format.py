@@ -16,14 +16,13 @@ stream resampled chunk by chunk equals the whole signal resampled at once.
 
 from __future__ import annotations
 
-import math
 import struct
 from enum import StrEnum
 
 import numpy as np
 import soundfile
-import torch
-import torchaudio.transforms as AT
+
+from omnivox.codecs.resampling import StreamingResampler
 
 
 class AudioEncoding(StrEnum):
@@ -105,67 +104,6 @@ def wav_stream_header(sample_rate: int, channels: int = 1) -> bytes:
         b"data",
         data_size,
     )
-
-
-# --- resampling ------------------------------------------------------------------------------------------------------
-class StreamingResampler:
-    """Chunked resampling whose output equals `torchaudio.functional.resample` of the whole signal.
-
-    Output sample j (rates reduced by their gcd to o -> n) is computed from input block m = j // n: input samples
-    [m*o - width, m*o + width + o). Each push resamples the buffered input from a block-aligned start with enough
-    left context, and emits the outputs whose inputs are all present; `finish` zero-pads the end like the one-shot call.
-    """
-
-    LOWPASS_FILTER_WIDTH = 6
-    ROLLOFF = 0.99
-
-    def __init__(self, orig_freq: int, new_freq: int) -> None:
-        g = math.gcd(orig_freq, new_freq)
-        self.orig_freq, self.new_freq = orig_freq, new_freq
-        self.o, self.n = orig_freq // g, new_freq // g
-        base = min(self.o, self.n) * self.ROLLOFF
-        self.width = math.ceil(self.LOWPASS_FILTER_WIDTH * self.o / base)  # as torchaudio computes it
-        self._buf = torch.zeros(0, dtype=torch.float32)
-        self._buf_start = 0  # input index of _buf[0], a multiple of o
-        self._total_in = 0
-        self._out_next = 0
-        # The sinc kernel made once (functional.resample made it again on every push), as the input side's resampler
-        # (codecs/audio_stream_input.py) keeps its own.
-        self._module = AT.Resample(
-            orig_freq, new_freq, lowpass_filter_width=self.LOWPASS_FILTER_WIDTH, rolloff=self.ROLLOFF
-        )
-
-    def _resample(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.inference_mode():
-            return self._module(x)
-
-    def _emit(self, out_end: int) -> np.ndarray:
-        if out_end <= self._out_next:
-            return np.zeros(0, dtype=np.float32)
-        y = self._resample(self._buf)
-        base = (self._buf_start // self.o) * self.n
-        out = y[self._out_next - base : out_end - base]
-        self._out_next = out_end
-        # Keep the input the next output needs: from block (out_next // n), minus the filter width.
-        need = (self._out_next // self.n) * self.o - self.width
-        keep = max(0, (need // self.o) * self.o)
-        if keep > self._buf_start:
-            self._buf = self._buf[keep - self._buf_start :]
-            self._buf_start = keep
-        return out.numpy()
-
-    def push(self, pcm: np.ndarray) -> np.ndarray:
-        if self.o == self.n:
-            return pcm.astype(np.float32, copy=False)
-        self._buf = torch.cat([self._buf, torch.from_numpy(np.ascontiguousarray(pcm, dtype=np.float32))])
-        self._total_in += len(pcm)
-        full_blocks = (self._total_in - self.width - self.o) // self.o + 1  # blocks whose inputs are all present
-        return self._emit(max(0, full_blocks) * self.n)
-
-    def finish(self) -> np.ndarray:
-        if self.o == self.n:
-            return np.zeros(0, dtype=np.float32)
-        return self._emit(math.ceil(self.n * self._total_in / self.o))
 
 
 # --- container encoders ----------------------------------------------------------------------------------------------
@@ -274,13 +212,13 @@ class AudioStreamEncoder:
         """Encode a chunk of float PCM in [-1, 1] at `source_rate`; may return b"" while the encoder buffers."""
         if self._finished:
             raise RuntimeError("encode after finish")
-        return self._encode_resampled(self._resampler.push(np.asarray(pcm, dtype=np.float32)))
+        return self._encode_resampled(self._resampler.feed(np.asarray(pcm, dtype=np.float32)))
 
     def finish(self) -> bytes:
         """The rest of the stream (resampler tail, container trailer). The encoder is closed afterwards."""
         if self._finished:
             return b""
-        out = self._encode_resampled(self._resampler.finish())
+        out = self._encode_resampled(self._resampler.flush())
         self._finished = True
         if self._container is not None:
             out += self._container.finish()

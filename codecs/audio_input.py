@@ -26,11 +26,15 @@ from dataclasses import dataclass
 
 import numpy as np
 import soundfile
-import torch
-import torchaudio.functional as AF
 
 from omnivox.codecs.audio_format import AudioEncoding
 from omnivox.codecs.downmix import to_mono, wav_facts, with_data_to_the_end
+from omnivox.codecs.resampling import (  # re-exported: the audio-in API
+    MAX_RESAMPLE_TABLE_BYTES,
+    resample,
+    resample_table_bytes,
+    resampling_rate,
+)
 from omnivox.codecs.text_payload import decoded_head
 
 log = logging.getLogger(__name__)
@@ -262,39 +266,6 @@ def decode_audio(
     return DecodedAudio(np.ascontiguousarray(samples, np.float32), target_rate, source, rate, channels)
 
 
-# torchaudio's sinc resampler builds a table of new/g x (orig/g + 2 x width) float32 weights (g: the rates' gcd). For
-# the usual rates it is small (44100 -> 16000: 160 x 475, 0.3 MB), but a rate with no common factor makes it huge: a
-# client's sample_rate_hertz of 44101 built a 2.8 GB table in 95 s (12 GB resident) for every clip, and for every chunk
-# of a stream. Such a rate is resampled as the nearest rate within 0.1 % whose table fits (`resampling_rate`), as
-# ffmpeg's resampler approximates an awkward ratio by a bank of at most 1024 filter phases: 44101 Hz goes as 44100 Hz,
-# a 2e-5 stretch of time (72 ms an hour) and of pitch (0.04 cents), which no recogniser hears.
-MAX_RESAMPLE_TABLE_BYTES = 64 << 20
-MAX_RATE_APPROXIMATION = 1e-3  # relative
-RESAMPLE_FILTER_WIDTH, RESAMPLE_ROLLOFF = 6, 0.99  # torchaudio's defaults
-
-
-def resample_table_bytes(orig_rate: int, new_rate: int) -> int:
-    """Bytes of the weight table torchaudio's resampler builds for orig_rate -> new_rate (0: the same rate)."""
-    if orig_rate == new_rate:
-        return 0
-    g = math.gcd(orig_rate, new_rate)
-    orig, new = orig_rate // g, new_rate // g
-    width = math.ceil(RESAMPLE_FILTER_WIDTH * orig / (min(orig, new) * RESAMPLE_ROLLOFF))
-    return new * (orig + 2 * width) * 4
-
-
-def resampling_rate(orig_rate: int, new_rate: int) -> int:
-    """The rate audio at orig_rate is resampled as: orig_rate itself when its table fits, else the nearest rate within
-    MAX_RATE_APPROXIMATION whose table does (orig_rate when none does: check_resample then refuses it)."""
-    if resample_table_bytes(orig_rate, new_rate) <= MAX_RESAMPLE_TABLE_BYTES:
-        return orig_rate
-    for d in range(1, int(orig_rate * MAX_RATE_APPROXIMATION) + 1):
-        for rate in (orig_rate - d, orig_rate + d):
-            if resample_table_bytes(rate, new_rate) <= MAX_RESAMPLE_TABLE_BYTES:
-                return rate
-    return orig_rate
-
-
 def check_resample(orig_rate: int, new_rate: int, field: str) -> None:
     """AudioInputError naming `field` when orig_rate -> new_rate would need too large a resampling table, even at
     the nearest rate within MAX_RATE_APPROXIMATION."""
@@ -304,14 +275,6 @@ def check_resample(orig_rate: int, new_rate: int, field: str) -> None:
             f"{orig_rate} Hz cannot be resampled to {new_rate} Hz here (the rates share no large factor); send "
             "audio at a common rate (8000, 11025, 16000, 22050, 24000, 32000, 44100, 48000, 96000 Hz)",
         )
-
-
-def resample(samples: np.ndarray, orig_rate: int, new_rate: int) -> np.ndarray:
-    """torchaudio's windowed-sinc resampler (its defaults), from `resampling_rate`; the same rate returns the input."""
-    if orig_rate == new_rate:
-        return samples
-    orig_rate = resampling_rate(orig_rate, new_rate)
-    return AF.resample(torch.from_numpy(np.ascontiguousarray(samples)), orig_rate, new_rate).numpy()
 
 
 def content_key(samples: np.ndarray, sample_rate: int, feature_settings: str, model: str) -> str:
