@@ -145,12 +145,17 @@ class ReasoningGate:
         self.tokens: list[int] = []  # every advanced token
         self.answer_from: int | None = 0 if start is Start.ANSWER else None  # index in tokens where the answer starts
 
-    def _answer_start(self, tokens: list[int]) -> int | None:
+    def _answer_start(self, tokens: list[int], since: int = 0) -> int | None:
+        """Where the answer starts in `tokens` (None: still thinking); `</think>` is looked for from `since` on (an
+        advance looks at its new tokens only: a scan of the whole trace per step was O(length))."""
         if self.start is Start.ANSWER:
             return 0
         if self.start is Start.EITHER and tokens and tokens[0] != self.tags.think_id:
             return 0
-        return tokens.index(self.tags.end_id) + 1 if self.tags.end_id in tokens else None
+        try:
+            return tokens.index(self.tags.end_id, since) + 1
+        except ValueError:
+            return None
 
     def allowed(self, output_token_ids: list[int]) -> torch.Tensor | None:
         if self.answer_from is not None:
@@ -178,7 +183,7 @@ class ReasoningGate:
         before = len(self.tokens)
         self.tokens.extend(token_ids)
         if self.answer_from is None:
-            self.answer_from = self._answer_start(self.tokens)
+            self.answer_from = self._answer_start(self.tokens, before)
         if self.answer_from is not None:
             fed = self.tokens[max(self.answer_from, before) :]
             if fed and hasattr(self.inner, "advance"):
