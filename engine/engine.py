@@ -160,11 +160,13 @@ class Engine:
         on_output: Callable[[RequestOutput], None] | None = None,
         rope_positions: tuple[torch.Tensor, int] | None = None,
         encoder_input: EncoderInput | None = None,
+        cache_salt: str = "",
     ) -> str:
         """Validate and queue a request (thread-safe); raises InvalidRequest before anything is queued.
         rope_positions: ([3, len(prompt)] M-RoPE positions, generated-token delta) for Qwen2.5-VL-style models.
-        encoder_input: what an encoder-decoder model (Whisper) cross-attends to (engine/request.py EncoderInput)."""
-        req = self.intake.build(prompt, params, request_id, segments, rope_positions, encoder_input)
+        encoder_input: what an encoder-decoder model (Whisper) cross-attends to (engine/request.py EncoderInput).
+        cache_salt: only requests with the same salt share prefix-cache blocks ("" : the unsalted, shared cache)."""
+        req = self.intake.build(prompt, params, request_id, segments, rope_positions, encoder_input, cache_salt)
         with self._cond:
             if req.request_id in self._requests:
                 raise InvalidRequest("request_id", f"{req.request_id!r} is already in use")
@@ -270,6 +272,7 @@ class Engine:
         segments: Sequence[EmbeddingSegment] | None = None,
         rope_positions: tuple[torch.Tensor, int] | None = None,
         encoder_input: EncoderInput | None = None,
+        cache_salt: str = "",
     ) -> AsyncIterator[RequestOutput]:
         """Yield incremental outputs of one request. Leaving early (break, cancellation) aborts it."""
         loop = asyncio.get_running_loop()
@@ -279,7 +282,7 @@ class Engine:
             loop.call_soon_threadsafe(queue.put_nowait, out)
 
         self.start()
-        rid = self.add_request(prompt, params, request_id, segments, deliver, rope_positions, encoder_input)
+        rid = self.add_request(prompt, params, request_id, segments, deliver, rope_positions, encoder_input, cache_salt)
         finished = False
         try:
             while not finished:

@@ -65,9 +65,11 @@ class RequestIntake:
         segments: Sequence[EmbeddingSegment] | None,
         rope_positions: tuple[torch.Tensor, int] | None = None,
         encoder_input: EncoderInput | None = None,
+        cache_salt: str = "",
     ) -> Request:
         """rope_positions: M-RoPE ([3, len(prompt)] positions, delta of generated tokens), for models that use it.
-        encoder_input: what an encoder-decoder model's decoder cross-attends to (required there, refused elsewhere)."""
+        encoder_input: what an encoder-decoder model's decoder cross-attends to (required there, refused elsewhere).
+        cache_salt: only requests with the same salt share prefix-cache blocks (Request.cache_salt)."""
         cfg = self.config
         params = params or SamplingParams()
         ids = self.tokenize(prompt)
@@ -87,6 +89,8 @@ class RequestIntake:
         if self.is_encoder_decoder != (encoder_input is not None):
             need = "needs" if self.is_encoder_decoder else "takes no"
             raise InvalidRequest("encoder_input", f"this {cfg.family} model {need} an encoder input (audio)")
+        if not isinstance(cache_salt, str):
+            raise InvalidRequest("cache_salt", f"expected a string, got {type(cache_salt).__name__}")
         if encoder_input is not None and not isinstance(encoder_input, EncoderInput):
             raise InvalidRequest("encoder_input", f"expected EncoderInput, got {type(encoder_input).__name__}")
         positions, delta = rope_positions if rope_positions is not None else (None, 0)
@@ -110,4 +114,5 @@ class RequestIntake:
             rope_positions=positions,
             rope_delta=int(delta),
             encoder_input=encoder_input,
+            cache_salt=cache_salt,
         )

@@ -27,11 +27,15 @@ class KVCacheManager:
 
     def _block_extra(self, req: Request, index: int) -> tuple:
         """Content hashes of the embedding segments that overlap block `index` (part of the block's identity); the
-        first block also carries an encoder-decoder request's encoder input (every later hash chains from it)."""
+        first block also carries an encoder-decoder request's encoder input and the request's cache salt (every later
+        hash chains from it, so the salt costs nothing past the first block; vLLM's `cache_salt` does the same)."""
         lo, hi = index * self.block_size, (index + 1) * self.block_size
         extra = tuple((s.key, s.start - lo) for s in req.segments if s.start < hi and s.end > lo)
-        if index == 0 and req.encoder_input is not None:
-            extra += (("encoder", req.encoder_input.key),)
+        if index == 0:
+            if req.encoder_input is not None:
+                extra += (("encoder", req.encoder_input.key),)
+            if req.cache_salt:  # unsalted requests keep the hashes they always had
+                extra += (("salt", req.cache_salt),)
         return extra
 
     def _hash_of(self, req: Request, index: int) -> bytes:

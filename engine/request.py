@@ -196,6 +196,9 @@ class Request:
     rope_delta: int = 0
     generator: torch.Generator | None = None  # per-request sampling stream when seeded
     encoder_input: EncoderInput | None = None  # encoder-decoder models (Whisper): what the decoder cross-attends to
+    # Who may share this request's prefix-cache blocks: requests with the same salt (engine/kv_manager.py puts it
+    # into the first block's hash, so every later block differs too). "" shares with every unsalted request.
+    cache_salt: str = ""
 
     output_token_ids: list[int] = field(default_factory=list)
     # Proposed tokens after the committed ones, computed by the next step and verified by it; never hashed into the

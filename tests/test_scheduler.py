@@ -118,6 +118,32 @@ def test_segment_keys_are_part_of_the_block_hash():
     assert ra.block_hashes[1] != rb.block_hashes[1]  # the chain carries the difference on
 
 
+def test_cache_salt_separates_prefix_hits():
+    """Same tokens, other salt: no hit (vLLM's cache_salt); same salt hits; unsalted requests keep today's hashes."""
+    pool, kv, sched = make(num_blocks=16, budget=64)
+
+    def cached(rid: str, salt: str) -> int:
+        r = req(rid, 9)
+        r.cache_salt = salt
+        sched.add(r)
+        run_plan(kv, sched.schedule())
+        sched.finish(r, "stop")
+        return r.num_cached_tokens
+
+    assert cached("alice", "tenant-a") == 0
+    assert cached("bob", "tenant-b") == 0  # alice's blocks are cached, but bob's first block hash differs
+    assert cached("unsalted", "") == 0
+    assert cached("alice-again", "tenant-a") == 8
+    assert cached("unsalted-again", "") == 8
+    plain = req("plain", 9)
+    kv._extend_hashes(plain, 2)
+    again = req("again", 9)
+    again.cache_salt = "tenant-a"
+    kv._extend_hashes(again, 2)
+    assert all(a != b for a, b in zip(plain.block_hashes, again.block_hashes, strict=True))  # the chain carries it
+    pool.check_integrity()
+
+
 def test_drafts_are_scheduled_uncommitted_and_rolled_back():
     pool, kv, sched = make(num_blocks=16, budget=64)
     r = req("r", 7)
