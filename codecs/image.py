@@ -44,6 +44,10 @@ class ImageDecodeError(ValueError):
         self.reason = reason
 
 
+class RequestPixelsError(ImageDecodeError):
+    """The image takes its request past `ImageLimits.max_request_pixels`: the request's later images go undecoded."""
+
+
 @dataclass(frozen=True)
 class ImageLimits:
     """What the server accepts. Pixel counts are read from the header and checked before decoding."""
@@ -55,6 +59,14 @@ class ImageLimits:
     max_aspect_ratio: float = 200.0  # longer side / shorter side; Qwen2.5-VL's processor refuses more than 200
     min_side: int = 2  # a 1x1 image carries nothing and breaks some resizers
     max_images: int = 16  # per request; counted by the service before decoding any of them
+    # Pixels of all the images of one request together (`serve --max-request-megapixels`), checked on each header
+    # before that image is decoded. The per-image and count limits alone let a request hold 16 x 40 MP; what it holds
+    # is each image's processor output, kept until encoded: Qwen2.5-VL keeps up to 12.8 MP of an image as float32
+    # patches of 2 frames (24 bytes a pixel, 308 MB), so 16 large photos held 4.9 GB. 48 MP: one image at the
+    # per-image limit still fits, or four 12 MP phone photos; at most 1.15 GB of Qwen2.5-VL pixels a request. vLLM
+    # bounds only the count (`limit_mm_per_prompt`), llama.cpp scales each image down to the model's own maximum,
+    # TGI bounds the bytes a request fetches (`max_image_fetch_size`).
+    max_request_pixels: int = 48_000_000
     # An animation with more frames is refused (a question about a picture is about one frame; a 10,000-frame GIF
     # is an attack on the decoder): at most this many frames are parsed to find out.
     max_frames: int = 100
@@ -64,7 +76,8 @@ class ImageLimits:
         unknown = set(self.formats) - SUPPORTED_FORMATS
         if unknown:
             raise ValueError(f"unsupported image formats {sorted(unknown)}; choose among {sorted(SUPPORTED_FORMATS)}")
-        if min(self.max_bytes, self.max_pixels, self.min_side, self.max_images) < 1 or self.max_aspect_ratio < 1:
+        smallest = min(self.max_bytes, self.max_pixels, self.min_side, self.max_images, self.max_request_pixels)
+        if smallest < 1 or self.max_aspect_ratio < 1:
             raise ValueError(f"image limits must be positive (aspect >= 1): {self}")
 
 
@@ -110,11 +123,15 @@ def refused_format_name(data: bytes) -> str | None:
     return None
 
 
-def decode_image(data: bytes, limits: ImageLimits = ImageLimits(), mime_type: str | None = None) -> DecodedImage:
+def decode_image(
+    data: bytes, limits: ImageLimits = ImageLimits(), mime_type: str | None = None, pixels_before: int = 0
+) -> DecodedImage:
     """Decode `data` to RGB under `limits`; raise ImageDecodeError naming the first problem.
 
-    `mime_type` is only used to word the error when the bytes are not an image. Safe to call from worker threads
-    (no global Pillow state is changed).
+    `pixels_before`: the pixels of the request's images decoded before this one; an image that takes the request past
+    `limits.max_request_pixels` is refused from its header, before its pixels are decoded. `mime_type` is only used
+    to word the error when the bytes are not an image. Safe to call from worker threads (no global Pillow state is
+    changed).
     """
     if not data:
         raise ImageDecodeError("the image is empty (0 bytes)")
@@ -145,6 +162,11 @@ def decode_image(data: bytes, limits: ImageLimits = ImageLimits(), mime_type: st
         raise ImageDecodeError(f"the {fmt} header is corrupt: {_one_line(e)}") from None
     width, height = im.size
     _check_size(width, height, limits)
+    if pixels_before + width * height > limits.max_request_pixels:
+        raise RequestPixelsError(
+            f"the request's images up to this one ({width}x{height}) are {pixels_before + width * height} pixels; "
+            f"the limit is {limits.max_request_pixels} per request (the images after it are not decoded)"
+        )
     try:
         if getattr(im, "is_animated", False):  # GIF / WebP: read up to frame max_frames, never all of them
             try:

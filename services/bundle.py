@@ -269,10 +269,16 @@ def load_manifest(manifest: BundleManifest, options: EngineOptions) -> ModelBund
 
             audio = load_audio_part(source, engine.device, engine.dtype, model_key=str(source))
         if manifest.vision:
+            from omnivox.codecs.image import ImageLimits
             from omnivox.services.image_prompt import load_image_part
 
             vision = load_image_part(
-                source, engine.device, engine.dtype, model_key=str(source), cache_bytes=options.image_cache_mib << 20
+                source,
+                engine.device,
+                engine.dtype,
+                model_key=str(source),
+                cache_bytes=options.image_cache_mib << 20,
+                limits=ImageLimits(max_request_pixels=max(1, round(options.max_request_megapixels * 1e6))),
             )
     except BaseException:
         for part in (audio, whisper):

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from omnivox.codecs.image import ImageDecodeError, ImageLimits, decode_image, image_content_key
+from omnivox.codecs.image import ImageDecodeError, ImageLimits, RequestPixelsError, decode_image, image_content_key
 from omnivox.engine import EmbeddingSegment
 from omnivox.engine.encoder_cache import EncodeHandle, EncoderCache, EncoderWorker
 from omnivox.models.vision import ImageInputs, VisionEncoder
@@ -103,15 +103,17 @@ class ImageInputPart:
             self._settings = self.encoder.feature_settings()
         return self._settings
 
-    def decode(self, part: content_pb2.ImagePart, path: str) -> tuple[ImageInputs, str]:
-        """One ImagePart -> (the processor's inputs, the content key); INVALID_ARGUMENT on `path` when refused."""
+    def decode(self, part: content_pb2.ImagePart, path: str, pixels_before: int = 0) -> tuple[ImageInputs, str, int]:
+        """One ImagePart -> (the processor's inputs, the content key, its decoded pixels); INVALID_ARGUMENT on `path`
+        when refused. `pixels_before`: the pixels of the request's images before it (`ImageLimits.max_request_pixels`
+        is checked on its header, before it is decoded)."""
         max_pixels = part.max_pixels if part.HasField("max_pixels") else None
         if max_pixels is not None and not 1 <= max_pixels <= self.limits.max_pixels:
             raise errors.invalid_argument(
                 [FieldViolation(f"{path}.max_pixels", f"must be in [1, {self.limits.max_pixels}], got {max_pixels}")]
             )
         try:
-            decoded = decode_image(part.data, self.limits, part.mime_type or None)
+            decoded = decode_image(part.data, self.limits, part.mime_type or None, pixels_before)
         except ImageDecodeError as err:
             raise errors.invalid_argument([FieldViolation(path, err.reason)]) from err
         try:
@@ -124,7 +126,7 @@ class ImageInputPart:
                 [FieldViolation(path, f"its features take {need} bytes, above the encoder cache's {budget}")]
             )
         key = image_content_key(part.data, self.model_key, {**self.feature_settings(), "max_pixels": max_pixels})
-        return item, key
+        return item, key, decoded.width * decoded.height
 
     def render(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Chat messages -> token ids through the checkpoint's template (one marker per image, not yet expanded).
@@ -142,9 +144,14 @@ class ImageInputPart:
         return list(tok(text, add_special_tokens=add_special).input_ids)
 
     def prompt(
-        self, token_ids: list[int], images: Sequence[tuple[ImageInputs, str]], field: str = "contents"
+        self,
+        token_ids: list[int],
+        images: Sequence[tuple[ImageInputs, str]],
+        field: str = "contents",
+        cache_salt: str = "",
     ) -> Prompt:
-        """Expand the markers of `token_ids` and attach one segment per feature run of each image.
+        """Expand the markers of `token_ids` and attach one segment per feature run of each image (its features
+        shared only with prompts of the same `cache_salt`).
 
         A prompt whose markers do not match the images is INVALID_ARGUMENT on `field`. Encoder-cache references are
         taken last, so a refused prompt holds none; the engine drops them when the request ends (`Prompt.release`
@@ -163,7 +170,7 @@ class ImageInputPart:
             for (item, key), image_runs in zip(images, runs, strict=True):
                 offset = 0
                 for start, n in image_runs:
-                    source = SlicedSource(self.worker.handle(key, item), offset, n)
+                    source = SlicedSource(self.worker.handle(key, item, cache_salt), offset, n)
                     # The run's own key: two runs of one image are different content for the prefix cache.
                     run_key = key if len(image_runs) == 1 else f"{key}:{offset}"
                     try:
@@ -206,7 +213,12 @@ def vision_family(folder: Path) -> str | None:
 
 
 def load_image_part(
-    folder: Path, device: Any, dtype: Any, model_key: str, cache_bytes: int = IMAGE_CACHE_BYTES
+    folder: Path,
+    device: Any,
+    dtype: Any,
+    model_key: str,
+    cache_bytes: int = IMAGE_CACHE_BYTES,
+    limits: ImageLimits | None = None,
 ) -> ImageInputPart:
     """Encoder, worker and cache of the vision-language checkpoint in `folder` (blocking). ValueError when the
     folder lacks what image input needs (a processor with a chat template)."""
@@ -219,7 +231,7 @@ def load_image_part(
     if not getattr(processor, "chat_template", None) or not hasattr(processor, "tokenizer"):
         raise ValueError(f"{folder}: its processor has no chat template; image prompts need one")
     worker = EncoderWorker(encoder.encode, EncoderCache(cache_bytes), name=f"vision-{encoder.family}", device=device)
-    return ImageInputPart(encoder, worker, model_key)
+    return ImageInputPart(encoder, worker, model_key, limits or ImageLimits())
 
 
 class ImagePromptBuilder:
@@ -238,9 +250,12 @@ class ImagePromptBuilder:
         template = media_template(self.image.processor)
         return format_of(None, template) if template is not None else None
 
-    def build(self, contents: Sequence[content_pb2.Content], tools: list[dict] | None = None) -> Prompt:
+    def build(
+        self, contents: Sequence[content_pb2.Content], tools: list[dict] | None = None, cache_salt: str = ""
+    ) -> Prompt:
         """`tools`: the request's tools (a list, maybe empty; None: no tools nor tool turns) for the template
-        (services/tools.py); tool results and assistant calls are turns of their own, their text one string."""
+        (services/tools.py); tool results and assistant calls are turns of their own, their text one string.
+        `cache_salt`: the share of the encoder cache the images use (services/cache_salt.py)."""
         image = self.image
         reserved = image.reserved_texts()
         count = sum(1 for c in contents for p in c.parts if p.WhichOneof("kind") == "image")
@@ -251,7 +266,7 @@ class ImagePromptBuilder:
         messages: list[dict] = []
         images: list[tuple[ImageInputs, str]] = []
         bad: list[FieldViolation] = []
-        image_tokens = 0
+        image_tokens = pixels = 0
         for i, content in enumerate(contents):
             parts: list[dict] = []
             for j, part in enumerate(content.parts):
@@ -264,10 +279,14 @@ class ImagePromptBuilder:
                     parts.append({"type": "text", "text": part.text})
                 elif kind == "image":
                     try:
-                        images.append(image.decode(part.image, f"{path}.image"))
+                        item, key, size = image.decode(part.image, f"{path}.image", pixels)
                     except errors.ServiceError as err:
                         bad.extend(err.field_violations)
+                        if isinstance(err.__cause__, RequestPixelsError):  # the images after it stay undecoded
+                            raise errors.invalid_argument(bad) from err
                     else:
+                        images.append((item, key))
+                        pixels += size
                         image_tokens += len(images[-1][0].placeholder_ids)
                         if self.context_tokens is not None and image_tokens >= self.context_tokens:
                             raise errors.invalid_argument(
@@ -285,4 +304,4 @@ class ImagePromptBuilder:
             messages[-1].update(turn_fields(content))
         if bad:
             raise errors.invalid_argument(bad)
-        return image.prompt(image.render(messages, tools), images)
+        return image.prompt(image.render(messages, tools), images, cache_salt=cache_salt)

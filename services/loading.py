@@ -50,6 +50,7 @@ class EngineOptions:
     progress: bool = False  # progress bars while loading weights
     speech_streaming: StreamingOptions | None = None  # codec windows of speech models; None = the codec's defaults
     image_cache_mib: int = 256  # encoder cache of each vision model: encoded images kept for reuse (MiB)
+    max_request_megapixels: float = 48.0  # decoded pixels of all the images of one request (codecs/image.py)
     # Weights: "none" = float dtype (a GGUF dequantised), "auto" = what the checkpoint carries (a GGUF at its own bit
     # widths on CPU), "int8" / "int4" = linear layers quantised at load (models/loading.py). "auto" is the default:
     # with int16 activations the embedded SmolLM2 Q4_1 at its own precision computes what its dequantised float32

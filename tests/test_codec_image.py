@@ -13,6 +13,7 @@ from PIL import Image, ImageFile
 from omnivox.codecs.image import (
     ImageDecodeError,
     ImageLimits,
+    RequestPixelsError,
     decode_image,
     image_content_key,
     sniff_format,
@@ -162,6 +163,18 @@ def test_limits():
     assert decode_image(data, ImageLimits(max_pixels=1200)).image.size == (40, 30)
     with pytest.raises(ImageDecodeError, match="1200 pixels"):
         decode_image(data, ImageLimits(max_pixels=1199))
+
+
+def test_request_pixel_budget_is_checked_on_the_header():
+    data = _encode(_gradient(), "PNG")  # 40x30 = 1200 pixels
+    limits = ImageLimits(max_request_pixels=3000)
+    assert decode_image(data, limits, pixels_before=1800).image.size == (40, 30)  # exactly the budget
+    with pytest.raises(RequestPixelsError, match="are 3001 pixels; the limit is 3000 per request"):
+        decode_image(data, limits, pixels_before=1801)
+    with pytest.raises(RequestPixelsError):  # refused from the header: the truncated pixel data is never read
+        decode_image(data[:60], limits, pixels_before=2000)
+    with pytest.raises(ValueError, match="positive"):
+        ImageLimits(max_request_pixels=0)
 
 
 def test_sniff():

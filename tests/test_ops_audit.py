@@ -58,6 +58,7 @@ BAD_FLAGS = [
     (["--max-streams-per-key", "-1"], "--max-streams-per-key"),  # served, refusing every call
     (["--max-rpm-per-key", "-1"], "--max-rpm-per-key"),  # served, refusing every call
     (["--image-cache-mib", "-1"], "--image-cache-mib"),  # served
+    (["--max-request-megapixels", "0"], "--max-request-megapixels"),  # would refuse every image
     (["--max-model-len", "0"], "--max-model-len"),  # said 'max_model_len', not the flag
     (["--name", ""], "--name"),  # served a model named ''
     (["--device", "foo"], "--device"),  # torch's list of 20 device types, no flag named

@@ -7,6 +7,7 @@ The server runs with 8-token engine steps, so every image below is cut by at lea
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import io
 import time
 
@@ -341,6 +342,33 @@ def test_images_past_the_context_are_refused_before_the_rest_are_processed(serve
         assert calls == [1, 1, 1]
     finally:
         builder.context_tokens = context
+        del vision.encoder.preprocess
+    baseline(served, family)
+
+
+def test_a_request_past_its_pixel_budget_is_refused_before_the_rest_are_decoded(served):
+    """`serve --max-request-megapixels`: the image whose header takes the request's pixels past the budget is named
+    (with the bad images before it), and neither it nor any image after it is preprocessed (or decoded)."""
+    family = "llava"
+    vision = served["server"].registry.lookup(family).bundle.vision
+    assert vision.limits.max_request_pixels == 48_000_000  # EngineOptions' default reaches the part
+    limits, vision.limits = vision.limits, dataclasses.replace(vision.limits, max_request_pixels=4000)
+    calls: list[int] = []
+    preprocess = vision.encoder.preprocess
+    vision.encoder.preprocess = lambda images, *a: calls.append(len(images)) or preprocess(images, *a)
+    tiff, garbage = content_pb2.ImagePart(data=_encode(A, "TIFF")), content_pb2.ImagePart(data=b"not an image")
+    try:
+        with pytest.raises(grpc.RpcError) as info:  # A and B: 3000 pixels; C (40x40) takes the request to 4600
+            run(served["stub"], ask(family, [("user", ["Compare:", A, tiff, B, C, garbage])]))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert _violations(info.value) == ["contents[0].parts[2].image", "contents[0].parts[4].image"]
+        assert "are 4600 pixels; the limit is 4000 per request" in info.value.details()
+        assert calls == [1, 1]
+        baseline(served, family)
+        got, _, _ = run(served["stub"], ask(family, [("user", [A, B, "Still there?"])]))  # 3000: within it
+        assert len(got) == STEPS
+    finally:
+        vision.limits = limits
         del vision.encoder.preprocess
     baseline(served, family)
 

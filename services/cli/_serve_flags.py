@@ -95,6 +95,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="encoded images each vision model keeps for reuse; a single image whose features exceed it is refused",
     )
     p.add_argument(
+        "--max-request-megapixels",
+        type=float,
+        default=48.0,
+        help="pixels of all the images of one request together (millions); the image that passes it is refused "
+        "from its header, and the images after it are never decoded",
+    )
+    p.add_argument(
         "--max-batched-tokens",
         type=int,
         help="tokens one engine step may compute (decodes + prefill chunks): lower bounds inter-token latency, "
@@ -292,6 +299,7 @@ def check_flag_values(args: argparse.Namespace) -> None:
     finite("--max-connection-age", args.max_connection_age, 0.0, MAX_SECONDS_AS_MS, open_low=True)
     finite("--max-message-mib", args.max_message_mib, 1, MAX_MESSAGE_MIB)
     finite("--image-cache-mib", args.image_cache_mib, 1)  # 0 refused every image as larger than the cache
+    finite("--max-request-megapixels", args.max_request_megapixels, 0.0, open_low=True)
     finite("--max-streams-per-key", args.max_streams_per_key, 0)
     finite("--max-rpm-per-key", args.max_rpm_per_key, 0)
     finite("--max-model-len", args.max_model_len, 1)

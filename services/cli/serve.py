@@ -99,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_batched_tokens,
         image_cache_mib=args.image_cache_mib,
+        max_request_megapixels=args.max_request_megapixels,
         quantize_lm_head=args.quantize_lm_head,
         num_speculative_tokens=args.num_speculative_tokens,
         tensor_parallel=args.tensor_parallel,
