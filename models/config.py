@@ -22,6 +22,7 @@ _MODEL_TYPE_TO_FAMILY = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen2_5_vl_text": "qwen2",
+    "qwen2_vl_text": "qwen2",
     "mistral": "llama",
 }
 
