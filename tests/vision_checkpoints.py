@@ -208,6 +208,86 @@ def make_qwen2_5_vl(out: Path) -> Path:
     return _save(transformers.Qwen2_5_VLForConditionalGeneration, config, processor, out, seed=3)
 
 
+def make_qwen2_vl(
+    out: Path,
+    *,
+    released_layout: bool = False,
+    vision: dict | None = None,
+    image_processor: dict | None = None,
+) -> Path:
+    """Qwen2-VL: a LayerNorm / QuickGELU tower of width 32 (embed_dim) whose merger folds 2x2 patches of 4x4 pixels
+    into rows of 64 (vision hidden_size = the text width); images resized to 64..4096 pixels; text head_dim 16 with
+    mrope_section [2, 3, 3]. `released_layout`: config.json rewritten as the hub's releases spell it (text keys at the
+    top level, rope_scaling {"type": "mrope"}, vision `in_chans`); `vision` / `image_processor` override keys."""
+    specials = ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"]
+    tok = tokenizer_with(specials)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in specials}
+    v = {**dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=4, patch_size=4, spatial_merge_size=2,
+                temporal_patch_size=2), **(vision or {})}  # fmt: skip
+    text = dict(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        bos_token_id=None,
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+    )
+    config = transformers.Qwen2VLConfig(
+        vision_config=v,
+        text_config=text,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    ip = {**dict(patch_size=v["patch_size"], merge_size=v["spatial_merge_size"], temporal_patch_size=2, min_pixels=64,
+                 max_pixels=4096), **(image_processor or {})}  # fmt: skip
+    processor = image_only_processor_class(transformers.Qwen2VLProcessor)(
+        image_processor=transformers.Qwen2VLImageProcessor(**ip),
+        tokenizer=tok,
+        chat_template=chat_template("<|vision_start|><|image_pad|><|vision_end|>"),
+    )
+    path = _save(transformers.Qwen2VLForConditionalGeneration, config, processor, out, seed=4)
+    return _released_qwen2_vl_config(path) if released_layout else path
+
+
+def _released_qwen2_vl_config(path: Path) -> Path:
+    """Rewrite config.json as Qwen/Qwen2-VL-*-Instruct spell it (transformers 4.4x): the text keys at the top level,
+    rope_scaling {"type": "mrope", "mrope_section"} with a top-level rope_theta, a disabled 32768 window, `in_chans`
+    and no model_type in vision_config."""
+    import json
+
+    file = path / "config.json"
+    config = json.loads(file.read_text())
+    text = config.pop("text_config")
+    params = text.pop("rope_parameters")
+    for key in ("layer_types", "model_type", "dtype"):
+        text.pop(key, None)
+    vision = config["vision_config"]
+    for key in ("rope_parameters", "model_type", "dtype"):
+        vision.pop(key, None)
+    vision["in_chans"] = vision.pop("in_channels")
+    config.pop("dtype", None)
+    config.update(text)
+    config.update(
+        rope_theta=params["rope_theta"],
+        rope_scaling={"type": "mrope", "mrope_section": params["mrope_section"]},
+        sliding_window=32768,
+        use_sliding_window=False,
+        max_window_layers=28,
+        torch_dtype="float32",
+        transformers_version="4.41.2",
+    )
+    file.write_text(json.dumps(config, indent=1))
+    return path
+
+
 def relayout(src: Path, dst: Path, renames: list[tuple[str, str]]) -> Path:
     """A copy of the checkpoint at src whose tensor names are rewritten by the first matching (regex, replacement):
     e.g. transformers 5's `model.vision_tower.` as the hub's `vision_tower.`."""

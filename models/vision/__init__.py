@@ -5,7 +5,9 @@ from __future__ import annotations
 from omnivox.models.vision.base import ImageInputs, VisionEncoder
 from omnivox.models.vision.idefics3 import Idefics3Encoder
 from omnivox.models.vision.llava import LlavaEncoder
-from omnivox.models.vision.qwen2_5_vl import Qwen25VLEncoder, mrope_positions, mrope_span
+from omnivox.models.vision.qwen2_5_vl import Qwen25VLEncoder
+from omnivox.models.vision.qwen2_vl import Qwen2VLEncoder
+from omnivox.models.vision.qwen_vl import mrope_positions, mrope_span
 
 # config.model_type -> encoder class
 FAMILIES: dict[str, type[VisionEncoder]] = {
@@ -13,6 +15,7 @@ FAMILIES: dict[str, type[VisionEncoder]] = {
     "llava_next": LlavaEncoder,
     "smolvlm": Idefics3Encoder,
     "idefics3": Idefics3Encoder,
+    "qwen2_vl": Qwen2VLEncoder,
     "qwen2_5_vl": Qwen25VLEncoder,
 }
 
@@ -22,6 +25,7 @@ __all__ = [
     "ImageInputs",
     "LlavaEncoder",
     "Qwen25VLEncoder",
+    "Qwen2VLEncoder",
     "VisionEncoder",
     "mrope_positions",
     "mrope_span",

@@ -13,7 +13,7 @@ How the service uses a `VisionEncoder` (one per loaded model):
    `enc.placeholder_token_id` positions its feature rows fill, in order: one `EmbeddingSegment` per run.
 4. In the encoder worker: `features = enc.encode(items)` for the images of every request admitted together (one
    batched forward); `features[i]` is [items[i].num_features, text_hidden] in prompt order.
-5. Qwen2.5-VL only: `enc.rope_positions(ids, items)` -> ([3, N] positions, delta); generated token t (0-based, after N
+5. Qwen2-VL / Qwen2.5-VL only: `enc.rope_positions(ids, items)` -> ([3, N] positions, delta); generated token t (0-based, after N
    prompt tokens) sits at position N + t + delta on all three axes. Other families return None (1-D positions).
 """
 
@@ -91,7 +91,7 @@ class VisionEncoder(nn.Module, ABC):
     def load_processor(cls, path: Path, config: transformers.PretrainedConfig) -> transformers.ProcessorMixin:
         """The checkpoint's own processor (`AutoProcessor`), so preprocessing equals the reference's.
 
-        transformers 5.24 cannot build the SmolVLM and Qwen2.5-VL processors without torchvision, because their video
+        transformers 5.24 cannot build the SmolVLM, Qwen2-VL and Qwen2.5-VL processors without torchvision, because their video
         processor needs it even when only images are processed. Then the same processor class is loaded without its
         video processor (`image_only_processor_class`): the image path is the class's own code, unchanged.
         """
@@ -102,7 +102,7 @@ class VisionEncoder(nn.Module, ABC):
 
             name = PROCESSOR_MAPPING_NAMES.get(config.model_type)
             full = getattr(transformers, name, None) if name else None
-            if full not in (transformers.SmolVLMProcessor, transformers.Qwen2_5_VLProcessor):
+            if full not in (transformers.SmolVLMProcessor, *_QWEN_PROCESSORS):
                 raise
             logger.warning("%s without its video processor (%s)", name, str(e).splitlines()[0][:120])
             return image_only_processor_class(full).from_pretrained(path)
@@ -169,7 +169,8 @@ class VisionEncoder(nn.Module, ABC):
         """Each RGB image through the checkpoint's own processor, one at a time (no padding across images).
 
         max_pixels: at most this many pixels go into the processor. Families whose processor has its own pixel budget
-        (Qwen2.5-VL) get it passed down; the others get the image downscaled (aspect kept, bicubic) when it is larger.
+        (Qwen2-VL, Qwen2.5-VL) get it passed down; the others get the image downscaled (aspect kept, bicubic) when it
+        is larger.
         """
         out = []
         for im in images:
@@ -289,7 +290,7 @@ class VisionEncoder(nn.Module, ABC):
 
 
 def image_only_processor_class(full: type[transformers.ProcessorMixin]) -> type[transformers.ProcessorMixin]:
-    """`full` (SmolVLMProcessor or Qwen2_5_VLProcessor) without its video processor.
+    """`full` (SmolVLMProcessor, Qwen2VLProcessor or Qwen2_5_VLProcessor) without its video processor.
 
     ProcessorMixin finds a processor's parts and init arguments from its `__init__` (signature and code object), so the
     subclass declares the image processor, the tokenizer and full's other arguments, and passes no video processor;
@@ -308,7 +309,7 @@ def image_only_processor_class(full: type[transformers.ProcessorMixin]) -> type[
 
         methods["apply_chat_template"] = apply_chat_template
 
-    elif full is transformers.Qwen2_5_VLProcessor:
+    elif full in _QWEN_PROCESSORS:
 
         def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kw):
             full.__init__(self, image_processor, tokenizer, None, chat_template, **kw)
@@ -316,6 +317,9 @@ def image_only_processor_class(full: type[transformers.ProcessorMixin]) -> type[
     else:
         raise ValueError(f"no image-only variant of {full.__name__}")
     return type(full.__name__, (full,), {"__init__": __init__, "__module__": full.__module__, **methods})
+
+
+_QWEN_PROCESSORS = (transformers.Qwen2VLProcessor, transformers.Qwen2_5_VLProcessor)  # the same __init__ arguments
 
 
 def map_name(name: str, prefixes: Sequence[tuple[str, str]]) -> str | None:
