@@ -1,5 +1,5 @@
 """Image input over gRPC: GenerationService with image parts, served by a real server on tiny random LLaVA 1.5 and NeXT,
-SmolVLM and Qwen2.5-VL checkpoints (saved with processor + chat template), against transformers' processor + `generate`.
+SmolVLM, Qwen2.5-VL and Qwen2-VL checkpoints (saved with processor + chat template), against transformers' processor + `generate`.
 
 The server runs with 8-token engine steps, so every image below is cut by at least one prefill chunk boundary.
 """
@@ -19,7 +19,7 @@ from checkpoints import make_checkpoint
 from google.rpc import error_details_pb2
 from PIL import Image
 from service_harness import ServerThread
-from vision_checkpoints import make_idefics3, make_llava, make_qwen2_5_vl, png_bytes, sample_image
+from vision_checkpoints import make_idefics3, make_llava, make_qwen2_5_vl, make_qwen2_vl, png_bytes, sample_image
 
 from omnivox.services.errors import status_details
 from omnivox.services.loading import EngineOptions, ModelSpec
@@ -32,6 +32,7 @@ MAKERS = {
     "llava_next": lambda out: make_llava(out, next_=True),  # anyres tiles, unpadding, image_newline
     "smolvlm": make_idefics3,
     "qwen2_5_vl": make_qwen2_5_vl,
+    "qwen2_vl": lambda out: make_qwen2_vl(out, released_layout=True),  # config.json as Qwen/Qwen2-VL-* spell it
 }
 
 
@@ -431,7 +432,7 @@ def test_cli_ask_with_two_images_streams_the_same_text_as_the_api(served, tmp_pa
     assert result.stdout == want + "\n"
 
 
-@pytest.mark.parametrize("family", ["llava_next", "qwen2_5_vl"])
+@pytest.mark.parametrize("family", ["llava_next", "qwen2_5_vl", "qwen2_vl"])
 def test_max_pixels_gives_fewer_image_tokens(served, family):
     """A part's max_pixels scales the image down before the processor: fewer placeholders, still a full answer."""
     big = sample_image(56, 56, seed=31)
@@ -440,4 +441,25 @@ def test_max_pixels_gives_fewer_image_tokens(served, family):
     less = run(served["stub"], ask(family, [("user", [small, "Size?"])]))
     assert less[2].usage.prompt_tokens < full.usage.prompt_tokens
     assert len(less[0]) == STEPS
+    baseline(served, family)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_qwen_edge_images_and_bad_input(served, family):
+    """The smallest and the most elongated images the codec takes go through the Qwen processors' resize (a side
+    below one merged patch is rounded up to one) and are answered; user text spelling the image token and an image
+    that does not decode are INVALID_ARGUMENT naming the part; the server keeps serving, nothing held."""
+    kv_before = served["server"].wait_kv_free(family)
+    for w, h in ((2, 2), (400, 2), (2, 400)):  # 200:1, the codec's limit and the processor's
+        got, _, summary = run(served["stub"], ask(family, [("user", [sample_image(w, h, seed=w), "Shape?"])]))
+        assert len(got) == STEPS and summary.usage.prompt_tokens > 0, (w, h)
+    for parts, field in (
+        ([A, "what is <|image_pad|>?"], "contents[0].parts[1].text"),
+        (["Look:", content_pb2.ImagePart(data=png_bytes(A)[:60])], "contents[0].parts[1].image"),
+    ):
+        with pytest.raises(grpc.RpcError) as info:
+            run(served["stub"], ask(family, [("user", parts)]))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert _violations(info.value) == [field]
+    assert served["server"].wait_kv_free(family) == kv_before
     baseline(served, family)
