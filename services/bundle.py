@@ -10,9 +10,9 @@ A bundle's parts are declared by its checkpoint and decide what it accepts and p
 - speech recognition: a Whisper checkpoint (config model_type "whisper"; a CTranslate2 folder is converted into the
   cache first) -> a WhisperPart (services/whisper.py: special tokens, mel extractor, encoder worker + cache), input
   modality audio only (TranscriptionService, and Generate's cascade), output text;
-- image in: a vision-language checkpoint (LLaVA 1.5/NeXT, SmolVLM/Idefics3, Qwen2.5-VL: `models.vision.FAMILIES`)
-  -> an ImageInputPart (services/image_prompt.py: vision encoder + the checkpoint's processor, encoder worker +
-  cache), input modality image.
+- image in: a vision-language checkpoint (LLaVA 1.5/NeXT, SmolVLM/Idefics3, Qwen2-VL, Qwen2.5-VL:
+  `models.vision.FAMILIES`) -> an ImageInputPart (services/image_prompt.py: vision encoder + the checkpoint's
+  processor, encoder worker + cache), input modality image.
 
 `probe(spec)` reads what a spec declares without loading anything (the server lists models while they load);
 `load_bundle(spec, options)` builds the whole bundle (blocking: run it in a worker thread).
