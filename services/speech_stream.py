@@ -37,6 +37,7 @@ from omnivox.codecs.audio_format import AudioStreamEncoder
 from omnivox.codecs.decode_worker import END
 from omnivox.engine import InvalidRequest
 from omnivox.services import errors
+from omnivox.services.cache_salt import request_salt
 from omnivox.services.errors import FieldViolation
 from omnivox.services.generation import seconds_to_duration
 from omnivox.services.metrics import SpeechStreamMetrics
@@ -112,6 +113,7 @@ async def streaming_synthesize(
     if first.WhichOneof("request") != "config":
         raise errors.invalid_argument([FieldViolation("config", "the first message must be the config")])
     cfg = first.config
+    salt = request_salt(cfg.cache_salt, "config.cache_salt")  # this caller's share of the prefix cache
     if cfg.max_clause_chars < 0 or cfg.max_clause_chars > servicer.limits.max_segment_chars:
         raise errors.invalid_argument(
             [FieldViolation("config.max_clause_chars", f"must be in [0, {servicer.limits.max_segment_chars}]")]
@@ -160,7 +162,8 @@ async def streaming_synthesize(
             return generating or recent or not clauses.empty() or bool(stream.pending) or not stream.chunks.empty()
 
         try:
-            async for req in idle_bounded(requests, servicer.registry.stream_idle_s, "text", busy):
+            stream_idle_s = servicer.registry.stream_idle_s
+            async for req in idle_bounded(requests, stream_idle_s, "text", busy, lambda req: bool(req.text.strip())):
                 kind = req.WhichOneof("request")
                 if kind == "end":
                     break
@@ -211,7 +214,7 @@ async def streaming_synthesize(
             frames: list[list[int]] = []
             frame: list[int] = []
             count = 0
-            gen = engine.stream(prompt, params, request_id=f"{request_id}-{index}")
+            gen = engine.stream(prompt, params, request_id=f"{request_id}-{index}", cache_salt=salt)
             async with contextlib.aclosing(gen):
                 async for out in gen:
                     new: list[list[int]] = []

@@ -3,12 +3,15 @@
 An open stream holds one of its model's `--max-queue` slots for as long as the client keeps it open, so a client that
 opens one and then sends nothing could shut everyone else out. As Google Cloud Speech-to-Text ends a stream that
 receives no audio for a while ("Audio Timeout Error", OUT_OF_RANGE), a stream whose next message does not come within
-`serve --stream-idle-timeout` seconds ends with OUT_OF_RANGE, freeing its slot; 0 turns the bound off.
+`serve --stream-idle-timeout` seconds ends with OUT_OF_RANGE, freeing its slot; 0 turns the bound off. Only a
+message that carries work (audio samples, text) counts: a client sending empty chunks or finalize after finalize kept
+its slot for ever while any message reset the clock.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
@@ -22,20 +25,30 @@ DEFAULT_STREAM_IDLE_S = 30.0
 
 
 async def idle_bounded(
-    requests: AsyncIterator[T], idle_s: float | None, waiting_for: str, busy: Callable[[], bool] = lambda: False
+    requests: AsyncIterator[T],
+    idle_s: float | None,
+    waiting_for: str,
+    busy: Callable[[], bool] = lambda: False,
+    carries_work: Callable[[T], bool] = lambda _: True,
 ) -> AsyncIterator[T]:
-    """`requests`' messages; OUT_OF_RANGE when none comes for idle_s while the call has nothing of the client's in
-    hand (`busy()` false: a client may wait, not sending, while its text is spoken or its utterance transcribed). The
-    bound is checked every idle_s, so an idle call ends idle_s to 2 x idle_s after its work ran out. None or 0: no
-    bound."""
+    """`requests`' messages; OUT_OF_RANGE when none that `carries_work` comes for idle_s while the call has nothing of
+    the client's in hand (`busy()` false: a client may wait, not sending, while its text is spoken or its utterance
+    transcribed). Messages without work (an empty chunk, a finalize) are passed on but do not reset the clock. While
+    `busy()` the bound moves idle_s on, so an idle call ends idle_s to 2 x idle_s after its work ran out. None or 0:
+    no bound."""
     it = aiter(requests)
     pending: asyncio.Future | None = None
+    deadline = time.monotonic() + (idle_s or 0)
     try:
         while True:
             pending = pending or asyncio.ensure_future(anext(it))
-            done, _ = await asyncio.wait([pending], timeout=idle_s or None)
+            if idle_s:  # past the deadline: timeout 0, so a stream of messages without work cannot hold it open
+                done, _ = await asyncio.wait([pending], timeout=max(deadline - time.monotonic(), 0))
+            else:
+                done, _ = await asyncio.wait([pending])
             if not done:
                 if busy():
+                    deadline = time.monotonic() + idle_s
                     continue
                 raise ServiceError(
                     grpc.StatusCode.OUT_OF_RANGE,
@@ -47,6 +60,8 @@ async def idle_bounded(
             except StopAsyncIteration:
                 return
             pending = None
+            if idle_s and carries_work(req):
+                deadline = time.monotonic() + idle_s
             yield req
     finally:
         if pending is not None and not pending.done():

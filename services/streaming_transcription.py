@@ -41,6 +41,7 @@ from omnivox.codecs.audio_stream_input import StreamingAudioDecoder, header_pend
 from omnivox.codecs.vad import SpeechEvent, SpeechEventKind, VadConfig, VoiceActivityDetector
 from omnivox.models.audio.transcription import TranscriptionRequestError
 from omnivox.services import errors
+from omnivox.services.cache_salt import request_salt
 from omnivox.services.errors import FieldViolation
 from omnivox.services.generation import seconds_to_duration
 from omnivox.services.registry import ServedModel
@@ -146,8 +147,11 @@ class _Utterance:
 class _Stream:
     """One call's state: the audio buffer, the detector, the open utterance, the passes and the response queue."""
 
-    def __init__(self, part: WhisperPart, cfg: transcription_pb2.StreamingTranscriptionConfig, decoder) -> None:
+    def __init__(
+        self, part: WhisperPart, cfg: transcription_pb2.StreamingTranscriptionConfig, decoder, salt: str = ""
+    ) -> None:
         self.part, self.cfg, self.decoder = part, cfg, decoder
+        self.salt = salt  # the passes' cache salt (services/cache_salt.py)
         silence = cfg.endpoint_silence_ms or VadConfig().end_silence_ms
         self.vad = VoiceActivityDetector(VadConfig(sample_rate=SAMPLE_RATE, end_silence_ms=silence))
         self.out: asyncio.Queue[Response | Exception | None] = asyncio.Queue()  # None: the end
@@ -269,7 +273,7 @@ class _Stream:
         try:
             return await transcribe(
                 self.part, clip, language=self.cfg.language or None, task=self.cfg.task or "transcribe",
-                prompt=self.cfg.prompt or None,
+                prompt=self.cfg.prompt or None, cache_salt=self.salt,
             )  # fmt: skip
         except TranscriptionRequestError as err:
             raise errors.invalid_argument([FieldViolation(err.field, err.description)]) from err
@@ -330,12 +334,15 @@ async def streaming_transcribe(
     if first.WhichOneof("request") != "config":
         raise errors.invalid_argument([FieldViolation("config", "the first message must be the config")])
     cfg = first.config
+    salt = request_salt(cfg.cache_salt, "config.cache_salt")
     model = _whisper_model(servicer, cfg.model)
     assert model.bundle is not None and model.bundle.whisper is not None
-    stream = _Stream(model.bundle.whisper, cfg, _validate(model.bundle.whisper, cfg))
+    stream = _Stream(model.bundle.whisper, cfg, _validate(model.bundle.whisper, cfg), salt)
     request_id = cfg.request_id or uuid.uuid4().hex
     with model.admit():
-        messages = idle_bounded(requests, servicer.registry.stream_idle_s, "audio", lambda: bool(stream.passes))
+        messages = idle_bounded(
+            requests, servicer.registry.stream_idle_s, "audio", lambda: bool(stream.passes), lambda req: bool(req.audio)
+        )
         tasks = [asyncio.create_task(stream.read(messages)), asyncio.create_task(stream.run_finals())]
         try:
             while (item := await next_item(stream.out, tasks)) is not None:

@@ -89,3 +89,60 @@ def test_a_speech_stream_is_not_cut_while_speaking_then_ends_idle(server):
     assert ended - last_audio >= IDLE_S * 0.9, (ended - last_audio, len(audio))
     free, total = server.wait_kv_free("speech", timeout=5.0)
     assert free == total
+
+
+def _until(release: threading.Event, message, every_s: float = 0.1):
+    """`message()` every `every_s` until released (at most 20 s): a client that keeps the stream busy with nothing."""
+    deadline = time.monotonic() + 20
+    i = 0
+    while not release.wait(every_s) and time.monotonic() < deadline:
+        yield message(i)
+        i += 1
+
+
+def test_empty_chunks_and_repeated_finalize_do_not_hold_a_transcription_stream(server):
+    """Only audio resets the idle clock: empty chunks and finalize after finalize, sent every 0.1 s, held the slot
+    for as long as the client kept sending them."""
+    release = threading.Event()
+
+    def config_then_nothing():
+        config = transcription_pb2.StreamingTranscriptionConfig(model="whisper", sample_rate_hertz=16000)
+        yield transcription_pb2.StreamingTranscribeRequest(config=config)
+        yield transcription_pb2.StreamingTranscribeRequest(audio=b"\0\0" * 1600)  # 0.1 s of audio: work
+        yield from _until(release, lambda i: transcription_pb2.StreamingTranscribeRequest(
+            **({"audio": b""} if i % 2 else {"finalize": True})
+        ))  # fmt: skip
+
+    stub = transcription_pb2_grpc.TranscriptionServiceStub(server.channel())
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.StreamingTranscribe(config_then_nothing(), timeout=60))
+    waited = time.monotonic() - start
+    release.set()
+    assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE, err.value
+    assert IDLE_S <= waited < 2 * IDLE_S + 2, waited
+    free, total = server.wait_kv_free("whisper", timeout=5.0)
+    assert free == total
+
+
+def test_empty_text_does_not_hold_a_speech_stream(server):
+    release = threading.Event()
+
+    def config_then_nothing():
+        audio_config = speech_pb2.AudioConfig(encoding=content_pb2.AUDIO_ENCODING_LINEAR16)
+        yield speech_pb2.StreamingSynthesizeSpeechRequest(
+            config=speech_pb2.StreamingSpeechConfig(model="speech", audio_config=audio_config)
+        )
+        yield from _until(release, lambda i: speech_pb2.StreamingSynthesizeSpeechRequest(text=" " * (i % 2)))
+
+    stub = speech_pb2_grpc.SpeechServiceStub(server.channel())
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.StreamingSynthesizeSpeech(config_then_nothing(), timeout=60))
+    waited = time.monotonic() - start
+    release.set()
+    assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE, err.value
+    assert "no text for 1 s" in err.value.details()
+    assert IDLE_S <= waited < 2 * IDLE_S + 2, waited
+    free, total = server.wait_kv_free("speech", timeout=5.0)
+    assert free == total
