@@ -95,8 +95,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             # A reasoning model's thinking goes to reasoning_text; grammars and tool calls hold for the answer only
             reasoning_output = None
             if (tags := reasoning.tags_of(tokenizer)) is not None:
-                start = reasoning.start_of(tokenizer, prompt.token_ids)
+                start = reasoning.start_of(tokenizer, prompt.token_ids, tags)
                 reasoning_output = reasoning.ReasoningOutput(tags, start)
+                if tags.special:  # Magistral's [THINK] / [/THINK]: dropped from the text by the usual decoding
+                    checked.params.skip_special_tokens = False
                 if checked.params.constraint_factory is not None:
                     checked.params.constraint_factory = reasoning.gate(checked.params.constraint_factory, tags, start)
             assert model.engine is not None

@@ -49,7 +49,8 @@ def role_of(content: content_pb2.Content) -> str:
 
 
 class ChatPromptBuilder:
-    """Text turns through the tokenizer's chat template; without a template, the turns' text joined by newlines."""
+    """Text turns through the tokenizer's chat template (mistral_common's for a tekken.json tokenizer); without a
+    template, the turns' text joined by newlines."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -64,7 +65,14 @@ class ChatPromptBuilder:
             {"role": role_of(c), "content": "\n".join(p.text for p in c.parts if p.WhichOneof("kind") == "text")}
             for c in contents
         ]
-        if self.has_chat_template:
+        if hasattr(getattr(self.tokenizer, "tokenizer", None), "instruct_tokenizer"):
+            # tekken.json (Mistral Small 3.2, Devstral, Magistral as Mistral ships them): no chat template;
+            # mistral_common writes the turns, ids straight away (its special tokens are not read back from text)
+            continue_final = bool(messages) and messages[-1]["role"] == "assistant"
+            ids = self.tokenizer.apply_chat_template(
+                messages, tokenize=True, return_dict=False, continue_final_message=continue_final
+            )
+        elif self.has_chat_template:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
             )

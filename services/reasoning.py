@@ -12,6 +12,10 @@ are single tokens the decoder keeps in the text), not by a flag:
   model thinks, the grammar from the first answer token. Before, the grammar held from the first token: a JSON
   answer or a required call could never be thought about first (`<think>` was masked), and in `auto` a `<tool_call>`
   written while thinking armed the call grammar.
+
+Magistral (Mistral tokenizer v13) thinks between `[THINK]` and `[/THINK]`: special tokens that decoding as usual
+drops, so its requests decode with them kept (`ThinkTags.special`); chosen when its chat template writes `[/THINK]`
+or, for a tekken.json folder (no template), when mistral_common's tokenizer has both tokens.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from omnivox.services.errors import FieldViolation
 from omnivox.v1 import generation_pb2
 
 THINK, END = "<think>", "</think>"
+MISTRAL_THINK, MISTRAL_END = "[THINK]", "[/THINK]"
 
 
 class Start(enum.Enum):
@@ -41,16 +46,35 @@ class Start(enum.Enum):
 class ThinkTags:
     think_id: int
     end_id: int
+    think: str = THINK  # the tags' text
+    end: str = END
+
+    @property
+    def special(self) -> bool:
+        """Special tokens (Magistral's): the request decodes with skip_special_tokens off, or the text loses them."""
+        return self.think == MISTRAL_THINK
 
 
 def tags_of(tokenizer: Any) -> ThinkTags | None:
-    """The model's think tags when its chat template writes them and they are single tokens kept in decoded text."""
-    if END not in str(getattr(tokenizer, "chat_template", "") or ""):
-        return None
+    """The model's think tags when its chat template writes them and they are single tokens kept in decoded text, or
+    Magistral's `[THINK]` / `[/THINK]` (single special tokens, kept by the request's decoding)."""
+    template = str(getattr(tokenizer, "chat_template", "") or "")
+    if END not in template:
+        if MISTRAL_END not in template and not _mistral_common_thinks(tokenizer):
+            return None
+        think_id, end_id = _token_id(tokenizer, MISTRAL_THINK), _token_id(tokenizer, MISTRAL_END)
+        return None if think_id is None or end_id is None else ThinkTags(think_id, end_id, MISTRAL_THINK, MISTRAL_END)
     think_id, end_id = _token_id(tokenizer, THINK), _token_id(tokenizer, END)
     if think_id is None or end_id is None or {think_id, end_id} & skipped_token_ids(tokenizer):
         return None  # several tokens each, or special ones decoding drops: the text could not tell
     return ThinkTags(think_id, end_id)
+
+
+def _mistral_common_thinks(tokenizer: Any) -> bool:
+    """A tekken.json tokenizer (transformers' MistralCommonBackend) whose instruct tokenizer writes thinking: v13 and
+    later with both think tokens (mistral_common's InstructTokenizerV13 sets BEGIN_THINK only then)."""
+    instruct = getattr(getattr(tokenizer, "tokenizer", None), "instruct_tokenizer", None)
+    return getattr(instruct, "BEGIN_THINK", None) is not None and getattr(instruct, "END_THINK", None) is not None
 
 
 def _token_id(tokenizer: Any, token: str) -> int | None:
@@ -73,33 +97,36 @@ def template_kwargs(request: generation_pb2.GenerateRequest, tokenizer: Any, tex
     return {}  # true: what the model does anyway
 
 
-def start_of(tokenizer: Any, prompt_ids: list[int]) -> Start:
+def start_of(tokenizer: Any, prompt_ids: list[int], tags: ThinkTags | None = None) -> Start:
+    think, end = (tags.think, tags.end) if tags is not None else (THINK, END)
     tail = tokenizer.decode(prompt_ids[-8:], skip_special_tokens=False).rstrip()
-    if tail.endswith(THINK):
+    if tail.endswith(think):
         return Start.THINKING
-    if tail.endswith(END):
+    if tail.endswith(end):
         return Start.ANSWER
     return Start.EITHER
 
 
-def split(text: str, start: Start, final: bool = False) -> tuple[str, str]:
+def split(text: str, start: Start, final: bool = False, tags: ThinkTags | None = None) -> tuple[str, str]:
     """(reasoning, answer) so far. Held back until the text says more: whitespace that may precede `<think>`, and a
-    partial `</think>` at the end of the reasoning. The answer starts at its first non-whitespace character."""
+    partial `</think>` at the end of the reasoning. The answer starts at its first non-whitespace character.
+    `tags`: the tags' text (default `<think>` / `</think>`)."""
+    think, close = (tags.think, tags.end) if tags is not None else (THINK, END)
     if start is Start.ANSWER:
         return "", text
     begin = 0
     if start is Start.EITHER:
         body = text.lstrip()
-        if not body.startswith(THINK):
-            if not final and THINK.startswith(body):  # "" or a partial tag: not known yet
+        if not body.startswith(think):
+            if not final and think.startswith(body):  # "" or a partial tag: not known yet
                 return "", ""
             return "", text
-        begin = len(text) - len(body) + len(THINK)
-    end = text.find(END, begin)
+        begin = len(text) - len(body) + len(think)
+    end = text.find(close, begin)
     if end < 0:
-        held = 0 if final else _partial_suffix(text, END)
+        held = 0 if final else _partial_suffix(text, close)
         return text[begin : len(text) - held], ""
-    return text[begin:end], text[end + len(END) :].lstrip()
+    return text[begin:end], text[end + len(close) :].lstrip()
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -119,7 +146,7 @@ class ReasoningOutput:
 
     def rewrite(self, delta: generation_pb2.GenerateDelta, text: str, final: bool = False) -> str:
         """Set the delta's reasoning_text and text from the output so far; returns the answer so far."""
-        reasoning, answer = split(text, self.start, final)
+        reasoning, answer = split(text, self.start, final, self.tags)
         delta.reasoning_text = reasoning[self.sent_reasoning :]
         delta.text = answer[self.sent_answer :]
         self.sent_reasoning = max(self.sent_reasoning, len(reasoning))

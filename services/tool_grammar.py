@@ -4,7 +4,7 @@ schema per tool), for services/tools.py:
   from the first token.
 - `auto`: free text that never contains the opening tag, or free text up to the tag (a lazy lexeme) and then calls:
   the grammar is armed only by the tag. Llama's `auto` arms on a `{` (or the python tag) at the start of the output,
-  Mistral's on its tag at the start (where v0.3 writes its calls).
+  Mistral v0.3's on its tag at the start (where v0.3 writes its calls), Mistral v11+'s on its tag anywhere.
 - `none`: free text that never contains the opening tag (Hermes), so a call can never appear.
 A tag that is one of the tokenizer's added tokens is written by its token id (`_tag`).
 """
@@ -119,6 +119,8 @@ def grammar(
     added = added or {}
     if fmt.array:
         return _array_grammar(fmt, calls, choice, parallel, added)
+    if fmt.named:
+        return _named_grammar(fmt, calls, choice, parallel, added)
     body = _call_body(fmt, calls)
     open_tag, close_tag = _tag(fmt.open_tag, added), _tag(fmt.close_tag, added)
     call = f"{open_tag} {body} {close_tag}" if fmt.open_tag else body
@@ -168,6 +170,31 @@ def _array_grammar(fmt: ToolFormat, calls: list[dict], choice: str, parallel: bo
     free = f"FREE: /(?s:.*)/ & ~/(?s:.*{re.escape(fmt.open_tag)}.*)/"
     if choice == AUTO:
         lines += ["start: FREE | calls", free]
+    elif choice == NONE:
+        lines += ["start: FREE", free]
+    else:
+        lines.append("start: calls")
+    return llguidance.LLMatcher.grammar_from_lark("\n".join(lines))
+
+
+def _named_grammar(fmt: ToolFormat, calls: list[dict], choice: str, parallel: bool, added: dict[str, int]) -> str:
+    """Mistral v11+: `[TOOL_CALLS]name[ARGS]{arguments}` per call, as mistral_common's own grammar has the model
+    write them (guidance/grammar_factory.py), without the optional whitespace it allows around them: none is what
+    its tokenizer writes the calls back with. `auto` admits text before the first call, as that grammar does."""
+    bodies = []
+    for c in calls:
+        args = {**c["properties"][fmt.args_key], "x-guidance": JSON_STYLE}  # at the root of its own %json: refs hold
+        name = c["properties"]["name"]["const"]
+        bodies.append(f"{json.dumps(name)} {_tag(fmt.args_tag, added)} %json {json.dumps(args)}")
+    body = bodies[0] if len(bodies) == 1 else "(" + " | ".join(f"({b})" for b in bodies) + ")"
+    more = f" call{{0,{MAX_PARALLEL_CALLS - 1}}}" if parallel else ""
+    tag = fmt.open_tag
+    lines = [f"call_body: {body}", f"call: {_tag(tag, added)} call_body", f"calls: call{more}"]
+    free = f"FREE: /(?s:.*)/ & ~/(?s:.*{re.escape(tag)}.*)/"  # a special token is outside every regex's language
+    if choice == AUTO and tag in added:
+        lines += ["start: FREE | FREE? calls", free]
+    elif choice == AUTO:
+        lines += [f"start: FREE | lz call_body{more}", free, f"lz[lazy]: /(?s:.*){re.escape(tag)}/"]
     elif choice == NONE:
         lines += ["start: FREE", free]
     else:

@@ -28,26 +28,45 @@ class ToolFormat:
     # Mistral's calls are one JSON list after the tag (`[TOOL_CALLS] [{...}, {...}]`), not one tagged object each:
     # what opens the list after the tag, as the template writes it back ("" for the other formats)
     list_open: str = ""
+    # Mistral tokenizer v11+ (`[TOOL_CALLS]name[ARGS]{...}`, one tag per call): the special token between the name
+    # and the arguments object ("" for the other formats)
+    args_tag: str = ""
 
     @property
     def array(self) -> bool:
         return bool(self.list_open)
 
+    @property
+    def named(self) -> bool:
+        """Each call is `open_tag name args_tag {arguments}`: the name in the text, not in a JSON object."""
+        return bool(self.args_tag)
+
+    @property
+    def mistral(self) -> bool:
+        """A Mistral format: its tags are special tokens kept in the text, its call ids 9 alphanumerics."""
+        return self.array or self.named
+
     def new_id(self) -> str:
         """A call id in the form the model's chat template takes back: Mistral v0.3's template raises unless an id
         is 9 alphanumerics ("Tool call IDs should be alphanumeric strings with length 9!"), as vLLM makes them."""
-        if self.array:
+        if self.mistral:
             return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
         return "call_" + uuid.uuid4().hex[:24]
 
 
 _ALPHANUMERIC = string.ascii_letters + string.digits
+MISTRAL_ID = re.compile(r"^[a-zA-Z0-9]{9}$")
 HERMES = ToolFormat("hermes", "<tool_call>\n", "\n</tool_call>", "\n", "arguments")
 LLAMA3 = ToolFormat("llama3", "", "", "; ", "parameters")
 # Mistral v0.3 (tokenizer v3): `[TOOL_CALLS]` is a special token; its template writes `[TOOL_CALLS] [` + calls + `]`
 MISTRAL = ToolFormat("mistral", "[TOOL_CALLS]", "]", ", ", "arguments", list_open=" [")
 # Mistral-Nemo's template writes the list with no space: `[TOOL_CALLS][` + calls + `]`
 MISTRAL_NEMO = ToolFormat("mistral_nemo", "[TOOL_CALLS]", "]", ", ", "arguments", list_open="[")
+# Mistral tokenizer v11 and later (Mistral Small 3.2, Devstral, Magistral, Ministral 3): `[TOOL_CALLS]name[ARGS]{...}`
+# per call, all three special tokens, no list and no id in what the model writes (mistral_common's own grammar,
+# guidance/grammar_factory.py); v11 writes an earlier call's id back as `name[CALL_ID]id[ARGS]`, which is read too.
+MISTRAL_V11 = ToolFormat("mistral_v11", "[TOOL_CALLS]", "", "", "arguments", args_tag="[ARGS]")
+CALL_ID_TAG = "[CALL_ID]"
 
 
 @dataclass
@@ -55,6 +74,7 @@ class ParsedCall:
     name: str | None
     arguments: str  # what may be streamed so far (complete: the whole arguments JSON text)
     complete: bool
+    id: str | None = None  # the id the model wrote (Mistral v11's `[CALL_ID]`), else one is made
 
 
 def _args_start(body: str, key: str) -> int | None:
@@ -79,6 +99,8 @@ def parse(text: str, fmt: ToolFormat) -> tuple[str, list[ParsedCall]]:
     """(content text safe to show, the calls so far) — a pure function of the text."""
     if fmt.array:
         return _parse_array(text, fmt)
+    if fmt.named:
+        return _parse_named(text, fmt)
     if fmt.open_tag:
         tag, close = fmt.open_tag.strip(), fmt.close_tag.strip()
         first = text.find(tag)
@@ -137,6 +159,35 @@ def _parse_array(text: str, fmt: ToolFormat) -> tuple[str, list[ParsedCall]]:
         if not closed or text[after] == "]":
             break
         pos = after + 1
+    return text[:first], calls
+
+
+def _parse_named(text: str, fmt: ToolFormat) -> tuple[str, list[ParsedCall]]:
+    """Mistral v11+'s `[TOOL_CALLS]name[ARGS]{...}[TOOL_CALLS]name[ARGS]{...}`: a name is known once its `[ARGS]`
+    has come (a name token may still be followed by more of it); the arguments stream as written, and a call is
+    complete when its object closes (nothing wraps it: no `}` or `]` to hold back)."""
+    first = text.find(fmt.open_tag)
+    if first < 0:
+        return text[: len(text) - _partial_suffix(text, fmt.open_tag)], []
+    calls: list[ParsedCall] = []
+    pos = first + len(fmt.open_tag)
+    while True:
+        args_at = text.find(fmt.args_tag, pos)
+        if args_at < 0:  # the name (or its id) is still being written
+            break
+        head = text[pos:args_at]
+        name, _, call_id = head.partition(CALL_ID_TAG)
+        call_id = call_id.strip() if MISTRAL_ID.match(call_id.strip()) else ""  # else one in the form is made
+        start = _skip_space(text, args_at + len(fmt.args_tag))
+        end = _object_end(text, start)
+        if end is None:
+            calls.append(ParsedCall(name.strip(), text[start:], False, call_id or None))
+            break
+        calls.append(ParsedCall(name.strip(), text[start:end], True, call_id or None))
+        following = text.find(fmt.open_tag, end)
+        if following < 0:
+            break
+        pos = following + len(fmt.open_tag)
     return text[:first], calls
 
 
@@ -240,7 +291,7 @@ class ToolCallStream:
             if i == len(self.ids):
                 if call.name is None:
                     break  # its name is not complete yet: the call starts in a later delta
-                self.ids.append(self.fmt.new_id())
+                self.ids.append(call.id or self.fmt.new_id())
                 self.sent_args.append(0)
                 deltas.append(generation_pb2.ToolCallDelta(index=i, id=self.ids[i], name=call.name))
             fragment = call.arguments[self.sent_args[i] :]

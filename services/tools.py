@@ -6,6 +6,11 @@ Formats (chosen from the chat template's text):
 - Llama 3 JSON: `{"name": ..., "parameters": {...}}` (optionally after `<|python_tag|>`), calls separated by `; `.
 - Mistral v0.3: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]` (the tag a special token, kept in the text
   for these requests as vLLM keeps it); call ids are 9 alphanumerics, the only ids its template takes back.
+- Mistral tokenizer v11+ (Mistral Small 3.2, Devstral, Magistral): `[TOOL_CALLS]name[ARGS]{...}` per call, three
+  special tokens, no list; ids made as v0.3's.
+
+A tekken.json folder (transformers' MistralCommonBackend: no chat template) has its format read from what
+mistral_common writes for an assistant's call (`mistral_common_format`), and its prompts written by mistral_common.
 
 Grammars: services/tool_grammar.py.
 
@@ -22,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +45,16 @@ from omnivox.services.tool_grammar import (
     call_schema,
     grammar,
 )
-from omnivox.services.tool_parser import HERMES, LLAMA3, MISTRAL, MISTRAL_NEMO, ToolCallStream, ToolFormat
+from omnivox.services.tool_parser import (
+    HERMES,
+    LLAMA3,
+    MISTRAL,
+    MISTRAL_ID,
+    MISTRAL_NEMO,
+    MISTRAL_V11,
+    ToolCallStream,
+    ToolFormat,
+)
 from omnivox.v1 import content_pb2, generation_pb2
 
 NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -53,12 +68,55 @@ def format_of(tokenizer: Any, template: str | None = None) -> ToolFormat:
     """The call format the chat template writes: `template` (a multimodal processor's), else the tokenizer's."""
     if template is None:
         template = str(getattr(tokenizer, "chat_template", "") or "")
+        if not template and mistral_common(tokenizer):
+            return mistral_common_format(tokenizer) or HERMES
     if "[TOOL_CALLS]" in template:  # Mistral's template writes calls back with its tag (a tokenizer that has the
         # token but a template without tools gets Hermes written into the text: prompt_ids)
+        if "[ARGS]" in template:  # v11+: `[TOOL_CALLS]` + name + `[ARGS]` + arguments
+            return MISTRAL_V11
         return MISTRAL_NEMO if "[TOOL_CALLS][" in template else MISTRAL
     if "<tool_call>" not in template and ("<|python_tag|>" in template or "ipython" in template):
         return LLAMA3
     return HERMES
+
+
+def mistral_common(tokenizer: Any) -> bool:
+    """A tokenizer read from tekken.json through mistral_common (transformers' MistralCommonBackend), whose prompts
+    mistral_common writes (no chat template)."""
+    return hasattr(getattr(tokenizer, "tokenizer", None), "instruct_tokenizer")
+
+
+# backend -> its format (None: mistral_common writes no calls we read); probed once per tokenizer
+_MISTRAL_COMMON_FORMATS: weakref.WeakKeyDictionary[Any, ToolFormat | None] = weakref.WeakKeyDictionary()
+
+
+def mistral_common_format(backend: Any) -> ToolFormat | None:
+    """How mistral_common writes an assistant's calls for this tokenizer version: `[TOOL_CALLS]name[ARGS]{...}`
+    (v11+; v11 puts `[CALL_ID]id` before `[ARGS]`), `[TOOL_CALLS][{...}]` (v3 to v7 Tekken) or `[TOOL_CALLS] [{...}]`
+    (SentencePiece); None when it writes none of them. Read from a rendered call once per tokenizer (0.3 ms)."""
+    if backend in _MISTRAL_COMMON_FORMATS:
+        return _MISTRAL_COMMON_FORMATS[backend]
+    call = {"id": "a" * 9, "type": "function", "function": {"name": "f", "arguments": {}}}
+    probe = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "a" * 9, "content": "r"},  # mistral_common ends on a user or tool turn
+    ]
+    fmt = None
+    try:
+        ids = backend.apply_chat_template(probe, tokenize=True, return_dict=False)
+    except (ValueError, AssertionError):
+        pass
+    else:
+        text = backend.decode(ids, skip_special_tokens=False)
+        if "[TOOL_CALLS]f[ARGS]" in text or "[TOOL_CALLS]f[CALL_ID]" in text:
+            fmt = MISTRAL_V11
+        elif '[TOOL_CALLS][{"name"' in text:
+            fmt = MISTRAL_NEMO
+        elif '[TOOL_CALLS] [{"name"' in text:
+            fmt = MISTRAL
+    _MISTRAL_COMMON_FORMATS[backend] = fmt
+    return fmt
 
 
 @dataclass
@@ -114,18 +172,15 @@ def _depth(value: Any) -> int:
     return deepest
 
 
-_MISTRAL_ID = re.compile(r"^[a-zA-Z0-9]{9}$")
-
-
 def _check_ids(request: generation_pb2.GenerateRequest, v: list[FieldViolation]) -> None:
     """Mistral's template raises on any other id ("Tool call IDs should be alphanumeric strings with length 9!"):
     name the field instead of 'cannot build the prompt'."""
     why = "Mistral's chat template takes only ids of 9 letters and digits (as this server makes them)"
     for i, c in enumerate(request.contents):
-        if c.role == "tool" and c.tool_call_id and not _MISTRAL_ID.match(c.tool_call_id):
+        if c.role == "tool" and c.tool_call_id and not MISTRAL_ID.match(c.tool_call_id):
             v.append(FieldViolation(f"contents[{i}].tool_call_id", why))
         for j, call in enumerate(c.tool_calls):
-            if not _MISTRAL_ID.match(call.id):
+            if not MISTRAL_ID.match(call.id):
                 v.append(FieldViolation(f"contents[{i}].tool_calls[{j}].id", why))
 
 
@@ -213,7 +268,7 @@ def plan(request: generation_pb2.GenerateRequest, tokenizer: Any, media: ToolFor
                 load_json(call.arguments or "{}")
             except ValueError as exc:
                 v.append(FieldViolation(f"contents[{i}].tool_calls[{j}].arguments", str(exc)))
-    if fmt.array:  # Mistral
+    if fmt.mistral:
         _check_ids(request, v)
     if v:
         raise errors.invalid_argument(v)
@@ -274,6 +329,9 @@ def prompt_ids(
     template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     msgs = messages(contents)
+    if mistral_common(tokenizer):  # tekken.json: mistral_common writes the tools, calls and results itself
+        ids = tokenizer.apply_chat_template(msgs, tools=tool_plan.tools or None, tokenize=True, return_dict=False)
+        return list(ids)
     has_turns = any(m.get("tool_calls") or m["role"] == "tool" for m in msgs)
     if (tool_plan.tools or has_turns) and "tools" not in str(getattr(tokenizer, "chat_template", "") or ""):
         # calls and results are written in even when the request no longer sends the tools (a follow-up after the
@@ -328,8 +386,9 @@ def _tojson(value: Any) -> str:
 
 async def constrain(tool_plan: ToolPlan | None, params: Any, engine: Any) -> None:
     """Set params.constraint_factory from the tool grammar (compiled off the loop by the model's grammar worker)."""
-    if tool_plan is not None and tool_plan.fmt.array and tool_plan.parses_calls:
-        # `[TOOL_CALLS]` is a special token: decoded as usual it left the text, and the calls showed as content
+    if tool_plan is not None and tool_plan.fmt.mistral and tool_plan.parses_calls:
+        # `[TOOL_CALLS]` (and v11's `[ARGS]`) are special tokens: decoded as usual they left the text, and the calls
+        # showed as content
         params.skip_special_tokens = False
     if tool_plan is not None and tool_plan.grammar is not None:
         from omnivox.services.structured import compiler_for

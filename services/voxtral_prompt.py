@@ -27,7 +27,8 @@ import numpy as np
 import soundfile
 
 from omnivox.models.audio.transcription import TranscriptionRequestError
-from omnivox.services.tool_parser import MISTRAL, MISTRAL_NEMO, ToolFormat
+from omnivox.services.tool_parser import ToolFormat
+from omnivox.services.tools import mistral_common_format
 
 
 class VoxtralPrompts:
@@ -77,30 +78,10 @@ class VoxtralPrompts:
         return self._fold(list(ids))
 
     def tool_format(self) -> ToolFormat | None:
-        """How mistral_common writes an assistant's calls for this tokenizer version: `[TOOL_CALLS][{...}]` (v3 to
-        v7 Tekken, Voxtral's) or `[TOOL_CALLS] [{...}]`; None for a format our parser does not read (v11's
-        `[TOOL_CALLS]name[ARGS]{...}`), which refuses tools. Probed once (0.3 ms, on the event loop)."""
-        if not hasattr(self, "_tool_format"):
-            self._tool_format = self._probe_tool_format()
-        return self._tool_format
-
-    def _probe_tool_format(self) -> ToolFormat | None:
-        call = {"id": "a" * 9, "type": "function", "function": {"name": "f", "arguments": {}}}
-        probe = [
-            {"role": "user", "content": "q"},
-            {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": "a" * 9, "content": "r"},  # mistral_common ends on a user or tool turn
-        ]
-        try:
-            ids = self.backend.apply_chat_template(probe, tokenize=True, return_dict=False)
-        except (ValueError, AssertionError):
-            return None
-        text = self.backend.decode(ids, skip_special_tokens=False)
-        if '[TOOL_CALLS][{"name"' in text:
-            return MISTRAL_NEMO
-        if '[TOOL_CALLS] [{"name"' in text:
-            return MISTRAL
-        return None
+        """How mistral_common writes an assistant's calls for this tokenizer version (`tools.mistral_common_format`:
+        `[TOOL_CALLS][{...}]` for v3 to v7 Tekken, Voxtral's; `[TOOL_CALLS]name[ARGS]{...}` for v11+); None for a
+        format our parser does not read, which refuses tools."""
+        return mistral_common_format(self.backend)
 
     def transcription_ids(self, language: str | None) -> list[int]:
         """The transcription request's token ids (one marker), `language` an ISO 639-1 code or None (detect)."""
