@@ -47,6 +47,11 @@ class _Entry:
         return 0 if f is None else f.numel() * f.element_size()
 
 
+def salted_key(key: str, salt: str) -> str:
+    """The cache entry's name for content `key` under `salt` (`key` itself for the shared, unsalted entry)."""
+    return f"{key}|salt:{salt}" if salt else key
+
+
 class EncoderCache:
     """Features by key, reference-counted, LRU-evicted under `budget_bytes` (thread-safe)."""
 
@@ -187,10 +192,14 @@ class EncoderWorker:
         self._thread = threading.Thread(target=self._loop, name=f"omnivox-{name}", daemon=True)
         self._thread.start()
 
-    def handle(self, key: str, payload: Any) -> EncodeHandle:
+    def handle(self, key: str, payload: Any, salt: str = "") -> EncodeHandle:
         """A reference to key's features; `payload` (the preprocessed input) is encoded only if the cache lacks them,
-        and only once `start()` is called (admission, unless the prefix cache covers the segment)."""
-        return EncodeHandle(self, self.cache._acquire(key, payload))
+        and only once `start()` is called (admission, unless the prefix cache covers the segment).
+
+        `salt`: only handles with the same salt share an entry (or an encoding in flight), as only requests with the
+        same cache salt share prefix-cache blocks (engine/kv_manager.py): a tenant must not learn from a fast answer
+        that another one sent this image or clip. "" is the shared entry, named by `key` alone."""
+        return EncodeHandle(self, self.cache._acquire(salted_key(key, salt), payload))
 
     def _enqueue(self, entry: _Entry, payload: Any) -> None:
         with self._cond:

@@ -109,8 +109,11 @@ class AudioInputPart:
         messages = transcription_messages(self.family, language, context)
         return self.render(messages, continue_final=messages[-1]["role"] == "assistant")
 
-    def prompt(self, token_ids: list[int], clips: Sequence[Any], field: str = "contents") -> Prompt:
-        """Expand the markers of `token_ids` to the clips' placeholder counts and attach one segment per clip.
+    def prompt(
+        self, token_ids: list[int], clips: Sequence[Any], field: str = "contents", cache_salt: str = ""
+    ) -> Prompt:
+        """Expand the markers of `token_ids` to the clips' placeholder counts and attach one segment per clip (its
+        features shared only with prompts of the same `cache_salt`).
 
         `clips` are the decoded samples, in prompt order. A prompt whose markers do not match the clips (user text
         that spells the marker token) is INVALID_ARGUMENT on `field`. Encoder-cache references are taken last, so a
@@ -126,7 +129,7 @@ class AudioInputPart:
         for start, samples, clip in zip(starts, clips, inputs, strict=True):
             key = content_key(samples, enc.sample_rate, enc.feature_settings(), self.model_key)
             n = clip.num_tokens[0]
-            segments.append(EmbeddingSegment(start, n, key=key, source=self.worker.handle(key, clip)))
+            segments.append(EmbeddingSegment(start, n, key=key, source=self.worker.handle(key, clip, cache_salt)))
         return Prompt(token_ids=ids, segments=segments)
 
     def marker_text(self) -> str:
@@ -183,9 +186,12 @@ class AudioPromptBuilder:
         template = media_template(self.audio.processor)
         return format_of(None, template) if template is not None else None
 
-    def build(self, contents: Sequence[content_pb2.Content], tools: list[dict] | None = None) -> Prompt:
+    def build(
+        self, contents: Sequence[content_pb2.Content], tools: list[dict] | None = None, cache_salt: str = ""
+    ) -> Prompt:
         """`tools`: the request's tools (a list, maybe empty; None: no tools nor tool turns) for the template
-        (services/tools.py); tool results and assistant calls are turns of their own, their text one string."""
+        (services/tools.py); tool results and assistant calls are turns of their own, their text one string.
+        `cache_salt`: the share of the encoder cache the clips use (services/cache_salt.py)."""
         audio = self.audio
         marker = audio.marker_text()
         messages: list[dict] = []
@@ -216,7 +222,7 @@ class AudioPromptBuilder:
             if audio.mistral is None:
                 raise
             raise errors.invalid_argument([FieldViolation("contents", str(exc))]) from exc
-        return audio.prompt(ids, clips)
+        return audio.prompt(ids, clips, cache_salt=cache_salt)
 
 
 def log_message_limit(model, limit: int) -> None:

@@ -8,18 +8,16 @@ holding its transcript; the text model then answers the text. Each transcription
 `--asr-model` such a request keeps its INVALID_ARGUMENT (the model does not accept audio).
 
 A voice agent sends its whole conversation with each turn, every earlier spoken question included (and with tools,
-the call and its result after it): the transcripts of recent clips are kept per ASR model (keyed by a hash of the
-part's bytes, encoding and rate; greedy decoding makes the transcript a function of those), so each clip is
-transcribed once, not once per later turn.
+the call and its result after it): the transcripts of recent clips are kept by the ASR model's Whisper part
+(`WhisperPart.transcripts`, keyed by a hash of the part's bytes, encoding and rate, and the request's cache salt;
+greedy decoding makes the transcript a function of the first three), so each clip is transcribed once, not once per
+later turn, and a caller never finds another caller's clip there (services/cache_salt.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import weakref
-from collections import OrderedDict
-from typing import Any
 
 from omnivox.models.audio.transcription import TranscriptionRequestError
 from omnivox.services import errors
@@ -27,10 +25,6 @@ from omnivox.services.errors import FieldViolation
 from omnivox.services.registry import AUDIO, ModelRegistry, ServedModel
 from omnivox.services.whisper import transcribe
 from omnivox.v1 import content_pb2, generation_pb2
-
-TRANSCRIPT_ENTRIES = 1024  # clips remembered per ASR model (a few hundred bytes each)
-# ASR model's engine -> (clip key -> transcript), most recent last; dropped with the engine
-_TRANSCRIPTS: weakref.WeakKeyDictionary[Any, OrderedDict[bytes, str]] = weakref.WeakKeyDictionary()
 
 
 def applies(request: generation_pb2.GenerateRequest, model: ServedModel, registry: ModelRegistry) -> bool:
@@ -41,43 +35,41 @@ def applies(request: generation_pb2.GenerateRequest, model: ServedModel, registr
 
 
 async def transcribe_audio_parts(
-    request: generation_pb2.GenerateRequest, registry: ModelRegistry
+    request: generation_pb2.GenerateRequest, registry: ModelRegistry, salt: str = ""
 ) -> generation_pb2.GenerateRequest:
-    """A copy of `request` whose audio parts are text parts holding their transcripts (in order, one at a time)."""
+    """A copy of `request` whose audio parts are text parts holding their transcripts (in order, one at a time).
+    `salt`: the request's cache salt; transcripts (and the ASR model's caches) are shared only under the same one."""
     asr = registry.get_ready(registry.asr_model or "")
     part = asr.bundle.whisper if asr.bundle is not None else None
     if part is None:
         raise errors.internal(f"--asr-model {asr.name!r} is not a Whisper model")
     out = generation_pb2.GenerateRequest()
     out.CopyFrom(request)
-    known = _TRANSCRIPTS.setdefault(part.engine, OrderedDict())
     for i, content in enumerate(out.contents):
         for j, p in enumerate(content.parts):
             if p.WhichOneof("kind") != "audio":
                 continue
-            key = await asyncio.to_thread(_clip_key, p.audio)  # sha256 of a 20 MB WAV: ~40 ms
-            if (text := known.get(key)) is not None:
-                known.move_to_end(key)
+            key = await asyncio.to_thread(_clip_key, p.audio, salt)  # sha256 of a 20 MB WAV: ~40 ms
+            if (text := part.transcripts.get(key)) is not None:
                 p.text = text
                 continue
             path = f"contents[{i}].parts[{j}].audio"
             with asr.admit():
                 decoded = await asyncio.to_thread(part.decode, p.audio, path)
                 try:
-                    result = await transcribe(part, decoded.samples, language=None)
+                    result = await transcribe(part, decoded.samples, language=None, cache_salt=salt)
                 except TranscriptionRequestError as err:
                     raise errors.invalid_argument([FieldViolation(f"{path}", err.description)]) from err
                 except RuntimeError as err:
                     raise errors.internal(str(err)) from err
-            known[key] = result.text
-            while len(known) > TRANSCRIPT_ENTRIES:
-                known.popitem(last=False)
+            part.transcripts.put(key, result.text)
             p.text = result.text  # setting the oneof's text clears its audio
     return out
 
 
-def _clip_key(audio: content_pb2.AudioPart) -> bytes:
-    """What decides a clip's transcript besides the model: its bytes, encoding and stated rate."""
+def _clip_key(audio: content_pb2.AudioPart, salt: str) -> bytes:
+    """What decides a clip's transcript besides the model (its bytes, encoding and stated rate), and who may share
+    it (the salt)."""
     h = hashlib.sha256(audio.data)
-    h.update(f"{audio.encoding}:{audio.sample_rate_hertz}".encode())
+    h.update(f"{audio.encoding}:{audio.sample_rate_hertz}:{salt}".encode())
     return h.digest()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -16,6 +17,7 @@ from google.protobuf import duration_pb2
 from omnivox.engine import RequestOutput
 from omnivox.engine.errors import InvalidRequest
 from omnivox.services import cascade, errors, reasoning, structured, tools, validation
+from omnivox.services.cache_salt import request_salt
 from omnivox.services.errors import FieldViolation, ServiceError, rpc_method
 from omnivox.services.limits import check_generate_limits
 from omnivox.services.logs import current_call
@@ -65,11 +67,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         received = time.monotonic()
         if too_large := check_generate_limits(request):  # sizes first: a huge request costs one length check
             raise errors.invalid_argument(too_large)
+        salt = request_salt(request.cache_salt)  # this caller's (and cache_salt's) share of the caches
         model = self.registry.get_ready(request.model)
         call = current_call()
         call.set(model=model.name)
         if cascade.applies(request, model, self.registry):  # a spoken question: transcribed first (--asr-model)
-            request = await cascade.transcribe_audio_parts(request, self.registry)
+            request = await cascade.transcribe_audio_parts(request, self.registry, salt)
         checked = validation.validate_generate(request, model)
         # Admitted from here on: counted against the queue bound, and waited for by a drain.
         with model.admit():
@@ -85,7 +88,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             text_prompt = media is None
             template_kwargs = reasoning.template_kwargs(request, tokenizer, text_prompt)
             built = time.monotonic()
-            prompt = await self._build_prompt(model, request, tool_plan, template_kwargs)
+            prompt = await self._build_prompt(model, request, tool_plan, template_kwargs, salt)
             call.phase("prompt", built, time.monotonic())  # tokenise; decode and preprocess images and audio
             try:
                 validation.check_prompt_fits(len(prompt.token_ids), checked.params, model)
@@ -109,6 +112,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 request_id=engine_request_id,
                 segments=prompt.segments or None,
                 rope_positions=prompt.rope_positions,
+                cache_salt=salt,
             )
             last: RequestOutput | None = None
             # Leaving this block in any way (finished, client cancelled, deadline passed, server stopping) closes the
@@ -185,12 +189,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         request: generation_pb2.GenerateRequest,
         tool_plan: tools.ToolPlan | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        salt: str = "",
     ) -> Prompt:
+        """`salt` names the share of the encoder cache the images and audio of a media model's prompt use."""
         assert model.prompt_builder is not None
         try:  # in a worker thread: a long prompt (or decoding audio and images) must not stall the other streams
-            if tool_plan is not None and not isinstance(model.prompt_builder, ChatPromptBuilder):
-                # images / audio and tools through the model's own builder (tools.media_format allowed them)
-                return await build_in_thread(model.prompt_builder.build, request.contents, tool_plan.tools)
+            if not isinstance(model.prompt_builder, ChatPromptBuilder):  # images and audio (tools if allowed)
+                tools_list = tool_plan.tools if tool_plan is not None else None
+                build = functools.partial(model.prompt_builder.build, cache_salt=salt)
+                return await build_in_thread(build, request.contents, tools_list)
             if tool_plan is not None:  # tools and tool turns through the tokenizer's chat template (text turns)
                 assert model.engine is not None
                 tokenizer = model.engine.tokenizer

@@ -40,7 +40,9 @@ class Prompt:
 
 class PromptBuilder(Protocol):
     def build(self, contents: Sequence[content_pb2.Content]) -> Prompt:
-        """`contents` already passed validation: roles are known, every part is of a kind the model accepts."""
+        """`contents` already passed validation: roles are known, every part is of a kind the model accepts.
+        A builder of images or audio (every one but ChatPromptBuilder) also takes `tools` and `cache_salt` (the
+        share of the encoder cache its inputs use: engine/encoder_cache.py `EncoderWorker.handle`)."""
         ...
 
 

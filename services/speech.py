@@ -30,6 +30,7 @@ from omnivox.engine import InvalidRequest, SamplingParams, shared
 from omnivox.engine.params import MAX_SEED
 from omnivox.models.orpheus import SpeechLayout
 from omnivox.services import errors
+from omnivox.services.cache_salt import request_salt
 from omnivox.services.errors import FieldViolation, rpc_method
 from omnivox.services.generation import seconds_to_duration
 from omnivox.services.logs import current_call
@@ -167,6 +168,7 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
         self, request: speech_pb2.SynthesizeSpeechRequest, context: grpc.aio.ServicerContext
     ) -> None:
         received = time.monotonic()
+        salt = request_salt(request.cache_salt)  # this caller's (and cache_salt's) share of the prefix cache
         model = self._speech_model(request.model)
         assert model.bundle is not None and model.bundle.speech is not None  # a ready speech model
         bundle = model.bundle.speech
@@ -204,7 +206,7 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
                 gate = asyncio.Semaphore(self.limits.max_parallel_segments)
                 tasks = [
                     asyncio.create_task(
-                        self._generate(model, bundle, seg, gate, f"{request_id}-{uuid.uuid4().hex[:8]}")
+                        self._generate(model, bundle, seg, gate, f"{request_id}-{uuid.uuid4().hex[:8]}", salt)
                     )
                     for seg in segments
                 ]
@@ -315,7 +317,12 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
 
     @staticmethod
     async def _generate(
-        model: ServedModel, bundle: SpeechPart, seg: _Segment, gate: asyncio.Semaphore, request_id: str
+        model: ServedModel,
+        bundle: SpeechPart,
+        seg: _Segment,
+        gate: asyncio.Semaphore,
+        request_id: str,
+        salt: str = "",
     ) -> None:
         """Run one segment through the engine, pushing complete frames to its codec stream."""
         layout, worker, engine = bundle.layout, bundle.worker, model.engine
@@ -323,7 +330,7 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
         frame: list[int] = []
         try:
             async with gate:
-                stream = engine.stream(seg.prompt, seg.params, request_id=request_id)
+                stream = engine.stream(seg.prompt, seg.params, request_id=request_id, cache_salt=salt)
                 async with contextlib.aclosing(stream):
                     async for out in stream:
                         seg.cached_tokens = max(seg.cached_tokens, out.num_cached_tokens)

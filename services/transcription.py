@@ -20,6 +20,7 @@ conditioned on the previous text, timestamp segments, translation with `task`), 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
@@ -34,6 +35,7 @@ from omnivox.engine import InvalidRequest, RequestOutput, SamplingParams
 from omnivox.models.audio.transcription import TranscriptionRequestError
 from omnivox.services import errors
 from omnivox.services.audio_prompt import AudioInputPart
+from omnivox.services.cache_salt import request_salt
 from omnivox.services.errors import FieldViolation, rpc_method
 from omnivox.services.generation import build_in_thread, seconds_to_duration
 from omnivox.services.logs import current_call
@@ -124,16 +126,17 @@ class TranscriptionServicer(transcription_pb2_grpc.TranscriptionServiceServicer)
     @rpc_method
     async def Transcribe(self, request: transcription_pb2.TranscribeRequest, context: grpc.aio.ServicerContext) -> None:
         received = time.monotonic()
+        salt = request_salt(request.cache_salt)  # this caller's (and cache_salt's) share of the caches
         model = self._audio_model(request.model)
         if model.bundle is not None and model.bundle.whisper is not None:
-            return await self._transcribe_whisper(model, request, context, received)
+            return await self._transcribe_whisper(model, request, context, received, salt)
         assert model.bundle is not None and model.bundle.audio is not None and model.engine is not None
         audio = model.bundle.audio
         self._validate(request, audio)
         request_id = request.request_id or uuid.uuid4().hex
         with model.admit():
             plan = await asyncio.to_thread(self._plan, request, audio)
-            run = _Run(model, audio, plan, request.language or None)
+            run = _Run(model, audio, plan, request.language or None, salt)
             try:
                 for index in range(len(plan.windows)):
                     async for delta in run.window_text(index):
@@ -196,6 +199,7 @@ class TranscriptionServicer(transcription_pb2_grpc.TranscriptionServiceServicer)
         request: transcription_pb2.TranscribeRequest,
         context: grpc.aio.ServicerContext,
         received: float,
+        salt: str = "",
     ) -> None:
         part = model.bundle.whisper  # type: ignore[union-attr]
         task = request.task or "transcribe"
@@ -221,7 +225,7 @@ class TranscriptionServicer(transcription_pb2_grpc.TranscriptionServiceServicer)
             try:
                 result = await transcribe(part, decoded.samples, language=request.language or None, task=task,
                                           timestamps=request.timestamps, prompt=request.prompt or None,
-                                          on_text=on_text)  # fmt: skip
+                                          on_text=on_text, cache_salt=salt)  # fmt: skip
             except TranscriptionRequestError as err:
                 raise errors.invalid_argument([FieldViolation(err.field, err.description)]) from err
             except RuntimeError as err:  # the engine failed a step of this request and kept serving the others
@@ -239,9 +243,12 @@ class TranscriptionServicer(transcription_pb2_grpc.TranscriptionServiceServicer)
 class _Run:
     """The engine requests of one transcription: started in order, at most MAX_PARALLEL_WINDOWS at once."""
 
-    def __init__(self, model: ServedModel, audio: AudioInputPart, plan: _Plan, language: str | None) -> None:
+    def __init__(
+        self, model: ServedModel, audio: AudioInputPart, plan: _Plan, language: str | None, salt: str = ""
+    ) -> None:
         assert model.engine is not None
         self.model, self.engine, self.audio, self.plan = model, model.engine, audio, plan
+        self.salt = salt  # the windows' encoder features and KV blocks are shared only under this cache salt
         self.loop = asyncio.get_running_loop()
         n = len(plan.windows)
         self.queues: list[asyncio.Queue[RequestOutput]] = [asyncio.Queue() for _ in range(n)]
@@ -257,7 +264,8 @@ class _Run:
     async def _start(self, index: int) -> None:
         start, end = self.plan.windows[index]
         clip = self.plan.samples[start:end]
-        prompt: Prompt = await build_in_thread(self.audio.prompt, self.plan.prompt_ids, [clip], "prompt")
+        build = functools.partial(self.audio.prompt, cache_salt=self.salt)
+        prompt: Prompt = await build_in_thread(build, self.plan.prompt_ids, [clip], "prompt")
         context = self.model.context_length
         if len(prompt.token_ids) >= context:
             prompt.release()
@@ -273,7 +281,7 @@ class _Run:
         self.engine.start()
         try:
             self.request_ids[index] = self.engine.add_request(
-                prompt.token_ids, params, uuid.uuid4().hex, prompt.segments, on_output=deliver
+                prompt.token_ids, params, uuid.uuid4().hex, prompt.segments, on_output=deliver, cache_salt=self.salt
             )
         except InvalidRequest as err:  # nothing queued: the references are still ours
             prompt.release()

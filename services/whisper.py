@@ -96,24 +96,35 @@ async def transcribe(
     prompt: str | None = None,
     on_text: OnText | None = None,
     max_tokens: int | None = None,
+    cache_salt: str = "",
 ) -> WhisperResult:
     """Transcribe (or translate to English) float32 mono 16 kHz `samples` with a Whisper model (a WhisperPart or a
     ServedModel / ModelBundle holding one). TranscriptionRequestError names a bad setting (language, task,
     timestamps). `on_text(delta, segment_index)` is awaited with the text as it comes: token by token without
     timestamps, segment by segment (at each window's end) with them; the deltas joined equal `result.text`.
     `max_tokens` caps each window's output (default: 224 = max_target_positions // 2, openai-whisper's).
-    Cancelling aborts the engine work."""
+    `cache_salt`: the windows' encoder outputs and KV blocks are shared only with requests of the same salt
+    (services/cache_salt.py). Cancelling aborts the engine work."""
     part = whisper_part_of(model)
     lang = part.check(language, task, timestamps)
-    run = _Transcription(part, task, timestamps, on_text, max_tokens)
+    run = _Transcription(part, task, timestamps, on_text, max_tokens, cache_salt)
     if prompt:
         run.prev = part.prompt_tokens(prompt)
     return await run.run(np.ascontiguousarray(samples, np.float32), lang)
 
 
 class _Transcription:
-    def __init__(self, part: WhisperPart, task: str, timestamps: bool, on_text: OnText | None, max_tokens: int | None):
+    def __init__(
+        self,
+        part: WhisperPart,
+        task: str,
+        timestamps: bool,
+        on_text: OnText | None,
+        max_tokens: int | None,
+        cache_salt: str = "",
+    ):
         self.part, self.task, self.timestamps, self.on_text = part, task, timestamps, on_text
+        self.cache_salt = cache_salt
         n_text_ctx = part.engine.model_config.max_position_embeddings  # max_target_positions
         self.max_tokens = max_tokens or max_window_tokens(n_text_ctx)
         self.max_prev = max_prev_tokens(n_text_ctx)
@@ -147,8 +158,8 @@ class _Transcription:
         part = self.part
         features = await asyncio.to_thread(part.features, clip)
         key = part.window_key(clip)
-        main = part.encoder_input(key, features)
-        return main, part.encoder_input(key, features) if detect else None
+        main = part.encoder_input(key, features, self.cache_salt)
+        return main, part.encoder_input(key, features, self.cache_salt) if detect else None
 
     async def _prepare(self, clip: np.ndarray, lang: int | None) -> tuple[EncoderInput, int | None, bool]:
         """The window's EncoderInput, its language (detected here when not given) and whether it may be silence.
@@ -282,6 +293,7 @@ class _Transcription:
             rid = engine.add_request(
                 prompt, params, uuid.uuid4().hex,
                 on_output=lambda out: loop.call_soon_threadsafe(queue.put_nowait, out), encoder_input=enc,
+                cache_salt=self.cache_salt,
             )  # fmt: skip
         except InvalidRequest as err:
             enc.release()

@@ -9,6 +9,7 @@ the engine loads the converted folder.
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,7 +69,7 @@ def whisper_kv_gib(folder: Path, max_num_seqs: int) -> float:
 class WhisperPromptBuilder:
     """Generate on a Whisper model: refused with a pointer (it transcribes; it does not chat)."""
 
-    def build(self, contents: Sequence[content_pb2.Content]):
+    def build(self, contents: Sequence[content_pb2.Content], tools: list[dict] | None = None, cache_salt: str = ""):
         raise errors.invalid_argument(
             [FieldViolation("model", "a Whisper model transcribes: use TranscriptionService/Transcribe, or serve a text "
                                      "model with --asr-model for a spoken question (the cascade)")]
@@ -77,6 +78,37 @@ class WhisperPromptBuilder:
 
 # BCP-47 codes Whisper spells otherwise (its token for Javanese is <|jw|>, Norwegian <|no|>, Hebrew <|he|>, ...).
 _WHISPER_CODES = {"jv": "jw", "nb": "no", "iw": "he", "in": "id", "ji": "yi", "fil": "tl"}
+
+TRANSCRIPT_ENTRIES = 1024  # clips whose transcripts the cascade remembers (a few hundred bytes each)
+
+
+class TranscriptCache:
+    """Transcripts of recent clips for the cascade (services/cascade.py), by a key of the clip and the request's cache
+    salt, least recently used evicted first. Used on the event loop only (no lock)."""
+
+    def __init__(self, max_entries: int = TRANSCRIPT_ENTRIES) -> None:
+        self.max_entries = max_entries
+        self._texts: OrderedDict[bytes, str] = OrderedDict()  # most recently used last
+        self.hits = self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._texts)
+
+    def get(self, key: bytes) -> str | None:
+        text = self._texts.get(key)
+        if text is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._texts.move_to_end(key)
+        return text
+
+    def put(self, key: bytes, text: str) -> None:
+        self._texts[key] = text
+        self._texts.move_to_end(key)
+        while len(self._texts) > self.max_entries:
+            self._texts.popitem(last=False)
+
 
 # Far more than the 223 tokens of previous text a window's prompt keeps (a token is rarely over 16 characters).
 MAX_PROMPT_CHARS = 16 * 1024
@@ -94,6 +126,7 @@ class WhisperPart:
     model_key: str  # names the model in content keys
     rules: WhisperRules  # constraints + suppression bias on the engine's device
     limits: AudioLimits = field(default_factory=lambda: AudioLimits(max_seconds=TRANSCRIBE_MAX_SECONDS))
+    transcripts: TranscriptCache = field(default_factory=TranscriptCache)  # the cascade's (--asr-model)
 
     @property
     def cache(self) -> EncoderCache:
@@ -121,9 +154,10 @@ class WhisperPart:
     def window_key(self, clip: np.ndarray) -> str:
         return content_key(clip, SAMPLE_RATE, self.mel.settings.key(), self.model_key)
 
-    def encoder_input(self, key: str, features: torch.Tensor) -> EncoderInput:
-        """A new reference to the window's cross K/V (encoded when the engine first admits a request holding it)."""
-        return EncoderInput(key, source=self.worker.handle(key, features))
+    def encoder_input(self, key: str, features: torch.Tensor, cache_salt: str = "") -> EncoderInput:
+        """A new reference to the window's cross K/V (encoded when the engine first admits a request holding it),
+        shared only with requests of the same `cache_salt`."""
+        return EncoderInput(key, source=self.worker.handle(key, features, cache_salt))
 
     def language_id(self, language: str | None) -> int | None:
         """The `<|xx|>` token of a BCP-47 code (`jv` for Whisper's `jw` and the like), an English name or the token's

@@ -27,43 +27,43 @@ from omnivox.v1 import content_pb2 as omnivox_dot_v1_dot_content__pb2
 from omnivox.v1 import sampling_pb2 as omnivox_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bomnivox/v1/generation.proto\x12\nomnivox.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x18omnivox/v1/content.proto\x1a\x19omnivox/v1/sampling.proto\"\x85\x05\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12%\n\x08\x63ontents\x18\x02 \x03(\x0b\x32\x13.omnivox.v1.Content\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.omnivox.v1.SamplingConfig\x12\x1e\n\x11max_output_tokens\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x1e\n\x11min_output_tokens\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x16\n\x0estop_sequences\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x1d\n\x15include_stop_sequence\x18\t \x01(\x08\x12\x10\n\x08logprobs\x18\n \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\x0b \x01(\x05H\x02\x88\x01\x01\x12\x12\n\nrequest_id\x18\x0c \x01(\t\x12\x33\n\x0fresponse_format\x18\x14 \x01(\x0b\x32\x1a.omnivox.v1.ResponseFormat\x12\x1f\n\x05tools\x18\x15 \x03(\x0b\x32\x10.omnivox.v1.Tool\x12+\n\x0btool_choice\x18\x16 \x01(\x0b\x32\x16.omnivox.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x17 \x01(\x08H\x03\x88\x01\x01\x12\x1c\n\x0f\x65nable_thinking\x18\x18 \x01(\x08H\x04\x88\x01\x01\x42\x14\n\x12_max_output_tokensB\x14\n\x12_min_output_tokensB\x0f\n\r_top_logprobsB\x16\n\x14_parallel_tool_callsB\x12\n\x10_enable_thinking\"\x82\x01\n\x0eResponseFormat\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\x16\n\x0clark_grammar\x18\x03 \x01(\tH\x00\x12&\n\x07\x63hoices\x18\x04 \x01(\x0b\x32\x13.omnivox.v1.ChoicesH\x00\x42\x08\n\x06\x66ormat\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"Y\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x1e\n\x16parameters_json_schema\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\"[\n\nToolChoice\x12*\n\x04mode\x18\x01 \x01(\x0e\x32\x1a.omnivox.v1.ToolChoiceModeH\x00\x12\x17\n\rfunction_name\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"z\n\x10GenerateResponse\x12*\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x19.omnivox.v1.GenerateDeltaH\x00\x12.\n\x07summary\x18\x02 \x01(\x0b\x32\x1b.omnivox.v1.GenerateSummaryH\x00\x42\n\n\x08response\"\xa3\x01\n\rGenerateDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.omnivox.v1.TokenLogprob\x12-\n\ntool_calls\x18\x14 \x03(\x0b\x32\x19.omnivox.v1.ToolCallDelta\x12\x16\n\x0ereasoning_text\x18\x15 \x01(\t\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"n\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12,\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x16.omnivox.v1.TopLogprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"\xd5\x01\n\x0fGenerateSummary\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.omnivox.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.omnivox.v1.Usage\x12\"\n\x06timing\x18\x03 \x01(\x0b\x32\x12.omnivox.v1.Timing\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12(\n\ntool_calls\x18\x14 \x03(\x0b\x32\x14.omnivox.v1.ToolCall\"m\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\routput_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\x12\x18\n\x10reasoning_tokens\x18\x04 \x01(\x05\"j\n\x06Timing\x12\x36\n\x13time_to_first_token\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12(\n\x05total\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration*\x87\x01\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x01\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x02\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x03*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04\x32\\\n\x11GenerationService\x12G\n\x08Generate\x12\x1b.omnivox.v1.GenerateRequest\x1a\x1c.omnivox.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bomnivox/v1/generation.proto\x12\nomnivox.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x18omnivox/v1/content.proto\x1a\x19omnivox/v1/sampling.proto\"\x99\x05\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12%\n\x08\x63ontents\x18\x02 \x03(\x0b\x32\x13.omnivox.v1.Content\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.omnivox.v1.SamplingConfig\x12\x1e\n\x11max_output_tokens\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x1e\n\x11min_output_tokens\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12\x16\n\x0estop_sequences\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x1d\n\x15include_stop_sequence\x18\t \x01(\x08\x12\x10\n\x08logprobs\x18\n \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\x0b \x01(\x05H\x02\x88\x01\x01\x12\x12\n\nrequest_id\x18\x0c \x01(\t\x12\x33\n\x0fresponse_format\x18\x14 \x01(\x0b\x32\x1a.omnivox.v1.ResponseFormat\x12\x1f\n\x05tools\x18\x15 \x03(\x0b\x32\x10.omnivox.v1.Tool\x12+\n\x0btool_choice\x18\x16 \x01(\x0b\x32\x16.omnivox.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x17 \x01(\x08H\x03\x88\x01\x01\x12\x1c\n\x0f\x65nable_thinking\x18\x18 \x01(\x08H\x04\x88\x01\x01\x12\x12\n\ncache_salt\x18\x19 \x01(\tB\x14\n\x12_max_output_tokensB\x14\n\x12_min_output_tokensB\x0f\n\r_top_logprobsB\x16\n\x14_parallel_tool_callsB\x12\n\x10_enable_thinking\"\x82\x01\n\x0eResponseFormat\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\x16\n\x0clark_grammar\x18\x03 \x01(\tH\x00\x12&\n\x07\x63hoices\x18\x04 \x01(\x0b\x32\x13.omnivox.v1.ChoicesH\x00\x42\x08\n\x06\x66ormat\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"Y\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x1e\n\x16parameters_json_schema\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\"[\n\nToolChoice\x12*\n\x04mode\x18\x01 \x01(\x0e\x32\x1a.omnivox.v1.ToolChoiceModeH\x00\x12\x17\n\rfunction_name\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"z\n\x10GenerateResponse\x12*\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x19.omnivox.v1.GenerateDeltaH\x00\x12.\n\x07summary\x18\x02 \x01(\x0b\x32\x1b.omnivox.v1.GenerateSummaryH\x00\x42\n\n\x08response\"\xa3\x01\n\rGenerateDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.omnivox.v1.TokenLogprob\x12-\n\ntool_calls\x18\x14 \x03(\x0b\x32\x19.omnivox.v1.ToolCallDelta\x12\x16\n\x0ereasoning_text\x18\x15 \x01(\t\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"n\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12,\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x16.omnivox.v1.TopLogprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"\xd5\x01\n\x0fGenerateSummary\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.omnivox.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.omnivox.v1.Usage\x12\"\n\x06timing\x18\x03 \x01(\x0b\x32\x12.omnivox.v1.Timing\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12(\n\ntool_calls\x18\x14 \x03(\x0b\x32\x14.omnivox.v1.ToolCall\"m\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\routput_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\x12\x18\n\x10reasoning_tokens\x18\x04 \x01(\x05\"j\n\x06Timing\x12\x36\n\x13time_to_first_token\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12(\n\x05total\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration*\x87\x01\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x01\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x02\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x03*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04\x32\\\n\x11GenerationService\x12G\n\x08Generate\x12\x1b.omnivox.v1.GenerateRequest\x1a\x1c.omnivox.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'omnivox.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TOOLCHOICEMODE']._serialized_start=2099
-  _globals['_TOOLCHOICEMODE']._serialized_end=2234
-  _globals['_FINISHREASON']._serialized_start=2237
-  _globals['_FINISHREASON']._serialized_end=2387
+  _globals['_TOOLCHOICEMODE']._serialized_start=2119
+  _globals['_TOOLCHOICEMODE']._serialized_end=2254
+  _globals['_FINISHREASON']._serialized_start=2257
+  _globals['_FINISHREASON']._serialized_end=2407
   _globals['_GENERATEREQUEST']._serialized_start=129
-  _globals['_GENERATEREQUEST']._serialized_end=774
-  _globals['_RESPONSEFORMAT']._serialized_start=777
-  _globals['_RESPONSEFORMAT']._serialized_end=907
-  _globals['_CHOICES']._serialized_start=909
-  _globals['_CHOICES']._serialized_end=934
-  _globals['_TOOL']._serialized_start=936
-  _globals['_TOOL']._serialized_end=1025
-  _globals['_TOOLCHOICE']._serialized_start=1027
-  _globals['_TOOLCHOICE']._serialized_end=1118
-  _globals['_GENERATERESPONSE']._serialized_start=1120
-  _globals['_GENERATERESPONSE']._serialized_end=1242
-  _globals['_GENERATEDELTA']._serialized_start=1245
-  _globals['_GENERATEDELTA']._serialized_end=1408
-  _globals['_TOOLCALLDELTA']._serialized_start=1410
-  _globals['_TOOLCALLDELTA']._serialized_end=1485
-  _globals['_TOKENLOGPROB']._serialized_start=1487
-  _globals['_TOKENLOGPROB']._serialized_end=1597
-  _globals['_TOPLOGPROB']._serialized_start=1599
-  _globals['_TOPLOGPROB']._serialized_end=1661
-  _globals['_GENERATESUMMARY']._serialized_start=1664
-  _globals['_GENERATESUMMARY']._serialized_end=1877
-  _globals['_USAGE']._serialized_start=1879
-  _globals['_USAGE']._serialized_end=1988
-  _globals['_TIMING']._serialized_start=1990
-  _globals['_TIMING']._serialized_end=2096
-  _globals['_GENERATIONSERVICE']._serialized_start=2389
-  _globals['_GENERATIONSERVICE']._serialized_end=2481
+  _globals['_GENERATEREQUEST']._serialized_end=794
+  _globals['_RESPONSEFORMAT']._serialized_start=797
+  _globals['_RESPONSEFORMAT']._serialized_end=927
+  _globals['_CHOICES']._serialized_start=929
+  _globals['_CHOICES']._serialized_end=954
+  _globals['_TOOL']._serialized_start=956
+  _globals['_TOOL']._serialized_end=1045
+  _globals['_TOOLCHOICE']._serialized_start=1047
+  _globals['_TOOLCHOICE']._serialized_end=1138
+  _globals['_GENERATERESPONSE']._serialized_start=1140
+  _globals['_GENERATERESPONSE']._serialized_end=1262
+  _globals['_GENERATEDELTA']._serialized_start=1265
+  _globals['_GENERATEDELTA']._serialized_end=1428
+  _globals['_TOOLCALLDELTA']._serialized_start=1430
+  _globals['_TOOLCALLDELTA']._serialized_end=1505
+  _globals['_TOKENLOGPROB']._serialized_start=1507
+  _globals['_TOKENLOGPROB']._serialized_end=1617
+  _globals['_TOPLOGPROB']._serialized_start=1619
+  _globals['_TOPLOGPROB']._serialized_end=1681
+  _globals['_GENERATESUMMARY']._serialized_start=1684
+  _globals['_GENERATESUMMARY']._serialized_end=1897
+  _globals['_USAGE']._serialized_start=1899
+  _globals['_USAGE']._serialized_end=2008
+  _globals['_TIMING']._serialized_start=2010
+  _globals['_TIMING']._serialized_end=2116
+  _globals['_GENERATIONSERVICE']._serialized_start=2409
+  _globals['_GENERATIONSERVICE']._serialized_end=2501
 # @@protoc_insertion_point(module_scope)

@@ -37,7 +37,7 @@ FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_TOOL_CALLS: FinishReason
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "contents", "sampling", "max_output_tokens", "min_output_tokens", "stop_sequences", "stop_token_ids", "ignore_eos", "include_stop_sequence", "logprobs", "top_logprobs", "request_id", "response_format", "tools", "tool_choice", "parallel_tool_calls", "enable_thinking")
+    __slots__ = ("model", "contents", "sampling", "max_output_tokens", "min_output_tokens", "stop_sequences", "stop_token_ids", "ignore_eos", "include_stop_sequence", "logprobs", "top_logprobs", "request_id", "response_format", "tools", "tool_choice", "parallel_tool_calls", "enable_thinking", "cache_salt")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CONTENTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class GenerateRequest(_message.Message):
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     ENABLE_THINKING_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     model: str
     contents: _containers.RepeatedCompositeFieldContainer[_content_pb2.Content]
     sampling: _sampling_pb2.SamplingConfig
@@ -72,7 +73,8 @@ class GenerateRequest(_message.Message):
     tool_choice: ToolChoice
     parallel_tool_calls: bool
     enable_thinking: bool
-    def __init__(self, model: _Optional[str] = ..., contents: _Optional[_Iterable[_Union[_content_pb2.Content, _Mapping]]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingConfig, _Mapping]] = ..., max_output_tokens: _Optional[int] = ..., min_output_tokens: _Optional[int] = ..., stop_sequences: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., include_stop_sequence: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., request_id: _Optional[str] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., enable_thinking: _Optional[bool] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, model: _Optional[str] = ..., contents: _Optional[_Iterable[_Union[_content_pb2.Content, _Mapping]]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingConfig, _Mapping]] = ..., max_output_tokens: _Optional[int] = ..., min_output_tokens: _Optional[int] = ..., stop_sequences: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., include_stop_sequence: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., request_id: _Optional[str] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., enable_thinking: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class ResponseFormat(_message.Message):
     __slots__ = ("json_schema", "regex", "lark_grammar", "choices")

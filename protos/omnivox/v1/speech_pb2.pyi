@@ -23,20 +23,22 @@ VOICE_KIND_BUILT_IN: VoiceKind
 VOICE_KIND_CREATED: VoiceKind
 
 class SynthesizeSpeechRequest(_message.Message):
-    __slots__ = ("model", "text", "voice", "audio_config", "sampling", "request_id")
+    __slots__ = ("model", "text", "voice", "audio_config", "sampling", "request_id", "cache_salt")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     VOICE_FIELD_NUMBER: _ClassVar[int]
     AUDIO_CONFIG_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     model: str
     text: str
     voice: VoiceSelection
     audio_config: AudioConfig
     sampling: _sampling_pb2.SamplingConfig
     request_id: str
-    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., voice: _Optional[_Union[VoiceSelection, _Mapping]] = ..., audio_config: _Optional[_Union[AudioConfig, _Mapping]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingConfig, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., voice: _Optional[_Union[VoiceSelection, _Mapping]] = ..., audio_config: _Optional[_Union[AudioConfig, _Mapping]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingConfig, _Mapping]] = ..., request_id: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class StreamingSynthesizeSpeechRequest(_message.Message):
     __slots__ = ("config", "text", "end")
@@ -49,20 +51,22 @@ class StreamingSynthesizeSpeechRequest(_message.Message):
     def __init__(self, config: _Optional[_Union[StreamingSpeechConfig, _Mapping]] = ..., text: _Optional[str] = ..., end: _Optional[bool] = ...) -> None: ...
 
 class StreamingSpeechConfig(_message.Message):
-    __slots__ = ("model", "voice", "audio_config", "sampling", "request_id", "max_clause_chars")
+    __slots__ = ("model", "voice", "audio_config", "sampling", "request_id", "max_clause_chars", "cache_salt")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOICE_FIELD_NUMBER: _ClassVar[int]
     AUDIO_CONFIG_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_CLAUSE_CHARS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     model: str
     voice: VoiceSelection
     audio_config: AudioConfig
     sampling: _sampling_pb2.SamplingConfig
     request_id: str
     max_clause_chars: int
-    def __init__(self, model: _Optional[str] = ..., voice: _Optional[_Union[VoiceSelection, _Mapping]] = ..., audio_config: _Optional[_Union[AudioConfig, _Mapping]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingConfig, _Mapping]] = ..., request_id: _Optional[str] = ..., max_clause_chars: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, model: _Optional[str] = ..., voice: _Optional[_Union[VoiceSelection, _Mapping]] = ..., audio_config: _Optional[_Union[AudioConfig, _Mapping]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingConfig, _Mapping]] = ..., request_id: _Optional[str] = ..., max_clause_chars: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class VoiceSelection(_message.Message):
     __slots__ = ("name", "language_code")

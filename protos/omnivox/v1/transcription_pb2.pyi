@@ -21,7 +21,7 @@ SPEECH_EVENT_TYPE_SPEECH_START: SpeechEventType
 SPEECH_EVENT_TYPE_SPEECH_END: SpeechEventType
 
 class TranscribeRequest(_message.Message):
-    __slots__ = ("model", "audio", "language", "prompt", "timestamps", "request_id", "task")
+    __slots__ = ("model", "audio", "language", "prompt", "timestamps", "request_id", "task", "cache_salt")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FIELD_NUMBER: _ClassVar[int]
     LANGUAGE_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class TranscribeRequest(_message.Message):
     TIMESTAMPS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     model: str
     audio: _content_pb2.AudioPart
     language: str
@@ -36,7 +37,8 @@ class TranscribeRequest(_message.Message):
     timestamps: bool
     request_id: str
     task: str
-    def __init__(self, model: _Optional[str] = ..., audio: _Optional[_Union[_content_pb2.AudioPart, _Mapping]] = ..., language: _Optional[str] = ..., prompt: _Optional[str] = ..., timestamps: _Optional[bool] = ..., request_id: _Optional[str] = ..., task: _Optional[str] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, model: _Optional[str] = ..., audio: _Optional[_Union[_content_pb2.AudioPart, _Mapping]] = ..., language: _Optional[str] = ..., prompt: _Optional[str] = ..., timestamps: _Optional[bool] = ..., request_id: _Optional[str] = ..., task: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class TranscribeResponse(_message.Message):
     __slots__ = ("delta", "summary")
@@ -99,7 +101,7 @@ class StreamingTranscribeRequest(_message.Message):
     def __init__(self, config: _Optional[_Union[StreamingTranscriptionConfig, _Mapping]] = ..., audio: _Optional[bytes] = ..., finalize: _Optional[bool] = ...) -> None: ...
 
 class StreamingTranscriptionConfig(_message.Message):
-    __slots__ = ("model", "encoding", "sample_rate_hertz", "language", "interim_results", "task", "prompt", "endpoint_silence_ms", "request_id")
+    __slots__ = ("model", "encoding", "sample_rate_hertz", "language", "interim_results", "task", "prompt", "endpoint_silence_ms", "request_id", "cache_salt")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_RATE_HERTZ_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +111,7 @@ class StreamingTranscriptionConfig(_message.Message):
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_SILENCE_MS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     model: str
     encoding: _content_pb2.AudioEncoding
     sample_rate_hertz: int
@@ -118,7 +121,8 @@ class StreamingTranscriptionConfig(_message.Message):
     prompt: str
     endpoint_silence_ms: int
     request_id: str
-    def __init__(self, model: _Optional[str] = ..., encoding: _Optional[_Union[_content_pb2.AudioEncoding, str]] = ..., sample_rate_hertz: _Optional[int] = ..., language: _Optional[str] = ..., interim_results: _Optional[bool] = ..., task: _Optional[str] = ..., prompt: _Optional[str] = ..., endpoint_silence_ms: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, model: _Optional[str] = ..., encoding: _Optional[_Union[_content_pb2.AudioEncoding, str]] = ..., sample_rate_hertz: _Optional[int] = ..., language: _Optional[str] = ..., interim_results: _Optional[bool] = ..., task: _Optional[str] = ..., prompt: _Optional[str] = ..., endpoint_silence_ms: _Optional[int] = ..., request_id: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class StreamingTranscribeResponse(_message.Message):
     __slots__ = ("speech_event", "result", "summary")
