@@ -3,7 +3,7 @@ naming the keys to check. Served, each failed inside the encoder on every image 
 model fails on them too): LLaVA-NeXT with a SigLIP tower under "default" (15 rows per tile cannot tile a 4x4 grid),
 a LLaVA processor counting no CLS row for a CLIP tower or without patch_size (transformers' processor raises a
 TypeError on every image; we named nothing), an Idefics3 processor with another image_seq_len, a
-Qwen2.5-VL image processor with another merge_size or patch_size."""
+Qwen2.5-VL or Qwen2-VL image processor with another merge_size or patch_size."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from vision_checkpoints import make_qwen2_vl
 from vision_variants import make_idefics3_variant, make_llava_variant, make_qwen2_5_vl_variant
 
 from omnivox.models.vision import VisionEncoder
@@ -24,6 +25,7 @@ def bases(tmp_path_factory) -> dict[str, Path]:
         "llava": make_llava_variant(root / "llava"),
         "smolvlm": make_idefics3_variant(root / "smolvlm"),
         "qwen": make_qwen2_5_vl_variant(root / "qwen"),
+        "qwen2_vl": make_qwen2_vl(root / "qwen2_vl"),
     }
 
 
@@ -47,13 +49,21 @@ CASES = {
     ),
     "qwen-merge-size": ("qwen", lambda c: c["image_processor"].update(merge_size=1), "merge_size"),
     "qwen-patch-size": ("qwen", lambda c: c["image_processor"].update(patch_size=8, merge_size=1), "patch_size"),
+    "qwen2-vl-merge-size": ("qwen2_vl", lambda c: c["image_processor"].update(merge_size=4), "merge_size"),
 }
 
 
-def test_qwen_merger_width_other_than_the_text_width_is_refused(tmp_path):
-    path = make_qwen2_5_vl_variant(tmp_path / "qwen", vision=dict(out_hidden_size=48))  # text hidden_size 64
-    with pytest.raises(ValueError, match="out_hidden_size 48"):
-        VisionEncoder.from_folder(path)
+NARROW_MERGERS = {  # the merger's width (its rows replace text embeddings) 48, the text hidden_size 64
+    "qwen2_5_vl": (lambda out: make_qwen2_5_vl_variant(out, vision=dict(out_hidden_size=48)), "out_hidden_size 48"),
+    "qwen2_vl": (lambda out: make_qwen2_vl(out, vision=dict(hidden_size=48)), "vision_config.hidden_size 48"),
+}
+
+
+@pytest.mark.parametrize("family", list(NARROW_MERGERS))
+def test_qwen_merger_width_other_than_the_text_width_is_refused(tmp_path, family):
+    make, key = NARROW_MERGERS[family]
+    with pytest.raises(ValueError, match=key):
+        VisionEncoder.from_folder(make(tmp_path / family))
 
 
 @pytest.mark.parametrize("case", list(CASES))
