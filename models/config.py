@@ -9,6 +9,8 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",  # Phi-3 / 3.5 / 4-mini: fused qkv_proj and gate_up_proj, split at load
+    "Gemma3ForCausalLM": "gemma3",  # Gemma 3's text decoder (the 1B, or the text part of larger ones)
 }
 # transformers' classes for these never tie the output projection to the token embedding (no _tied_weights_keys):
 # their lm_head is its own checkpoint weight whatever tie_word_embeddings says. Tying it here used the embedding
@@ -24,6 +26,8 @@ _MODEL_TYPE_TO_FAMILY = {
     "qwen2_5_vl_text": "qwen2",
     "qwen2_vl_text": "qwen2",
     "mistral": "llama",
+    "phi3": "phi3",
+    "gemma3_text": "gemma3",
 }
 
 
@@ -51,7 +55,7 @@ class NotApplicable(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    family: str  # "llama" | "qwen2" | "qwen3"
+    family: str  # "llama" | "qwen2" | "qwen3" | "phi3" | "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -71,7 +75,18 @@ class ModelConfig:
     hf_config: Any = field(repr=False, compare=False, default=None)  # the transformers config, for rope init
     o_proj_bias: bool = False  # the attention output projection carries a bias (Llama / Qwen3 `attention_bias`)
     sliding_window: int | None = None  # keys a sliding layer's query sees, itself included (transformers' meaning)
-    sliding_layers: tuple[int, ...] = ()  # the layers that slide (Mistral: all; Qwen2 / Qwen3: from layer_types)
+    sliding_layers: tuple[int, ...] = ()  # the layers that slide (Mistral, Phi-3: all; Qwen2/3, Gemma 3: layer_types)
+    rotary_dim: int | None = None  # leading dims of each head that rotate (Phi-4-mini: 3/4 of it); None: all
+    attn_scale: float | None = None  # query scale; None: head_dim ** -0.5 (Gemma 3: query_pre_attn_scalar ** -0.5)
+    hidden_act: str = "silu"  # MLP activation of the gate: "silu" or "gelu_tanh" (Gemma 3)
+    # Gemma 3: RMSNorm scales by (1 + weight), folded into the weights at load (models/decoder.py) so every path
+    # (torch, fused CPU step, int8, tensor parallel) runs the one RMSNorm; each layer also norms its attention and
+    # MLP outputs (post_attention / post_feedforward) and the MLP input (pre_feedforward).
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    embed_scale: float | None = None  # token embeddings times this, rounded to the model dtype (Gemma: sqrt(hidden))
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    local_rope_layers: tuple[int, ...] = ()  # Gemma 3: layers on the local rope ("sliding_attention" parameters)
 
     @classmethod
     def from_hf(cls, hf_config: Any, max_model_len: int | None = None) -> ModelConfig:
@@ -82,6 +97,8 @@ class ModelConfig:
         archs = list(getattr(hf_config, "architectures", None) or [])
         family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         family = family or _MODEL_TYPE_TO_FAMILY.get(getattr(text, "model_type", ""))
+        if family in ("phi3", "gemma3") and text is not hf_config:  # the text part of a model we do not serve
+            family = None
         if family is None:
             raise ValueError(
                 f"unsupported architecture {archs or getattr(text, 'model_type', '?')} "
@@ -95,7 +112,7 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (int(eos),))
         max_pos = int(getattr(text, "max_position_embeddings", 2048))
         window, sliding = attention_window(text)
-        check_supported(text)
+        check_supported(text, family)
         if max_model_len is not None and max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         tie = getattr(hf_config, "tie_word_embeddings", None)
@@ -122,10 +139,12 @@ class ModelConfig:
             sliding_window=window,
             sliding_layers=sliding,
             mlp_bias=bool(getattr(text, "mlp_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "gemma3"),
             eos_token_ids=eos_ids,
             bos_token_id=getattr(text, "bos_token_id", None),
             hf_config=text,
+            rotary_dim=rotary_dim(text, int(head_dim)),
+            **(_gemma_fields(text) if family == "gemma3" else {}),
         )
 
     @property
@@ -144,40 +163,94 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 SUPPORTED_HIDDEN_ACTS = ("silu",)  # the torch MLP and the fused C decode step both compute SiLU(gate) * up
 
 
-def check_supported(text: Any) -> None:
-    """Refuse, naming the config key, what our decoder would compute differently from transformers."""
-    act = getattr(text, "hidden_act", "silu")
-    if act not in SUPPORTED_HIDDEN_ACTS:
-        raise ValueError(
-            f"config hidden_act {act!r} is not supported (omnivox computes {', '.join(SUPPORTED_HIDDEN_ACTS)})"
-        )
+GEMMA_HIDDEN_ACTS = ("gelu_pytorch_tanh", "gelu_tanh")  # Gemma's hidden_activation: GELU, tanh approximation
+
+
+def rope_parameter_sets(text: Any) -> dict[str | None, dict]:
+    """The rope parameters of a text config by layer type: {None: params} for one set shared by every layer,
+    {"sliding_attention": ..., "full_attention": ...} for Gemma 3 (local and global rope)."""
     params = getattr(text, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", "default")
-    if rope_type == "dynamic":
-        raise ValueError(
-            "config rope_parameters['rope_type'] 'dynamic' is not supported (NTK scaling that changes with the length)"
-        )
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"config rope_parameters['rope_type'] {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
-        )
+    if isinstance(params.get("full_attention"), dict):
+        return {kind: dict(p or {}) for kind, p in params.items()}
+    return {None: params}
+
+
+def rotary_dim(text: Any, head_dim: int) -> int | None:
+    """Rotated dims of each head when only part rotates (`partial_rotary_factor`, Phi-4-mini's 0.75), else None."""
+    params = next(iter(rope_parameter_sets(text).values()))
     partial = params.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", None))
-    if partial is not None and float(partial) != 1.0:  # Llama / Qwen / Mistral rotate the whole head
-        raise ValueError(f"config partial_rotary_factor {partial} is not supported (only 1.0: the whole head rotates)")
+    if partial is None or float(partial) == 1.0:
+        return None
+    return int(head_dim * float(partial))
+
+
+def _gemma_fields(text: Any) -> dict:
+    cap = getattr(text, "final_logit_softcapping", None)
+    kinds = list(text.layer_types)[: text.num_hidden_layers]
+    return {
+        "local_rope_layers": tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention"),
+        "attn_scale": float(text.query_pre_attn_scalar) ** -0.5,
+        "hidden_act": "gelu_tanh",
+        "norm_offset": 1.0,
+        "sandwich_norms": True,
+        "embed_scale": float(text.hidden_size) ** 0.5,
+        "final_logit_softcapping": float(cap) if cap else None,
+    }
+
+
+def check_supported(text: Any, family: str = "llama") -> None:
+    """Refuse, naming the config key, what our decoder would compute differently from transformers."""
+    if family == "gemma3":
+        act = getattr(text, "hidden_activation", None) or "gelu_pytorch_tanh"
+        if act not in GEMMA_HIDDEN_ACTS:
+            raise ValueError(
+                f"config hidden_activation {act!r} is not supported (Gemma: {', '.join(GEMMA_HIDDEN_ACTS)})"
+            )
+        if getattr(text, "attn_logit_softcapping", None):
+            raise ValueError(
+                f"config attn_logit_softcapping {text.attn_logit_softcapping} is not supported: omnivox's paged "
+                "attention does not soft-cap attention scores (Gemma 2 style); Gemma 3 releases set it to null"
+            )
+        if getattr(text, "use_bidirectional_attention", False):
+            raise ValueError(
+                "config use_bidirectional_attention true is not supported (an embedding model, not a decoder)"
+            )
+    else:
+        act = getattr(text, "hidden_act", "silu")
+        if act not in SUPPORTED_HIDDEN_ACTS:
+            raise ValueError(
+                f"config hidden_act {act!r} is not supported (omnivox computes {', '.join(SUPPORTED_HIDDEN_ACTS)})"
+            )
+    for kind, params in rope_parameter_sets(text).items():
+        key = "rope_parameters" + (f"[{kind!r}]" if kind else "")
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "dynamic":
+            raise ValueError(
+                f"config {key}['rope_type'] 'dynamic' is not supported (NTK scaling that changes with the length)"
+            )
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"config {key}['rope_type'] {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+            )
+        partial = params.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", None))
+        if partial is not None and float(partial) != 1.0 and family != "phi3":  # Phi-3 rotates part of each head
+            raise ValueError(
+                f"config partial_rotary_factor {partial} is not supported for {family} (only 1.0: the whole head rotates)"
+            )
 
 
 def attention_window(text: Any) -> tuple[int | None, tuple[int, ...]]:
     """(sliding window, the layers it applies to) of a text config; (None, ()) when every layer attends to every
     earlier token.
 
-    Mistral slides every layer by `sliding_window`; Qwen2 / Qwen3 slide the layers `layer_types` marks
+    Mistral and Phi-3 slide every layer by `sliding_window`; Gemma 3 the layers its `layer_types` marks; Qwen2 / Qwen3 slide the layers `layer_types` marks
     "sliding_attention" (from `use_sliding_window` and `max_window_layers`), and transformers clears their
     `sliding_window` when `use_sliding_window` is false (the Qwen2.5 / Qwen3 releases: full attention everywhere)."""
     window = getattr(text, "sliding_window", None)
     if not window:
         return None, ()
     layers = int(text.num_hidden_layers)
-    if getattr(text, "model_type", "") == "mistral":
+    if getattr(text, "model_type", "") in ("mistral", "phi3"):
         return int(window), tuple(range(layers))
     layer_types = list(getattr(text, "layer_types", None) or ())
     sliding = tuple(i for i, kind in enumerate(layer_types[:layers]) if kind == "sliding_attention")

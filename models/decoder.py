@@ -1,8 +1,11 @@
-"""Our own decoder for the Llama family (Llama incl. SmolLM2 and Llama 3.x rope scaling, Qwen2, Qwen3, Mistral).
+"""Our own decoder for the Llama family (Llama incl. SmolLM2 and Llama 3.x rope scaling, Qwen2, Qwen3, Mistral,
+Phi-3, Gemma 3's text decoder).
 
-Config knobs followed as transformers does (tests/test_config_sweep.py): rope types of models/config.py, explicit
-head_dim, MQA / GQA, tied or untied output, attention_bias (q/k/v, and o_proj but for Qwen2), mlp_bias, per-layer
-sliding windows.
+Config knobs followed as transformers does (tests/test_config_sweep.py, tests/test_decoder_families.py): rope types
+of models/config.py, partial rotary, explicit head_dim, MQA / GQA, tied or untied output, attention_bias (q/k/v, and
+o_proj but for Qwen2), mlp_bias, per-layer sliding windows. Phi-3's fused qkv_proj / gate_up_proj are split at load
+(`split_fused_projections`); Gemma 3 adds norms around attention and MLP (`SandwichDecoderLayer`), GELU-tanh, a
+scaled embedding, its own query scale, local and global rope tables, and (1 + weight) norms folded at load.
 
 It reads and writes the paged KV cache directly (models/attention.py). transformers supplies only the config;
 the parity tests compare this module against transformers' own implementation.
@@ -34,7 +37,9 @@ class Attention(nn.Module):
         self.o_proj = Linear(q_rows, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5
+        self.partial_rotary = cfg.rotary_dim is not None  # the fused CPU step rotates whole heads only
+        self.local_rope = layer in cfg.local_rope_layers  # reads DecoderModel.rotary_local's tables
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv: tuple[torch.Tensor, torch.Tensor], meta):
         t = x.shape[0]
@@ -59,10 +64,13 @@ class MLP(nn.Module):
             cfg.hidden_size, {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size}, cfg.mlp_bias
         )
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = cfg.hidden_act  # "silu" (the fused CPU step computes only this) or "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        return self.down_proj(F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :])
+        gate = gate_up[:, : self.inter]
+        gate = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
+        return self.down_proj(gate * gate_up[:, self.inter :])
 
 
 class DecoderLayer(nn.Module):
@@ -78,6 +86,21 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class SandwichDecoderLayer(DecoderLayer):
+    """Gemma 3's layer: post_attention_layernorm norms the attention output (not the MLP input), and the MLP sits
+    between pre_feedforward_layernorm and post_feedforward_layernorm. Its own type: the fused CPU step (which runs
+    DecoderLayer's arithmetic) passes it to the torch path."""
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
+        super().__init__(cfg, layer)
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, rope, kv, meta):
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, kv, meta))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
 # Checkpoint names that land inside a packed layer: checkpoint suffix -> (our module, part name).
 PACKED_PROJECTIONS = {
     "q_proj": ("qkv_proj", "q_proj"),
@@ -88,6 +111,47 @@ PACKED_PROJECTIONS = {
 }
 
 
+def split_fused_projections(cfg: ModelConfig, tensors: Iterable[tuple[str, object]]):
+    """Phi-3's fused checkpoint projections as the separate ones every loader reads: `self_attn.qkv_proj` into
+    q/k/v rows, `mlp.gate_up_proj` into gate (first half) and up (second), as transformers' Phi3 slices them.
+    Other names pass through (idempotent: a stream already split is unchanged)."""
+    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    for name, tensor in tensors:
+        prefix, _, kind = name.rpartition(".")
+        if prefix.endswith("self_attn.qkv_proj"):
+            base = prefix[: -len("qkv_proj")]
+            if tensor.shape[0] != q + 2 * kv:
+                raise ValueError(f"{name}: {tensor.shape[0]} rows, expected q + k + v = {q + 2 * kv}")
+            yield f"{base}q_proj.{kind}", tensor[:q]
+            yield f"{base}k_proj.{kind}", tensor[q : q + kv]
+            yield f"{base}v_proj.{kind}", tensor[q + kv :]
+        elif prefix.endswith("mlp.gate_up_proj"):
+            base = prefix[: -len("gate_up_proj")]
+            if tensor.shape[0] != 2 * inter:
+                raise ValueError(f"{name}: {tensor.shape[0]} rows, expected gate + up = {2 * inter}")
+            yield f"{base}gate_proj.{kind}", tensor[:inter]
+            yield f"{base}up_proj.{kind}", tensor[inter:]
+        else:
+            yield name, tensor
+
+
+def norm_value(cfg: ModelConfig, tensor: torch.Tensor) -> torch.Tensor:
+    """A checkpoint RMSNorm weight as our RMSNorm multiplies by it: Gemma's (1 + weight) folded, in float32 (the
+    norm then multiplies by 1 + w, as transformers does, rounded once to the model dtype)."""
+    return tensor.float() + cfg.norm_offset if cfg.norm_offset else tensor
+
+
+def make_rotaries(cfg: ModelConfig) -> tuple[RotaryEmbedding, RotaryEmbedding | None]:
+    """(the rope tables of every layer, or of the global ones; the local layers' tables or None). Gemma 3's
+    sliding layers rotate with rope_parameters["sliding_attention"] (rope_local_base_freq), the others with
+    ["full_attention"] (rope_theta plus any scaling)."""
+    if cfg.local_rope_layers:
+        full = RotaryEmbedding(cfg.hf_config, cfg.head_dim, cfg.max_model_len, "full_attention", cfg.rotary_dim)
+        local = RotaryEmbedding(cfg.hf_config, cfg.head_dim, cfg.max_model_len, "sliding_attention", cfg.rotary_dim)
+        return full, local
+    return RotaryEmbedding(cfg.hf_config, cfg.head_dim, cfg.max_model_len, rotary_dim=cfg.rotary_dim), None
+
+
 class DecoderModel(nn.Module):
     """Token (or embedding) rows in, logits out; attention state lives in the caller's paged KV cache."""
 
@@ -95,10 +159,19 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        layer_cls = SandwichDecoderLayer if cfg.sandwich_norms else DecoderLayer
+        self.layers = nn.ModuleList(layer_cls(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, cfg.max_model_len)
+        self.rotary, self.rotary_local = make_rotaries(cfg)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings as the layers take them ([T] -> [T, hidden]): Gemma's scaled by sqrt(hidden), the scale
+        rounded to the model dtype as transformers does."""
+        x = self.embed_tokens(input_ids)
+        if self.config.embed_scale is not None:
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        return x
 
     def forward(
         self,
@@ -109,20 +182,26 @@ class DecoderModel(nn.Module):
         embed_rows: torch.Tensor | None = None,  # [S] rows whose embedding is replaced (vision / audio segments)
         embed_values: torch.Tensor | None = None,  # [S, hidden]
     ) -> torch.Tensor:  # hidden states [T, hidden]
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         if embed_rows is not None and embed_rows.numel():
             x = x.index_copy(0, embed_rows, embed_values.to(x.dtype))
         rope = self.rotary.tables(positions, x.dtype)
         fused = fused_decode_for(self) if x.device.type == "cpu" and x.shape[0] <= MAX_ROWS else None
         if fused is not None and fused.applies(x, meta):  # a small CPU step: all layers in one C call
             return self.norm(fused(x, rope, kv_caches, meta, self.config.intermediate_size))
+        local = self.rotary_local.tables(positions, x.dtype) if self.rotary_local is not None else None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rope, kv, meta)
+            x = layer(x, local if layer.self_attn.local_rope else rope, kv, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor, window: tuple[int, int] | None = None) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32; with `window` (lo, hi) only the vocabulary rows lo..hi-1 are projected
         ([N, hi - lo]: the sampler's candidates all lie there, engine/vocab_window.py)."""
+        logits = self._project(hidden, window)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap  # elementwise: any window gives the same rows
+
+    def _project(self, hidden: torch.Tensor, window: tuple[int, int] | None) -> torch.Tensor:
         lo, hi = window if window is not None else (0, self.config.vocab_size)
         if self.lm_head is None:  # tied: the embedding matrix is the output projection
             return linear(hidden, self.embed_tokens.weight[lo:hi]).float()
@@ -138,7 +217,7 @@ class DecoderModel(nn.Module):
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for name, tensor in tensors:
+        for name, tensor in split_fused_projections(self.config, tensors):
             ours = name.removeprefix("model.")
             if "rotary_emb" in ours:
                 continue
@@ -156,6 +235,8 @@ class DecoderModel(nn.Module):
             p = params[ours]
             if p.shape != tensor.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(p.shape)}")
+            if isinstance(self.get_submodule(ours.rpartition(".")[0]), RMSNorm):
+                tensor = norm_value(self.config, tensor)
             with torch.no_grad():
                 p.copy_(tensor)
             loaded.add(ours)

@@ -135,8 +135,10 @@ class FusedDecode:
         from omnivox.models.decoder import MLP, Attention, DecoderLayer  # decoder.py imports this module
 
         if type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention or type(layer.mlp) is not MLP:
-            return False
+            return False  # Gemma 3's SandwichDecoderLayer among them
         attn, mlp = layer.self_attn, layer.mlp
+        if attn.partial_rotary or attn.local_rope or mlp.act != "silu":  # the C step: whole-head rope, one table, SiLU
+            return False
         norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
         if not all(_norm(n) for n in norms) or layer.input_layernorm is None:
             return False

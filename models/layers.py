@@ -49,10 +49,20 @@ class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position up to max_positions, from transformers' rope parameter functions
     (default, linear, llama3, yarn, longrope: all are a fixed inv_freq plus an attention scale)."""
 
-    def __init__(self, hf_config, head_dim: int, max_positions: int) -> None:
+    def __init__(
+        self,
+        hf_config,
+        head_dim: int,
+        max_positions: int,
+        layer_type: str | None = None,  # Gemma 3: "sliding_attention" / "full_attention", each its own parameters
+        rotary_dim: int | None = None,  # partial rotary (Phi-4-mini): the leading dims that rotate; None: head_dim
+    ) -> None:
         super().__init__()
         params = getattr(hf_config, "rope_parameters", None) or {}
+        if layer_type is not None:
+            params = params[layer_type]
         rope_type = params.get("rope_type", "default")
+        dim = rotary_dim or head_dim
         # The tables are computed on the CPU in float32, whatever device the model is being built under (transformers'
         # rope functions return CPU tensors: mixing them with tables made under `torch.device("cuda")` crashed the
         # Llama 3 load), then moved to the device the module is built on (the default device: cuda, cpu or meta).
@@ -60,7 +70,7 @@ class RotaryEmbedding(nn.Module):
         cpu = torch.device("cpu")
         if rope_type == "default":
             theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=cpu) / head_dim))
+            inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float, device=cpu) / dim))
             scaling = 1.0
         elif rope_type == "dynamic":
             raise ValueError("rope_type 'dynamic' (NTK scaling that changes with length) is not supported")
@@ -72,8 +82,11 @@ class RotaryEmbedding(nn.Module):
             # serves every position here, chosen by the served length as vLLM does: long when it passes the original
             # length (equal to transformers for prompts longer than that), else short (equal for every sequence).
             seq_len = max_positions if rope_type == "longrope" else None
+            kwargs = {"layer_type": layer_type} if layer_type is not None else {}
             with torch.device(cpu):  # their own aranges follow the default device
-                inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, cpu, seq_len)
+                inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, cpu, seq_len, **kwargs)
+            if inv_freq.numel() * 2 != dim:
+                raise ValueError(f"rope {rope_type!r} gives {inv_freq.numel() * 2} rotated dims, the model {dim}")
         t = torch.arange(max_positions, dtype=torch.float, device=cpu)
         freqs = torch.outer(t, inv_freq.to(cpu, torch.float))  # [P, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
@@ -83,8 +96,8 @@ class RotaryEmbedding(nn.Module):
         # 2 width), `mrope_section` bands per row, the same split in both halves of D.
         section = params.get("mrope_section")
         if section is not None:
-            if sum(section) != head_dim // 2:
-                raise ValueError(f"mrope_section {section} does not cover head_dim / 2 = {head_dim // 2}")
+            if sum(section) != dim // 2:
+                raise ValueError(f"mrope_section {section} does not cover head_dim / 2 = {dim // 2}")
             axis = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(section)])
             self.register_buffer("mrope_axis", torch.cat((axis, axis)), persistent=False)  # [D]
         else:
@@ -110,7 +123,12 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """q: [T, H, D], k: [T, KVH, D]; rotate_half convention (first half / second half), as transformers does."""
+    """q: [T, H, D], k: [T, KVH, D]; rotate_half convention (first half / second half), as transformers does.
+    Tables narrower than D (partial rotary, [T, 1, R]) rotate the leading R dims and pass the rest through."""
+    r = cos.shape[-1]
+    if r != q.shape[-1]:
+        q_rot, k_rot = apply_rotary(q[..., :r], k[..., :r], cos, sin)
+        return torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

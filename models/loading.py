@@ -21,9 +21,15 @@ from torch import nn
 from omnivox.models import quant
 from omnivox.models.checkpoint import iter_checkpoint_tensors, load_hf_config
 from omnivox.models.config import ModelConfig
-from omnivox.models.decoder import PACKED_PROJECTIONS, DecoderModel
+from omnivox.models.decoder import (
+    PACKED_PROJECTIONS,
+    DecoderModel,
+    make_rotaries,
+    norm_value,
+    split_fused_projections,
+)
 from omnivox.models.gguf_checkpoint import GGUF_ARCHS, ParameterNames, dequantize_gguf_tensors, gguf_tensor_table
-from omnivox.models.layers import Linear, PackedLinear, RotaryEmbedding
+from omnivox.models.layers import Linear, PackedLinear, RMSNorm
 
 # GGML types served at their own precision (ggml_type ids from gguf.GGMLQuantizationType).
 Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 2, 3, 8, 12, 14
@@ -251,7 +257,8 @@ def load_decoder(
             model.lm_head = output
     model.to_empty(device=device)
     model.to(dtype)
-    model.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, cfg.max_model_len).to(device)  # to_empty wiped it
+    with torch.device(device):  # to_empty wiped the tables
+        model.rotary, model.rotary_local = make_rotaries(cfg)
     if progress:
         from tqdm import tqdm
 
@@ -292,7 +299,7 @@ def _load(
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     tied = model.config.tie_word_embeddings
-    for name, value in tensors:
+    for name, value in split_fused_projections(model.config, tensors):
         ours = name.removeprefix("model.")
         if "rotary_emb" in ours:
             continue
@@ -321,6 +328,8 @@ def _load(
         if ours not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in the {model.config.family} model")
         tensor = _as_float(value)
+        if isinstance(model.get_submodule(module), RMSNorm):
+            tensor = norm_value(model.config, tensor)
         if params[ours].shape != tensor.shape:
             raise ValueError(
                 f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(params[ours].shape)}"

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnivox.models.config import ModelConfig
-from omnivox.models.decoder import DecoderModel
+from omnivox.models.decoder import DecoderModel, split_fused_projections
 from omnivox.models.layers import Linear, PackedLinear, linear
 
 
@@ -258,7 +258,8 @@ def load_shard(
     finally:
         torch.set_default_dtype(prev)
     model.rotary.to(torch.float32)
-    model.load_weights(_slice_for_rank(iter_checkpoint_tensors(path), rank, world, cfg.num_kv_heads))
+    tensors = split_fused_projections(cfg, iter_checkpoint_tensors(path))  # the whole model's rows, before slicing
+    model.load_weights(_slice_for_rank(tensors, rank, world, cfg.num_kv_heads))
     for layer in model.layers:
         layer.self_attn.o_proj = RowParallelLinear(layer.self_attn.o_proj, group)
         layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj, group)

@@ -28,6 +28,20 @@ FAMILIES = {
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 32}),
     # Mistral text models run on our Llama decoder (LLaVA-NeXT-Mistral's decoder); no window unless a test sets one
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": None}),
+    # Phi-3: fused qkv_proj / gate_up_proj in the checkpoint; original_max_position_embeddings below the served
+    # length so that longrope cases take their long factors (Phi3Config's default of 4096 would not)
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {"original_max_position_embeddings": 64}),
+    # Gemma 3's text decoder: head_dim 16 (not 256), a query scale of its own, one sliding and one full layer
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        transformers.Gemma3ForCausalLM,
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 20,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+    ),  # fmt: skip
 }
 
 

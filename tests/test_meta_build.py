@@ -14,7 +14,8 @@ from checkpoints import _BASE, FAMILIES
 from omnivox.engine.loading import build_model
 from omnivox.models.config import ModelConfig
 
-HEAD_DIM = {"llama": 16, "qwen2": 16, "qwen3": 32, "mistral": 16}  # hidden 64 / 4 heads, or Qwen3's explicit head_dim
+# hidden 64 / 4 heads, or the family's explicit head_dim
+HEAD_DIM = {"llama": 16, "qwen2": 16, "qwen3": 32, "mistral": 16, "phi3": 16, "gemma3": 16}
 
 ROPES = {
     "default": lambda half: {"rope_type": "default", "rope_theta": 10000.0},
@@ -43,23 +44,36 @@ ROPES = {
 }
 
 
-def _config(family: str, rope: str):
+def _config(family: str, rope: str, partial: float = 1.0):
     config_cls, _, family_overrides = FAMILIES[family]
-    params = ROPES[rope](HEAD_DIM[family] // 2)
+    params = ROPES[rope](int(HEAD_DIM[family] * partial) // 2)
+    if partial != 1.0:
+        params["partial_rotary_factor"] = partial
+    if family == "gemma3":  # the global layers take the rope under test, the local ones their own default
+        params = {"full_attention": params, "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
     return config_cls(**{**_BASE, **family_overrides, "rope_parameters": params})
 
 
-@pytest.mark.parametrize("rope", sorted(ROPES))
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_builds_on_meta_without_mixing_devices(family: str, rope: str) -> None:
-    hf = _config(family, rope)
-    assert hf.rope_parameters["rope_type"] == rope  # transformers kept the rope type we asked for
+# Phi-3's config accepts default and longrope only (and turns "yarn" / "su" into longrope); Phi-4-mini rotates 3/4
+# of each head.
+CASES = [(f, r, 1.0) for f in sorted(FAMILIES) for r in sorted(ROPES) if f != "phi3" or r in ("default", "longrope")]
+CASES += [("phi3", "longrope", 0.75), ("phi3", "default", 0.5)]
+
+
+@pytest.mark.parametrize(("family", "rope", "partial"), CASES)
+def test_builds_on_meta_without_mixing_devices(family: str, rope: str, partial: float) -> None:
+    hf = _config(family, rope, partial)
+    params = hf.rope_parameters["full_attention"] if family == "gemma3" else hf.rope_parameters
+    assert params["rope_type"] == rope  # transformers kept the rope type we asked for
     cfg = ModelConfig.from_hf(hf, None)
     model = build_model(cfg, torch.device("meta"), torch.bfloat16)
     devices = {t.device.type for t in [*model.parameters(), *model.buffers()]}
     assert devices == {"meta"}
-    assert model.rotary.cos.dtype == torch.float32  # tables stay float32 whatever the model dtype
-    assert model.rotary.cos.shape == (cfg.max_model_len, cfg.head_dim)
+    rotated = int(cfg.head_dim * partial)
+    assert (model.rotary_local is not None) == (family == "gemma3")  # Gemma 3's local layers: tables of their own
+    for tables in (model.rotary, model.rotary_local or model.rotary):
+        assert tables.cos.dtype == torch.float32  # tables stay float32 whatever the model dtype
+        assert tables.cos.shape == (cfg.max_model_len, rotated)
 
 
 @pytest.mark.parametrize("kind", ["qwen2.5-vl text (M-RoPE)", "mistral (sliding window)"])

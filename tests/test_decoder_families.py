@@ -1,0 +1,191 @@
+"""Phi-3 (Phi3ForCausalLM) and Gemma 3's text decoder (Gemma3ForCausalLM) on our decoder, against transformers' own
+implementation on tiny random checkpoints saved with save_pretrained: greedy tokens (model.generate) and top-5
+log-probabilities, prefill whole and in chunks, paged decode past sliding windows, every load path (float, int8 at
+load, 2 tensor-parallel ranks), refusals naming the config key, and one Generate per family through gRPC."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from checkpoints import load_reference, make_checkpoint, reference_greedy
+from engines import tiny_engine
+from service_harness import ServerThread, user_request
+from test_config_sweep import LONG, MID, SHORT, XL, assert_matches
+
+from omnivox.models import quant
+from omnivox.models.config import ModelConfig
+from omnivox.models.loading import load_decoder
+from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.v1 import generation_pb2_grpc
+
+# Phi-4-mini's config.json as released, shrunk: pre-transformers-5 keys (`rope_scaling` {"type": "longrope"},
+# top-level rope_theta and partial_rotary_factor), 3/4 of each head rotating (12 of 16 dims: 6 factors each), tied.
+# original_max_position_embeddings 32 < the prompts: transformers takes the long factors, as our tables always do at
+# a served length past it (models/layers.py).
+PHI4_MINI = {
+    "partial_rotary_factor": 0.75,
+    "original_max_position_embeddings": 32,
+    "tie_word_embeddings": True,
+    "legacy": {
+        "rope_scaling": {
+            "type": "longrope",
+            "short_factor": [1.0, 1.1, 1.2, 1.3, 1.4, 1.5],
+            "long_factor": [2.0, 2.5, 3.0, 3.5, 4.0, 4.5],
+        },
+        "rope_theta": 10000.0,
+    },
+}
+# Gemma 3 4B's text config as released, shrunk: legacy rope keys (global rope_theta with linear scaling, the local
+# layers' rope_local_base_freq), plus what other releases may set: untied, q/k/v/o biases, final logit soft-capping.
+GEMMA3_4B = {
+    "tie_word_embeddings": False,
+    "attention_bias": True,
+    "final_logit_softcapping": 2.0,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    "num_hidden_layers": 3,
+    "legacy": {
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "rope_theta": 1e6,
+        "rope_local_base_freq": 10000.0,
+    },
+}
+
+# id -> (family, checkpoint overrides, engine kwargs, prompts compared)
+CASES = {
+    # fused qkv / gate_up split at load; a 20-key window on every layer, 8-token prefill chunks, decode past it
+    "phi3-window-20-chunked": ("phi3", {"sliding_window": 20}, {"max_num_batched_tokens": 8}, (SHORT, MID, XL)),
+    "phi4-mini-longrope-partial-rotary": ("phi3", PHI4_MINI, {}, (LONG, XL)),
+    # Gemma 3 1B's shape: a sliding layer (window 20) then a full one, tied, query_pre_attn_scalar != head_dim
+    "gemma3-1b-like-chunked": ("gemma3", {}, {"max_num_batched_tokens": 8}, (SHORT, MID, XL)),
+    "gemma3-4b-like-linear-rope-softcap-bias": ("gemma3", GEMMA3_4B, {}, (SHORT, XL)),
+}  # fmt: skip
+
+
+def build(root: Path, name: str, family: str, overrides: dict, tokenizer: bool = False) -> Path:
+    """The case's checkpoint; `legacy` keys are written into config.json in place of `rope_parameters`, as the hub's
+    checkpoints carry them (transformers converts them when it reads the file)."""
+    overrides = dict(overrides)
+    legacy = overrides.pop("legacy", None)
+    path = make_checkpoint(root / name, family, seed=7, with_tokenizer=tokenizer, **overrides)
+    if legacy:
+        config = json.loads((path / "config.json").read_text())
+        config.pop("rope_parameters", None)
+        (path / "config.json").write_text(json.dumps(config | legacy))
+    return path
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("families")
+
+
+@pytest.fixture(scope="module")
+def paths(root) -> dict[str, Path]:
+    return {case: build(root, case, family, overrides) for case, (family, overrides, _, _) in CASES.items()}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_engine_matches_transformers(paths, case):
+    _, _, engine_kwargs, prompts = CASES[case]
+    engine = tiny_engine(paths[case], **engine_kwargs)
+    assert_matches(engine, load_reference(paths[case]), prompts)
+
+
+def test_configs_read_as_released(paths):
+    """What the legacy keys and each family's knobs become (a key we dropped would still decode, differently)."""
+    phi = ModelConfig.from_hf(transformers.AutoConfig.from_pretrained(paths["phi4-mini-longrope-partial-rotary"]))
+    assert (phi.family, phi.rotary_dim, phi.tie_word_embeddings) == ("phi3", 12, True)
+    assert phi.hf_config.rope_parameters["rope_type"] == "longrope"
+    window = ModelConfig.from_hf(transformers.AutoConfig.from_pretrained(paths["phi3-window-20-chunked"]))
+    assert (window.sliding_window, window.window_everywhere) == (20, 20)  # every layer slides: blocks released
+    gemma = ModelConfig.from_hf(transformers.AutoConfig.from_pretrained(paths["gemma3-4b-like-linear-rope-softcap-bias"]))  # fmt: skip
+    assert (gemma.family, gemma.sliding_layers, gemma.local_rope_layers) == ("gemma3", (0, 2), (0, 2))
+    assert (gemma.attn_scale, gemma.embed_scale, gemma.final_logit_softcapping) == (24**-0.5, 8.0, 2.0)
+    rope = gemma.hf_config.rope_parameters
+    assert rope["full_attention"]["rope_type"] == "linear" and rope["sliding_attention"]["rope_theta"] == 10000.0
+
+
+@pytest.mark.parametrize("case", ["phi4-mini-longrope-partial-rotary", "gemma3-4b-like-linear-rope-softcap-bias"])
+def test_load_paths_agree(paths, case):
+    """The streaming loader (models/loading.py: fused projections split, Gemma norms folded as tensors arrive) gives
+    the engine loader's float weights, and its int8-at-load the same model as quantising the float one."""
+    path = paths[case]
+    engine = tiny_engine(path)
+    ours = load_decoder(path, quantization="none")
+    for (name, a), (_, b) in zip(ours.state_dict().items(), engine.model.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    loaded = load_decoder(path, quantization="int8")
+    converted = quant.quantize_decoder(load_decoder(path, quantization="none"), "int8")
+    for (name, a), (_, b) in zip(loaded.state_dict().items(), converted.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    int8 = tiny_engine(path, quantization="int8")
+    assert isinstance(int8.model.layers[0].mlp.down_proj, quant.Int8Linear)
+    assert len(int8.generate([XL], _greedy(4))[0].token_ids) == 4
+
+
+def _greedy(n: int):
+    from omnivox.engine import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+@pytest.mark.parametrize("case", ["phi3-window-20-chunked", "gemma3-4b-like-linear-rope-softcap-bias"])
+def test_two_tensor_parallel_ranks_equal_one_process(paths, case):
+    from test_tensor_parallel_configs import two_ranks_equal_one
+
+    two_ranks_equal_one(paths[case], 12)
+
+
+REFUSED = {
+    "attention soft-capping": ("gemma3", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    "bidirectional": ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    "relu": ("gemma3", {"hidden_activation": "relu"}, "hidden_activation"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_unsupported_config_is_refused_at_load_naming_the_key(case):
+    family, overrides, key = REFUSED[case]
+    hf = transformers.Gemma3TextConfig(vocab_size=384, hidden_size=64, num_attention_heads=4, head_dim=16, **overrides)
+    assert family == "gemma3"
+    with pytest.raises(ValueError, match=key):
+        ModelConfig.from_hf(hf)
+
+
+def test_gemma3_vision_language_checkpoint_is_named_not_served_as_text():
+    """Gemma 3 4B+ (Gemma3ForConditionalGeneration) holds this text decoder plus a SigLIP tower we do not serve: a
+    refusal naming it, not a text-only model that ignores the images."""
+    hf = transformers.Gemma3Config(architectures=["Gemma3ForConditionalGeneration"])
+    with pytest.raises(ValueError, match="Gemma3ForConditionalGeneration.*'gemma3'"):
+        ModelConfig.from_hf(hf)
+
+
+def test_grpc_greedy_matches_transformers(root):
+    """One Generate per family through a real server: the ChatML prompt the service builds, greedy tokens as
+    transformers' generate gives them (past the windows of 20)."""
+    paths = {
+        "phi3": build(root, "grpc-phi3", "phi3", CASES["phi4-mini-longrope-partial-rotary"][1], tokenizer=True),
+        "gemma3": build(root, "grpc-gemma3", "gemma3", {}, tokenizer=True),
+    }
+    text = "The capital of France is Paris. The capital of Italy is"
+    specs = [ModelSpec(path=p, name=f) for f, p in paths.items()]
+    with ServerThread(specs, EngineOptions(kv_cache_gib=0.01, max_num_batched_tokens=8)) as server:
+        stub = generation_pb2_grpc.GenerationServiceStub(server.channel())
+        for family, path in paths.items():
+            request = user_request(text, model=family, max_output_tokens=6, ignore_eos=True)
+            request.sampling.temperature = 0.0
+            ours = [t for r in stub.Generate(request, timeout=60) if r.WhichOneof("response") == "delta"
+                    for t in r.delta.token_ids]  # fmt: skip
+            tok = transformers.AutoTokenizer.from_pretrained(path)
+            chat = tok.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+            )
+            prompt = tok.encode(chat, add_special_tokens=False)
+            assert len(prompt) > 32  # past the windows and Phi's original length (its long rope factors)
+            ref = load_reference(path)
+            ref.generation_config.eos_token_id = None
+            assert ours == reference_greedy(ref, prompt, 6)[0], family
