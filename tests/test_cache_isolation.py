@@ -15,14 +15,19 @@ from service_harness import ServerThread, user_request
 from vision_checkpoints import make_llava, png_bytes, sample_image
 from whisper_checkpoints import make_whisper
 
+from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
 from omnivox.services.cache_salt import MAX_CACHE_SALT_CHARS, request_salt
+from omnivox.services.defaults import save_random_speech_model
 from omnivox.services.errors import status_details
 from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.speech import SpeechServicer
 from omnivox.v1 import (
     content_pb2,
     generation_pb2,
     generation_pb2_grpc,
     sampling_pb2,
+    speech_pb2,
+    speech_pb2_grpc,
     transcription_pb2,
     transcription_pb2_grpc,
 )
@@ -30,6 +35,7 @@ from omnivox.v1 import (
 ALICE = (("authorization", "Bearer sk-alice-0123456789"),)
 BOB = (("authorization", "Bearer sk-bob-0123456789"),)
 GREEDY = sampling_pb2.SamplingConfig(temperature=0.0)
+SMALL_SNAC = dict(SNAC_24KHZ_CONFIG, encoder_dim=8, decoder_dim=64)
 TEXT = "The capital of France is Paris. The capital of Italy is Rome. " * 4  # several full KV blocks
 
 
@@ -42,13 +48,18 @@ def served(tmp_path_factory):
         ModelSpec(path=make_checkpoint(root / "text", family="llama", max_position_embeddings=4096), name="text"),
         ModelSpec(path=make_llava(root / "llava"), name="llava"),
         ModelSpec(path=make_whisper(root / "whisper"), name="whisper"),
+        ModelSpec(path=save_random_speech_model(root / "speech", snac_config=SMALL_SNAC), name="speech"),
     ]
     with ServerThread(specs, EngineOptions(kv_cache_gib=0.01), api_keys=keys, asr_model="whisper") as server:
         channel = server.channel()
+        speech = next(b.servicer for b in server.server.services if isinstance(b.servicer, SpeechServicer))
+        speech.limits.audio_seconds_base = 0.2  # the random decoder speaks for its whole budget: keep it short
+        speech.limits.audio_seconds_per_char = 0.0
         yield {
             "server": server,
             "generate": generation_pb2_grpc.GenerationServiceStub(channel),
             "transcribe": transcription_pb2_grpc.TranscriptionServiceStub(channel),
+            "speech": speech_pb2_grpc.SpeechServiceStub(channel),
         }
 
 
@@ -119,6 +130,19 @@ def test_cascade_transcripts_and_whisper_windows_are_per_caller(served) -> None:
     assert windows.total_refs() == 0
 
 
+def test_speech_prompts_are_cached_per_caller(served) -> None:
+    request = speech_pb2.SynthesizeSpeechRequest(model="speech", text="The quick brown fox jumps over the lazy dog.")
+
+    def cached_speech(metadata, **fields) -> int:
+        request.cache_salt = fields.get("cache_salt", "")
+        out = list(served["speech"].SynthesizeSpeech(request, metadata=metadata, timeout=60))
+        return out[-1].summary.cached_prompt_tokens
+
+    assert [cached_speech(ALICE), cached_speech(BOB)] == [0, 0]
+    assert cached_speech(ALICE) >= 16
+    assert cached_speech(ALICE, cache_salt="s") == 0
+
+
 def field_of(err: grpc.RpcError) -> list[str]:
     return [v.field for d in status_details(err) if isinstance(d, error_details_pb2.BadRequest)
             for v in d.field_violations]  # fmt: skip
@@ -134,6 +158,15 @@ def test_a_too_long_cache_salt_is_invalid_argument_naming_it(served) -> None:
     with pytest.raises(grpc.RpcError) as info:
         list(served["transcribe"].Transcribe(request, metadata=ALICE, timeout=30))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field_of(info.value) == ["cache_salt"]
+    for stream, config in [
+        (served["transcribe"].StreamingTranscribe, transcription_pb2.StreamingTranscribeRequest(
+            config=transcription_pb2.StreamingTranscriptionConfig(sample_rate_hertz=16000, cache_salt=salt))),
+        (served["speech"].StreamingSynthesizeSpeech, speech_pb2.StreamingSynthesizeSpeechRequest(
+            config=speech_pb2.StreamingSpeechConfig(model="speech", cache_salt=salt))),
+    ]:  # fmt: skip
+        with pytest.raises(grpc.RpcError) as info:
+            list(stream(iter([config]), metadata=ALICE, timeout=30))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field_of(info.value) == ["config.cache_salt"]
     ok = user_request("Hi", cache_salt="x" * MAX_CACHE_SALT_CHARS, max_output_tokens=1)
     assert list(served["generate"].Generate(ok, metadata=ALICE, timeout=30))[-1].HasField("summary")
 
