@@ -26,7 +26,7 @@ import transformers
 from PIL import Image, ImageOps
 from service_harness import ServerThread
 from test_service_images import ask, run
-from vision_checkpoints import png_bytes, sample_image
+from vision_checkpoints import make_qwen2_vl, png_bytes, sample_image
 from vision_variants import (
     LLAVA_HF_TEMPLATE,
     make_idefics3_variant,
@@ -145,8 +145,24 @@ def _qwen_yarn(out: Path) -> Path:
     return _legacy_qwen_config(path, "yarn", factor=4.0, original_max_position_embeddings=64)
 
 
+def _qwen2_vl(out: Path) -> Path:
+    # Qwen2-VL-2B's shape in the released layout: tied embeddings, mrope_section [4, 2, 2] (2B: [16, 24, 24]), one KV
+    # head, rope_theta 1e6; a three-block tower with GELU (not QuickGELU) as its config may say; its own pixel range.
+    return make_qwen2_vl(
+        out,
+        released_layout=True,
+        top=dict(tie_word_embeddings=True),
+        text=dict(
+            num_key_value_heads=1,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 2, 2]},
+        ),
+        vision=dict(depth=3, hidden_act="gelu"),
+        image_processor=dict(min_pixels=256, max_pixels=2048),
+    )
+
+
 VARIANTS = {"llava-hf": _llava_hf, "llava-next": _llava_next, "idefics3": _idefics3, "smolvlm": _smolvlm,
-            "qwen": _qwen, "qwen-yarn": _qwen_yarn}  # fmt: skip
+            "qwen": _qwen, "qwen-yarn": _qwen_yarn, "qwen2-vl": _qwen2_vl}  # fmt: skip
 
 A, B = sample_image(50, 30, seed=1), sample_image(31, 59, seed=2)
 WIDE, SLIVER = sample_image(90, 20, seed=3), sample_image(3, 40, seed=4)

@@ -213,38 +213,32 @@ def make_qwen2_vl(
     *,
     released_layout: bool = False,
     vision: dict | None = None,
+    text: dict | None = None,
+    top: dict | None = None,
     image_processor: dict | None = None,
 ) -> Path:
     """Qwen2-VL: a LayerNorm / QuickGELU tower of width 32 (embed_dim) whose merger folds 2x2 patches of 4x4 pixels
     into rows of 64 (vision hidden_size = the text width); images resized to 64..4096 pixels; text head_dim 16 with
     mrope_section [2, 3, 3]. `released_layout`: config.json rewritten as the hub's releases spell it (text keys at the
-    top level, rope_scaling {"type": "mrope"}, vision `in_chans`); `vision` / `image_processor` override keys."""
+    top level, rope_scaling {"type": "mrope"}, vision `in_chans`); `vision`, `text`, `top` (the top-level config) and
+    `image_processor` override keys."""
     specials = ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"]
     tok = tokenizer_with(specials)
     ids = {t: tok.convert_tokens_to_ids(t) for t in specials}
     v = {**dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=4, patch_size=4, spatial_merge_size=2,
                 temporal_patch_size=2), **(vision or {})}  # fmt: skip
-    text = dict(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-        bos_token_id=None,
-        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
-    )
+    t = {**dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=2048, rms_norm_eps=1e-6,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                bos_token_id=None, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>")), **(text or {})}  # fmt: skip
     config = transformers.Qwen2VLConfig(
         vision_config=v,
-        text_config=text,
+        text_config=t,
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
+        **{"tie_word_embeddings": False, **(top or {})},
     )
     ip = {**dict(patch_size=v["patch_size"], merge_size=v["spatial_merge_size"], temporal_patch_size=2, min_pixels=64,
                  max_pixels=4096), **(image_processor or {})}  # fmt: skip
