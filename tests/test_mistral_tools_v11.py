@@ -15,12 +15,13 @@ import re
 from pathlib import Path
 
 import pytest
-from checkpoints import make_checkpoint
+import transformers
+from checkpoints import make_checkpoint, make_tokenizer
 from service_harness import ServerThread, user_request
 from test_tool_calls import SCHEMAS, TOOLS, feed, run
 from voxtral_checkpoint import write_tekken
 
-from omnivox.services import reasoning, tool_parser, tools
+from omnivox.services import reasoning, tool_grammar, tool_parser, tools
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2
 
@@ -192,3 +193,28 @@ def test_magistral_thinks_in_reasoning_text_then_calls(stub, server: ServerThrea
             assert tok.decode(ids[1 : ids.index(END_THINK)], skip_special_tokens=False) == thought
             thought_first += bool(thought)
     assert thought_first, "some seed thinks before its call"
+
+
+def test_hf_tokenizer_grammar_writes_the_tags_as_its_tokens(tmp_path: Path) -> None:
+    """An HF-format folder (tokenizer.json with `[TOOL_CALLS]` / `[ARGS]` as special tokens, a template writing
+    `[ARGS]`): required takes repeated `[TOOL_CALLS]name[ARGS]{...}` in those tokens and not v0.3's list; auto takes
+    text, or text and then calls; none never the tag."""
+    import llguidance
+    import llguidance.hf
+
+    make_tokenizer(tmp_path, 384)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[ARGS]"]})
+    llg = llguidance.hf.from_tokenizer(tok, n_vocab=len(tok))
+    schema = tool_grammar.call_schema(tools.MISTRAL_V11, "get_time", SCHEMAS["get_time"], True)
+    call = '[TOOL_CALLS]get_time[ARGS]{"zone": 3}'
+
+    def accepts(choice: str, text: str) -> bool:
+        grammar = tool_grammar.grammar(tools.MISTRAL_V11, [schema], choice, True, added=tool_grammar.added_tokens(tok))
+        m = llguidance.LLMatcher(llg, grammar, log_level=0)
+        return m.consume_tokens(tok.encode(text, add_special_tokens=False)) and m.is_accepting()
+
+    assert accepts(tools.REQUIRED, call + call) and not accepts(tools.REQUIRED, '[TOOL_CALLS] [{"name": "get_time"}]')
+    assert not accepts(tools.REQUIRED, '[TOOL_CALLS]get_time[ARGS]{"zone": "x"}')  # strict: the schema holds
+    assert accepts(tools.AUTO, "Sure. " + call) and accepts(tools.AUTO, "No call.")
+    assert accepts(tools.NONE, "No call.") and not accepts(tools.NONE, "Sure. " + call)
