@@ -32,7 +32,7 @@ _MODEL_TYPE_TO_FAMILY = {
 
 
 def served_families() -> str:
-    """What omnivox serves, for a refusal that names what it got (a Qwen2-VL folder is not a Qwen2.5-VL one)."""
+    """What omnivox serves, for a refusal that names what it got (a Qwen3-VL folder is not a Qwen2.5-VL one)."""
     from omnivox.models.audio import FAMILIES as AUDIO
     from omnivox.models.vision import FAMILIES as VISION
 
