@@ -16,6 +16,7 @@ in the checkpoint folder when present, so that a model with another tokenizer de
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from collections.abc import Sequence
@@ -35,7 +36,9 @@ class SpeechLayout:
     name: str = "orpheus"
     prompt_prefix: tuple[int, ...] = (128259,)  # start of human
     prompt_suffix: tuple[int, ...] = (128009, 128260, 128261, 128257)  # end of text/human, start of AI/speech
-    prompt_template: str = "{voice}: {text}"  # `{voice}` and `{text}`; without a voice only the text is used
+    # `{voice}` and `{text}`; without a voice only the text is used. Tokenized as plain text (control tokens belong in
+    # prompt_prefix / prompt_suffix, as ids): the user's text must never spell one.
+    prompt_template: str = "{voice}: {text}"
     add_special_tokens: bool = True  # tokenize the text with the tokenizer's own BOS (Orpheus: <|begin_of_text|>)
     start_of_speech: int = 128257  # the prompt's last token
     end_of_speech: int = 128258
@@ -136,12 +139,15 @@ class SpeechLayout:
     def build_prompt(self, tokenizer: Any, text: str, voice: str | None = None) -> list[int]:
         """Token ids of the speech prompt for `text` in `voice` (the default voice when None; "" for none).
 
-        `tokenizer` is a transformers tokenizer (anything callable as `tokenizer(str, add_special_tokens=...)` that
-        returns `input_ids`).
+        `tokenizer` is a transformers tokenizer; serving passes `literal_tokenizer(engine.tokenizer)`. The text is
+        spoken as text: an added or special token's spelling in it ("<|begin_of_text|>", "<custom_token_5>") is
+        tokenized as the characters it is made of (`split_special_tokens`), never as that control or audio token,
+        which would inject into the audio-token layout. Text without such spellings tokenizes as before.
         """
         if voice is None:
             voice = self.default_voice
-        ids = tokenizer(self.prompt_text(text, voice), add_special_tokens=self.add_special_tokens)["input_ids"]
+        text = self.prompt_text(text, voice)
+        ids = tokenizer(text, add_special_tokens=self.add_special_tokens, split_special_tokens=True)["input_ids"]
         return [*self.prompt_prefix, *ids, *self.prompt_suffix]
 
     def build_reference_prompt(
@@ -203,6 +209,18 @@ class SpeechLayout:
 
 
 ORPHEUS_LAYOUT = SpeechLayout()
+
+
+def literal_tokenizer(tokenizer: Any) -> Any:
+    """A copy of `tokenizer` that reads added and special tokens' spellings as plain text (`split_special_tokens`).
+
+    A copy, not the engine's tokenizer with the flag per call: a fast tokenizer applies `split_special_tokens` by
+    setting its Rust backend's shared `encode_special_tokens` before each encode, so flipping it on a tokenizer that a
+    chat prompt is tokenized with in a worker thread (Generate) would race. The copy's flag is set once and stays.
+    """
+    literal = copy.deepcopy(tokenizer)
+    literal.split_special_tokens = True
+    return literal
 
 
 class SpeechTokenConstraint:

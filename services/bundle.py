@@ -258,7 +258,11 @@ def load_manifest(manifest: BundleManifest, options: EngineOptions) -> ModelBund
         speech = None
         if manifest.speech or is_speech_checkpoint(source):
             speech = load_speech_part(
-                source, engine.model_config.vocab_size, device=str(engine.device), options=options.speech_streaming
+                source,
+                engine.model_config.vocab_size,
+                device=str(engine.device),
+                options=options.speech_streaming,
+                tokenizer=engine.tokenizer,
             )
         if manifest.whisper:
             from omnivox.services.whisper_part import load_whisper_part

@@ -179,10 +179,10 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
         plan.segments = split_text(plan.text, self.limits.max_segment_chars)
         request_id = request.request_id or uuid.uuid4().hex
         if (ref := created.get(plan.voice)) is not None and plan.voice not in layout.voices:
-            prompts = [layout.build_reference_prompt(engine.tokenizer, ref.transcript, ref.frames, s)
+            prompts = [layout.build_reference_prompt(bundle.text_tokenizer, ref.transcript, ref.frames, s)
                        for s in plan.segments]  # fmt: skip
         else:
-            prompts = [layout.build_prompt(engine.tokenizer, s, plan.voice) for s in plan.segments]
+            prompts = [layout.build_prompt(bundle.text_tokenizer, s, plan.voice) for s in plan.segments]
         params = [self._params(plan, model, layout, bundle, text, prompt, i) for i, (text, prompt) in
                   enumerate(zip(plan.segments, prompts, strict=True))]  # fmt: skip
 

@@ -28,6 +28,9 @@ class SpeechPart:
     codec: SnacDecoder
     worker: DecodeWorker
     constraint: SpeechTokenConstraint  # stateless: shared by every request through engine.params.shared
+    # The engine's tokenizer reading special tokens' spellings as text (models/orpheus.py literal_tokenizer): every
+    # speech prompt is tokenized with it. None only for a part loaded without a tokenizer (codec tests).
+    text_tokenizer: Any = None
 
     def sampling_defaults(self) -> dict[str, Any]:
         """The layout's sampling values (they win over the decoder's generation_config.json)."""
@@ -40,13 +43,17 @@ class SpeechPart:
 
 
 def load_speech_part(
-    folder: Path, vocab_size: int, device: str | None = None, options: StreamingOptions | None = None
+    folder: Path,
+    vocab_size: int,
+    device: str | None = None,
+    options: StreamingOptions | None = None,
+    tokenizer: Any = None,
 ) -> SpeechPart:
     """Layout, codec, decode worker and token constraint of the speech model in `folder` (blocking)."""
     from omnivox.codecs.decode_worker import DecodeWorker
     from omnivox.codecs.snac import SnacDecoder
     from omnivox.codecs.streaming import BatchedStreamDecoder
-    from omnivox.models.orpheus import LAYOUT_FILE, SpeechLayout, SpeechTokenConstraint
+    from omnivox.models.orpheus import LAYOUT_FILE, SpeechLayout, SpeechTokenConstraint, literal_tokenizer
 
     layout = SpeechLayout.load(folder)
     if layout is None:
@@ -66,4 +73,5 @@ def load_speech_part(
     constraint = SpeechTokenConstraint(layout, vocab_size, device=device)
     # Options given (serve --speech-first-hop): every stream starts with them; else sized from the measured rates.
     worker = DecodeWorker(decoder, sized_start=options is None)
-    return SpeechPart(layout=layout, codec=codec, worker=worker, constraint=constraint)
+    text_tokenizer = literal_tokenizer(tokenizer) if tokenizer is not None else None
+    return SpeechPart(layout=layout, codec=codec, worker=worker, constraint=constraint, text_tokenizer=text_tokenizer)

@@ -206,10 +206,10 @@ async def streaming_synthesize(
             clause, complete_at = item
             marks.append((pushed * bundle.codec.frame_samples, complete_at))
             if prev_text is None:
-                prompt = layout.build_prompt(engine.tokenizer, clause, builtin_voice)
+                prompt = layout.build_prompt(bundle.text_tokenizer, clause, builtin_voice)
             else:
                 tail = prev_frames if index == 0 else prev_frames[-context_frames:]  # a created voice: all of it
-                prompt = layout.build_reference_prompt(engine.tokenizer, prev_text, tail, clause, builtin_voice)
+                prompt = layout.build_reference_prompt(bundle.text_tokenizer, prev_text, tail, clause, builtin_voice)
             params = servicer._params(plan, model, layout, bundle, clause, prompt, index)
             frames: list[list[int]] = []
             frame: list[int] = []

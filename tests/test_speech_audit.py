@@ -338,3 +338,29 @@ def test_text_of_only_invisible_characters_is_empty(server):
             one_shot_pcm(server, text)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith("text:")
     assert one_shot_pcm(server, "\u200bHi.")  # with something to say around them it is spoken
+
+
+def test_special_token_spellings_in_the_text_are_spoken_as_text(server):
+    """ "<|begin_of_text|>" (or any added token's spelling) in the text was tokenized as that control token: a prompt
+    injection into the audio-token layout. The text is spoken as its characters (`split_special_tokens`), as the text
+    without special parsing tokenizes; text without such spellings keeps its ids, the "tara: ..." layout intact."""
+    bundle = server.registry.lookup("speech").bundle
+    layout, literal, engine_tok = bundle.speech.layout, bundle.speech.text_tokenizer, bundle.engine.tokenizer
+    bos = engine_tok.bos_token_id
+    text = "Say <|begin_of_text|> and <|pad|> aloud."
+    plain = engine_tok(f"tara: {text}", split_special_tokens=True)["input_ids"]
+    assert plain.count(bos) == 1 and plain.count(engine_tok.pad_token_id) == 0  # the spellings as bytes
+    ids = layout.build_prompt(literal, text, "tara")
+    assert ids == [*layout.prompt_prefix, *plain, *layout.prompt_suffix]
+    normal = layout.build_prompt(literal, "Hello there.", "tara")
+    assert normal == [*layout.prompt_prefix, *engine_tok("tara: Hello there.")["input_ids"], *layout.prompt_suffix]
+    parsed = engine_tok(f"tara: {text}")["input_ids"]
+    assert parsed.count(bos) == 2  # the engine's own tokenizer still parses them (chat templates need that)
+    # Through gRPC, one-shot and streamed: the prompt is the literal one (prompt_tokens counts it).
+    request = speech_pb2.SynthesizeSpeechRequest(model="speech", text=text, audio_config=PCM, sampling=SEEDED)
+    responses = list(stub(server).SynthesizeSpeech(request, timeout=60))
+    assert responses[-1].summary.prompt_tokens == len(ids)  # parsed, each spelling was one id
+    client = WaitingStreamClient(server, [text])
+    client.end()
+    assert client.error is None and client.summary is not None
+    assert client.summary.prompt_tokens == len(ids)
