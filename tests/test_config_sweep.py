@@ -247,16 +247,17 @@ def test_multimodal_text_configs_as_released():
 
 
 def test_a_family_we_do_not_serve_is_named_with_what_we_do():
-    """A Qwen2-VL folder (not Qwen2.5-VL) was refused listing only the three text decoders, as if no image model
-    were served: the refusal names its model_type and every family omnivox serves."""
-    from transformers import Qwen2VLConfig
+    """A Qwen2-VL folder (then not served) was refused listing only the three text decoders, as if no image model
+    were served: the refusal names its model_type and every family omnivox serves. Qwen3-VL is not served (yet)."""
+    from transformers import Qwen3VLConfig
 
-    cfg = Qwen2VLConfig(text_config={"vocab_size": 384, "hidden_size": 64, "num_attention_heads": 4}, architectures=["Qwen2VLForConditionalGeneration"])  # fmt: skip
+    cfg = Qwen3VLConfig(text_config={"vocab_size": 384, "hidden_size": 64, "num_attention_heads": 4}, architectures=["Qwen3VLForConditionalGeneration"])  # fmt: skip
     with pytest.raises(ValueError) as info:
         ModelConfig.from_hf(cfg)
     message = str(info.value)
-    assert "Qwen2VLForConditionalGeneration" in message and "'qwen2_vl'" in message
-    assert all(name in message for name in ("qwen2_5_vl", "llava_next", "smolvlm", "qwen2_audio", "LlamaForCausalLM"))
+    assert "Qwen3VLForConditionalGeneration" in message and "'qwen3_vl'" in message
+    names = ("qwen2_vl", "qwen2_5_vl", "llava_next", "smolvlm", "qwen2_audio", "LlamaForCausalLM")
+    assert all(name in message for name in names)
 
 
 # Whisper's decoder (and encoder) under the shapes its releases use: distil-whisper (fewer decoder layers and heads
