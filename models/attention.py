@@ -159,11 +159,15 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,  # sliding window: a query at position p sees keys p - window < j <= p (transformers')
+    softcap: float | None = None,  # Gemma 2: scores become softcap * tanh(scores / softcap) before the mask
 ) -> torch.Tensor:  # [T, heads, head_dim]
     out = torch.empty_like(q)
     gqa = q.shape[1] != k_cache.shape[1]
     nd = meta.num_decode
-    if nd:
+    if nd and softcap is not None:  # the fused kernels (SDPA, FlexAttention, the C kernel) take no soft-cap
+        slide = window is not None and meta.decode_block_tables.shape[1] * meta.block_size > window
+        out[:nd] = _decode_attention_gathered(q[:nd], k_cache, v_cache, meta, scale, window if slide else None, softcap)
+    elif nd:
         # Whether keys may lie before a sliding window (from the table's shape: no device read). FlexAttention's
         # block mask knows only lengths: such a step takes the C kernel or the gathered path, which take the window.
         slide = window is not None and meta.decode_block_tables.shape[1] * meta.block_size > window
@@ -185,19 +189,33 @@ def paged_attention(
         table = chunk.block_table[lo // meta.block_size :]
         kp = gather_blocks(k_cache, table, meta.block_size)[: ctx - lo].transpose(0, 1).unsqueeze(0)
         vp = gather_blocks(v_cache, table, meta.block_size)[: ctx - lo].transpose(0, 1).unsqueeze(0)
-        if ctx == n and not slide:
+        if ctx == n and not slide and softcap is None:
             op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             q_pos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
             k_pos = torch.arange(lo, ctx, device=q.device)[None, :]
             mask = (k_pos <= q_pos) & (k_pos > q_pos - window) if slide else k_pos <= q_pos  # [n, ctx]
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            if softcap is None:
+                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            else:
+                op = _softcapped_attention(qp, kp, vp, mask, scale, softcap)
         out[s : s + n] = op.squeeze(0).transpose(0, 1)
     return out
 
 
+def _softcapped_attention(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
+    """Attention with Gemma 2's score soft-capping, written out as transformers' eager path computes it (SDPA has no
+    soft-cap): q [1, H, n, D], k / v [1, KVH, L, D], mask [n, L] True where a key is seen -> [1, H, n, D]."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
 def _decode_attention_gathered(
-    q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None = None
+    q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None = None, softcap: float | None = None
 ) -> torch.Tensor:
     """Portable decode attention: copy each request's blocks out of the cache, then attend (SDPA on CUDA).
 
@@ -219,7 +237,7 @@ def _decode_attention_gathered(
     flat = tables.flatten()
     kd = gather_blocks(k_cache, flat, bs).view(b, -1, *k_cache.shape[1:])  # [B, L, KVH, D]
     vd = gather_blocks(v_cache, flat, bs).view(b, -1, *v_cache.shape[1:])
-    if q.is_cuda:
+    if q.is_cuda and softcap is None:
         gqa = q.shape[1] != k_cache.shape[1]
         return F.scaled_dot_product_attention(
             q.unsqueeze(2),
@@ -229,16 +247,19 @@ def _decode_attention_gathered(
             scale=scale,
             enable_gqa=gqa,
         ).squeeze(2)
-    return _decode_attention_matmul(q, kd, vd, mask, scale)
+    return _decode_attention_matmul(q, kd, vd, mask, scale, softcap)
 
 
-def _decode_attention_matmul(q, k, v, mask, scale):
+def _decode_attention_matmul(q, k, v, mask, scale, softcap: float | None = None):
     """One query per request, written as two batched matmuls: on CPU this beats SDPA's flash kernel, whose
-    per-call setup dominates at one query. q [B, H, D]; k, v [B, L, KVH, D]; mask [B, 1, 1, L]."""
+    per-call setup dominates at one query (and, unlike SDPA, it soft-caps scores: Gemma 2).
+    q [B, H, D]; k, v [B, L, KVH, D]; mask [B, 1, 1, L]."""
     b, h, d = q.shape
     kvh = k.shape[2]
     qg = q.view(b, kvh, h // kvh, d)  # query heads grouped under their KV head
     scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * scale  # [B, KVH, G, L]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask.view(b, 1, 1, -1), float("-inf"))
     probs = scores.softmax(dim=-1).to(v.dtype)
     return torch.matmul(probs, v.transpose(1, 2)).view(b, h, d)

@@ -11,6 +11,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",  # Phi-3 / 3.5 / 4-mini: fused qkv_proj and gate_up_proj, split at load
     "Gemma3ForCausalLM": "gemma3",  # Gemma 3's text decoder (the 1B, or the text part of larger ones)
+    "Gemma2ForCausalLM": "gemma2",  # Gemma 3's layers less q/k norms and local rope, plus attention soft-capping
 }
 # transformers' classes for these never tie the output projection to the token embedding (no _tied_weights_keys):
 # their lm_head is its own checkpoint weight whatever tie_word_embeddings says. Tying it here used the embedding
@@ -28,6 +29,7 @@ _MODEL_TYPE_TO_FAMILY = {
     "mistral": "llama",
     "phi3": "phi3",
     "gemma3_text": "gemma3",
+    "gemma2": "gemma2",
 }
 
 
@@ -55,7 +57,7 @@ class NotApplicable(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    family: str  # "llama" | "qwen2" | "qwen3" | "phi3" | "gemma3"
+    family: str  # "llama" | "qwen2" | "qwen3" | "phi3" | "gemma2" | "gemma3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -86,6 +88,7 @@ class ModelConfig:
     sandwich_norms: bool = False
     embed_scale: float | None = None  # token embeddings times this, rounded to the model dtype (Gemma: sqrt(hidden))
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    attn_logit_softcapping: float | None = None  # attention scores likewise, before the mask (Gemma 2)
     local_rope_layers: tuple[int, ...] = ()  # Gemma 3: layers on the local rope ("sliding_attention" parameters)
 
     @classmethod
@@ -97,7 +100,7 @@ class ModelConfig:
         archs = list(getattr(hf_config, "architectures", None) or [])
         family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         family = family or _MODEL_TYPE_TO_FAMILY.get(getattr(text, "model_type", ""))
-        if family in ("phi3", "gemma3") and text is not hf_config:  # the text part of a model we do not serve
+        if family in ("phi3", "gemma2", "gemma3") and text is not hf_config:  # the text part of a model we do not serve
             family = None
         if family is None:
             raise ValueError(
@@ -144,7 +147,7 @@ class ModelConfig:
             bos_token_id=getattr(text, "bos_token_id", None),
             hf_config=text,
             rotary_dim=rotary_dim(text, int(head_dim)),
-            **(_gemma_fields(text) if family == "gemma3" else {}),
+            **(_gemma_fields(text) if family in ("gemma2", "gemma3") else {}),
         )
 
     @property
@@ -185,10 +188,14 @@ def rotary_dim(text: Any, head_dim: int) -> int | None:
 
 
 def _gemma_fields(text: Any) -> dict:
+    """Gemma 2 / 3's knobs; only Gemma 3 gives its sliding layers a rope of their own."""
     cap = getattr(text, "final_logit_softcapping", None)
+    attn_cap = getattr(text, "attn_logit_softcapping", None)
     kinds = list(text.layer_types)[: text.num_hidden_layers]
+    local = None not in rope_parameter_sets(text)
     return {
-        "local_rope_layers": tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention"),
+        "local_rope_layers": tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention") if local else (),
+        "attn_logit_softcapping": float(attn_cap) if attn_cap else None,
         "attn_scale": float(text.query_pre_attn_scalar) ** -0.5,
         "hidden_act": "gelu_tanh",
         "norm_offset": 1.0,
@@ -200,16 +207,11 @@ def _gemma_fields(text: Any) -> dict:
 
 def check_supported(text: Any, family: str = "llama") -> None:
     """Refuse, naming the config key, what our decoder would compute differently from transformers."""
-    if family == "gemma3":
+    if family in ("gemma2", "gemma3"):
         act = getattr(text, "hidden_activation", None) or "gelu_pytorch_tanh"
         if act not in GEMMA_HIDDEN_ACTS:
             raise ValueError(
                 f"config hidden_activation {act!r} is not supported (Gemma: {', '.join(GEMMA_HIDDEN_ACTS)})"
-            )
-        if getattr(text, "attn_logit_softcapping", None):
-            raise ValueError(
-                f"config attn_logit_softcapping {text.attn_logit_softcapping} is not supported: omnivox's paged "
-                "attention does not soft-cap attention scores (Gemma 2 style); Gemma 3 releases set it to null"
             )
         if getattr(text, "use_bidirectional_attention", False):
             raise ValueError(

@@ -1,11 +1,12 @@
 """Our own decoder for the Llama family (Llama incl. SmolLM2 and Llama 3.x rope scaling, Qwen2, Qwen3, Mistral,
-Phi-3, Gemma 3's text decoder).
+Phi-3, Gemma 2, Gemma 3's text decoder).
 
 Config knobs followed as transformers does (tests/test_config_sweep.py, tests/test_decoder_families.py): rope types
 of models/config.py, partial rotary, explicit head_dim, MQA / GQA, tied or untied output, attention_bias (q/k/v, and
 o_proj but for Qwen2), mlp_bias, per-layer sliding windows. Phi-3's fused qkv_proj / gate_up_proj are split at load
 (`split_fused_projections`); Gemma 3 adds norms around attention and MLP (`SandwichDecoderLayer`), GELU-tanh, a
-scaled embedding, its own query scale, local and global rope tables, and (1 + weight) norms folded at load.
+scaled embedding, its own query scale, local and global rope tables, and (1 + weight) norms folded at load; Gemma 2
+the same less q/k norms and local rope, plus soft-capped attention scores.
 
 It reads and writes the paged KV cache directly (models/attention.py). transformers supplies only the config;
 the parity tests compare this module against transformers' own implementation.
@@ -40,6 +41,7 @@ class Attention(nn.Module):
         self.scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim**-0.5
         self.partial_rotary = cfg.rotary_dim is not None  # the fused CPU step rotates whole heads only
         self.local_rope = layer in cfg.local_rope_layers  # reads DecoderModel.rotary_local's tables
+        self.softcap = cfg.attn_logit_softcapping  # Gemma 2: scores soft-capped (models/attention.py)
 
     def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv: tuple[torch.Tensor, torch.Tensor], meta):
         t = x.shape[0]
@@ -52,7 +54,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, *rope)
         write_kv(kv[0], kv[1], k, v, meta.slot_mapping)
-        o = paged_attention(q, kv[0], kv[1], meta, self.scale, self.window)
+        o = paged_attention(q, kv[0], kv[1], meta, self.scale, self.window, self.softcap)
         return self.o_proj(o.reshape(t, q_rows))
 
 

@@ -137,7 +137,7 @@ class FusedDecode:
         if type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention or type(layer.mlp) is not MLP:
             return False  # Gemma 3's SandwichDecoderLayer among them
         attn, mlp = layer.self_attn, layer.mlp
-        if attn.partial_rotary or attn.local_rope or mlp.act != "silu":  # the C step: whole-head rope, one table, SiLU
+        if attn.partial_rotary or attn.local_rope or attn.softcap or mlp.act != "silu":  # the C step has none of these
             return False
         norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
         if not all(_norm(n) for n in norms) or layer.input_layernorm is None:

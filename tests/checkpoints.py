@@ -42,6 +42,18 @@ FAMILIES = {
             "layer_types": ["sliding_attention", "full_attention"],
         },
     ),  # fmt: skip
+    # Gemma 2: soft-capped attention scores and logits (caps small enough to bite on a tiny random model)
+    "gemma2": (
+        transformers.Gemma2Config,
+        transformers.Gemma2ForCausalLM,
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": 20,
+            "attn_logit_softcapping": 0.05,
+            "final_logit_softcapping": 3.0,
+        },
+    ),  # fmt: skip
 }
 
 

@@ -1,4 +1,4 @@
-"""Phi-3 (Phi3ForCausalLM) and Gemma 3's text decoder (Gemma3ForCausalLM) on our decoder, against transformers' own
+"""Phi-3 (Phi3ForCausalLM), Gemma 3's text decoder (Gemma3ForCausalLM) and Gemma 2 on our decoder, against transformers' own
 implementation on tiny random checkpoints saved with save_pretrained: greedy tokens (model.generate) and top-5
 log-probabilities, prefill whole and in chunks, paged decode past sliding windows, every load path (float, int8 at
 load, 2 tensor-parallel ranks), refusals naming the config key, and one Generate per family through gRPC."""
@@ -62,6 +62,10 @@ CASES = {
     # Gemma 3 1B's shape: a sliding layer (window 20) then a full one, tied, query_pre_attn_scalar != head_dim
     "gemma3-1b-like-chunked": ("gemma3", {}, {"max_num_batched_tokens": 8}, (SHORT, MID, XL)),
     "gemma3-4b-like-linear-rope-softcap-bias": ("gemma3", GEMMA3_4B, {}, (SHORT, XL)),
+    # Gemma 2: attention scores soft-capped on every path (prefill whole and in chunks, decode past the window)
+    "gemma2-softcaps-chunked": ("gemma2", {}, {"max_num_batched_tokens": 8}, (SHORT, MID, XL)),
+    "gemma2-softcaps-gqa4-untied-whole-prompt": ("gemma2", {"num_attention_heads": 8, "tie_word_embeddings": False},
+                                                 {}, (MID, LONG)),
 }  # fmt: skip
 
 
@@ -107,6 +111,14 @@ def test_configs_read_as_released(paths):
     assert (gemma.attn_scale, gemma.embed_scale, gemma.final_logit_softcapping) == (24**-0.5, 8.0, 2.0)
     rope = gemma.hf_config.rope_parameters
     assert rope["full_attention"]["rope_type"] == "linear" and rope["sliding_attention"]["rope_theta"] == 10000.0
+    gemma2 = ModelConfig.from_hf(transformers.AutoConfig.from_pretrained(paths["gemma2-softcaps-chunked"]))
+    assert (gemma2.family, gemma2.sliding_layers, gemma2.local_rope_layers, gemma2.qk_norm) == (
+        "gemma2",
+        (0,),
+        (),
+        False,
+    )
+    assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping) == (0.05, 3.0)
 
 
 @pytest.mark.parametrize("case", ["phi4-mini-longrope-partial-rotary", "gemma3-4b-like-linear-rope-softcap-bias"])
@@ -133,7 +145,7 @@ def _greedy(n: int):
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
-@pytest.mark.parametrize("case", ["phi3-window-20-chunked", "gemma3-4b-like-linear-rope-softcap-bias"])
+@pytest.mark.parametrize("case", ["phi4-mini-longrope-partial-rotary", "gemma3-4b-like-linear-rope-softcap-bias"])
 def test_two_tensor_parallel_ranks_equal_one_process(paths, case):
     from test_tensor_parallel_configs import two_ranks_equal_one
 
@@ -141,7 +153,6 @@ def test_two_tensor_parallel_ranks_equal_one_process(paths, case):
 
 
 REFUSED = {
-    "attention soft-capping": ("gemma3", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
     "bidirectional": ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
     "relu": ("gemma3", {"hidden_activation": "relu"}, "hidden_activation"),
 }
@@ -170,6 +181,7 @@ def test_grpc_greedy_matches_transformers(root):
     paths = {
         "phi3": build(root, "grpc-phi3", "phi3", CASES["phi4-mini-longrope-partial-rotary"][1], tokenizer=True),
         "gemma3": build(root, "grpc-gemma3", "gemma3", {}, tokenizer=True),
+        "gemma2": build(root, "grpc-gemma2", "gemma2", {}, tokenizer=True),
     }
     text = "The capital of France is Paris. The capital of Italy is"
     specs = [ModelSpec(path=p, name=f) for f, p in paths.items()]
