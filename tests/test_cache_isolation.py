@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from audio_checkpoints import chirp, encode
+from audio_checkpoints import chirp, encode, make_qwen2_audio
 from checkpoints import make_checkpoint
 from google.rpc import error_details_pb2
 from service_harness import ServerThread, user_request
@@ -48,6 +48,7 @@ def served(tmp_path_factory):
         ModelSpec(path=make_checkpoint(root / "text", family="llama", max_position_embeddings=4096), name="text"),
         ModelSpec(path=make_llava(root / "llava"), name="llava"),
         ModelSpec(path=make_whisper(root / "whisper"), name="whisper"),
+        ModelSpec(path=make_qwen2_audio(root / "audio-llm"), name="audio-llm"),
         ModelSpec(path=save_random_speech_model(root / "speech", snac_config=SMALL_SNAC), name="speech"),
     ]
     with ServerThread(specs, EngineOptions(kv_cache_gib=0.01), api_keys=keys, asr_model="whisper") as server:
@@ -128,6 +129,24 @@ def test_cascade_transcripts_and_whisper_windows_are_per_caller(served) -> None:
         encoded.append(windows.misses - before)
     assert encoded == [1, 1, 0]
     assert windows.total_refs() == 0
+
+
+def test_audio_llm_clips_are_encoded_per_caller(served) -> None:
+    """Transcribe and Generate on an audio-LLM (its own encoder cache): a clip is encoded once per caller and salt."""
+    cache = served["server"].registry.lookup("audio-llm").bundle.audio.cache
+    audio = content_pb2.AudioPart(data=encode(chirp(0.7), 16000, "WAV", "FLOAT"))
+    transcribe = transcription_pb2.TranscribeRequest(model="audio-llm", audio=audio, language="en")
+    spoken = [content_pb2.Part(audio=audio), content_pb2.Part(text="What was said?")]
+    encoded = []
+    for metadata, call in [(ALICE, "transcribe"), (BOB, "transcribe"), (ALICE, "transcribe"), (BOB, "generate")]:
+        before = cache.misses
+        if call == "transcribe":
+            list(served["transcribe"].Transcribe(transcribe, metadata=metadata, timeout=60))
+        else:
+            cached(served, metadata, spoken, model="audio-llm")
+        encoded.append(cache.misses - before)
+    assert encoded == [1, 1, 0, 0]  # Generate shares bob's clip with his Transcribe: the same model, caller and salt
+    assert cache.total_refs() == 0
 
 
 def test_speech_prompts_are_cached_per_caller(served) -> None:
