@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 from qwen_vl_parity import check_mrope_decoder, check_rope_index
+from transformers.utils import is_torchvision_available
 from vision_checkpoints import make_qwen2_vl, relayout, sample_image
 from vision_parity import (
     check_batch_isolation,
@@ -34,7 +35,9 @@ def reference(path):
     return transformers.AutoModelForImageTextToText.from_pretrained(path).eval()
 
 
-def test_features_placeholders_keys_layouts(path, tmp_path):
+def test_features_placeholders_keys_layouts(path, tmp_path, monkeypatch):
+    if not is_torchvision_available():  # the image-only processor directly: the tokenizer is read once, not twice
+        monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", _not_called)
     enc = check_features_and_placeholders(path)  # tower + merger == transformers' get_image_features
     assert isinstance(enc, Qwen2VLEncoder) and enc.family == "qwen2_vl"
     assert isinstance(enc.visual.merger.ln_q, torch.nn.LayerNorm)  # Qwen2-VL's tower, not 2.5's RMSNorm one
@@ -45,6 +48,10 @@ def test_features_placeholders_keys_layouts(path, tmp_path):
     check_max_pixels(enc)
     im = sample_image(56, 56)  # 3136 px; the processor's own budget takes max_pixels
     assert enc.preprocess([im], max_pixels=1024)[0].num_features < enc.preprocess([im])[0].num_features
+
+
+def _not_called(*args, **kwargs):
+    raise AssertionError("AutoProcessor.from_pretrained loads the tokenizer, then fails on the video processor")
 
 
 def test_rope_positions_equal_get_rope_index(path, reference):

@@ -13,8 +13,9 @@ How the service uses a `VisionEncoder` (one per loaded model):
    `enc.placeholder_token_id` positions its feature rows fill, in order: one `EmbeddingSegment` per run.
 4. In the encoder worker: `features = enc.encode(items)` for the images of every request admitted together (one
    batched forward); `features[i]` is [items[i].num_features, text_hidden] in prompt order.
-5. Qwen2-VL / Qwen2.5-VL only: `enc.rope_positions(ids, items)` -> ([3, N] positions, delta); generated token t (0-based, after N
-   prompt tokens) sits at position N + t + delta on all three axes. Other families return None (1-D positions).
+5. Qwen2-VL / Qwen2.5-VL only: `enc.rope_positions(ids, items)` -> ([3, N] positions, delta); generated token t
+   (0-based, after N prompt tokens) sits at position N + t + delta on all three axes. Other families return None
+   (1-D positions).
 """
 
 from __future__ import annotations
@@ -91,18 +92,25 @@ class VisionEncoder(nn.Module, ABC):
     def load_processor(cls, path: Path, config: transformers.PretrainedConfig) -> transformers.ProcessorMixin:
         """The checkpoint's own processor (`AutoProcessor`), so preprocessing equals the reference's.
 
-        transformers 5.24 cannot build the SmolVLM, Qwen2-VL and Qwen2.5-VL processors without torchvision, because their video
-        processor needs it even when only images are processed. Then the same processor class is loaded without its
-        video processor (`image_only_processor_class`): the image path is the class's own code, unchanged.
+        transformers 5.24 cannot build the SmolVLM, Qwen2-VL and Qwen2.5-VL processors without torchvision, because
+        their video processor needs it even when only images are processed. Then the same processor class is loaded
+        without its video processor (`image_only_processor_class`): the image path is the class's own code, unchanged.
+        Without torchvision these go there directly: AutoProcessor loaded the tokenizer before failing on the video
+        processor, so each load read the tokenizer twice (0.9 s of a 1.9 s Qwen2-VL encoder load, SmolLM2's vocabulary).
         """
+        from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+        from transformers.utils import is_torchvision_available
+
+        name = PROCESSOR_MAPPING_NAMES.get(config.model_type)
+        full = getattr(transformers, name, None) if name else None
+        has_image_only = full in (transformers.SmolVLMProcessor, *_QWEN_PROCESSORS)
+        if has_image_only and not is_torchvision_available():
+            logger.info("%s without its video processor (no torchvision)", name)
+            return image_only_processor_class(full).from_pretrained(path)
         try:
             return transformers.AutoProcessor.from_pretrained(path)
         except (ImportError, AttributeError, OSError) as e:
-            from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
-
-            name = PROCESSOR_MAPPING_NAMES.get(config.model_type)
-            full = getattr(transformers, name, None) if name else None
-            if full not in (transformers.SmolVLMProcessor, *_QWEN_PROCESSORS):
+            if not has_image_only:
                 raise
             logger.warning("%s without its video processor (%s)", name, str(e).splitlines()[0][:120])
             return image_only_processor_class(full).from_pretrained(path)

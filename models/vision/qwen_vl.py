@@ -102,8 +102,8 @@ def mrope_positions(
     """3-D positions ([3, N] int64) of a prompt with images, and the delta for the tokens generated after it.
 
     Equal to transformers' `Qwen2VLModel.get_rope_index` and `Qwen2_5_VLModel.get_rope_index` for one unpadded
-    sequence of text and images (grid_thw in patches, before merging). Image i takes the next t*h*w/merge^2 image tokens; a prompt whose image tokens do
-    not add up to the grids raises ValueError.
+    sequence of text and images (grid_thw in patches, before merging). Image i takes the next t*h*w/merge^2 image
+    tokens; a prompt whose image tokens do not add up to the grids raises ValueError.
     """
     n = len(token_ids)
     ids = torch.as_tensor(list(token_ids), dtype=torch.long)
