@@ -20,9 +20,8 @@ from omnivox.models.vision import VisionEncoder, mrope_positions, mrope_span
 BLOCK = 16
 
 
-def check_rope_index(path: Path, reference) -> None:
+def check_rope_index(enc: VisionEncoder, reference) -> None:
     """Our M-RoPE positions and delta equal transformers' get_rope_index for three images of three sizes."""
-    enc = VisionEncoder.from_folder(path)
     ims = images() + [sample_image(24, 70, seed=5)]
     text = prompt(enc, len(ims))
     batch = enc.processor(text=[text], images=ims, return_tensors="pt")
@@ -57,11 +56,10 @@ def _prefill_meta(n: int, start: int = 0) -> AttentionMetadata:
     )
 
 
-def check_mrope_decoder(path: Path, reference) -> None:
+def check_mrope_decoder(path: Path, enc: VisionEncoder, reference) -> None:
     """Our decoder on the family's text config: same inputs_embeds (image features spliced in) and 3-D positions
     give transformers' logits; then two generated tokens at 1-D positions index + delta, through a second chunk
     that reads the first chunk's KV from the paged cache; then the same in chunks cut inside an image."""
-    enc = VisionEncoder.from_folder(path)
     config = transformers.AutoConfig.from_pretrained(path)
     cfg = ModelConfig.from_hf(config)
     assert cfg.family == "qwen2" and cfg.attention_bias

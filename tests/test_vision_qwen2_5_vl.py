@@ -15,6 +15,8 @@ from vision_parity import (
     check_max_pixels,
 )
 
+from omnivox.models.vision import VisionEncoder
+
 # save_pretrained writes the hub layout (visual.*, model.layers.*); transformers 5's module names:
 IN_MEMORY = [(r"^visual\.", "model.visual."), (r"^model\.", "model.language_model.")]
 
@@ -22,6 +24,11 @@ IN_MEMORY = [(r"^visual\.", "model.visual."), (r"^model\.", "model.language_mode
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
     return make_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def enc(path):
+    return VisionEncoder.from_folder(path)
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +48,12 @@ def test_features_placeholders_keys_layouts(path, tmp_path):
     assert enc.preprocess([im], max_pixels=1024)[0].num_features < enc.preprocess([im])[0].num_features
 
 
-def test_rope_positions_equal_get_rope_index(path, reference):
-    check_rope_index(path, reference)
+def test_rope_positions_equal_get_rope_index(enc, reference):
+    check_rope_index(enc, reference)
 
 
-def test_decoder_with_mrope_equals_transformers(path, reference):
-    check_mrope_decoder(path, reference)
+def test_decoder_with_mrope_equals_transformers(path, enc, reference):
+    check_mrope_decoder(path, enc, reference)
 
 
 def test_three_d_positions_need_mrope_config():

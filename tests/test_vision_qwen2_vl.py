@@ -31,6 +31,11 @@ def path(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def enc(path):
+    return VisionEncoder.from_folder(path)
+
+
+@pytest.fixture(scope="module")
 def reference(path):
     return transformers.AutoModelForImageTextToText.from_pretrained(path).eval()
 
@@ -54,15 +59,15 @@ def _not_called(*args, **kwargs):
     raise AssertionError("AutoProcessor.from_pretrained loads the tokenizer, then fails on the video processor")
 
 
-def test_rope_positions_equal_get_rope_index(path, reference):
-    check_rope_index(path, reference)
+def test_rope_positions_equal_get_rope_index(enc, reference):
+    check_rope_index(enc, reference)
 
 
-def test_decoder_with_mrope_equals_transformers(path, reference):
-    check_mrope_decoder(path, reference)
+def test_decoder_with_mrope_equals_transformers(path, enc, reference):
+    check_mrope_decoder(path, enc, reference)
 
 
-def test_released_config_layout_reads_as_the_nested_one(path, tmp_path):
+def test_released_config_layout_reads_as_the_nested_one(path, enc, tmp_path):
     """Qwen/Qwen2-VL-*-Instruct keep the text keys at the top level with rope_scaling {"type": "mrope"}: the same
     decoder config (mrope_section included) and the same features as the transformers 5 layout."""
     released = make_qwen2_vl(tmp_path / "released", released_layout=True)
@@ -71,6 +76,5 @@ def test_released_config_layout_reads_as_the_nested_one(path, tmp_path):
     assert released_cfg == nested_cfg and released_cfg.family == "qwen2"
     assert released_cfg.hf_config.rope_parameters["mrope_section"] == [2, 3, 3]
     assert "'qwen2_vl'" in served_families()  # what a refusal of another model_type lists
-    ours, theirs = VisionEncoder.from_folder(released), VisionEncoder.from_folder(path)
-    item = theirs.preprocess([sample_image(50, 30)])
-    torch.testing.assert_close(ours.encode(item)[0], theirs.encode(item)[0], atol=0, rtol=0)
+    item = enc.preprocess([sample_image(50, 30)])
+    torch.testing.assert_close(VisionEncoder.from_folder(released).encode(item)[0], enc.encode(item)[0], atol=0, rtol=0)
