@@ -21,6 +21,7 @@ from omnivox.services.defaults import save_random_speech_model
 from omnivox.services.errors import status_details
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.services.speech import SpeechServicer
+from omnivox.services.whisper_part import TranscriptCache
 from omnivox.v1 import (
     content_pb2,
     generation_pb2,
@@ -194,3 +195,13 @@ def test_an_unauthenticated_call_without_a_salt_keeps_the_shared_cache() -> None
     """Outside any RPC (no caller) and without cache_salt: the empty salt, i.e. the hashes every cache had before."""
     assert request_salt("") == ""
     assert request_salt("a") != "" and request_salt("a") != request_salt("b")
+
+
+def test_transcript_cache_evicts_the_least_recently_used() -> None:
+    cache = TranscriptCache(max_entries=2)
+    cache.put(b"a", "alpha")
+    cache.put(b"b", "beta")
+    assert cache.get(b"a") == "alpha"  # a is now the most recently used
+    cache.put(b"c", "gamma")
+    assert (cache.get(b"b"), cache.get(b"a"), cache.get(b"c"), len(cache)) == (None, "alpha", "gamma", 2)
+    assert (cache.hits, cache.misses) == (3, 1)
