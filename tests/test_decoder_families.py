@@ -59,6 +59,7 @@ CASES = {
     # fused qkv / gate_up split at load; a 20-key window on every layer, 8-token prefill chunks, decode past it
     "phi3-window-20-chunked": ("phi3", {"sliding_window": 20}, {"max_num_batched_tokens": 8}, (SHORT, MID, XL)),
     "phi4-mini-longrope-partial-rotary": ("phi3", PHI4_MINI, {}, (LONG, XL)),
+    "phi3-partial-rotary-half-default-rope": ("phi3", {"partial_rotary_factor": 0.5}, {}, (SHORT,)),
     # Gemma 3 1B's shape: a sliding layer (window 20) then a full one, tied, query_pre_attn_scalar != head_dim
     "gemma3-1b-like-chunked": ("gemma3", {}, {"max_num_batched_tokens": 8}, (SHORT, MID, XL)),
     "gemma3-4b-like-linear-rope-softcap-bias": ("gemma3", GEMMA3_4B, {}, (SHORT, XL)),
