@@ -89,7 +89,7 @@ class DecoderLayer(nn.Module):
 
 
 class SandwichDecoderLayer(DecoderLayer):
-    """Gemma 3's layer: post_attention_layernorm norms the attention output (not the MLP input), and the MLP sits
+    """Gemma 2 / 3's layer: post_attention_layernorm norms the attention output (not the MLP input), and the MLP sits
     between pre_feedforward_layernorm and post_feedforward_layernorm. Its own type: the fused CPU step (which runs
     DecoderLayer's arithmetic) passes it to the torch path."""
 
