@@ -110,6 +110,8 @@ def served(tmp_path_factory):
         ModelSpec(path=make_qwen2_audio(root / "qa-plain"), name="qa-plain"),  # its default template: no tools
         ModelSpec(path=make_llava(root / "llava"), name="llava"),  # no tools in its template
         ModelSpec(path=make_voxtral_bundle(root / "voxtral"), name="voxtral"),
+        # Voxtral on a v13 tokenizer: calls written `[TOOL_CALLS]name[ARGS]{...}`
+        ModelSpec(path=make_voxtral_bundle(root / "voxtral13", version="v13"), name="voxtral13"),
         ModelSpec(path=text, name="text"),
         ModelSpec(path=make_whisper(root / "whisper"), name="whisper"),
     ]
@@ -226,21 +228,24 @@ def _baseline(s, model: str) -> None:
     assert cache.total_refs() == 0
 
 
-def test_voxtral_audio_question_with_tools_round_trip(served):
+@pytest.mark.parametrize("model", ["voxtral", "voxtral13"])
+def test_voxtral_audio_question_with_tools_round_trip(served, model):
+    """v7: `[TOOL_CALLS][{...}]`; v13 (before: tools refused): `[TOOL_CALLS]name[ARGS]{...}`, [ARGS] its token too."""
     ids: list[int] = []
-    history, first_n, answer_n = _round_trip(served, "voxtral", "audio", "abc123XYZ", ids)  # Mistral: 9 characters
+    history, first_n, answer_n = _round_trip(served, model, "audio", "abc123XYZ", ids)  # Mistral: 9 characters
     assert ids[0] == 9  # its own [TOOL_CALLS] special token, not the tag spelt in bytes
+    assert (32 in ids) == (model == "voxtral13")  # [ARGS]
     audio = {"type": "audio", "base64": base64.b64encode(CLIP).decode()}
-    backend = served["server"].registry.lookup("voxtral").bundle.audio.processor.tokenizer
+    backend = served["server"].registry.lookup(model).bundle.audio.processor.tokenizer
     for contents, n in ((history[:1], first_n), (history, answer_n)):
         want = backend.apply_chat_template(_messages(contents, audio), tools=SPEC, tokenize=True, return_dict=False)
         assert n == len(want)
-        prompt = served["server"].registry.lookup("voxtral").prompt_builder.build(contents, SPEC)
+        prompt = served["server"].registry.lookup(model).prompt_builder.build(contents, SPEC)
         try:
             assert prompt.token_ids == list(want)
         finally:
             prompt.release()
-    _baseline(served, "voxtral")
+    _baseline(served, model)
 
 
 def test_spoken_question_to_a_text_model_with_tools(served):

@@ -41,8 +41,9 @@ AUDIO_SECTION = {
 }
 
 
-def write_tekken(path: Path, audio: dict | None = None) -> int:
-    """Write a tiny tekken.json at `path`; returns its vocabulary size (special tokens + byte-level vocab)."""
+def write_tekken(path: Path, audio: dict | None = None, version: str = "v7") -> int:
+    """Write a tiny tekken.json at `path`; returns its vocabulary size (special tokens + byte-level vocab).
+    `version`: mistral_common's tokenizer version (v11+ writes calls as `[TOOL_CALLS]name[ARGS]{...}`)."""
     vocab = [bytes([i]) for i in range(256)] + _MERGES
     data = {
         "config": {
@@ -50,7 +51,7 @@ def write_tekken(path: Path, audio: dict | None = None) -> int:
             "num_vocab_tokens": len(vocab),
             "default_vocab_size": NUM_SPECIAL + len(vocab),
             "default_num_special_tokens": NUM_SPECIAL,
-            "version": "v7",
+            "version": version,
         },
         "vocab": [
             {"rank": i, "token_bytes": base64.b64encode(b).decode(), "token_str": b.decode("utf-8", "replace")}
@@ -67,11 +68,11 @@ def write_tekken(path: Path, audio: dict | None = None) -> int:
     return NUM_SPECIAL + len(vocab)
 
 
-def make_voxtral_bundle(out: Path, seed: int = 0, audio: dict | None = None) -> Path:
+def make_voxtral_bundle(out: Path, seed: int = 0, audio: dict | None = None, version: str = "v7") -> Path:
     """The tiny Voxtral of `make_voxtral` with its tekken.json and processor saved next to it (AutoProcessor loads
     a VoxtralProcessor whose tokenizer is a MistralCommonBackend)."""
     with tempfile.TemporaryDirectory() as d:  # save_pretrained copies the tokenizer's own file
-        vocab_size = write_tekken(Path(d) / "tekken.json", audio)
+        vocab_size = write_tekken(Path(d) / "tekken.json", audio, version)
         tokenizer = transformers.MistralCommonBackend.from_pretrained(d)
         make_voxtral(out, seed=seed, vocab_size=vocab_size)
         fe = transformers.WhisperFeatureExtractor(feature_size=128)
