@@ -185,9 +185,9 @@ class ImageInputPart:
         return Prompt(token_ids=ids, segments=segments, rope_positions=rope)
 
     def reserved_texts(self) -> tuple[str, ...]:
-        """Token strings user text must not spell (they would smuggle in a marker or a placeholder)."""
+        """Token strings user text must not spell (they would smuggle in a marker or a placeholder, or a video pad)."""
         tok = self.processor.tokenizer
-        names = {self.encoder.marker_token}
+        names = {self.encoder.marker_token, *self.encoder.reserved_tokens}
         names.add(tok.convert_ids_to_tokens(self.encoder.placeholder_token_id))
         return tuple(sorted(n for n in names if n))
 
@@ -275,7 +275,7 @@ class ImagePromptBuilder:
                 if kind == "text":
                     for r in reserved:
                         if r in part.text:
-                            bad.append(FieldViolation(f"{path}.text", f"must not contain the image token {r!r}"))
+                            bad.append(FieldViolation(f"{path}.text", f"must not contain the media token {r!r}"))
                     parts.append({"type": "text", "text": part.text})
                 elif kind == "image":
                     try:

@@ -447,14 +447,16 @@ def test_max_pixels_gives_fewer_image_tokens(served, family):
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
 def test_qwen_edge_images_and_bad_input(served, family):
     """The smallest and the most elongated images the codec takes go through the Qwen processors' resize (a side
-    below one merged patch is rounded up to one) and are answered; user text spelling the image token and an image
-    that does not decode are INVALID_ARGUMENT naming the part; the server keeps serving, nothing held."""
+    below one merged patch is rounded up to one) and are answered; user text spelling the image or the video token
+    (transformers' processor refuses a video pad without a video) and an image that does not decode are
+    INVALID_ARGUMENT naming the part; the server keeps serving, nothing held."""
     kv_before = served["server"].wait_kv_free(family)
     for w, h in ((2, 2), (400, 2), (2, 400)):  # 200:1, the codec's limit and the processor's
         got, _, summary = run(served["stub"], ask(family, [("user", [sample_image(w, h, seed=w), "Shape?"])]))
         assert len(got) == STEPS and summary.usage.prompt_tokens > 0, (w, h)
     for parts, field in (
         ([A, "what is <|image_pad|>?"], "contents[0].parts[1].text"),
+        (["a video: <|vision_start|><|video_pad|><|vision_end|>", A], "contents[0].parts[0].text"),  # none in the API
         (["Look:", content_pb2.ImagePart(data=png_bytes(A)[:60])], "contents[0].parts[1].image"),
     ):
         with pytest.raises(grpc.RpcError) as info:

@@ -57,6 +57,9 @@ class VisionEncoder(nn.Module, ABC):
     marker_token: str  # what the chat template writes for one image (`processor.image_token`)
     marker_token_id: int
     placeholder_token_id: int  # the token whose rows the features replace
+    # Other token strings user text must not spell: placeholders of media this API does not take (Qwen's video pad:
+    # transformers' processor refuses text holding one without a video; we took it as a text token).
+    reserved_tokens: tuple[str, ...] = ()
     text_hidden_size: int
 
     @staticmethod

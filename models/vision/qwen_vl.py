@@ -49,6 +49,7 @@ class QwenVLEncoder(VisionEncoder):
         self.marker_token = processor.image_token
         self.marker_token_id = processor.tokenizer.convert_tokens_to_ids(self.marker_token)
         self.placeholder_token_id = config.image_token_id
+        self.reserved_tokens = (processor.video_token,)
 
     @staticmethod
     @abstractmethod
