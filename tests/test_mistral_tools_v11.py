@@ -218,3 +218,21 @@ def test_hf_tokenizer_grammar_writes_the_tags_as_its_tokens(tmp_path: Path) -> N
     assert not accepts(tools.REQUIRED, '[TOOL_CALLS]get_time[ARGS]{"zone": "x"}')  # strict: the schema holds
     assert accepts(tools.AUTO, "Sure. " + call) and accepts(tools.AUTO, "No call.")
     assert accepts(tools.NONE, "No call.") and not accepts(tools.NONE, "Sure. " + call)
+
+
+def test_plain_turns_are_written_by_mistral_common(stub, server: ServerThread) -> None:
+    """No tools: a tekken folder's turns are mistral_common's (they were joined by newlines); Magistral's thinking
+    still comes apart from the answer."""
+    request = user_request("Is it raining?", model="magistral", max_output_tokens=40)
+    request.contents.insert(0, content_pb2.Content(role="system", parts=[content_pb2.Part(text="Be brief.")]))
+    request.sampling.CopyFrom(sampling_pb2.SamplingConfig(temperature=1.0, seed=0, logit_bias={THINK: 12.0}))
+    thought, text, summary = "", "", None
+    for response in stub.Generate(request):
+        if response.WhichOneof("response") == "delta":
+            thought, text = thought + response.delta.reasoning_text, text + response.delta.text
+        else:
+            summary = response.summary
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Is it raining?"}]
+    want = server.engine("magistral").tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+    assert summary is not None and summary.usage.prompt_tokens == len(want)
+    assert thought and summary.usage.reasoning_tokens > 0 and "[THINK]" not in text
