@@ -133,6 +133,11 @@ class VoiceActivityDetector:
         self._last_voiced_end = 0
         self._speech_frames = 0
 
+    @property
+    def last_voiced_end(self) -> int:
+        """One past the last sample of the latest voiced frame: where the open utterance's END would fall now."""
+        return self._last_voiced_end
+
     def feed(self, samples: np.ndarray) -> list[SpeechEvent]:
         """Take the next samples [N] of the stream; return the events they decide."""
         data = np.concatenate([self._pending, np.asarray(samples, np.float32).reshape(-1)])

@@ -140,7 +140,7 @@ class _Utterance:
     index: int
     start: int  # the detector's START offset (16 kHz samples from the stream's start)
     interim: asyncio.Task | None = None
-    interim_end: int | None = None  # audio end of the latest interim started (None: none yet)
+    interim_end: int | None = None  # audio received when the latest interim started (None: none yet)
     words: list[str] = field(default_factory=list)  # the last interim's words sent
 
 
@@ -258,8 +258,11 @@ class _Stream:
             due = u.interim_end + INTERIM_EVERY_S * SAMPLE_RATE
         if self.received < due:
             return
-        a, b, clip = self._span(u.start, self.received)
-        u.interim_end = b
+        # The span the final would take if the utterance ended now: up to its last voiced frame + PAD_S. To the audio
+        # received, an interim in the trailing silence (600 ms, up to 10 s with endpoint_silence_ms) reported an end
+        # past its final's, and result end offsets went backwards (Google's result_end_offset only grows).
+        a, b, clip = self._span(u.start, self.vad.last_voiced_end + round(PAD_S * SAMPLE_RATE))
+        u.interim_end = self.received
         u.interim = self._spawn(self._interim(u, a, b, clip))
 
     def _spawn(self, coro) -> asyncio.Task:

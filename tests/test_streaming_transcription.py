@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import queue
 import subprocess
 import sys
 import threading
@@ -191,6 +192,42 @@ def test_interim_results_and_finalize(served):
     # Results go out in utterance order: no interim of utterance 1 before the final of utterance 0.
     order = [(r.utterance_index, r.is_final) for r in results]
     assert order.index((0, True)) < min((i for i, (u, _) in enumerate(order) if u == 1), default=len(order))
+    baseline(served)
+
+
+def test_result_end_offsets_never_go_back(served):
+    """Two utterances with interims, each followed by a long silence (endpoint_silence_ms 3000), the client waiting for
+    an interim before it sends 0.1 s more of the silence: the next interim runs in the silence. It reported the audio
+    received as its end, past the end its final then reported (the voiced span + 0.2 s). Now every result's end offset
+    is at least the previous result's: an interim covers what its final would if the utterance ended then."""
+    seen: queue.Queue = queue.Queue()  # (utterance_index, is_final) of each result, as it comes
+    silence_ms = 3000
+
+    def wait_for(index: int, final: bool) -> None:
+        while seen.get(timeout=60) != (index, final):
+            pass
+
+    def stream():
+        yield from requests(quiet(0.3), interim_results=True, language="en", endpoint_silence_ms=silence_ms)
+        for i, voice in enumerate([tone(1.0, amp=0.2), chirp(1.0, amp=0.2)]):
+            if i:
+                wait_for(i - 1, True)  # no interim starts while an earlier final is pending
+            for samples in (np.concatenate([voice, quiet(1.0, seed=i + 2)]), quiet(0.1, seed=i + 4)):
+                yield from list(requests(samples))[1:]
+                wait_for(i, False)  # an interim came: the next one starts on the next chunk, in the silence
+            yield from list(requests(quiet(silence_ms / 1000, seed=i + 6)))[1:]  # its END
+
+    results = []
+    for r in served["stub"].StreamingTranscribe(stream(), timeout=120):
+        if r.HasField("result"):
+            results.append(r.result)
+            seen.put((r.result.utterance_index, r.result.is_final))
+    finals = {r.utterance_index: r for r in results if r.is_final}
+    assert sorted(finals) == [0, 1] and len(results) >= 6
+    ends = [seconds(r.end_offset) for r in results]
+    assert ends == sorted(ends), [(r.utterance_index, r.is_final, seconds(r.end_offset)) for r in results]
+    for r in results:
+        assert seconds(r.end_offset) <= seconds(finals[r.utterance_index].end_offset)
     baseline(served)
 
 
