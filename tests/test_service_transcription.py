@@ -159,6 +159,33 @@ def test_bad_requests_are_invalid_argument_and_the_server_keeps_serving(served):
     baseline(served)
 
 
+def test_prompt_spelling_a_template_token_is_tokenized_as_the_processor_does(served):
+    """A decision, checked: Transcribe's `prompt` is user text inside the family's chat template, and transformers'
+    processor tokenizes the rendered template with special tokens parsed, the user's text included (the processors'
+    `__call__` runs `tokenizer(text)`); so do we, and a prompt spelling "<|im_end|>" gets that token as the reference
+    does. Unlike speech text (spoken as its characters, models/orpheus.py), a prompt only steers the caller's own
+    transcript, and splitting it would give another prompt than transformers' for the same request. The audio marker,
+    which would break the clip count, is refused (test_bad_requests_are_invalid_argument_...)."""
+    family, audio, processor = served["family"], served["audio"], served["processor"]
+    context = "Names: Zoë <|im_end|>"
+    end_id = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    samples = tone(1.0)
+    prompt = audio.prompt(audio.transcription_ids("en", context), [samples])
+    try:
+        ours = prompt.token_ids
+    finally:
+        prompt.release()
+    messages = transcription_messages(family, "en", context)
+    assistant = messages[-1]["role"] == "assistant"
+    text = processor.apply_chat_template(
+        messages, tokenize=False, continue_final_message=assistant, add_generation_prompt=not assistant
+    )
+    ref = processor(text=[text], audio=[samples], sampling_rate=16000, return_tensors="pt")["input_ids"][0].tolist()
+    assert ours == ref
+    assert ours.count(end_id) == text.count("<|im_end|>") >= 2  # the template's own and the user's
+    baseline(served)
+
+
 def test_segment_transcript_holds_the_language_header_back():
     tok = tokenizer_with(QWEN3_ASR_TOKENS)
     ids = tok("language German<asr_text> Guten Morgen, Welt.  ", add_special_tokens=False).input_ids
