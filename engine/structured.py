@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import llguidance
-import llguidance.torch as llg_torch
+import llguidance.numpy as llg_np  # not .torch: its import torch.compiles a kernel we never use (+1.5-4.5 s)
 import numpy as np
 import torch
 
@@ -33,12 +33,12 @@ log = logging.getLogger(__name__)
 assert sys.byteorder == "little"  # byte k of an int32 word holds its bits 8k..8k+7
 
 
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def unpack_bitmask(bitmask: np.ndarray | torch.Tensor, vocab_size: int) -> torch.Tensor:
     """int32 bitmask [B, ceil(V/32)] on the CPU (bit j of word w = token 32w+j) -> bool [B, V].
 
     numpy's unpackbits: 0.2 ms for 64 rows of SmolLM2's 49 152 tokens, against 3-6 ms for torch uint8 and-masks over
     [B, 4W, 8] and 8-13 ms for int32 shifts over [B, W, 32] (one busy core)."""
-    octets = bitmask.contiguous().numpy().view(np.uint8)  # [B, 4W]
+    octets = np.ascontiguousarray(bitmask).view(np.uint8)  # [B, 4W]
     bits = np.unpackbits(octets, axis=1, bitorder="little")  # [B, 32W] uint8 0/1
     return torch.from_numpy(bits.view(np.bool_))[:, :vocab_size]
 
@@ -79,8 +79,8 @@ class GrammarConstraint:
     def allowed(self, output_token_ids: list[int]) -> torch.Tensor:
         if self.needs_mask:
             self._check()
-            bitmask = llg_torch.allocate_token_bitmask(1, self.vocab_size)
-            llg_torch.fill_next_token_bitmask(self.matcher, bitmask, 0)
+            bitmask = llg_np.allocate_token_bitmask(1, self.vocab_size)
+            llg_np.fill_next_token_bitmask(self.matcher, bitmask, 0)
             self._check()
             self.set_mask(unpack_bitmask(bitmask, self.vocab_size)[0])
         assert self._mask is not None
@@ -147,10 +147,8 @@ class GrammarMasks:
     def _fill(self, constraints: list[GrammarConstraint]) -> None:
         if self._executor is None:  # made on first use: engines that never see a grammar start no threads
             self._executor = llguidance.LLExecutor(self._num_threads)
-        bitmask = llg_torch.allocate_token_bitmask(len(constraints), self.vocab_size)  # int32 [B, ceil(V/32)]
-        llg_torch.fill_next_token_bitmask_par(
-            self._executor, [(c.matcher, i) for i, c in enumerate(constraints)], bitmask
-        )
+        bitmask = llg_np.allocate_token_bitmask(len(constraints), self.vocab_size)  # int32 [B, ceil(V/32)]
+        llg_np.fill_next_token_bitmask_par(self._executor, [(c.matcher, i) for i, c in enumerate(constraints)], bitmask)
         masks = unpack_bitmask(bitmask, self.vocab_size)  # bool [B, V], a fresh tensor every step
         for c, mask in zip(constraints, masks, strict=True):
             if not c.matcher.is_error():  # an errored row computes again in allowed() and raises there
@@ -229,8 +227,8 @@ def compile_grammar(
     # A grammar whose language is empty (a regex like [^\s\S]) compiles, and failed only at its first mask, in the
     # engine: INTERNAL. Its first mask, on a copy (a few ms, once per compile, in the compile worker), tells.
     first = matcher.deep_copy()
-    bitmask = llg_torch.allocate_token_bitmask(1, vocab_size)
-    llg_torch.fill_next_token_bitmask(first, bitmask, 0)
+    bitmask = llg_np.allocate_token_bitmask(1, vocab_size)
+    llg_np.fill_next_token_bitmask(first, bitmask, 0)
     if first.is_error() or not bitmask.any():
         raise GrammarError("the grammar admits no output at all")
     return GrammarConstraintFactory(matcher, vocab_size, eos_ids)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import llguidance
-import llguidance.torch as llg_torch
+import llguidance.numpy as llg_np
 import pytest
 import torch
 from engines import tiny_checkpoint, tiny_engine
@@ -69,8 +69,8 @@ def test_mixed_batch_rows_equal_alone(engine, monkeypatch) -> None:
     prompts = ["Hello there", "The capital of", "def main():", "café naïve", "Hello there"]
     alone = [engine.generate(p, sp)[0].token_ids for p, sp in zip(prompts, params, strict=True)]
     singles = []
-    real_single = llg_torch.fill_next_token_bitmask
-    monkeypatch.setattr(llg_torch, "fill_next_token_bitmask", lambda *a: (singles.append(1), real_single(*a)))
+    real_single = llg_np.fill_next_token_bitmask
+    monkeypatch.setattr(llg_np, "fill_next_token_bitmask", lambda *a: (singles.append(1), real_single(*a)))
     together = [o.token_ids for o in engine.generate(prompts, params)]
     assert together == alone
     assert not singles  # the batch filled every grammar row's mask before sampling
