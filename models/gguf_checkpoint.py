@@ -29,8 +29,15 @@ GGUF_ARCHS = ("llama", "qwen2", "qwen3")
 
 
 def load_gguf_config(path: Path) -> transformers.PretrainedConfig:
-    """The transformers config of the `.gguf` file at `path` (parsed from its metadata once, then cached)."""
+    """The transformers config of the `.gguf` file at `path` (parsed from its metadata once, then cached). A GGUF of
+    an architecture we do not read is refused here, before any model is allocated for it."""
     _check_gguf_file(path)
+    arch = _read_gguf_metadata(path).get("general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise ValueError(
+            f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHS)}); Phi-3 and "
+            "Gemma 2 / 3 are served from their Hugging Face checkpoint folders (safetensors)"
+        )
     cached = _gguf_cache_dir(path) / "config"
     if (cached / "config.json").is_file():
         config = transformers.AutoConfig.from_pretrained(cached)

@@ -202,3 +202,24 @@ def test_grpc_greedy_matches_transformers(root):
             ref = load_reference(path)
             ref.generation_config.eos_token_id = None
             assert ours == reference_greedy(ref, prompt, 6)[0], family
+
+
+@pytest.mark.parametrize("arch", ["phi3", "gemma2", "gemma3"])
+def test_gguf_of_these_families_refused_at_load_naming_the_architecture(tmp_path, arch):
+    """We read llama / qwen2 / qwen3 GGUFs only (llama.cpp stores Gemma's norms as 1 + weight and Phi-3's rope
+    factors as tensors): refused when its config is read, before a model is allocated, pointing at the folders."""
+    import gguf
+    import numpy as np
+
+    from omnivox.engine import Engine
+
+    path = tmp_path / f"{arch}.gguf"
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=f"GGUF architecture '{arch}' is not supported.*checkpoint folders"):
+        Engine.from_pretrained(path, device="cpu", kv_cache_gib=0.01)
