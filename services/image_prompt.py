@@ -1,5 +1,5 @@
-"""Image input for vision-language bundles (LLaVA 1.5/NeXT, SmolVLM/Idefics3, Qwen2.5-VL): the bundle part and its
-PromptBuilder.
+"""Image input for vision-language bundles (LLaVA 1.5/NeXT, SmolVLM/Idefics3, Qwen2-VL, Qwen2.5-VL): the bundle part
+and its PromptBuilder.
 
 The steps of models/vision/base.py's contract, for each image part of a request, off the event loop (the prompt is
 built in a worker thread):
@@ -11,7 +11,7 @@ built in a worker thread):
   image's features in the bundle's EncoderWorker (SmolVLM writes text between an image's tiles, so one image fills
   several runs; the other families fill one). The encoder runs only when the engine admits the request and the prefix
   cache does not already cover the run; images of requests admitted together are encoded in one batch.
-Qwen2.5-VL's prompts carry M-RoPE positions (`enc.rope_positions`), passed to `engine.stream`.
+Qwen2-VL's and Qwen2.5-VL's prompts carry M-RoPE positions (`enc.rope_positions`), passed to `engine.stream`.
 """
 
 from __future__ import annotations
@@ -236,7 +236,7 @@ def load_image_part(
 
 class ImagePromptBuilder:
     """Turns of text and image parts (in any turn, several per turn) -> the chat template's prompt, markers expanded,
-    one segment per feature run, and M-RoPE positions for Qwen2.5-VL."""
+    one segment per feature run, and M-RoPE positions for Qwen2-VL / 2.5-VL."""
 
     def __init__(self, image: ImageInputPart, context_tokens: int | None = None) -> None:
         """context_tokens: the model's context; images whose placeholders alone fill it are refused as soon as
