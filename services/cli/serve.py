@@ -39,6 +39,11 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(str(err)) from None
     check_flag_values(args)
     check_tensor_parallel(args)
+    # Before the server's imports (transformers, grpc: seconds): a wrong --sampling-default or --quantization
+    # fails in a blink, as a wrong path does.
+    specs = model_specs(
+        args.models, args.names, args.sampling_defaults, args.quantization, args.speculative, args.activation_bits
+    )
     from omnivox.codecs.streaming import StreamingOptions
     from omnivox.services import server
     from omnivox.services.auth import Quota
@@ -109,9 +114,6 @@ def run(args: argparse.Namespace) -> int:
         else StreamingOptions(first_hop_frames=args.speech_first_hop),
     )
     try:
-        specs = model_specs(
-            args.models, args.names, args.sampling_defaults, args.quantization, args.speculative, args.activation_bits
-        )
         return asyncio.run(server.run(specs, options, engine_options, on_ready=demo if args.demo else None))
     except (ModelLoadError, OSError) as err:
         raise CliError(str(err)) from None
