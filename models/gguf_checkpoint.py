@@ -25,7 +25,7 @@ from .cache import build_cached, omnivox_cache_dir
 
 logger = logging.getLogger(__name__)
 
-GGUF_ARCHS = ("llama", "qwen2", "qwen3")
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 
 
 def load_gguf_config(path: Path) -> transformers.PretrainedConfig:
@@ -36,7 +36,7 @@ def load_gguf_config(path: Path) -> transformers.PretrainedConfig:
     if arch not in GGUF_ARCHS:
         raise ValueError(
             f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHS)}); Phi-3 and "
-            "Gemma 2 / 3 are served from their Hugging Face checkpoint folders (safetensors)"
+            "Gemma 2 are served from their Hugging Face checkpoint folders (safetensors)"
         )
     cached = _gguf_cache_dir(path) / "config"
     if (cached / "config.json").is_file():
@@ -202,12 +202,26 @@ def _patch_gguf_config(config: transformers.PretrainedConfig, metadata: dict, pa
     # transformers maps no head size for qwen3 GGUFs; Qwen3's default (128) is wrong for other head sizes.
     if arch == "qwen3" and key_length is not None:
         config.head_dim = int(key_length)
+    if arch == "gemma3":
+        _patch_gemma3_config(config, metadata, int(key_length or config.head_dim))
     if arch == "llama":
         rope_freqs = next((raw for name, _, _, raw in gguf_tensor_table(path)[1] if name == "rope_freqs.weight"), None)
         if rope_freqs is not None:
             config.rope_parameters = _llama3_rope_from_freq_factors(
                 np.asarray(rope_freqs).view(np.float32).reshape(-1), config, path
             )
+
+
+def _patch_gemma3_config(config: transformers.PretrainedConfig, metadata: dict, key_length: int) -> None:
+    """What a Gemma 3 GGUF leaves to the reader (transformers' mapping reads neither): the query scale, which
+    llama.cpp takes as 1 / sqrt(head size) but for the 27B (62 layers: hidden / heads, its query_pre_attn_scalar 168),
+    and the global layers' linear rope scaling of the 4B and larger (`gemma3.rope.scaling.*`)."""
+    layers = int(metadata.get("gemma3.block_count", config.num_hidden_layers))
+    config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads if layers == 62 else key_length
+    if metadata.get("gemma3.rope.scaling.type") == "linear":
+        full = dict(config.rope_parameters["full_attention"])
+        full |= {"rope_type": "linear", "factor": float(metadata["gemma3.rope.scaling.factor"])}
+        config.rope_parameters = {**config.rope_parameters, "full_attention": full}
 
 
 def _llama3_freq_factors(theta: float, head_dim: int, rope: dict) -> np.ndarray:

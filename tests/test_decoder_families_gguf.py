@@ -1,0 +1,114 @@
+"""Gemma 3 GGUF files (llama.cpp's layout: norms stored as 1 + weight, no query_pre_attn_scalar, the global layers'
+rope scaling under `gemma3.rope.scaling.*`) on our decoder: equal to transformers on the checkpoint they were
+converted from, at float precision and at their own Q8_0 precision. The files are written here from a tiny random
+checkpoint as llama.cpp's convert_hf_to_gguf.py writes them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import transformers
+from checkpoints import load_reference, make_checkpoint
+from engines import tiny_engine
+from test_config_sweep import SHORT, XL, assert_matches
+
+from omnivox.engine import SamplingParams
+from omnivox.models import quant
+from omnivox.models.gguf_checkpoint import _patch_gemma3_config
+
+
+def write_gemma3_gguf(hf_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType) -> Path:
+    """The checkpoint at hf_dir as a gemma3 GGUF: metadata, byte-level BPE tokenizer, matrices in `qtype`."""
+    from safetensors.torch import load_file
+
+    config = transformers.AutoConfig.from_pretrained(hf_dir)
+    writer = gguf.GGUFWriter(out, "gemma3")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_vocab_size(config.vocab_size)
+    full = config.rope_parameters["full_attention"]
+    writer.add_rope_freq_base(full["rope_theta"])
+    if full.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(full["factor"])
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    tokens = sorted(tok["model"]["vocab"], key=tok["model"]["vocab"].get)
+    specials = {t["content"] for t in tok["added_tokens"] if t["special"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if t in specials else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, config.num_hidden_layers)
+    for hf_name, tensor in load_file(hf_dir / "model.safetensors").items():
+        w = tensor.float() + 1 if hf_name.endswith("norm.weight") else tensor.float()  # llama.cpp's Gemma norms
+        name, w = names.get_name(hf_name.removesuffix(".weight")) + ".weight", w.numpy()
+        if w.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(w))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """Gemma 3 4B's text layout, shrunk: 7 layers (every 6th full: the 6th), a window of 16, linear rope scaling on
+    the full layer; query_pre_attn_scalar = head_dim, as every Gemma 3 but the 27B has it (a GGUF does not carry it)."""
+    root = tmp_path_factory.mktemp("gemma3-gguf")
+    rope = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}  # fmt: skip
+    hf = make_checkpoint(root / "hf", "gemma3", seed=7, num_hidden_layers=7, layer_types=None, sliding_window=16,
+                         query_pre_attn_scalar=16, rope_parameters=rope)  # fmt: skip
+    f32, q8 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0
+    return {"hf": hf, "f32": write_gemma3_gguf(hf, root / "f32.gguf", f32), "q8": write_gemma3_gguf(hf, root / "q8.gguf", q8)}  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNIVOX_CACHE", str(tmp_path / "omnivox-cache"))
+
+
+def test_float_gguf_equals_transformers_on_its_source(checkpoints):
+    engine = tiny_engine(checkpoints["f32"], max_num_batched_tokens=8)
+    cfg = engine.model_config
+    assert (cfg.family, cfg.attn_scale, cfg.sliding_layers, cfg.local_rope_layers) == ("gemma3", 0.25, (0, 1, 2, 3, 4, 6), (0, 1, 2, 3, 4, 6))  # fmt: skip
+    assert cfg.hf_config.rope_parameters["full_attention"] == {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}
+    assert_matches(engine, load_reference(checkpoints["hf"]), (SHORT, XL))
+
+
+def test_q8_gguf_served_at_its_own_precision(checkpoints):
+    """Int8 blocks as stored (the tied embedding too, scaled like the float one); the same greedy tokens as the
+    file dequantised to float."""
+    native = tiny_engine(checkpoints["q8"], quantization="auto")
+    assert isinstance(native.model.layers[0].mlp.down_proj, quant.Int8Linear)
+    assert isinstance(native.model.embed_tokens, quant.Int8Embedding)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    dequantised = tiny_engine(checkpoints["q8"], quantization="none")
+    assert native.generate([XL], params)[0].token_ids == dequantised.generate([XL], params)[0].token_ids
+
+
+def test_query_scale_as_llama_cpp_reads_it():
+    """1 / sqrt(head size), but hidden / heads for the 27B (62 layers: 5376 / 32 = 168, its query_pre_attn_scalar)."""
+    for layers, want in ((26, 256), (62, 168)):
+        config = transformers.Gemma3TextConfig(hidden_size=5376, num_attention_heads=32, num_hidden_layers=layers)
+        _patch_gemma3_config(config, {"gemma3.block_count": layers}, 256 if layers == 26 else 128)
+        assert config.query_pre_attn_scalar == want
