@@ -25,7 +25,7 @@ from .cache import build_cached, omnivox_cache_dir
 
 logger = logging.getLogger(__name__)
 
-GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
 
 
 def load_gguf_config(path: Path) -> transformers.PretrainedConfig:
@@ -35,8 +35,8 @@ def load_gguf_config(path: Path) -> transformers.PretrainedConfig:
     arch = _read_gguf_metadata(path).get("general.architecture")
     if arch not in GGUF_ARCHS:
         raise ValueError(
-            f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHS)}); Phi-3 and "
-            "Gemma 2 are served from their Hugging Face checkpoint folders (safetensors)"
+            f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHS)}); Gemma 2 "
+            "is served from its Hugging Face checkpoint folders (safetensors)"
         )
     cached = _gguf_cache_dir(path) / "config"
     if (cached / "config.json").is_file():
@@ -204,6 +204,8 @@ def _patch_gguf_config(config: transformers.PretrainedConfig, metadata: dict, pa
         config.head_dim = int(key_length)
     if arch == "gemma3":
         _patch_gemma3_config(config, metadata, int(key_length or config.head_dim))
+    if arch == "phi3":
+        _patch_phi3_config(config, metadata, path)
     if arch == "llama":
         rope_freqs = next((raw for name, _, _, raw in gguf_tensor_table(path)[1] if name == "rope_freqs.weight"), None)
         if rope_freqs is not None:
@@ -222,6 +224,31 @@ def _patch_gemma3_config(config: transformers.PretrainedConfig, metadata: dict, 
         full = dict(config.rope_parameters["full_attention"])
         full |= {"rope_type": "linear", "factor": float(metadata["gemma3.rope.scaling.factor"])}
         config.rope_parameters = {**config.rope_parameters, "full_attention": full}
+
+
+def _patch_phi3_config(config: transformers.PretrainedConfig, metadata: dict, path: Path) -> None:
+    """Phi-3's rope and window as llama.cpp's convert_hf_to_gguf.py stores them, which transformers' mapping drops:
+    the rotated dims (`phi3.rope.dimension_count`: Phi-4-mini rotates 3/4 of each head), longrope's factors as the
+    tensors `rope_factors_long` / `rope_factors_short` with the original context and attention factor in the metadata,
+    and the sliding window (0: none, Phi-4)."""
+    window = metadata.get("phi3.attention.sliding_window")
+    config.sliding_window = int(window) if window else None
+    rope = {"rope_type": "default", "rope_theta": float(config.rope_parameters["rope_theta"])}
+    head_dim = config.hidden_size // config.num_attention_heads
+    dims = int(metadata.get("phi3.rope.dimension_count") or head_dim)
+    rope["partial_rotary_factor"] = config.partial_rotary_factor = dims / head_dim
+    names = ("rope_factors_long.weight", "rope_factors_short.weight")
+    factors = {
+        n: np.asarray(raw).view(np.float32).reshape(-1) for n, _, _, raw in gguf_tensor_table(path)[1] if n in names
+    }
+    if factors:
+        original = int(metadata["phi3.rope.scaling.original_context_length"])
+        config.original_max_position_embeddings = original
+        rope |= {"rope_type": "longrope", "long_factor": factors[names[0]].tolist(),
+                 "short_factor": factors[names[1]].tolist(), "original_max_position_embeddings": original}  # fmt: skip
+        if metadata.get("phi3.rope.scaling.attn_factor") is not None:
+            rope["attention_factor"] = float(metadata["phi3.rope.scaling.attn_factor"])
+    config.rope_parameters = rope
 
 
 def _llama3_freq_factors(theta: float, head_dim: int, rope: dict) -> np.ndarray:

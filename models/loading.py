@@ -45,6 +45,11 @@ class GGUFBlocks:
     raw: np.ndarray  # uint8 [N, row_bytes]
     shape: tuple[int, int]  # (N, K) of the float matrix
 
+    def __getitem__(self, rows: slice) -> GGUFBlocks:
+        """Some rows of the matrix, as blocks (Phi-3's fused qkv / gate_up are split at load by rows)."""
+        raw = self.raw[rows]
+        return GGUFBlocks(self.ggml_type, raw, (raw.shape[0], self.shape[1]))
+
     def dequantize(self) -> torch.Tensor:  # [N, K] float32
         import gguf
 

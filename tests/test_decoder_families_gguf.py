@@ -1,11 +1,13 @@
-"""Gemma 3 GGUF files (llama.cpp's layout: norms stored as 1 + weight, no query_pre_attn_scalar, the global layers'
-rope scaling under `gemma3.rope.scaling.*`) on our decoder: equal to transformers on the checkpoint they were
-converted from, at float precision and at their own Q8_0 precision. The files are written here from a tiny random
-checkpoint as llama.cpp's convert_hf_to_gguf.py writes them."""
+"""Gemma 3 and Phi-3 GGUF files in llama.cpp's layout on our decoder: equal to transformers on the checkpoint they
+were converted from, at float precision and at their own Q8_0 precision. The files are written here from tiny random
+checkpoints as llama.cpp's convert_hf_to_gguf.py writes them: Gemma's norms as 1 + weight, no query_pre_attn_scalar,
+the global layers' rope scaling under `gemma3.rope.scaling.*`; Phi-3's fused attn_qkv / ffn_up, the rotated dims,
+longrope's factors as tensors and the window in the metadata."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import gguf
@@ -21,28 +23,41 @@ from omnivox.models import quant
 from omnivox.models.gguf_checkpoint import _patch_gemma3_config
 
 
-def write_gemma3_gguf(hf_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType) -> Path:
-    """The checkpoint at hf_dir as a gemma3 GGUF: metadata, byte-level BPE tokenizer, matrices in `qtype`."""
+def write_gguf(hf_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType) -> Path:
+    """The gemma3 or phi3 checkpoint at hf_dir as a GGUF: metadata, byte-level BPE tokenizer, matrices in `qtype`."""
     from safetensors.torch import load_file
 
     config = transformers.AutoConfig.from_pretrained(hf_dir)
-    writer = gguf.GGUFWriter(out, "gemma3")
+    arch = "gemma3" if config.model_type == "gemma3_text" else config.model_type
+    writer = gguf.GGUFWriter(out, arch)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_sliding_window(config.sliding_window)
     writer.add_vocab_size(config.vocab_size)
-    full = config.rope_parameters["full_attention"]
-    writer.add_rope_freq_base(full["rope_theta"])
-    if full.get("rope_type") == "linear":
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(full["factor"])
+    extra = {}
+    if arch == "gemma3":
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+        writer.add_sliding_window(config.sliding_window)
+        full = config.rope_parameters["full_attention"]
+        writer.add_rope_freq_base(full["rope_theta"])
+        if full.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(full["factor"])
+    else:  # Phi3MiniModel.set_gguf_parameters / generate_extra_tensors
+        rope, head_dim = config.rope_parameters, config.hidden_size // config.num_attention_heads
+        writer.add_rope_freq_base(rope["rope_theta"])
+        writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+        writer.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
+        writer.add_sliding_window(config.sliding_window or 0)
+        if rope["rope_type"] == "longrope":
+            scale = config.max_position_embeddings / config.original_max_position_embeddings
+            writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(config.original_max_position_embeddings)))  # fmt: skip
+            extra = {"rope_factors_long.weight": rope["long_factor"], "rope_factors_short.weight": rope["short_factor"]}
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
     tokens = sorted(tok["model"]["vocab"], key=tok["model"]["vocab"].get)
     specials = {t["content"] for t in tok["added_tokens"] if t["special"]}
@@ -54,9 +69,12 @@ def write_gemma3_gguf(hf_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_pad_token_id(0)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, config.num_hidden_layers)
+    for name, values in extra.items():
+        writer.add_tensor(name, np.array(values, dtype=np.float32))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3 if arch == "gemma3" else gguf.MODEL_ARCH.PHI3, config.num_hidden_layers)  # fmt: skip
     for hf_name, tensor in load_file(hf_dir / "model.safetensors").items():
-        w = tensor.float() + 1 if hf_name.endswith("norm.weight") else tensor.float()  # llama.cpp's Gemma norms
+        gemma_norm = arch == "gemma3" and hf_name.endswith("norm.weight")
+        w = tensor.float() + 1 if gemma_norm else tensor.float()  # llama.cpp stores Gemma's norms as 1 + weight
         name, w = names.get_name(hf_name.removesuffix(".weight")) + ".weight", w.numpy()
         if w.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
@@ -78,8 +96,20 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}  # fmt: skip
     hf = make_checkpoint(root / "hf", "gemma3", seed=7, num_hidden_layers=7, layer_types=None, sliding_window=16,
                          query_pre_attn_scalar=16, rope_parameters=rope)  # fmt: skip
+    # Phi-4-mini's layout, shrunk: 3/4 of each head rotating, longrope (its long factors: the prompts pass the
+    # original 32 tokens), tied, no window (0 in the file); and Phi-3-mini-4k's: a window, untied, plain rope
+    longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                "short_factor": [1.0, 1.1, 1.2, 1.3, 1.4, 1.5], "long_factor": [2.0, 2.5, 3.0, 3.5, 4.0, 4.5]}  # fmt: skip
+    phi4 = make_checkpoint(root / "phi4", "phi3", seed=7, rope_parameters=longrope, partial_rotary_factor=0.75,
+                           original_max_position_embeddings=32, tie_word_embeddings=True)  # fmt: skip
+    phi3 = make_checkpoint(root / "phi3", "phi3", seed=7, sliding_window=20)
     f32, q8 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0
-    return {"hf": hf, "f32": write_gemma3_gguf(hf, root / "f32.gguf", f32), "q8": write_gemma3_gguf(hf, root / "q8.gguf", q8)}  # fmt: skip
+    return {
+        "hf": hf, "f32": write_gguf(hf, root / "f32.gguf", f32), "q8": write_gguf(hf, root / "q8.gguf", q8),
+        "phi4-hf": phi4, "phi4-f32": write_gguf(phi4, root / "phi4.gguf", f32),
+        "phi4-q8": write_gguf(phi4, root / "phi4-q8.gguf", q8),
+        "phi3-hf": phi3, "phi3-f32": write_gguf(phi3, root / "phi3.gguf", f32),
+    }  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
@@ -112,3 +142,21 @@ def test_query_scale_as_llama_cpp_reads_it():
         config = transformers.Gemma3TextConfig(hidden_size=5376, num_attention_heads=32, num_hidden_layers=layers)
         _patch_gemma3_config(config, {"gemma3.block_count": layers}, 256 if layers == 26 else 128)
         assert config.query_pre_attn_scalar == want
+
+
+@pytest.mark.parametrize("model", ["phi4", "phi3"])
+def test_phi3_float_gguf_equals_transformers_on_its_source(checkpoints, model):
+    engine = tiny_engine(checkpoints[f"{model}-f32"], max_num_batched_tokens=8)
+    cfg = engine.model_config
+    want = (12, None, True) if model == "phi4" else (None, 20, False)
+    assert (cfg.rotary_dim, cfg.sliding_window, cfg.tie_word_embeddings) == want
+    assert_matches(engine, load_reference(checkpoints[f"{model}-hf"]), (XL,) if model == "phi4" else (SHORT, XL))
+
+
+def test_phi3_q8_gguf_served_at_its_own_precision(checkpoints):
+    """The fused attn_qkv / ffn_up blocks split by rows of blocks at load, no float detour."""
+    native = tiny_engine(checkpoints["phi4-q8"], quantization="auto")
+    assert isinstance(native.model.layers[0].self_attn.qkv_proj, quant.Int8Linear)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    dequantised = tiny_engine(checkpoints["phi4-q8"], quantization="none")
+    assert native.generate([XL], params)[0].token_ids == dequantised.generate([XL], params)[0].token_ids
