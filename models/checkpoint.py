@@ -94,7 +94,7 @@ def iter_checkpoint_tensors(path: str | os.PathLike, part: str | None = DECODER)
     """Yield `(hf_name, tensor)` for every weight of one part of the checkpoint at `path`, one tensor at a time.
 
     `path` is a folder (`model.safetensors`, sharded safetensors with `model.safetensors.index.json`, or
-    `pytorch_model.bin[.index.json]`) or a `.gguf` file (llama, qwen2, qwen3, gemma3, phi3). Safetensors tensors keep their stored
+    `pytorch_model.bin[.index.json]`) or a `.gguf` file (models/gguf_checkpoint.py GGUF_ARCHS). Safetensors tensors keep their stored
     dtype; GGUF tensors come out as float32. A tied GGUF (no `output.weight`) yields no `lm_head.weight`.
     `part`: DECODER (the default: the text decoder, with a multimodal checkpoint's names rewritten to a causal LM's,
     see `route_weight_name`), VISION, AUDIO, PROJECTOR, or None for every tensor under its stored name. Tensors of

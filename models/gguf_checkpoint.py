@@ -25,7 +25,7 @@ from .cache import build_cached, omnivox_cache_dir
 
 logger = logging.getLogger(__name__)
 
-GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 
 
 def load_gguf_config(path: Path) -> transformers.PretrainedConfig:
@@ -34,10 +34,7 @@ def load_gguf_config(path: Path) -> transformers.PretrainedConfig:
     _check_gguf_file(path)
     arch = _read_gguf_metadata(path).get("general.architecture")
     if arch not in GGUF_ARCHS:
-        raise ValueError(
-            f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHS)}); Gemma 2 "
-            "is served from its Hugging Face checkpoint folders (safetensors)"
-        )
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHS)})")
     cached = _gguf_cache_dir(path) / "config"
     if (cached / "config.json").is_file():
         config = transformers.AutoConfig.from_pretrained(cached)
@@ -202,8 +199,8 @@ def _patch_gguf_config(config: transformers.PretrainedConfig, metadata: dict, pa
     # transformers maps no head size for qwen3 GGUFs; Qwen3's default (128) is wrong for other head sizes.
     if arch == "qwen3" and key_length is not None:
         config.head_dim = int(key_length)
-    if arch == "gemma3":
-        _patch_gemma3_config(config, metadata, int(key_length or config.head_dim))
+    if arch in ("gemma2", "gemma3"):
+        _patch_gemma_config(config, metadata, arch, int(key_length or config.head_dim))
     if arch == "phi3":
         _patch_phi3_config(config, metadata, path)
     if arch == "llama":
@@ -214,13 +211,17 @@ def _patch_gguf_config(config: transformers.PretrainedConfig, metadata: dict, pa
             )
 
 
-def _patch_gemma3_config(config: transformers.PretrainedConfig, metadata: dict, key_length: int) -> None:
-    """What a Gemma 3 GGUF leaves to the reader (transformers' mapping reads neither): the query scale, which
-    llama.cpp takes as 1 / sqrt(head size) but for the 27B (62 layers: hidden / heads, its query_pre_attn_scalar 168),
-    and the global layers' linear rope scaling of the 4B and larger (`gemma3.rope.scaling.*`)."""
-    layers = int(metadata.get("gemma3.block_count", config.num_hidden_layers))
-    config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads if layers == 62 else key_length
-    if metadata.get("gemma3.rope.scaling.type") == "linear":
+def _patch_gemma_config(config: transformers.PretrainedConfig, metadata: dict, arch: str, key_length: int) -> None:
+    """What a Gemma 2 / 3 GGUF leaves to the reader (transformers' mapping reads none of it): the query scale, which
+    llama.cpp takes as 1 / sqrt(head size) but for the 27Bs (Gemma 2: 46 layers, Gemma 3: 62; hidden / heads, their
+    query_pre_attn_scalar 144 and 168); Gemma 2's soft-caps; Gemma 3's global linear rope scaling (4B and larger)."""
+    layers = int(metadata.get(f"{arch}.block_count", config.num_hidden_layers))
+    big = layers == (46 if arch == "gemma2" else 62)
+    config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads if big else key_length
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if metadata.get(f"{arch}.{key}") is not None:
+            setattr(config, key, float(metadata[f"{arch}.{key}"]))
+    if arch == "gemma3" and metadata.get("gemma3.rope.scaling.type") == "linear":
         full = dict(config.rope_parameters["full_attention"])
         full |= {"rope_type": "linear", "factor": float(metadata["gemma3.rope.scaling.factor"])}
         config.rope_parameters = {**config.rope_parameters, "full_attention": full}

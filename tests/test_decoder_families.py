@@ -204,9 +204,9 @@ def test_grpc_greedy_matches_transformers(root):
             assert ours == reference_greedy(ref, prompt, 6)[0], family
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "llama4"])
+@pytest.mark.parametrize("arch", ["llama4", "gemma"])
 def test_gguf_of_these_families_refused_at_load_naming_the_architecture(tmp_path, arch):
-    """We read llama / qwen2 / qwen3 / gemma3 / phi3 GGUFs only: others are refused when the config is read, before
+    """We read llama / qwen2 / qwen3 / gemma2 / gemma3 / phi3 GGUFs only: others are refused when the config is read, before
     a model is allocated."""
     import gguf
     import numpy as np

@@ -1,7 +1,7 @@
-"""Gemma 3 and Phi-3 GGUF files in llama.cpp's layout on our decoder: equal to transformers on the checkpoint they
+"""Gemma 3, Gemma 2 and Phi-3 GGUF files in llama.cpp's layout on our decoder: equal to transformers on the checkpoint they
 were converted from, at float precision and at their own Q8_0 precision. The files are written here from tiny random
 checkpoints as llama.cpp's convert_hf_to_gguf.py writes them: Gemma's norms as 1 + weight, no query_pre_attn_scalar,
-the global layers' rope scaling under `gemma3.rope.scaling.*`; Phi-3's fused attn_qkv / ffn_up, the rotated dims,
+Gemma 3's global rope scaling under `gemma3.rope.scaling.*`, Gemma 2's soft-caps; Phi-3's fused attn_qkv / ffn_up, the rotated dims,
 longrope's factors as tensors and the window in the metadata."""
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from test_config_sweep import SHORT, XL, assert_matches
 
 from omnivox.engine import SamplingParams
 from omnivox.models import quant
-from omnivox.models.gguf_checkpoint import _patch_gemma3_config
+from omnivox.models.gguf_checkpoint import _patch_gemma_config
 
 
 def write_gguf(hf_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType) -> Path:
-    """The gemma3 or phi3 checkpoint at hf_dir as a GGUF: metadata, byte-level BPE tokenizer, matrices in `qtype`."""
+    """The gemma3, gemma2 or phi3 checkpoint at hf_dir as a GGUF: metadata, byte-level BPE tokenizer, matrices in `qtype`."""
     from safetensors.torch import load_file
 
     config = transformers.AutoConfig.from_pretrained(hf_dir)
@@ -39,12 +39,15 @@ def write_gguf(hf_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType) -> Pat
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     extra = {}
-    if arch == "gemma3":
+    if arch in ("gemma2", "gemma3"):
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
         writer.add_sliding_window(config.sliding_window)
-        full = config.rope_parameters["full_attention"]
+        full = config.rope_parameters.get("full_attention", config.rope_parameters)
         writer.add_rope_freq_base(full["rope_theta"])
+        if arch == "gemma2":
+            writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+            writer.add_final_logit_softcapping(config.final_logit_softcapping)
         if full.get("rope_type") == "linear":
             writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             writer.add_rope_scaling_factor(full["factor"])
@@ -71,9 +74,12 @@ def write_gguf(hf_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType) -> Pat
     writer.add_pad_token_id(0)
     for name, values in extra.items():
         writer.add_tensor(name, np.array(values, dtype=np.float32))
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3 if arch == "gemma3" else gguf.MODEL_ARCH.PHI3, config.num_hidden_layers)  # fmt: skip
+    model_arch = {"gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3, "phi3": gguf.MODEL_ARCH.PHI3}[
+        arch
+    ]
+    names = gguf.get_tensor_name_map(model_arch, config.num_hidden_layers)
     for hf_name, tensor in load_file(hf_dir / "model.safetensors").items():
-        gemma_norm = arch == "gemma3" and hf_name.endswith("norm.weight")
+        gemma_norm = arch != "phi3" and hf_name.endswith("norm.weight")
         w = tensor.float() + 1 if gemma_norm else tensor.float()  # llama.cpp stores Gemma's norms as 1 + weight
         name, w = names.get_name(hf_name.removesuffix(".weight")) + ".weight", w.numpy()
         if w.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
@@ -103,12 +109,15 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     phi4 = make_checkpoint(root / "phi4", "phi3", seed=7, rope_parameters=longrope, partial_rotary_factor=0.75,
                            original_max_position_embeddings=32, tie_word_embeddings=True)  # fmt: skip
     phi3 = make_checkpoint(root / "phi3", "phi3", seed=7, sliding_window=20)
+    # Gemma 2 with caps of its own (0.05 / 3.0, not the 50 / 30 a config without them defaults to)
+    gemma2 = make_checkpoint(root / "gemma2", "gemma2", seed=7, query_pre_attn_scalar=16)
     f32, q8 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0
     return {
         "hf": hf, "f32": write_gguf(hf, root / "f32.gguf", f32), "q8": write_gguf(hf, root / "q8.gguf", q8),
         "phi4-hf": phi4, "phi4-f32": write_gguf(phi4, root / "phi4.gguf", f32),
         "phi4-q8": write_gguf(phi4, root / "phi4-q8.gguf", q8),
         "phi3-hf": phi3, "phi3-f32": write_gguf(phi3, root / "phi3.gguf", f32),
+        "gemma2-hf": gemma2, "gemma2-f32": write_gguf(gemma2, root / "gemma2.gguf", f32),
     }  # fmt: skip
 
 
@@ -137,11 +146,15 @@ def test_q8_gguf_served_at_its_own_precision(checkpoints):
 
 
 def test_query_scale_as_llama_cpp_reads_it():
-    """1 / sqrt(head size), but hidden / heads for the 27B (62 layers: 5376 / 32 = 168, its query_pre_attn_scalar)."""
-    for layers, want in ((26, 256), (62, 168)):
-        config = transformers.Gemma3TextConfig(hidden_size=5376, num_attention_heads=32, num_hidden_layers=layers)
-        _patch_gemma3_config(config, {"gemma3.block_count": layers}, 256 if layers == 26 else 128)
-        assert config.query_pre_attn_scalar == want
+    """1 / sqrt(head size), but hidden / heads for the 27Bs (their query_pre_attn_scalar: Gemma 3's 62 layers
+    5376 / 32 = 168, Gemma 2's 46 layers 4608 / 32 = 144)."""
+    cases = [("gemma3", 5376, 26, 256, 256), ("gemma3", 5376, 62, 128, 168), ("gemma2", 4608, 46, 128, 144),
+             ("gemma2", 3584, 42, 256, 256)]  # fmt: skip
+    for arch, hidden, layers, head_dim, want in cases:
+        config_cls = transformers.Gemma3TextConfig if arch == "gemma3" else transformers.Gemma2Config
+        config = config_cls(hidden_size=hidden, num_attention_heads=32, num_hidden_layers=layers)
+        _patch_gemma_config(config, {f"{arch}.block_count": layers}, arch, head_dim)
+        assert config.query_pre_attn_scalar == want, (arch, layers)
 
 
 @pytest.mark.parametrize("model", ["phi4", "phi3"])
@@ -160,3 +173,10 @@ def test_phi3_q8_gguf_served_at_its_own_precision(checkpoints):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     dequantised = tiny_engine(checkpoints["phi4-q8"], quantization="none")
     assert native.generate([XL], params)[0].token_ids == dequantised.generate([XL], params)[0].token_ids
+
+
+def test_gemma2_float_gguf_equals_transformers_on_its_source(checkpoints):
+    engine = tiny_engine(checkpoints["gemma2-f32"], max_num_batched_tokens=8)
+    cfg = engine.model_config
+    assert (cfg.family, cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == ("gemma2", pytest.approx(0.05), 3.0)
+    assert_matches(engine, load_reference(checkpoints["gemma2-hf"]), (SHORT, XL))
