@@ -245,9 +245,10 @@ def attention_window(text: Any) -> tuple[int | None, tuple[int, ...]]:
     """(sliding window, the layers it applies to) of a text config; (None, ()) when every layer attends to every
     earlier token.
 
-    Mistral and Phi-3 slide every layer by `sliding_window`; Gemma 3 the layers its `layer_types` marks; Qwen2 / Qwen3 slide the layers `layer_types` marks
-    "sliding_attention" (from `use_sliding_window` and `max_window_layers`), and transformers clears their
-    `sliding_window` when `use_sliding_window` is false (the Qwen2.5 / Qwen3 releases: full attention everywhere)."""
+    Mistral and Phi-3 slide every layer by `sliding_window`; Gemma 2 / 3 the layers their `layer_types` mark
+    "sliding_attention"; Qwen2 / Qwen3 likewise (from `use_sliding_window` and `max_window_layers`), and transformers
+    clears their `sliding_window` when `use_sliding_window` is false (the Qwen2.5 / Qwen3 releases: full attention
+    everywhere)."""
     window = getattr(text, "sliding_window", None)
     if not window:
         return None, ()
