@@ -203,15 +203,23 @@ def paged_attention(
     return out
 
 
+_SOFTCAP_QUERY_ROWS = 256  # queries per score matrix: [H, 256, L] floats (16 heads at 8k keys: 128 MiB)
+
+
 def _softcapped_attention(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
     """Attention with Gemma 2's score soft-capping, written out as transformers' eager path computes it (SDPA has no
-    soft-cap): q [1, H, n, D], k / v [1, KVH, L, D], mask [n, L] True where a key is seen -> [1, H, n, D]."""
+    soft-cap): q [1, H, n, D], k / v [1, KVH, L, D], mask [n, L] True where a key is seen -> [1, H, n, D].
+    Queries go `_SOFTCAP_QUERY_ROWS` at a time, so a long prefill chunk never holds all its scores at once."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
+    out = torch.empty_like(q)
+    for s in range(0, q.shape[2], _SOFTCAP_QUERY_ROWS):
+        rows = slice(s, s + _SOFTCAP_QUERY_ROWS)
+        scores = torch.matmul(q[:, :, rows], k.transpose(-1, -2)) * scale
+        scores = torch.tanh(scores / softcap) * softcap
+        probs = scores.masked_fill(~mask[rows], float("-inf")).softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+        out[:, :, rows] = torch.matmul(probs, v)
+    return out
 
 
 def _decode_attention_gathered(

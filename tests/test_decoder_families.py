@@ -223,3 +223,17 @@ def test_gguf_of_these_families_refused_at_load_naming_the_architecture(tmp_path
     writer.close()
     with pytest.raises(ValueError, match=f"GGUF architecture '{arch}' is not supported"):
         Engine.from_pretrained(path, device="cpu", kv_cache_gib=0.01)
+
+
+def test_softcapped_attention_over_many_query_rows_equals_the_formula():
+    """Gemma 2's written-out attention takes a long chunk's queries a slice at a time (bounded score memory); the
+    slices together equal the formula over the whole chunk (600 queries: three slices), GQA and a ragged mask."""
+    from omnivox.models.attention import _softcapped_attention
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 8, 600, 16), torch.randn(1, 2, 700, 16), torch.randn(1, 2, 700, 16)
+    mask = torch.rand(600, 700) > 0.3
+    mask[:, 0] = True
+    scores = torch.tanh(q @ k.repeat_interleave(4, 1).transpose(-1, -2) * 0.25 / 2.0) * 2.0
+    want = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v.repeat_interleave(4, 1)
+    torch.testing.assert_close(_softcapped_attention(q, k, v, mask, 0.25, 2.0), want)
