@@ -146,7 +146,9 @@ def _greedy(n: int):
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
-@pytest.mark.parametrize("case", ["phi4-mini-longrope-partial-rotary", "gemma3-4b-like-linear-rope-softcap-bias"])
+@pytest.mark.parametrize(
+    "case", ["phi4-mini-longrope-partial-rotary", "gemma3-4b-like-linear-rope-softcap-bias", "gemma2-softcaps-chunked"]
+)
 def test_two_tensor_parallel_ranks_equal_one_process(paths, case):
     from test_tensor_parallel_configs import two_ranks_equal_one
 
