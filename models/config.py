@@ -250,8 +250,8 @@ def attention_window(text: Any) -> tuple[int | None, tuple[int, ...]]:
     clears their `sliding_window` when `use_sliding_window` is false (the Qwen2.5 / Qwen3 releases: full attention
     everywhere)."""
     window = getattr(text, "sliding_window", None)
-    if not window:
-        return None, ()
+    if not window or window >= int(getattr(text, "max_position_embeddings", 0) or window + 1):
+        return None, ()  # a window no shorter than every context masks nothing (Phi-4-mini's 262144 of 131072)
     layers = int(text.num_hidden_layers)
     if getattr(text, "model_type", "") in ("mistral", "phi3"):
         return int(window), tuple(range(layers))

@@ -107,6 +107,11 @@ def test_configs_read_as_released(paths):
     assert phi.hf_config.rope_parameters["rope_type"] == "longrope"
     window = ModelConfig.from_hf(transformers.AutoConfig.from_pretrained(paths["phi3-window-20-chunked"]))
     assert (window.sliding_window, window.window_everywhere) == (20, 20)  # every layer slides: blocks released
+    # Phi-3-mini-128k / Phi-4-mini: a window of 262144 over 131072 positions masks nothing, so there is none
+    for window, want in ((512, None), (2048, None), (511, 511)):
+        cfg = transformers.Phi3Config(vocab_size=384, hidden_size=64, num_attention_heads=4, pad_token_id=0,
+                                      bos_token_id=1, eos_token_id=2, max_position_embeddings=512, sliding_window=window)  # fmt: skip
+        assert ModelConfig.from_hf(cfg).sliding_window == want
     gemma = ModelConfig.from_hf(transformers.AutoConfig.from_pretrained(paths["gemma3-4b-like-linear-rope-softcap-bias"]))  # fmt: skip
     assert (gemma.family, gemma.sliding_layers, gemma.local_rope_layers) == ("gemma3", (0, 2), (0, 2))
     assert (gemma.attn_scale, gemma.embed_scale, gemma.final_logit_softcapping) == (24**-0.5, 8.0, 2.0)
