@@ -30,7 +30,13 @@ def _gpu_sh(out: Path, *args: str, budget_s: int = 200) -> subprocess.CompletedP
 @pytest.mark.timeout(260)
 def test_dry_run_fails_when_the_omnivox_server_cannot_start(tmp_path):
     # `serve --dtype bogus` exits at once with an argparse error: the benchmark used to record omnivox as skipped and
-    # gpu.sh exited 0 with a table of peers only.
+    # gpu.sh exited 0 with a table of peers only. The checkpoint gpu.sh would build is made here, in this process (its
+    # own interpreter's start and imports: ~5 s); gpu.sh's build step runs in test_benchmarks_e2e's dry run.
+    import torch
+
+    from omnivox.benchmarks.make_random_checkpoint import make_random_checkpoint
+
+    make_random_checkpoint(tmp_path / "gpu" / "checkpoint", "tiny", torch.float32)
     proc = _gpu_sh(tmp_path / "gpu", "--", "--systems", "omnivox", "--server-arg=--dtype=bogus")
     assert proc.returncode != 0, proc.stdout[-2000:]
     assert "FAILED: omnivox skipped" in proc.stderr, proc.stderr[-2000:]
