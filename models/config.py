@@ -101,7 +101,7 @@ class ModelConfig:
         family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         family = family or _MODEL_TYPE_TO_FAMILY.get(getattr(text, "model_type", ""))
         if family in ("phi3", "gemma2", "gemma3") and text is not hf_config:  # the text part of a model we do not serve
-            family = None
+            family = family if getattr(hf_config, "model_type", None) == "gemma3" else None  # Gemma 3 VLMs we do
         if family is None:
             raise ValueError(
                 f"unsupported architecture {archs or getattr(text, 'model_type', '?')} "
