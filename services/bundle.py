@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from omnivox.services.image_prompt import ImageInputPart
     from omnivox.services.loading import EngineOptions, ModelSpec
     from omnivox.services.prompt import PromptBuilder
+    from omnivox.services.structured import GrammarCompiler
     from omnivox.services.whisper_part import WhisperPart
 
 log = logging.getLogger(__name__)
@@ -194,6 +195,13 @@ class ModelBundle:
     vision: ImageInputPart | None = None  # image input: encoder + worker + cache (services/image_prompt.py)
     audio: AudioInputPart | None = None  # audio input: encoder + worker + chat template (services/audio_prompt.py)
     whisper: WhisperPart | None = None  # speech recognition (services/whisper.py)
+    # response_format and tool grammars, compiled off the loop and cached per cache salt (services/structured.py)
+    grammars: GrammarCompiler = field(init=False)
+
+    def __post_init__(self) -> None:
+        from omnivox.services.structured import GrammarCompiler
+
+        self.grammars = GrammarCompiler.for_engine(self.engine)
 
     @property
     def input_modalities(self) -> frozenset[str]:
@@ -216,6 +224,7 @@ class ModelBundle:
 
     async def aclose(self) -> None:
         """Stop the parts with background work (the codec worker), then the engine."""
+        self.grammars.close()
         if self.speech is not None:
             await self.speech.worker.shutdown()
         for part in (self.audio, self.whisper):

@@ -76,13 +76,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         checked = validation.validate_generate(request, model)
         # Admitted from here on: counted against the queue bound, and waited for by a drain.
         with model.admit():
-            assert model.engine is not None
-            await structured.constrain(request, checked.params, model.engine)  # compiled off the loop, cached
+            assert model.engine is not None and model.bundle is not None
+            grammars = model.bundle.grammars  # response_format and tool grammars, cached per salt
+            await structured.constrain(request, checked.params, grammars, salt)  # compiled off the loop
             # A vision or audio model's own template renders the tools with its images and audio (None: text model)
             media = None if isinstance(model.prompt_builder, ChatPromptBuilder) else model.prompt_builder
             media_format = tools.media_format(request, media) if media is not None else None
             tool_plan = tools.plan(request, model.engine.tokenizer, media_format)  # None: no tools, no tool turns
-            await tools.constrain(tool_plan, checked.params, model.engine)
+            await tools.constrain(tool_plan, checked.params, grammars, salt)
             tool_output = tools.ToolOutput(tool_plan) if tool_plan is not None and tool_plan.parses_calls else None
             tokenizer = model.engine.tokenizer
             text_prompt = media is None

@@ -1,9 +1,13 @@
 """Structured output for Generate: a request's response_format (or tool grammar) compiled off the event loop.
 
 Grammar compilation (llguidance) runs in a small worker pool, never on the event loop or the engine loop: a request
-awaits its own grammar while every other stream keeps going. Results are cached per model (one llguidance tokenizer
-per model) by grammar text, failures included, so that a client retrying a bad schema costs nothing. A compile that
-takes longer than `COMPILE_TIMEOUT_S` is INVALID_ARGUMENT (its thread finishes in the background and fills the cache).
+awaits its own grammar while every other stream keeps going. Each model bundle owns one GrammarCompiler (one
+llguidance tokenizer per model). Results are cached by the request's cache salt (services/cache_salt.py: its caller
+and `cache_salt`) and the grammar text, failures included, so that a client retrying a bad schema costs nothing while
+another tenant cannot learn from a fast answer that a schema was used before. A compile that runs longer than
+`COMPILE_TIMEOUT_S` is INVALID_ARGUMENT (its thread finishes in the background and fills the cache); time spent
+queued behind other compiles does not count (a burst of distinct schemas is not the schema's fault), so the queue is
+bounded only by the model's admission bound (one grammar per admitted request) and each request's own deadline.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import weakref
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -121,18 +125,32 @@ def response_format_spec(request: generation_pb2.GenerateRequest) -> GrammarSpec
     return GrammarSpec(field, llguidance.LLMatcher.grammar_from_lark(text))
 
 
+@dataclass(frozen=True)
+class _Compile:
+    """One grammar's compile in the pool: `started` holds the monotonic time a worker took it up, `done` the result."""
+
+    started: Future  # float: time.monotonic() when the compile began (never set if the pool shut down first)
+    done: Future  # GrammarConstraintFactory, or GrammarError
+
+
 class GrammarCompiler:
-    """One model's grammar compiler: llguidance tokenizer (built once, in the worker), pool, cache, timeout."""
+    """One model's grammar compiler: llguidance tokenizer (built once, in the worker), pool, salted cache, timeout."""
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_ids: list[int], workers: int = 2) -> None:
         self.hf_tokenizer = hf_tokenizer
         self.vocab_size = vocab_size
         self.eos_ids = eos_ids
         self.timeout_s = COMPILE_TIMEOUT_S
+        self.compiles = 0  # compiles started (cache misses), read by tests and operators
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="grammar-compile")
         self._lock = threading.Lock()
         self._tokenizer: llguidance.LLTokenizer | None = None
-        self._cache: OrderedDict[str, Future] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], _Compile] = OrderedDict()  # (salt, grammar), most recent last
+
+    @classmethod
+    def for_engine(cls, engine: Any) -> GrammarCompiler:
+        """The compiler of a loaded engine's tokenizer and vocabulary (its threads start on the first compile)."""
+        return cls(engine.tokenizer, engine.model_config.vocab_size, list(engine.model_config.eos_token_ids))
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
@@ -143,28 +161,43 @@ class GrammarCompiler:
     def _compile(self, grammar: str) -> GrammarConstraintFactory:
         return compile_grammar(self._llg_tokenizer(), grammar, self.vocab_size, self.eos_ids)
 
-    def submit(self, grammar: str) -> Future:
-        """The (cached) compile of `grammar`; failures stay cached like successes."""
+    def _run(self, grammar: str, started: Future) -> GrammarConstraintFactory:
+        started.set_result(time.monotonic())  # the timeout counts from here, not from the submit
+        return self._compile(grammar)
+
+    def submit(self, grammar: str, salt: str = "") -> _Compile:
+        """The (cached) compile of `grammar` for requests of this cache salt; failures stay cached like successes."""
+        key = (salt, grammar)
         with self._lock:
-            fut = self._cache.get(grammar)
-            if fut is None:
-                fut = self._pool.submit(self._compile, grammar)
-                self._cache[grammar] = fut
+            entry = self._cache.get(key)
+            if entry is None:
+                started: Future = Future()
+                entry = _Compile(started, self._pool.submit(self._run, grammar, started))
+                self.compiles += 1
+                self._cache[key] = entry
                 while len(self._cache) > CACHE_ENTRIES:
                     self._cache.popitem(last=False)
             else:
-                self._cache.move_to_end(grammar)
-            return fut
+                self._cache.move_to_end(key)
+            return entry
 
-    async def factory(self, spec: GrammarSpec) -> GrammarConstraintFactory:
+    async def factory(self, spec: GrammarSpec, salt: str = "") -> GrammarConstraintFactory:
         """Wait (without blocking the event loop) for the compiled grammar; INVALID_ARGUMENT naming spec.field when
-        it does not compile or takes longer than the timeout."""
+        it does not compile or its compile runs longer than the timeout (time queued behind others not counted)."""
         if not self.eos_ids:  # llguidance's "eos_token list must not be empty", an INTERNAL at every compile
             why = "this model names no end-of-sequence token (eos_token_id in config.json or generation_config.json)"
             raise _bad(spec.field, f"{why}, so constrained output could never end")
-        fut = asyncio.wrap_future(self.submit(spec.grammar))
+        entry = self.submit(spec.grammar, salt)
+        done = asyncio.wrap_future(entry.done)
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
+            if not done.done():
+                # Queued: wait for a worker to take it up (or for the result), uncounted. asyncio.wait cancels
+                # neither future when this request is cancelled: the compile goes on and fills the cache.
+                await asyncio.wait({asyncio.wrap_future(entry.started), done}, return_when=asyncio.FIRST_COMPLETED)
+            if not done.done():
+                left = entry.started.result() + self.timeout_s - time.monotonic()
+                await asyncio.wait_for(asyncio.shield(done), max(left, 0.0))
+            return done.result()
         except TimeoutError as exc:
             raise _bad(spec.field, f"the grammar did not compile within {self.timeout_s:g} s") from exc
         except GrammarError as exc:
@@ -174,23 +207,8 @@ class GrammarCompiler:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-_COMPILERS: weakref.WeakKeyDictionary[Any, GrammarCompiler] = weakref.WeakKeyDictionary()
-_COMPILERS_LOCK = threading.Lock()
-
-
-def compiler_for(engine: Any) -> GrammarCompiler:
-    """The grammar compiler of a loaded engine (made on first use, dropped with the engine)."""
-    with _COMPILERS_LOCK:
-        compiler = _COMPILERS.get(engine)
-        if compiler is None:
-            eos = list(engine.model_config.eos_token_ids)
-            compiler = GrammarCompiler(engine.tokenizer, engine.model_config.vocab_size, eos)
-            _COMPILERS[engine] = compiler
-        return compiler
-
-
-async def constrain(request: generation_pb2.GenerateRequest, params: Any, engine: Any) -> None:
-    """Set `params.constraint_factory` from the request's response_format (compiled off the loop; cached)."""
+async def constrain(request: generation_pb2.GenerateRequest, params: Any, compiler: GrammarCompiler, salt: str) -> None:
+    """Set `params.constraint_factory` from the request's response_format (compiled off the loop; cached per salt)."""
     spec = response_format_spec(request)
     if spec is not None:
-        params.constraint_factory = await compiler_for(engine).factory(spec)
+        params.constraint_factory = await compiler.factory(spec, salt)

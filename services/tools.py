@@ -35,7 +35,7 @@ import llguidance
 
 from omnivox.services import errors
 from omnivox.services.errors import FieldViolation
-from omnivox.services.structured import GrammarSpec, load_json
+from omnivox.services.structured import GrammarCompiler, GrammarSpec, load_json
 from omnivox.services.tool_grammar import (
     AUTO,
     JSON_STYLE,
@@ -384,18 +384,16 @@ def _tojson(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-async def constrain(tool_plan: ToolPlan | None, params: Any, engine: Any) -> None:
-    """Set params.constraint_factory from the tool grammar (compiled off the loop by the model's grammar worker)."""
+async def constrain(tool_plan: ToolPlan | None, params: Any, compiler: GrammarCompiler, salt: str) -> None:
+    """Set params.constraint_factory from the tool grammar (compiled off the loop by the model's grammar compiler,
+    cached per cache salt)."""
     if tool_plan is not None and tool_plan.fmt.mistral and tool_plan.parses_calls:
         # `[TOOL_CALLS]` (and v11's `[ARGS]`) are special tokens: decoded as usual they left the text, and the calls
         # showed as content
         params.skip_special_tokens = False
     if tool_plan is not None and tool_plan.grammar is not None:
-        from omnivox.services.structured import compiler_for
-
-        compiler = compiler_for(engine)
         try:
-            params.constraint_factory = await compiler.factory(tool_plan.grammar)
+            params.constraint_factory = await compiler.factory(tool_plan.grammar, salt)
         except errors.ServiceError:
             # The call grammar's error names only "tools" (and prints the whole grammar): name the tool whose schema
             # does not compile. Only on this failure path, each strict tool's schema compiled alone, off the loop.

@@ -163,6 +163,26 @@ def test_speech_prompts_are_cached_per_caller(served) -> None:
     assert cached_speech(ALICE, cache_salt="s") == 0
 
 
+def test_grammar_compiles_are_per_caller(served) -> None:
+    """A response_format's or tools' compiled grammar (a cache hit answers at once) is shared within a caller and a
+    salt only: read from the model's compile counter (services/structured.py), not timing."""
+    grammars = served["server"].registry.lookup("text").bundle.grammars
+    fmt = generation_pb2.ResponseFormat(regex="isolated [0-9]")
+    schema = '{"type": "object", "properties": {"q": {"type": "string"}}}'
+    tools = [generation_pb2.Tool(name="lookup", parameters_json_schema=schema)]
+
+    def compiles(metadata, **fields) -> int:
+        before = grammars.compiles
+        cached(served, metadata, [content_pb2.Part(text="Hi")], **fields)
+        return grammars.compiles - before
+
+    assert compiles(ALICE, response_format=fmt) == 1
+    assert compiles(ALICE, response_format=fmt) == 0  # the same caller's retry: cached
+    assert compiles(BOB, response_format=fmt) == 1
+    assert compiles(ALICE, response_format=fmt, cache_salt="other") == 1
+    assert (compiles(ALICE, tools=tools), compiles(ALICE, tools=tools), compiles(BOB, tools=tools)) == (1, 0, 1)
+
+
 def field_of(err: grpc.RpcError) -> list[str]:
     return [v.field for d in status_details(err) if isinstance(d, error_details_pb2.BadRequest)
             for v in d.field_violations]  # fmt: skip

@@ -211,7 +211,7 @@ def test_slow_compile_does_not_stall_other_streams(stub, monkeypatch) -> None:
 
 
 def test_compile_timeout_is_invalid_argument(stub, server: ServerThread, monkeypatch) -> None:
-    compiler = structured.compiler_for(server.engine("tiny"))
+    compiler = server.registry.lookup("tiny").bundle.grammars
     monkeypatch.setattr(compiler, "timeout_s", 0.3)
     real = structured.GrammarCompiler._compile
     monkeypatch.setattr(structured.GrammarCompiler, "_compile", lambda self, g: (time.sleep(1.0), real(self, g))[1])
@@ -219,6 +219,20 @@ def test_compile_timeout_is_invalid_argument(stub, server: ServerThread, monkeyp
         run(stub, sampled(generation_pb2.ResponseFormat(regex="too slow [a-z]+"), 0))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "did not compile within 0.3 s" in violations(info.value)["response_format.regex"]
+
+
+def test_a_burst_of_distinct_grammars_all_compile(stub, server: ServerThread, monkeypatch) -> None:
+    """The timeout counts compile time, not the wait behind other compiles: 16 distinct grammars at once over the 2
+    workers, each compiling in 0.1 s under a 0.5 s timeout, all succeed (the last ones queue ~0.7 s)."""
+    compiler = server.registry.lookup("tiny").bundle.grammars
+    monkeypatch.setattr(compiler, "timeout_s", 0.5)
+    real = structured.GrammarCompiler._compile
+    monkeypatch.setattr(structured.GrammarCompiler, "_compile", lambda self, g: (time.sleep(0.1), real(self, g))[1])
+    words = [f"burst{i}" for i in range(16)]
+    fmts = [generation_pb2.ResponseFormat(regex=w) for w in words]
+    with ThreadPoolExecutor(len(words)) as pool:
+        texts = list(pool.map(lambda f: run(stub, sampled(f, 0, max_output_tokens=16))[0], fmts))
+    assert texts == words
 
 
 def test_ignore_eos_with_response_format_is_invalid_argument(stub) -> None:
