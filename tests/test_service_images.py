@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import io
+import threading
 import time
 
 import grpc
@@ -383,9 +384,14 @@ def test_cancelling_during_encoding_releases_cache_references(served):
     vision = served["server"].registry.lookup(family).bundle.vision
     encode = vision.worker.encode_batch
 
+    release, encoded = threading.Event(), threading.Event()
+
     def slow(items):
-        time.sleep(1.5)
-        return encode(items)
+        release.wait(30)  # held until the client's deadline has passed
+        try:
+            return encode(items)
+        finally:
+            encoded.set()
 
     vision.worker.encode_batch = slow
     try:
@@ -394,8 +400,10 @@ def test_cancelling_during_encoding_releases_cache_references(served):
             run(served["stub"], ask(family, [("user", [image, "Slow?"])]), timeout=0.5)
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert vision.cache.total_refs() <= 1  # at most the cancelled request's, until the engine drops it
-        time.sleep(1.5)  # the encoding ends; nobody holds the entry
+        release.set()
+        assert encoded.wait(30)  # the encoding ends; nobody holds the entry (baseline waits for the release)
     finally:
+        release.set()
         vision.worker.encode_batch = encode
     baseline(served, family)
 
