@@ -155,6 +155,12 @@ def _schema(tool: generation_pb2.Tool, i: int, v: list[FieldViolation]) -> dict:
         # a valid schema of unknown keywords: any JSON value would do as the arguments, the real schema unused
         v.append(FieldViolation(f"tools[{i}].parameters_json_schema", _WRAPPED))
         return {}
+    if schema.get("type", "object") != "object":
+        # a call's arguments are a JSON object, keyword arguments by name (OpenAI refuses other `parameters`, and
+        # Hermes / Llama 3 / Mistral templates write `arguments` back as a mapping)
+        why = f'must be an object schema ("type": "object"), got "type": {_tojson(schema["type"])}'
+        v.append(FieldViolation(f"tools[{i}].parameters_json_schema", why))
+        return {}
     if _depth(schema) > MAX_SCHEMA_DEPTH:
         v.append(FieldViolation(f"tools[{i}].parameters_json_schema", f"nested deeper than {MAX_SCHEMA_DEPTH} levels"))
         return {}

@@ -319,6 +319,7 @@ def test_bad_tools_are_invalid_argument(stub) -> None:
         tools=[
             generation_pb2.Tool(name="bad name!"),
             generation_pb2.Tool(name="ok", parameters_json_schema="{oops"),
+            generation_pb2.Tool(name="listy", parameters_json_schema='{"type": "array", "items": {}}'),
         ],
         tool_choice=generation_pb2.ToolChoice(function_name="missing"),
     )
@@ -330,9 +331,11 @@ def test_bad_tools_are_invalid_argument(stub) -> None:
     assert {
         "tools[0].name",
         "tools[1].parameters_json_schema",
+        "tools[2].parameters_json_schema",
         "tool_choice.function_name",
         "contents[1].tool_call_id",
     } <= found.keys(), found
+    assert "an object schema" in found["tools[2].parameters_json_schema"]  # OpenAI's rule: arguments are an object
 
 
 def test_a_template_without_tools_gets_them_in_the_text(tmp_path) -> None:
