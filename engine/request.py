@@ -46,6 +46,9 @@ class EmbeddingSegment:
     (called on the engine thread, at most once, when a prefill chunk first computes one of the segment's positions)
     or `source` (an EmbeddingSource: started at admission unless the prefix cache covers the whole segment; a prefill
     chunk stops short of the segment until it is ready, so other requests never wait for an encoder).
+
+    `bidirectional`: its positions attend to each other both ways during prefill (a Gemma 3 image), so a prefill chunk
+    never ends inside it (engine/scheduler.py) and the chunk's attention mask opens the segment's block.
     """
 
     def __init__(
@@ -56,6 +59,7 @@ class EmbeddingSegment:
         produce: Callable[[], torch.Tensor] | None = None,
         embeds: torch.Tensor | None = None,
         source: EmbeddingSource | None = None,
+        bidirectional: bool = False,
     ) -> None:
         if sum(x is not None for x in (produce, embeds, source)) != 1:
             raise ValueError("a segment needs exactly one of produce, embeds or source")
@@ -67,6 +71,7 @@ class EmbeddingSegment:
         self.num_tokens = num_tokens
         self.key = key
         self.source = source
+        self.bidirectional = bidirectional
         self._produce = produce
         self._embeds: torch.Tensor | None = None
         if embeds is not None:

@@ -163,6 +163,7 @@ class ModelRunner:
         embed_rows: list[torch.Tensor] = []
         embed_vals: list[torch.Tensor] = []
         prefill_spans: list[tuple[int, int, int]] = []  # (first row, rows, context length) per multi-token chunk
+        prefill_blocks: list[tuple[tuple[int, int], ...]] = []  # bidirectional segments each chunk computes
         prefill_tables: list[torch.Tensor] = []
         cross: list[tuple[int, int, torch.Tensor]] = []  # encoder-decoder: (first row, rows, cross K/V) per chunk
         row = 0
@@ -183,6 +184,13 @@ class ModelRunner:
                 slot_parts.append(self._slots(req.block_table, c.start, c.end))
                 prefill_tables.append(torch.tensor(req.block_table[: -(-c.end // bs)], dtype=torch.long))
                 prefill_spans.append((row, c.num_tokens, c.end))
+                prefill_blocks.append(
+                    tuple(
+                        (g.start, g.end)
+                        for g in req.segments
+                        if g.bidirectional and g.start < c.end and g.end > c.start
+                    )
+                )
             row += c.num_tokens
 
         nd = len(singles)
@@ -225,7 +233,7 @@ class ModelRunner:
             decode_tables, decode_lens = next(staged), next(staged)
             span = torch.arange(decode_tables.shape[1] * bs, device=dev)
             decode_mask = (span[None, :] < decode_lens[:, None]).view(nd, 1, 1, -1)
-        prefills = [PrefillChunk(*s, next(staged)) for s in prefill_spans]
+        prefills = [PrefillChunk(*s, next(staged), b) for s, b in zip(prefill_spans, prefill_blocks, strict=True)]
         rows = next(staged) if embed_rows else None
         meta = AttentionMetadata(
             block_size=bs,

@@ -68,6 +68,18 @@ def computable(req: Request, start: int, n: int) -> int:
     for seg in req.segments:  # sorted by start
         if seg.end > start and seg.start < start + n and not seg.ready():
             return max(0, seg.start - start)
+    return whole_blocks(req, start, n)
+
+
+def whole_blocks(req: Request, start: int, n: int) -> int:
+    """n, moved so the chunk [start, start + n) does not end inside a bidirectional segment (a Gemma 3 image: its
+    tokens attend to each other both ways, so all of its keys must be in the cache or in the chunk when any of its
+    queries runs): cut before the segment when the chunk starts before it, else grown to the segment's end, past the
+    step's token budget if need be (by less than one image; a chunk that only stopped short would never progress)."""
+    end = start + n
+    for seg in req.segments:
+        if seg.bidirectional and n and seg.start < end < seg.end:
+            return seg.start - start if seg.start > start else seg.end - start
     return n
 
 

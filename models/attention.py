@@ -13,6 +13,9 @@ Decode attention, by what the metadata carries and where it runs:
 - CPU float32: the C kernel (models/cpu_kernels.c), which also reads the cache in place.
 - otherwise: the gathered path (copy each request's blocks, then SDPA on CUDA, two matmuls on CPU): the fallback.
 
+A prefill chunk's `bidirectional` spans (Gemma 3 images) open their block both ways: a query inside one sees every
+key of it, later ones included (the scheduler never ends a chunk inside one); decode stays causal.
+
 A sliding-window layer (Mistral; Qwen2 / Qwen3 layers marked "sliding_attention") passes `window`: a query at
 position p sees keys p - window < j <= p, as transformers masks them. Prefill chunks add it to their mask; the C
 kernel starts each row at its first key in the window; a decode step whose block tables span more than the window
@@ -41,6 +44,9 @@ class PrefillChunk:
     num_tokens: int  # rows in this chunk
     context_len: int  # tokens in the cache after this step (cached before + this chunk)
     block_table: torch.Tensor  # [ceil(context_len / block_size)] blocks holding the context, in order
+    # Position spans [start, end) whose tokens see each other both ways (Gemma 3 images), each ending by context_len:
+    # a query inside one also sees the span's later keys (transformers' blockwise_overlay, OR-ed with causal).
+    bidirectional: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -189,12 +195,17 @@ def paged_attention(
         table = chunk.block_table[lo // meta.block_size :]
         kp = gather_blocks(k_cache, table, meta.block_size)[: ctx - lo].transpose(0, 1).unsqueeze(0)
         vp = gather_blocks(v_cache, table, meta.block_size)[: ctx - lo].transpose(0, 1).unsqueeze(0)
-        if ctx == n and not slide and softcap is None:
+        if ctx == n and not slide and softcap is None and not chunk.bidirectional:
             op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             q_pos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
             k_pos = torch.arange(lo, ctx, device=q.device)[None, :]
-            mask = (k_pos <= q_pos) & (k_pos > q_pos - window) if slide else k_pos <= q_pos  # [n, ctx]
+            mask = k_pos <= q_pos  # [n, ctx - lo]
+            for a, b in chunk.bidirectional:  # causal OR same block, then the window (transformers' order)
+                assert b <= ctx, f"a bidirectional span [{a}, {b}) ends past the chunk's context {ctx}"
+                mask = mask | ((q_pos >= a) & (q_pos < b) & (k_pos >= a) & (k_pos < b))
+            if slide:
+                mask = mask & (k_pos > q_pos - window)
             if softcap is None:
                 op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=gqa)
             else:

@@ -172,6 +172,7 @@ class FusedDecode:
             self.ok
             and rows > 0
             and _rows_in_order(meta, rows)
+            and not any(c.bidirectional for c in meta.prefills)  # the C step masks causally only
             and meta.decode_block_mask is None
             and meta.slot_mapping.dtype == torch.int64
             and x.dtype == torch.float32

@@ -139,6 +139,7 @@ class ImageInputPart:
         """
         tool_kwargs = {} if tools is None else {"tools": tools or None, "chat_template": media_template(self.processor)}
         text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **tool_kwargs)
+        text = self.encoder.expand_text(text)
         tok = self.processor.tokenizer
         add_special = not (tok.bos_token is not None and text.startswith(tok.bos_token))
         return list(tok(text, add_special_tokens=add_special).input_ids)
@@ -174,7 +175,11 @@ class ImageInputPart:
                     # The run's own key: two runs of one image are different content for the prefix cache.
                     run_key = key if len(image_runs) == 1 else f"{key}:{offset}"
                     try:
-                        segments.append(EmbeddingSegment(start, n, key=run_key, source=source))
+                        segments.append(
+                            EmbeddingSegment(
+                                start, n, key=run_key, source=source, bidirectional=enc.bidirectional_images
+                            )
+                        )
                     except BaseException:
                         source.release()
                         raise

@@ -311,7 +311,7 @@ def reference_features(model, processor, images: list[Image.Image], text: str) -
     kwargs = {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
     with torch.no_grad():
         out = model.model.get_image_features(**kwargs).pooler_output
-    feats = torch.cat([f.reshape(-1, f.shape[-1]) for f in out]) if isinstance(out, list | tuple) else out
+    feats = torch.cat([f.reshape(-1, f.shape[-1]) for f in out])  # a list per image, or [images, rows, D] (Gemma 3)
     return batch, feats
 
 

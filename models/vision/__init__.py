@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from omnivox.models.vision.base import ImageInputs, VisionEncoder
+from omnivox.models.vision.gemma3 import Gemma3Encoder
 from omnivox.models.vision.idefics3 import Idefics3Encoder
 from omnivox.models.vision.llava import LlavaEncoder
 from omnivox.models.vision.qwen2_5_vl import Qwen25VLEncoder
@@ -17,10 +18,12 @@ FAMILIES: dict[str, type[VisionEncoder]] = {
     "idefics3": Idefics3Encoder,
     "qwen2_vl": Qwen2VLEncoder,
     "qwen2_5_vl": Qwen25VLEncoder,
+    "gemma3": Gemma3Encoder,
 }
 
 __all__ = [
     "FAMILIES",
+    "Gemma3Encoder",
     "Idefics3Encoder",
     "ImageInputs",
     "LlavaEncoder",

@@ -61,6 +61,9 @@ class VisionEncoder(nn.Module, ABC):
     # transformers' processor refuses text holding one without a video; we took it as a text token).
     reserved_tokens: tuple[str, ...] = ()
     text_hidden_size: int
+    # The tokens of one image attend to each other both ways during prefill (Gemma 3); the engine then keeps each
+    # image's segment inside one prefill chunk (EmbeddingSegment.bidirectional).
+    bidirectional_images: bool = False
 
     @staticmethod
     def from_folder(
@@ -225,6 +228,11 @@ class VisionEncoder(nn.Module, ABC):
                 )
             out.append(f.clone())
         return out
+
+    def expand_text(self, text: str) -> str:
+        """The rendered chat text before it is tokenized: what the family's processor does to the text itself (Gemma 3
+        writes newlines around each image there, which merge with the text beside them). Unchanged by default."""
+        return text
 
     def expand_prompt(self, token_ids: Sequence[int], items: Sequence[ImageInputs]) -> list[int]:
         """Replace the i-th marker token in token_ids by items[i].placeholder_ids; the counts must agree."""

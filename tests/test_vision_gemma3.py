@@ -1,0 +1,124 @@
+"""Gemma 3 vision-language (Gemma3ForConditionalGeneration) on a tiny random checkpoint: the SigLIP tower + pooling
+projector against transformers' get_image_features, and served over gRPC against the processor + `generate`.
+
+The served model runs 8-token engine steps with 4-token images behind a 3-token sliding window, so a prompt's chunks
+must be moved to keep each image whole (transformers lets an image's tokens see each other both ways during prefill;
+a chunk ending inside one could not), and the window cuts inside an image.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+from gemma3_checkpoint import BOI, EOI, IMAGE, make_gemma3
+from service_harness import ServerThread
+from test_service_images import _violations, ask, baseline, reference, run
+from vision_checkpoints import relayout, sample_image
+from vision_parity import check_batch_isolation, check_features_and_placeholders, check_hub_layout, check_keys
+
+from omnivox.engine.params import SamplingParams
+from omnivox.engine.request import EmbeddingSegment, Request
+from omnivox.engine.scheduler import whole_blocks
+from omnivox.models.vision import VisionEncoder
+from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.v1 import content_pb2, generation_pb2_grpc
+
+CHUNK = 8
+A, B, C = sample_image(50, 30, seed=1), sample_image(30, 50, seed=2), sample_image(40, 40, seed=3)
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return make_gemma3(tmp_path_factory.mktemp("gemma3") / "gemma3")
+
+
+@pytest.fixture(scope="module")
+def served(path):
+    spec = ModelSpec(path=path, name="gemma3")
+    with ServerThread([spec], EngineOptions(kv_cache_gib=0.01, max_num_batched_tokens=CHUNK)) as server:
+        yield {
+            "server": server,
+            "paths": {"gemma3": path},
+            "stub": generation_pb2_grpc.GenerationServiceStub(server.channel()),
+            "refs": {},
+        }
+
+
+def test_tower_and_projector_equal_transformers(path, tmp_path):
+    enc = check_features_and_placeholders(path)
+    assert enc.bidirectional_images and enc.placeholder_token_id == enc.marker_token_id
+    check_batch_isolation(enc)
+    check_keys(enc, "gemma3")
+    # google/gemma-3-*-it's layout: SigLIP's inner vision_model kept.
+    check_hub_layout(path, relayout(path, tmp_path / "hub", [(r"^vision_tower\.", "vision_tower.vision_model.")]), enc)
+
+
+def test_one_and_two_images_equal_transformers(served):
+    for turns in (
+        [("user", [A, "What is in this picture?"])],
+        [("user", [A, "Compare", B, "with this one."])],
+        [("user", [C, "First picture."]), ("assistant", ["A square."]), ("user", ["And now?", B])],
+    ):
+        got, _, summary = run(served["stub"], ask("gemma3", turns))
+        n, want = reference(served, "gemma3", turns)
+        assert got == want
+        assert summary.usage.prompt_tokens == n
+    baseline(served, "gemma3")
+
+
+def test_prefix_hit_inside_an_image(served):
+    """The prefix cache covers blocks that end inside the image (its keys were computed seeing the whole image); the
+    chunk that follows starts there and takes the image's rest whole."""
+    bundle = served["server"].registry.lookup("gemma3").bundle
+    block = served["server"].engine("gemma3").block_size
+    for k in range(2 * block):
+        first = [("user", ["x " * k, B, "Where?"])]
+        prompt = bundle.prompt_builder.build(ask("gemma3", first).contents)
+        prompt.release()
+        (seg,) = prompt.segments
+        hit = (len(prompt.token_ids) - 3) // block * block  # the question's tokens differ
+        if seg.start < hit < seg.end:
+            break
+    else:
+        pytest.skip("no filler puts a block boundary inside the image")
+    run(served["stub"], ask("gemma3", first))
+    second = [("user", ["x " * k, B, "Why?"])]
+    got, _, summary = run(served["stub"], ask("gemma3", second))
+    assert summary.usage.cached_prompt_tokens == hit
+    assert got == reference(served, "gemma3", second)[1]
+    baseline(served, "gemma3")
+
+
+def test_image_tokens_in_user_text_are_invalid_argument(served):
+    kv_before = served["server"].wait_kv_free("gemma3")
+    for token in (BOI, EOI, IMAGE):
+        with pytest.raises(grpc.RpcError) as info:
+            run(served["stub"], ask("gemma3", [("user", [A, f"what is {token}?"])]))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, token
+        assert _violations(info.value) == ["contents[0].parts[1].text"], token
+    with pytest.raises(grpc.RpcError) as info:
+        run(served["stub"], ask("gemma3", [("user", ["Look:", content_pb2.ImagePart(data=b"not an image")])]))
+    assert _violations(info.value) == ["contents[0].parts[1].image"]
+    assert served["server"].wait_kv_free("gemma3") == kv_before
+    got, _, _ = run(served["stub"], ask("gemma3", [("user", [A, "Still there?"])]))
+    assert got == reference(served, "gemma3", [("user", [A, "Still there?"])])[1]
+    baseline(served, "gemma3")
+
+
+def test_pan_and_scan_is_refused_at_load(tmp_path):
+    with pytest.raises(ValueError, match="do_pan_and_scan"):
+        VisionEncoder.from_folder(make_gemma3(tmp_path / "pas", pan_and_scan=True))
+
+
+def test_a_chunk_never_ends_inside_a_bidirectional_segment():
+    """Cut before the image when the chunk starts before it; grown to its end (past the budget) when the chunk
+    starts inside it, so the request still progresses; other segments are cut anywhere."""
+    seg = EmbeddingSegment.from_embeds(10, torch.zeros(6, 4))
+    seg.bidirectional = True
+    req = Request("r", list(range(30)), SamplingParams(), max_tokens=4, eos_token_ids=(), segments=[seg])
+    assert whole_blocks(req, 0, 12) == 10  # would end inside [10, 16)
+    assert whole_blocks(req, 0, 16) == 16 and whole_blocks(req, 0, 10) == 10  # ends at an edge
+    assert whole_blocks(req, 10, 4) == 6 and whole_blocks(req, 13, 1) == 3  # starts inside: grown to its end
+    seg.bidirectional = False
+    assert whole_blocks(req, 0, 12) == 12
