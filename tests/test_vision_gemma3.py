@@ -20,7 +20,6 @@ from vision_parity import check_batch_isolation, check_features_and_placeholders
 from omnivox.engine.params import SamplingParams
 from omnivox.engine.request import EmbeddingSegment, Request
 from omnivox.engine.scheduler import whole_blocks
-from omnivox.models.vision import VisionEncoder
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.v1 import content_pb2, generation_pb2_grpc
 
@@ -104,11 +103,6 @@ def test_image_tokens_in_user_text_are_invalid_argument(served):
     got, _, _ = run(served["stub"], ask("gemma3", [("user", [A, "Still there?"])]))
     assert got == reference(served, "gemma3", [("user", [A, "Still there?"])])[1]
     baseline(served, "gemma3")
-
-
-def test_pan_and_scan_is_refused_at_load(tmp_path):
-    with pytest.raises(ValueError, match="do_pan_and_scan"):
-        VisionEncoder.from_folder(make_gemma3(tmp_path / "pas", pan_and_scan=True))
 
 
 def test_a_chunk_never_ends_inside_a_bidirectional_segment():

@@ -3,7 +3,8 @@ naming the keys to check. Served, each failed inside the encoder on every image 
 model fails on them too): LLaVA-NeXT with a SigLIP tower under "default" (15 rows per tile cannot tile a 4x4 grid),
 a LLaVA processor counting no CLS row for a CLIP tower or without patch_size (transformers' processor raises a
 TypeError on every image; we named nothing), an Idefics3 processor with another image_seq_len, a
-Qwen2.5-VL or Qwen2-VL image processor with another merge_size or patch_size."""
+Qwen2.5-VL or Qwen2-VL image processor with another merge_size or patch_size, a Gemma 3 processor with another
+image_seq_length than mm_tokens_per_image (or pan-and-scan on)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from gemma3_checkpoint import make_gemma3
 from vision_checkpoints import make_qwen2_vl
 from vision_variants import make_idefics3_variant, make_llava_variant, make_qwen2_5_vl_variant
 
@@ -26,6 +28,7 @@ def bases(tmp_path_factory) -> dict[str, Path]:
         "smolvlm": make_idefics3_variant(root / "smolvlm"),
         "qwen": make_qwen2_5_vl_variant(root / "qwen"),
         "qwen2_vl": make_qwen2_vl(root / "qwen2_vl"),
+        "gemma3": make_gemma3(root / "gemma3"),
     }
 
 
@@ -50,6 +53,9 @@ CASES = {
     "qwen-merge-size": ("qwen", lambda c: c["image_processor"].update(merge_size=1), "merge_size"),
     "qwen-patch-size": ("qwen", lambda c: c["image_processor"].update(patch_size=8, merge_size=1), "patch_size"),
     "qwen2-vl-merge-size": ("qwen2_vl", lambda c: c["image_processor"].update(merge_size=4), "merge_size"),
+    "gemma3-image-seq-length": ("gemma3", lambda c: c.update(image_seq_length=9), "image_seq_length"),
+    # Pan-and-scan crops (extra images per image, with their own text) are not served
+    "gemma3-pan-and-scan": ("gemma3", lambda c: c["image_processor"].update(do_pan_and_scan=True), "do_pan_and_scan"),
 }
 
 
