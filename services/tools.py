@@ -336,7 +336,16 @@ def prompt_ids(
 ) -> list[int]:
     msgs = messages(contents)
     if mistral_common(tokenizer):  # tekken.json: mistral_common writes the tools, calls and results itself
-        ids = tokenizer.apply_chat_template(msgs, tools=tool_plan.tools or None, tokenize=True, return_dict=False)
+        # A final assistant turn is continued, as ChatPromptBuilder does without tools (mistral_common refuses to end
+        # a prompt on an assistant turn otherwise: "Expected last role User or Tool (or Assistant with prefix)")
+        continue_final = bool(msgs) and msgs[-1]["role"] == "assistant"
+        ids = tokenizer.apply_chat_template(
+            msgs,
+            tools=tool_plan.tools or None,
+            tokenize=True,
+            return_dict=False,
+            continue_final_message=continue_final,
+        )
         return list(ids)
     has_turns = any(m.get("tool_calls") or m["role"] == "tool" for m in msgs)
     if (tool_plan.tools or has_turns) and "tools" not in str(getattr(tokenizer, "chat_template", "") or ""):

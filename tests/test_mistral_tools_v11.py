@@ -236,3 +236,19 @@ def test_plain_turns_are_written_by_mistral_common(stub, server: ServerThread) -
     want = server.engine("magistral").tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
     assert summary is not None and summary.usage.prompt_tokens == len(want)
     assert thought and summary.usage.reasoning_tokens > 0 and "[THINK]" not in text
+
+
+def test_a_final_assistant_turn_with_tools_is_continued(stub, server: ServerThread) -> None:
+    """With tools, as without (test_plain_turns_...): a request ending on an assistant turn continues it, the prompt
+    mistral_common writes with continue_final_message (it was INVALID_ARGUMENT on contents: mistral_common refuses
+    a prompt that ends on an assistant turn unless told to continue it)."""
+    request = user_request("What is the weather in Paris?", model="small", tools=TOOLS, max_output_tokens=3)
+    request.contents.append(content_pb2.Content(role="assistant", parts=[content_pb2.Part(text="Let me check")]))
+    _, _, summary = run(stub, request)
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    messages.append({"role": "assistant", "content": "Let me check"})
+    spec = [{"type": "function", "function": _function(t)} for t in TOOLS]
+    tok = server.engine("small").tokenizer
+    want = tok.apply_chat_template(messages, tools=spec, tokenize=True, return_dict=False, continue_final_message=True)
+    assert tok.decode(want, skip_special_tokens=False).endswith("[/INST]Let me check")
+    assert summary.usage.prompt_tokens == len(want)
