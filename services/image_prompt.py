@@ -1,5 +1,5 @@
-"""Image input for vision-language bundles (LLaVA 1.5/NeXT, SmolVLM/Idefics3, Qwen2-VL, Qwen2.5-VL): the bundle part
-and its PromptBuilder.
+"""Image input for vision-language bundles (LLaVA 1.5/NeXT, SmolVLM/Idefics3, Qwen2-VL, Qwen2.5-VL, Gemma 3): the
+bundle part and its PromptBuilder.
 
 The steps of models/vision/base.py's contract, for each image part of a request, off the event loop (the prompt is
 built in a worker thread):
@@ -12,6 +12,8 @@ built in a worker thread):
   several runs; the other families fill one). The encoder runs only when the engine admits the request and the prefix
   cache does not already cover the run; images of requests admitted together are encoded in one batch.
 Qwen2-VL's and Qwen2.5-VL's prompts carry M-RoPE positions (`enc.rope_positions`), passed to `engine.stream`.
+Gemma 3's rendered text goes through `enc.expand_text` before it is tokenized (its processor's newlines around each
+image), and its segments are `bidirectional` (an image's tokens attend to each other both ways during prefill).
 """
 
 from __future__ import annotations
