@@ -1,8 +1,8 @@
 """Gemma 3 vision-language (Gemma3ForConditionalGeneration) on a tiny random checkpoint: the SigLIP tower + pooling
 projector against transformers' get_image_features, and served over gRPC against the processor + `generate`.
 
-The served model runs 8-token engine steps with 4-token images behind a 3-token sliding window, so a prompt's chunks
-must be moved to keep each image whole (transformers lets an image's tokens see each other both ways during prefill;
+The served models run 8-token engine steps with 4-token (and 16-token) images behind a 3-token sliding window, so a
+prompt's chunks must be moved (or grown past the budget) to keep each image whole (transformers lets an image's tokens see each other both ways during prefill;
 a chunk ending inside one could not), and the window cuts inside an image.
 """
 
@@ -33,12 +33,13 @@ def path(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def served(path):
-    spec = ModelSpec(path=path, name="gemma3")
-    with ServerThread([spec], EngineOptions(kv_cache_gib=0.01, max_num_batched_tokens=CHUNK)) as server:
+def served(path, tmp_path_factory):
+    wide = make_gemma3(tmp_path_factory.mktemp("gemma3") / "wide", mm_tokens=16)  # an image longer than a step
+    specs = [ModelSpec(path=path, name="gemma3"), ModelSpec(path=wide, name="wide")]
+    with ServerThread(specs, EngineOptions(kv_cache_gib=0.01, max_num_batched_tokens=CHUNK)) as server:
         yield {
             "server": server,
-            "paths": {"gemma3": path},
+            "paths": {"gemma3": path, "wide": wide},
             "stub": generation_pb2_grpc.GenerationServiceStub(server.channel()),
             "refs": {},
         }
@@ -64,6 +65,15 @@ def test_one_and_two_images_equal_transformers(served):
         assert got == want
         assert summary.usage.prompt_tokens == n
     baseline(served, "gemma3")
+
+
+def test_an_image_longer_than_a_step_is_computed_in_one_chunk(served):
+    """16 image tokens under an 8-token step budget: the chunk before the image stops at it, the next one takes the
+    whole image (past the budget); the tokens equal transformers'."""
+    for turns in ([("user", [A, "What is in this picture?"])], [("user", ["Compare", A, "with", B])]):
+        got, _, _ = run(served["stub"], ask("wide", turns))
+        assert got == reference(served, "wide", turns)[1]
+    baseline(served, "wide")
 
 
 def test_prefix_hit_inside_an_image(served):
