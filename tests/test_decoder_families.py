@@ -175,12 +175,12 @@ def test_unsupported_config_is_refused_at_load_naming_the_key(case):
         ModelConfig.from_hf(hf)
 
 
-def test_gemma3_vision_language_checkpoint_is_named_not_served_as_text():
-    """Gemma 3 4B+ (Gemma3ForConditionalGeneration) holds this text decoder plus a SigLIP tower we do not serve: a
-    refusal naming it, not a text-only model that ignores the images."""
+def test_gemma3_vision_language_config_unwraps_to_this_decoder():
+    """Gemma 3 4B+ (Gemma3ForConditionalGeneration) holds this text decoder plus a SigLIP tower, served together
+    (models/vision/gemma3.py, tests/test_vision_gemma3.py): its config gives the text decoder's."""
     hf = transformers.Gemma3Config(architectures=["Gemma3ForConditionalGeneration"])
-    with pytest.raises(ValueError, match="Gemma3ForConditionalGeneration.*'gemma3'"):
-        ModelConfig.from_hf(hf)
+    cfg = ModelConfig.from_hf(hf)
+    assert (cfg.family, cfg.hidden_size, cfg.sandwich_norms) == ("gemma3", hf.text_config.hidden_size, True)
 
 
 def test_grpc_greedy_matches_transformers(root):
