@@ -12,7 +12,12 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",  # Phi-3 / 3.5 / 4-mini: fused qkv_proj and gate_up_proj, split at load
     "Gemma3ForCausalLM": "gemma3",  # Gemma 3's text decoder (the 1B, or the text part of larger ones)
     "Gemma2ForCausalLM": "gemma2",  # Gemma 3's layers less q/k norms and local rope, plus attention soft-capping
+    # Mixture-of-experts MLPs (models/moe.py) on the layers above
+    "Qwen3MoeForCausalLM": "qwen3_moe",  # Qwen3-30B-A3B / 235B-A22B: Qwen3's attention, routed experts
+    "MixtralForCausalLM": "mixtral",  # Mistral's attention, 8 experts, top-2
+    "Qwen2MoeForCausalLM": "qwen2_moe",  # Qwen1.5-MoE / Qwen2-57B-A14B: routed experts plus a gated shared expert
 }
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
 # transformers' classes for these never tie the output projection to the token embedding (no _tied_weights_keys):
 # their lm_head is its own checkpoint weight whatever tie_word_embeddings says. Tying it here used the embedding
 # instead: a tiny Qwen2-Audio saved with tie_word_embeddings true gave other tokens from the first one.
@@ -30,6 +35,9 @@ _MODEL_TYPE_TO_FAMILY = {
     "phi3": "phi3",
     "gemma3_text": "gemma3",
     "gemma2": "gemma2",
+    "qwen3_moe": "qwen3_moe",
+    "mixtral": "mixtral",
+    "qwen2_moe": "qwen2_moe",
 }
 
 
@@ -56,8 +64,51 @@ class NotApplicable(ValueError):
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """A sparse mixture-of-experts MLP (models/moe.py), as transformers' Qwen3-MoE / Mixtral / Qwen2-MoE route it:
+    softmax over every expert's router logit in float32, the top_k largest, renormalised to sum 1 when
+    norm_topk_prob (Mixtral always)."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int  # each expert's (Qwen: moe_intermediate_size; Mixtral: intermediate_size)
+    norm_topk_prob: bool
+    sparse_layers: tuple[int, ...]  # the others keep a dense MLP of intermediate_size (Qwen's mlp_only_layers)
+    shared_expert_intermediate_size: int | None = None  # Qwen2-MoE: a dense expert every token takes, sigmoid-gated
+    # Mixtral scales each expert's output by its float32 routing weight (then rounds to the model dtype); Qwen
+    # rounds the weight to the model dtype first. Equal in float32, not in bf16.
+    float32_weights: bool = False
+
+
+def moe_config(text: Any, family: str) -> MoeConfig | None:
+    """The MoE block of a Qwen3-MoE / Mixtral / Qwen2-MoE text config (None for other families). Qwen's layer i is
+    sparse unless listed in mlp_only_layers, when (i + 1) % decoder_sparse_step == 0 (transformers' rule)."""
+    if family not in MOE_FAMILIES:
+        return None
+    layers = int(text.num_hidden_layers)
+    experts = int(getattr(text, "num_experts", None) or getattr(text, "num_local_experts", 0) or 0)
+    top_k = int(text.num_experts_per_tok)
+    if experts < 1 or not 1 <= top_k <= experts:
+        raise ValueError(f"config num_experts_per_tok {top_k} must be 1..num_experts ({experts}) for {family}")
+    if family == "mixtral":
+        return MoeConfig(experts, top_k, int(text.intermediate_size), True, tuple(range(layers)), float32_weights=True)
+    step = int(getattr(text, "decoder_sparse_step", 1) or 1)
+    dense = set(getattr(text, "mlp_only_layers", None) or ())
+    sparse = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    shared = int(text.shared_expert_intermediate_size) if family == "qwen2_moe" else None
+    return MoeConfig(
+        experts,
+        top_k,
+        int(text.moe_intermediate_size),
+        bool(text.norm_topk_prob),
+        sparse,
+        shared_expert_intermediate_size=shared,
+    )
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    family: str  # "llama" | "qwen2" | "qwen3" | "phi3" | "gemma2" | "gemma3"
+    family: str  # "llama" | "qwen2" | "qwen3" | "phi3" | "gemma2" | "gemma3" | "qwen3_moe" | "mixtral" | "qwen2_moe"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -90,6 +141,7 @@ class ModelConfig:
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     attn_logit_softcapping: float | None = None  # attention scores likewise, before the mask (Gemma 2)
     local_rope_layers: tuple[int, ...] = ()  # Gemma 3: layers on the local rope ("sliding_attention" parameters)
+    moe: MoeConfig | None = None  # the sparse MLP of the mixture-of-experts families
 
     @classmethod
     def from_hf(cls, hf_config: Any, max_model_len: int | None = None) -> ModelConfig:
@@ -136,17 +188,19 @@ class ModelConfig:
             max_position_embeddings=max_pos,
             max_model_len=min(max_pos, max_model_len) if max_model_len else max_pos,
             tie_word_embeddings=bool(tie),
-            attention_bias=family == "qwen2" or bool(getattr(text, "attention_bias", False)),
+            # Qwen2-MoE names it qkv_bias (default true)
+            attention_bias=family == "qwen2" or bool(getattr(text, "attention_bias", getattr(text, "qkv_bias", False))),
             # Llama / Qwen3 / Mistral put `attention_bias` on o_proj too; Qwen2 biases q/k/v only.
-            o_proj_bias=family != "qwen2" and bool(getattr(text, "attention_bias", False)),
+            o_proj_bias=family not in ("qwen2", "qwen2_moe") and bool(getattr(text, "attention_bias", False)),
             sliding_window=window,
             sliding_layers=sliding,
             mlp_bias=bool(getattr(text, "mlp_bias", False)),
-            qk_norm=family in ("qwen3", "gemma3"),
+            qk_norm=family in ("qwen3", "gemma3", "qwen3_moe"),
             eos_token_ids=eos_ids,
             bos_token_id=getattr(text, "bos_token_id", None),
             hf_config=text,
             rotary_dim=rotary_dim(text, int(head_dim)),
+            moe=moe_config(text, family),
             **(_gemma_fields(text) if family in ("gemma2", "gemma3") else {}),
         )
 
@@ -245,7 +299,7 @@ def attention_window(text: Any) -> tuple[int | None, tuple[int, ...]]:
     """(sliding window, the layers it applies to) of a text config; (None, ()) when every layer attends to every
     earlier token.
 
-    Mistral and Phi-3 slide every layer by `sliding_window`; Gemma 2 / 3 the layers their `layer_types` mark
+    Mistral, Mixtral, Qwen3-MoE and Phi-3 slide every layer by `sliding_window`; Gemma 2 / 3 the layers their `layer_types` mark
     "sliding_attention"; Qwen2 / Qwen3 likewise (from `use_sliding_window` and `max_window_layers`), and transformers
     clears their `sliding_window` when `use_sliding_window` is false (the Qwen2.5 / Qwen3 releases: full attention
     everywhere)."""
@@ -253,7 +307,8 @@ def attention_window(text: Any) -> tuple[int | None, tuple[int, ...]]:
     if not window or window >= int(getattr(text, "max_position_embeddings", 0) or window + 1):
         return None, ()  # a window no shorter than every context masks nothing (Phi-4-mini's 262144 of 131072)
     layers = int(text.num_hidden_layers)
-    if getattr(text, "model_type", "") in ("mistral", "phi3"):
+    # Qwen3-MoE's attention slides on every layer too when use_sliding_window (layer_types unused), unlike Qwen3's
+    if getattr(text, "model_type", "") in ("mistral", "phi3", "mixtral", "qwen3_moe"):
         return int(window), tuple(range(layers))
     layer_types = list(getattr(text, "layer_types", None) or ())
     sliding = tuple(i for i, kind in enumerate(layer_types[:layers]) if kind == "sliding_attention")

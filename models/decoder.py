@@ -1,5 +1,5 @@
 """Our own decoder for the Llama family (Llama incl. SmolLM2 and Llama 3.x rope scaling, Qwen2, Qwen3, Mistral,
-Phi-3, Gemma 2, Gemma 3's text decoder).
+Phi-3, Gemma 2, Gemma 3's text decoder) and its mixture-of-experts kin (Qwen3-MoE, Mixtral, Qwen2-MoE: models/moe.py).
 
 Config knobs followed as transformers does (tests/test_config_sweep.py, tests/test_decoder_families.py): rope types
 of models/config.py, partial rotary, explicit head_dim, MQA / GQA, tied or untied output, attention_bias (q/k/v, and
@@ -24,6 +24,7 @@ from omnivox.models.attention import AttentionMetadata, paged_attention, write_k
 from omnivox.models.config import ModelConfig
 from omnivox.models.fused_decode import MAX_ROWS, fused_decode_for
 from omnivox.models.layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, linear
+from omnivox.models.moe import Experts, SparseMoeBlock, expert_tensor
 
 
 class Attention(nn.Module):
@@ -59,13 +60,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.inter = cfg.intermediate_size
-        self.gate_up_proj = PackedLinear(
-            cfg.hidden_size, {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size}, cfg.mlp_bias
-        )
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.inter = inter = intermediate_size or cfg.intermediate_size  # Qwen2-MoE's shared expert: its own
+        self.gate_up_proj = PackedLinear(cfg.hidden_size, {"gate_proj": inter, "up_proj": inter}, cfg.mlp_bias)
+        self.down_proj = Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act = cfg.hidden_act  # "silu" (the fused CPU step computes only this) or "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -79,13 +78,21 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP(cfg)
+        self.mlp = make_mlp(cfg, layer)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, rope, kv, meta):
         x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
+    """The layer's MLP: dense, or (a MoE family's sparse layers) the routed experts."""
+    if cfg.moe is None or layer not in cfg.moe.sparse_layers:
+        return MLP(cfg)
+    shared = cfg.moe.shared_expert_intermediate_size
+    return SparseMoeBlock(cfg, MLP(cfg, shared) if shared else None)
 
 
 class SandwichDecoderLayer(DecoderLayer):
@@ -116,9 +123,11 @@ PACKED_PROJECTIONS = {
 def split_fused_projections(cfg: ModelConfig, tensors: Iterable[tuple[str, object]]):
     """Phi-3's fused checkpoint projections as the separate ones every loader reads: `self_attn.qkv_proj` into
     q/k/v rows, `mlp.gate_up_proj` into gate (first half) and up (second), as transformers' Phi3 slices them.
-    Other names pass through (idempotent: a stream already split is unchanged)."""
+    Mixtral's `block_sparse_moe` is renamed `mlp` (as transformers does). Other names pass through (idempotent: a
+    stream already split is unchanged)."""
     q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     for name, tensor in tensors:
+        name = name.replace(".block_sparse_moe.", ".mlp.")
         prefix, _, kind = name.rpartition(".")
         if prefix.endswith("self_attn.qkv_proj"):
             base = prefix[: -len("qkv_proj")]
@@ -188,7 +197,8 @@ class DecoderModel(nn.Module):
         if embed_rows is not None and embed_rows.numel():
             x = x.index_copy(0, embed_rows, embed_values.to(x.dtype))
         rope = self.rotary.tables(positions, x.dtype)
-        fused = fused_decode_for(self) if x.device.type == "cpu" and x.shape[0] <= MAX_ROWS else None
+        small_cpu = x.device.type == "cpu" and x.shape[0] <= MAX_ROWS
+        fused = fused_decode_for(self) if small_cpu and self.config.moe is None else None  # the C step has no experts
         if fused is not None and fused.applies(x, meta):  # a small CPU step: all layers in one C call
             return self.norm(fused(x, rope, kv_caches, meta, self.config.intermediate_size))
         local = self.rotary_local.tables(positions, x.dtype) if self.rotary_local is not None else None
@@ -225,6 +235,8 @@ class DecoderModel(nn.Module):
                 continue
             if ours == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding serves as the output projection
+            if load_expert(self, ours, tensor):
+                continue
             parts = ours.split(".")
             if len(parts) >= 2 and parts[-2] in PACKED_PROJECTIONS:
                 module_name, part = PACKED_PROJECTIONS[parts[-2]]
@@ -248,7 +260,26 @@ class DecoderModel(nn.Module):
             mod = self.get_submodule(mod_name)
             if isinstance(mod, PackedLinear):
                 missing += [f"{mod_name}.{p}.{kind}" for p in mod.parts if f"{mod_name}.{p}.{kind}" not in loaded]
+            elif isinstance(mod, Experts) and pname not in loaded:  # stacked whole, or expert by expert
+                missing += mod.missing(mod_name, kind)
             elif pname not in loaded:
                 missing.append(pname)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:4]}")
+
+
+def load_expert(model: nn.Module, name: str, tensor: torch.Tensor) -> bool:
+    """Copy a per-expert checkpoint tensor (`layers.0.mlp.experts.3.gate_proj.weight`, no "model." prefix) into its
+    stacked slot; False for any other name. Every loader calls this before its own routing."""
+    where = expert_tensor(name)
+    if where is None:
+        return False
+    module, expert, proj = where
+    try:
+        experts = model.get_submodule(module)
+    except AttributeError:
+        experts = None
+    if not isinstance(experts, Experts):
+        raise ValueError(f"checkpoint tensor {name!r} has no place in the {model.config.family} model")
+    experts.load_expert(expert, proj, tensor)
+    return True

@@ -35,6 +35,11 @@ def load_gguf_config(path: Path) -> transformers.PretrainedConfig:
     arch = _read_gguf_metadata(path).get("general.architecture")
     if arch not in GGUF_ARCHS:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHS)})")
+    if _read_gguf_metadata(path).get(f"{arch}.expert_count"):  # llama.cpp writes Mixtral as arch llama + experts
+        raise ValueError(
+            f"{path}: GGUF {arch}.expert_count is set (a mixture-of-experts model such as Mixtral): MoE GGUFs are not "
+            "supported; serve the Hugging Face folder"
+        )
     cached = _gguf_cache_dir(path) / "config"
     if (cached / "config.json").is_file():
         config = transformers.AutoConfig.from_pretrained(cached)

@@ -20,16 +20,18 @@ from torch import nn
 
 from omnivox.models import quant
 from omnivox.models.checkpoint import iter_checkpoint_tensors, load_hf_config
-from omnivox.models.config import ModelConfig
+from omnivox.models.config import ModelConfig, NotApplicable
 from omnivox.models.decoder import (
     PACKED_PROJECTIONS,
     DecoderModel,
+    load_expert,
     make_rotaries,
     norm_value,
     split_fused_projections,
 )
 from omnivox.models.gguf_checkpoint import GGUF_ARCHS, ParameterNames, dequantize_gguf_tensors, gguf_tensor_table
 from omnivox.models.layers import Linear, PackedLinear, RMSNorm
+from omnivox.models.moe import Experts
 
 # GGML types served at their own precision (ggml_type ids from gguf.GGMLQuantizationType).
 Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 2, 3, 8, 12, 14
@@ -241,6 +243,12 @@ def load_decoder(
     # not fast), so there the default stays float (bf16 on CUDA) and quantisation is asked for explicitly.
     native_default = is_gguf and device.type == "cpu"
     mode = quantization if (quantization is not None or native_default) else "none"
+    if cfg.moe is not None and mode != "none":  # the stacked experts have no int8 / int4 layer yet
+        raise NotApplicable(
+            "quantization",
+            f"quantization {mode!r} is not supported for the mixture-of-experts family {cfg.family} "
+            "(float weights only: quantization none)",
+        )
     if quantize_lm_head is None:
         quantize_lm_head = is_gguf and mode != "none" and _gguf_output_quantized(path, cfg.tie_word_embeddings)
     tensors = iter_gguf_blocks(path) if is_gguf and mode != "none" else iter_checkpoint_tensors(path)
@@ -313,6 +321,9 @@ def _load(
             continue
         if ours == "lm_head.weight" and tied:
             continue  # tied: the embedding serves as the output projection
+        if load_expert(model, ours, _as_float(value)):
+            loaded.add(ours)
+            continue
         parts = ours.split(".")
         module, part, kind = ".".join(parts[:-1]), "", parts[-1]
         if len(parts) >= 2 and parts[-2] in PACKED_PROJECTIONS:
@@ -348,6 +359,8 @@ def _load(
         mod = model.get_submodule(mod_name)
         if isinstance(mod, PackedLinear):
             missing += [f"{mod_name}.{p}.{kind}" for p in mod.parts if f"{mod_name}.{p}.{kind}" not in loaded]
+        elif isinstance(mod, Experts) and pname not in loaded:  # stacked whole, or expert by expert
+            missing += mod.missing(mod_name, kind)
         elif pname not in loaded:
             missing.append(pname)
     if missing:

@@ -36,6 +36,8 @@ from omnivox.models.layers import Linear, PackedLinear, linear
 def check_divisible(cfg: ModelConfig, world: int) -> None:
     """A clear error when `world` ranks cannot split the heads (or the MLP) evenly. KV heads fewer than the ranks
     are replicated, which needs `world` to be a multiple of them."""
+    if cfg.moe is not None and world > 1:  # neither expert-parallel nor per-expert shards yet
+        raise ValueError(f"--tensor-parallel {world}: the mixture-of-experts family {cfg.family} runs on one process")
     for what, n in (("attention heads", cfg.num_heads), ("MLP intermediate size", cfg.intermediate_size)):
         if n % world:
             raise ValueError(f"--tensor-parallel {world} does not divide the model's {what} ({n})")

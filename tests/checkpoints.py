@@ -54,6 +54,41 @@ FAMILIES = {
             "final_logit_softcapping": 3.0,
         },
     ),  # fmt: skip
+    # Mixture of experts (models/moe.py): 8 / 4 experts, top-2, each expert narrower than the dense MLP
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        {
+            "head_dim": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+        },
+    ),  # fmt: skip
+    "mixtral": (
+        transformers.MixtralConfig,
+        transformers.MixtralForCausalLM,
+        # head_dim written out: transformers 5.24 validates yarn / longrope with MixtralConfig.head_dim None as a number
+        {
+            "head_dim": 16,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 48,
+            "sliding_window": None,
+        },
+    ),  # fmt: skip
+    # Qwen2-MoE: a sigmoid-gated shared expert beside the routed ones, q/k/v biases (qkv_bias)
+    "qwen2_moe": (
+        transformers.Qwen2MoeConfig,
+        transformers.Qwen2MoeForCausalLM,
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+        },
+    ),  # fmt: skip
 }
 
 

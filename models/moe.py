@@ -1,0 +1,120 @@
+"""Sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral, Qwen2-MoE), computed as transformers does.
+
+Routing (transformers' Qwen3MoeTopKRouter / MixtralTopKRouter / Qwen2MoeTopKRouter): router logits = gate(x); softmax
+over all experts in float32; the top_k largest probabilities, renormalised to sum 1 when norm_topk_prob (Mixtral
+always). Each chosen expert is a SiLU-gated MLP; a token's output is the weighted sum of its experts' outputs
+(Qwen2-MoE adds a shared expert scaled by sigmoid(shared_expert_gate(x))).
+
+The experts are stacked at load into two tensors, gate_up_proj [E, 2I, H] and down_proj [E, H, I] (transformers 5's
+own layout and names, so a checkpoint saved that way loads as is). The forward groups the (token, expert) pairs by
+expert with one argsort and runs each hit expert once on its rows (a python loop over experts, never over tokens),
+then scatters the weighted rows back with one index_add_.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omnivox.models.config import ModelConfig
+from omnivox.models.layers import Linear, linear
+
+# Per-expert checkpoint names (Mixtral's block_sparse_moe is renamed to mlp first, models/decoder.py):
+# mlp.experts.{i}.gate_proj / up_proj / down_proj (Qwen) or w1 / w3 / w2 (Mixtral).
+_EXPERT_NAME = re.compile(r"^(?P<module>.+)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+_PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+
+
+class Experts(nn.Module):
+    """E SiLU-gated MLPs stacked: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.num_experts, self.inter = num_experts, inter
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.loaded_parts: set[tuple[int, str]] = set()  # (expert, "gate" | "up" | "down") copied by load_expert
+
+    def load_expert(self, expert: int, proj: str, tensor: torch.Tensor) -> None:
+        """One expert's checkpoint matrix into its slot; proj is a checkpoint name (gate_proj, w1, ...)."""
+        part = _PROJ[proj]
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} {proj}: the config has {self.num_experts} experts")
+        i = self.inter
+        target = {"gate": self.gate_up_proj[expert, :i], "up": self.gate_up_proj[expert, i:]}.get(part)
+        target = self.down_proj[expert] if target is None else target
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(f"expert {expert} {proj}: shape {tuple(tensor.shape)} != {tuple(target.shape)}")
+        with torch.no_grad():
+            target.copy_(tensor)
+        self.loaded_parts.add((expert, part))
+
+    def missing(self, prefix: str, param: str) -> list[str]:
+        """Per-expert tensors of `param` (gate_up_proj / down_proj) not loaded, as names under `prefix`."""
+        parts = ("gate", "up") if param == "gate_up_proj" else ("down",)
+        return [
+            f"{prefix}.{e}.{p}_proj.weight"
+            for e in range(self.num_experts)
+            for p in parts
+            if (e, p) not in self.loaded_parts
+        ]
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; experts [T, k] chosen expert ids; weights [T, k] their routing weights -> [T, H]."""
+        k = experts.shape[1]
+        flat = experts.reshape(-1)  # [T*k]
+        order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens in order within one
+        # One host read per layer (the rows each expert takes); transformers' loop reads which experts were hit too.
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tokens = order // k
+        rows = x.index_select(0, tokens)  # [T*k, H]
+        outs, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                gate_up = linear(rows[start : start + n], self.gate_up_proj[e])
+                h = F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :]
+                outs.append(linear(h, self.down_proj[e]))
+                start += n
+        if not outs:  # no rows
+            return torch.zeros_like(x)
+        scaled = torch.cat(outs) * weights.reshape(-1, 1).index_select(0, order)  # in weights' dtype
+        return torch.zeros_like(x).index_add_(0, tokens, scaled.to(x.dtype))
+
+
+class SparseMoeBlock(nn.Module):
+    """The MoE MLP: router `gate` [E, H], the experts, and (Qwen2-MoE) a sigmoid-gated shared expert."""
+
+    def __init__(self, cfg: ModelConfig, shared_expert: nn.Module | None = None) -> None:
+        super().__init__()
+        moe = cfg.moe
+        self.top_k, self.norm_topk_prob, self.float32_weights = moe.top_k, moe.norm_topk_prob, moe.float32_weights
+        self.gate = Linear(cfg.hidden_size, moe.num_experts, bias=False)
+        self.experts = Experts(moe.num_experts, cfg.hidden_size, moe.expert_intermediate_size)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False) if shared_expert is not None else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """([T, k] expert ids, [T, k] weights) for rows x [T, H]: float32 weights for Mixtral, x's dtype for Qwen."""
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [T, E]
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights if self.float32_weights else weights.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        out = self.experts(x, *self.route(x))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+def expert_tensor(name: str) -> tuple[str, int, str] | None:
+    """(module of the Experts, expert index, checkpoint projection) of a per-expert checkpoint name without its
+    "model." prefix (`layers.0.mlp.experts.3.w1.weight` -> ("layers.0.mlp.experts", 3, "w1")), else None."""
+    m = _EXPERT_NAME.match(name)
+    if m is None or not m["module"].endswith(".experts"):
+        return None
+    return m["module"], int(m["expert"]), m["proj"]

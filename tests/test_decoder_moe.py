@@ -1,0 +1,164 @@
+"""Mixture-of-experts decoders (models/moe.py): Qwen3-MoE, Mixtral and Qwen2-MoE against transformers' own
+implementation on tiny random checkpoints saved with save_pretrained: greedy tokens (model.generate) and top-5
+log-probabilities, prefill whole and in chunks, paged decode (batch-1 and batched), dense layers among sparse ones,
+the streaming loader, refusals of the paths that take no experts (int8 / int4, tensor parallel, MoE GGUFs), and one
+Generate per family through gRPC with a chat template."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from checkpoints import load_reference, make_checkpoint, reference_greedy
+from engines import tiny_engine
+from service_harness import ServerThread, user_request
+from test_config_sweep import LONG, MID, SHORT, XL, assert_matches
+
+from omnivox.models.config import ModelConfig, NotApplicable, served_families
+from omnivox.models.loading import load_decoder
+from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.v1 import generation_pb2_grpc
+
+# id -> (family, checkpoint overrides, engine kwargs, prompts compared)
+CASES = {
+    # Qwen3-30B-A3B's routing (norm_topk_prob true), every layer sparse, 8-token prefill chunks
+    "qwen3-moe-chunked": ("qwen3_moe", {}, {"max_num_batched_tokens": 8}, (SHORT, MID, XL)),
+    # layer 0 dense (mlp_only_layers), top-3 weights not renormalised
+    "qwen3-moe-dense-layer-top3-unnormalised": (
+        "qwen3_moe", {"mlp_only_layers": [0], "norm_topk_prob": False, "num_experts_per_tok": 3}, {}, (MID, LONG)
+    ),
+    # Mixtral: softmax, top-2, renormalised; a window of 20 on every layer, decode past it
+    "mixtral-window-20-chunked": ("mixtral", {"sliding_window": 20}, {"max_num_batched_tokens": 8}, (SHORT, XL)),
+    "mixtral-top1-of-4": ("mixtral", {"num_experts_per_tok": 1}, {}, (MID,)),
+    # Qwen2-MoE: shared expert with its sigmoid gate, q/k/v biases; decoder_sparse_step 2 makes layer 0 dense
+    "qwen2-moe-shared-expert-sparse-step-2": ("qwen2_moe", {"decoder_sparse_step": 2}, {}, (SHORT, LONG)),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("moe")
+
+
+@pytest.fixture(scope="module")
+def paths(root) -> dict[str, Path]:
+    return {
+        case: make_checkpoint(root / case, family, seed=7, with_tokenizer=False, **overrides)
+        for case, (family, overrides, _, _) in CASES.items()
+    }
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_engine_matches_transformers(paths, case):
+    _, _, engine_kwargs, prompts = CASES[case]
+    engine = tiny_engine(paths[case], **engine_kwargs)
+    assert_matches(engine, load_reference(paths[case]), prompts)
+
+
+def test_configs_read_as_released(paths):
+    """Which layers are sparse, each expert's size, the routing flags."""
+    read = {case: ModelConfig.from_hf(transformers.AutoConfig.from_pretrained(p)) for case, p in paths.items()}
+    moe = read["qwen3-moe-chunked"].moe
+    assert (moe.num_experts, moe.top_k, moe.expert_intermediate_size, moe.norm_topk_prob) == (8, 2, 32, True)
+    assert (moe.sparse_layers, read["qwen3-moe-chunked"].qk_norm) == ((0, 1), True)
+    assert read["qwen3-moe-dense-layer-top3-unnormalised"].moe.sparse_layers == (1,)
+    mixtral = read["mixtral-window-20-chunked"]
+    assert (mixtral.moe.num_experts, mixtral.moe.expert_intermediate_size, mixtral.moe.norm_topk_prob) == (4, 48, True)
+    assert (mixtral.moe.float32_weights, mixtral.window_everywhere) == (True, 20)
+    qwen2 = read["qwen2-moe-shared-expert-sparse-step-2"]
+    assert (qwen2.moe.sparse_layers, qwen2.moe.shared_expert_intermediate_size) == ((1,), 48)
+    assert (qwen2.attention_bias, qwen2.o_proj_bias) == (True, False)
+    for arch in ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM"):
+        assert arch in served_families()
+
+
+def test_streaming_loader_equals_the_engine_loader_and_refuses_quantization(paths):
+    """load_decoder (the streaming loader) stacks the experts as the engine's does; int8 / int4 have no expert
+    layer, so they are refused naming the option and the family (never a model with float experts mislabelled)."""
+    path = paths["qwen2-moe-shared-expert-sparse-step-2"]
+    engine = tiny_engine(path)
+    ours = load_decoder(path, quantization="none")
+    for (name, a), (_, b) in zip(ours.state_dict().items(), engine.model.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    for mode in ("int8", "int4"):
+        with pytest.raises(NotApplicable, match=f"quantization '{mode}'.*qwen2_moe") as err:
+            tiny_engine(path, quantization=mode)
+        assert err.value.field == "quantization"
+
+
+def test_stacked_expert_checkpoint_loads_and_a_missing_expert_is_named(paths, tmp_path):
+    """transformers 5's in-memory layout (mlp.experts.gate_up_proj [E, 2I, H], down_proj [E, H, I]) loads as is; a
+    checkpoint missing one expert's matrix is refused naming it."""
+    from safetensors.torch import load_file, save_file
+
+    src = paths["mixtral-top1-of-4"]
+    tensors = load_file(src / "model.safetensors")
+    stacked = dict(tensors)
+    for layer in range(2):
+        pre = f"model.layers.{layer}.block_sparse_moe.experts"
+        w = [[stacked.pop(f"{pre}.{e}.{p}.weight") for e in range(4)] for p in ("w1", "w3", "w2")]
+        stacked[f"{pre}.gate_up_proj"] = torch.stack([torch.cat((g, u)) for g, u in zip(w[0], w[1], strict=True)])
+        stacked[f"{pre}.down_proj"] = torch.stack(w[2])
+    want = tiny_engine(src).model.state_dict()
+    for name, drop in (("stacked", None), ("missing", "model.layers.1.block_sparse_moe.experts.3.w3.weight")):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text((src / "config.json").read_text())
+        save_file(
+            stacked if drop is None else {k: v for k, v in tensors.items() if k != drop}, folder / "model.safetensors"
+        )
+        if drop is None:
+            got = tiny_engine(folder).model.state_dict()
+            assert all(torch.equal(got[k], want[k]) for k in want)
+        else:
+            with pytest.raises(ValueError, match=r"layers\.1\.mlp\.experts\.3\.up_proj"):
+                tiny_engine(folder)
+
+
+def test_tensor_parallel_and_moe_gguf_are_refused(paths, tmp_path):
+    import gguf
+    import numpy as np
+
+    from omnivox.engine import Engine
+    from omnivox.models.tensor_parallel import check_world
+
+    with pytest.raises(ValueError, match="--tensor-parallel 2: the mixture-of-experts family qwen3_moe"):
+        check_world(paths["qwen3-moe-chunked"], 2, torch.device("cpu"))
+    path = tmp_path / "mixtral.gguf"  # llama.cpp writes Mixtral as arch llama with llama.expert_count
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(1)
+    writer.add_expert_count(8)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="llama.expert_count"):
+        Engine.from_pretrained(path, device="cpu", kv_cache_gib=0.01)
+
+
+def test_grpc_greedy_matches_transformers(root):
+    """One Generate per MoE family through a real server: the ChatML prompt the service builds, greedy tokens as
+    transformers' generate gives them."""
+    paths = {
+        family: make_checkpoint(root / f"grpc-{family}", family, seed=3, with_tokenizer=True)
+        for family in ("qwen3_moe", "mixtral", "qwen2_moe")
+    }
+    text = "The capital of France is Paris. The capital of Italy is"
+    specs = [ModelSpec(path=p, name=f) for f, p in paths.items()]
+    with ServerThread(specs, EngineOptions(kv_cache_gib=0.01, max_num_batched_tokens=8)) as server:
+        stub = generation_pb2_grpc.GenerationServiceStub(server.channel())
+        for family, path in paths.items():
+            request = user_request(text, model=family, max_output_tokens=6, ignore_eos=True)
+            request.sampling.temperature = 0.0
+            ours = [t for r in stub.Generate(request, timeout=60) if r.WhichOneof("response") == "delta"
+                    for t in r.delta.token_ids]  # fmt: skip
+            tok = transformers.AutoTokenizer.from_pretrained(path)
+            chat = tok.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+            )
+            ref = load_reference(path)
+            ref.generation_config.eos_token_id = None
+            assert ours == reference_greedy(ref, tok.encode(chat, add_special_tokens=False), 6)[0], family
