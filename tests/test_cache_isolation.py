@@ -6,6 +6,8 @@ counters and the summary's cached_prompt_tokens, never from timing. Unauthentica
 
 from __future__ import annotations
 
+import re
+
 import grpc
 import pytest
 from audio_checkpoints import chirp, encode, make_qwen2_audio
@@ -209,6 +211,34 @@ def test_a_too_long_cache_salt_is_invalid_argument_naming_it(served) -> None:
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field_of(info.value) == ["config.cache_salt"]
     ok = user_request("Hi", cache_salt="x" * MAX_CACHE_SALT_CHARS, max_output_tokens=1)
     assert list(served["generate"].Generate(ok, metadata=ALICE, timeout=30))[-1].HasField("summary")
+
+
+def test_the_cli_sends_cache_salt(served, tmp_path, capsys) -> None:
+    """`--cache-salt` reaches the server from every command whose request takes one: generate shares its prefix
+    within a salt only (the summary line's cached count); a too-long salt is the server's INVALID_ARGUMENT naming
+    the field, from generate (chat, ask), speak, transcribe and transcribe --stream."""
+    from omnivox.services.cli import main
+
+    server = ("--server", served["server"].address, "--api-key", "sk-alice-0123456789")
+    prompt = "CLI. " + TEXT
+
+    def generate_cached(salt: str) -> int:
+        assert main(["generate", prompt, "--model", "text", "--max-tokens", "1", "--cache-salt", salt, *server]) == 0
+        return int(re.search(r"\((\d+) cached\)", capsys.readouterr().err).group(1))
+
+    first, again, other = generate_cached("one"), generate_cached("one"), generate_cached("two")
+    assert first == 0 and again > 0 and other == 0, (first, again, other)
+    wav = tmp_path / "clip.wav"
+    wav.write_bytes(encode(chirp(0.3), 16000, "WAV"))
+    long = "x" * (MAX_CACHE_SALT_CHARS + 1)
+    for command, field in [
+        (["generate", "Hi", "--model", "text"], "cache_salt"),
+        (["speak", "Hi", "--model", "speech", "-o", str(tmp_path / "out.wav")], "cache_salt"),
+        (["transcribe", str(wav), "--model", "whisper"], "cache_salt"),
+        (["transcribe", str(wav), "--model", "whisper", "--stream", "--pace", "0"], "config.cache_salt"),
+    ]:
+        assert main([*command, "--cache-salt", long, *server]) == 1, command
+        assert f"INVALID_ARGUMENT: {field}:" in capsys.readouterr().err, command
 
 
 def test_an_unauthenticated_call_without_a_salt_keeps_the_shared_cache() -> None:

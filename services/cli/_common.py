@@ -43,6 +43,15 @@ def add_connection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to wait for the server")
 
 
+def add_cache_salt_arg(parser: argparse.ArgumentParser) -> None:
+    """--cache-salt, for the commands whose requests take `cache_salt` (services/cache_salt.py)."""
+    parser.add_argument(
+        "--cache-salt",
+        default="",
+        help="share cached work (prefix KV, encoded media, grammars) only with requests of the same caller and salt",
+    )
+
+
 def connect(args: argparse.Namespace) -> grpc.Channel:
     """A channel to args.server that is connected, or CliError saying the server cannot be reached."""
     options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from omnivox.services.cli._common import CliError, add_connection_args, connect, rpc_error_line
+from omnivox.services.cli._common import CliError, add_cache_salt_arg, add_connection_args, connect, rpc_error_line
 
 if TYPE_CHECKING:
     from omnivox.v1 import generation_pb2, generation_pb2_grpc
@@ -28,6 +28,7 @@ def _add_request_args(p: argparse.ArgumentParser) -> None:
         "--no-thinking", action="store_true", help="a reasoning model (Qwen3) answers without thinking first"
     )
     p.add_argument("--quiet", "-q", action="store_true", help="no summary line on stderr")
+    add_cache_salt_arg(p)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -61,7 +62,7 @@ def build_request(args: argparse.Namespace, turns: list[tuple[str, str]]) -> gen
         if value is not None:
             setattr(sampling, name, value)
     request = generation_pb2.GenerateRequest(
-        model=args.model, contents=contents, sampling=sampling, stop_sequences=args.stop
+        model=args.model, contents=contents, sampling=sampling, stop_sequences=args.stop, cache_salt=args.cache_salt
     )
     if args.max_tokens is not None:
         request.max_output_tokens = args.max_tokens

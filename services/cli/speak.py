@@ -7,7 +7,14 @@ import os
 import sys
 from pathlib import Path
 
-from omnivox.services.cli._common import CliError, add_connection_args, connect, open_output, rpc_error_line
+from omnivox.services.cli._common import (
+    CliError,
+    add_cache_salt_arg,
+    add_connection_args,
+    connect,
+    open_output,
+    rpc_error_line,
+)
 
 ENCODINGS = ("wav", "linear16", "flac", "ogg_opus", "mulaw")
 _BY_SUFFIX = {".wav": "wav", ".flac": "flac", ".ogg": "ogg_opus", ".opus": "ogg_opus", ".raw": "linear16",
@@ -39,6 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--transcript", help="what the --voice-from recording says")
     p.add_argument("--list-voices", action="store_true", help="print the voices the server offers and exit")
     p.add_argument("--quiet", "-q", action="store_true", help="no summary line on stderr")
+    add_cache_salt_arg(p)
     add_connection_args(p)
     p.set_defaults(run=run)
 
@@ -72,6 +80,7 @@ def build_request(args: argparse.Namespace, text: str):
             sample_rate_hertz=args.sample_rate,
         ),
         sampling=sampling,
+        cache_salt=args.cache_salt,
     )
 
 

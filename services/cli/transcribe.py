@@ -8,7 +8,14 @@ import json
 import sys
 from pathlib import Path
 
-from omnivox.services.cli._common import CliError, add_connection_args, connect, open_output, rpc_error_line
+from omnivox.services.cli._common import (
+    CliError,
+    add_cache_salt_arg,
+    add_connection_args,
+    connect,
+    open_output,
+    rpc_error_line,
+)
 
 FORMATS = ("text", "srt", "vtt", "json")
 
@@ -33,6 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--interim", action="store_true", help="--stream: show interim text on stderr (a terminal)")
     p.add_argument("--pace", type=float, default=1.0, help="--stream of a file: times real time (0: flat out)")
+    add_cache_salt_arg(p)
     add_connection_args(p)
     p.set_defaults(run=run)
 
@@ -95,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
         prompt=args.prompt,
         timestamps=args.format != "text",
         task=args.task,
+        cache_salt=args.cache_salt,
     )
     out = sys.stdout if args.output == "-" else open_output(args.output)
     summary = None

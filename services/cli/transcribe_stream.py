@@ -128,6 +128,7 @@ def requests(args: argparse.Namespace, encoding: str, rate: int, chunks: Iterato
         interim_results=args.interim or args.format == "json",
         task=getattr(args, "task", "") or "",
         prompt=args.prompt,
+        cache_salt=args.cache_salt,
     )
     yield transcription_pb2.StreamingTranscribeRequest(config=config)
     start, sent = time.monotonic(), 0.0
