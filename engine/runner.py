@@ -59,8 +59,11 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
             for _ in range(cfg.num_layers)
         ]
+        # A mixture-of-experts layer reads its per-expert row counts on the host (models/moe.py): it cannot be
+        # captured in a CUDA graph, so it decodes on the dynamic path by default (static steps run eagerly if asked).
+        moe = getattr(cfg, "moe", None) is not None
         if static_decode is None:  # not for encoder-decoder models: the static buffers hold no cross-attention state
-            static_decode = self.device.type == "cuda" and not getattr(model, "is_encoder_decoder", False)
+            static_decode = self.device.type == "cuda" and not getattr(model, "is_encoder_decoder", False) and not moe
         self.static: StaticDecoder | None = None
         if static_decode:
             self.static = StaticDecoder(
@@ -70,7 +73,7 @@ class ModelRunner:
                 scratch_block=num_blocks,
                 max_batch=max_num_seqs,
                 max_blocks=-(-cfg.max_model_len // block_size),
-                use_graphs=self.device.type == "cuda",
+                use_graphs=self.device.type == "cuda" and not moe,
             )
             self.static.use_flex = self.use_flex
 

@@ -57,6 +57,26 @@ def test_engine_matches_transformers(paths, case):
     assert_matches(engine, load_reference(paths[case]), prompts)
 
 
+def test_static_decode_twin_equals_dynamic_path(paths):
+    """The padded fixed-shape decode step run eagerly (CUDA graphs are not captured for MoE layers: they read their
+    per-expert row counts on the host): padded rows are routed too, yet the real rows' tokens and log-probabilities
+    equal the dynamic path's, batched with distinct prompts."""
+    from omnivox.engine import SamplingParams
+
+    path = paths["qwen2-moe-shared-expert-sparse-step-2"]
+    static = tiny_engine(path, static_decode=True, max_num_seqs=4)
+    assert static.runner.static is not None and not static.runner.static.use_graphs
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    prompts = [SHORT, MID, LONG]  # 3 requests padded to a batch bucket of 4
+    a, b = static.generate(prompts, params), tiny_engine(path).generate(prompts, params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b] and static.runner.static.num_runs >= 7
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(
+            torch.tensor([lp.logprob for lp in x.logprobs]), torch.tensor([lp.logprob for lp in y.logprobs])
+        )
+    static.check_integrity()
+
+
 def test_configs_read_as_released(paths):
     """Which layers are sparse, each expert's size, the routing flags."""
     read = {case: ModelConfig.from_hf(transformers.AutoConfig.from_pretrained(p)) for case, p in paths.items()}
@@ -162,3 +182,50 @@ def test_grpc_greedy_matches_transformers(root):
             ref = load_reference(path)
             ref.generation_config.eos_token_id = None
             assert ours == reference_greedy(ref, tok.encode(chat, add_special_tokens=False), 6)[0], family
+
+
+BLOCKS = {
+    "mixtral": ("MixtralConfig", "mixtral.modeling_mixtral.MixtralSparseMoeBlock", "MixtralForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock", "Qwen3MoeForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock", "Qwen2MoeForCausalLM"),
+}
+
+
+@pytest.mark.parametrize("family", list(BLOCKS))
+def test_sparse_block_equals_transformers_bitwise_in_float32_and_bf16(family):
+    """Our SparseMoeBlock against transformers' own on 37 rows, bit for bit, in float32 and bf16: the routing weights'
+    dtype differs by family (Mixtral scales expert outputs by float32 weights, Qwen by model-dtype ones; red in
+    bf16 with Mixtral's weights rounded first)."""
+    import importlib
+
+    from omnivox.models.decoder import make_mlp
+
+    config_name, block_path, arch = BLOCKS[family]
+    module, _, block_name = block_path.rpartition(".")
+    block_cls = getattr(importlib.import_module(f"transformers.models.{module}"), block_name)
+    experts_key = "num_local_experts" if family == "mixtral" else "num_experts"
+    hf = getattr(transformers, config_name)(
+        architectures=[arch], hidden_size=64, intermediate_size=64, moe_intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_experts_per_tok=2, shared_expert_intermediate_size=64, **{experts_key: 8},
+    )  # fmt: skip
+    torch.manual_seed(0)
+    ref = block_cls(hf)
+    for p in ref.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    ours = make_mlp(ModelConfig.from_hf(hf), 0)
+    sd = ref.state_dict()
+    with torch.no_grad():
+        ours.gate.weight.copy_(sd["gate.weight"])
+        ours.experts.gate_up_proj.copy_(sd["experts.gate_up_proj"])
+        ours.experts.down_proj.copy_(sd["experts.down_proj"])
+        if family == "qwen2_moe":
+            ours.shared_expert_gate.weight.copy_(sd["shared_expert_gate.weight"])
+            shared = torch.cat([sd["shared_expert.gate_proj.weight"], sd["shared_expert.up_proj.weight"]])
+            ours.shared_expert.gate_up_proj.weight.copy_(shared)
+            ours.shared_expert.down_proj.weight.copy_(sd["shared_expert.down_proj.weight"])
+    x = torch.randn(1, 37, 64)
+    for dtype in (torch.float32, torch.bfloat16):
+        with torch.no_grad():
+            want = ref.to(dtype)(x.to(dtype))
+            got = ours.to(dtype)(x[0].to(dtype))
+        assert torch.equal(got, want.reshape(37, 64)), dtype
