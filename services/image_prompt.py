@@ -12,8 +12,8 @@ built in a worker thread):
   several runs; the other families fill one). The encoder runs only when the engine admits the request and the prefix
   cache does not already cover the run; images of requests admitted together are encoded in one batch.
 Qwen2-VL's and Qwen2.5-VL's prompts carry M-RoPE positions (`enc.rope_positions`), passed to `engine.stream`.
-Gemma 3's rendered text goes through `enc.expand_text` before it is tokenized (its processor's newlines around each
-image), and its segments are `bidirectional` (an image's tokens attend to each other both ways during prefill).
+Gemma 3's rendered text goes through `enc.expand_text` before it is tokenized (its processor's newlines, and
+pan-and-scan sentences, around each image), and its segments are `bidirectional` (an image's tokens attend to each other both ways during prefill).
 """
 
 from __future__ import annotations
@@ -130,10 +130,14 @@ class ImageInputPart:
         key = image_content_key(part.data, self.model_key, {**self.feature_settings(), "max_pixels": max_pixels})
         return item, key, decoded.width * decoded.height
 
-    def render(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def render(
+        self, messages: list[dict], tools: list[dict] | None = None, items: Sequence[ImageInputs] = ()
+    ) -> list[int]:
         """Chat messages -> token ids through the checkpoint's template (one marker per image, not yet expanded).
         `tools` (a list, maybe empty, for a request with tools or tool turns): through the template that renders them
         (`tools.media_template`).
+
+        `items`: the images in order, for a family whose processor writes text around each (`expand_text`).
 
         Tokenized as transformers' `ProcessorMixin.apply_chat_template(tokenize=True)` does: with the tokenizer's
         special tokens unless the rendered text already starts with its BOS. llava-1.5-hf's and LLaVA-NeXT-Mistral's
@@ -141,7 +145,7 @@ class ImageInputPart:
         """
         tool_kwargs = {} if tools is None else {"tools": tools or None, "chat_template": media_template(self.processor)}
         text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **tool_kwargs)
-        text = self.encoder.expand_text(text)
+        text = self.encoder.expand_text(text, items)
         tok = self.processor.tokenizer
         add_special = not (tok.bos_token is not None and text.startswith(tok.bos_token))
         return list(tok(text, add_special_tokens=add_special).input_ids)
@@ -311,4 +315,4 @@ class ImagePromptBuilder:
             messages[-1].update(turn_fields(content))
         if bad:
             raise errors.invalid_argument(bad)
-        return image.prompt(image.render(messages, tools), images, cache_salt=cache_salt)
+        return image.prompt(image.render(messages, tools, [it for it, _ in images]), images, cache_salt=cache_salt)

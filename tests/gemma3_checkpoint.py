@@ -58,7 +58,12 @@ def make_gemma3(out: Path, *, mm_tokens: int = 4, sliding_window: int = 3, pan_a
         eoi_token_index=ids[EOI],
         image_token_index=ids[IMAGE],
     )
-    ip = transformers.Gemma3ImageProcessorPil(size={"height": 28, "width": 28}, do_pan_and_scan=pan_and_scan)
+    # Pan-and-scan crops of at least 8 px (the release's 256 would take images larger than the tests'): a 50x30 image
+    # is the original plus 2 crops
+    pas = dict(pan_and_scan_min_crop_size=8, pan_and_scan_max_num_crops=3, pan_and_scan_min_ratio_to_activate=1.2)
+    ip = transformers.Gemma3ImageProcessorPil(
+        size={"height": 28, "width": 28}, do_pan_and_scan=pan_and_scan, **(pas if pan_and_scan else {})
+    )
     processor = transformers.Gemma3Processor(
         image_processor=ip, tokenizer=tok, image_seq_length=mm_tokens, chat_template=chat_template(BOI)
     )

@@ -11,9 +11,11 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
+import transformers
 from gemma3_checkpoint import BOI, EOI, IMAGE, make_gemma3
+from PIL import Image
 from service_harness import ServerThread
-from test_service_images import _violations, ask, baseline, reference, run
+from test_service_images import STEPS, _violations, ask, baseline, reference, run
 from vision_checkpoints import relayout, sample_image
 from vision_parity import check_batch_isolation, check_features_and_placeholders, check_hub_layout, check_keys
 
@@ -35,11 +37,12 @@ def path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def served(path, tmp_path_factory):
     wide = make_gemma3(tmp_path_factory.mktemp("gemma3") / "wide", mm_tokens=16)  # an image longer than a step
-    specs = [ModelSpec(path=path, name="gemma3"), ModelSpec(path=wide, name="wide")]
+    pas = make_gemma3(tmp_path_factory.mktemp("gemma3") / "pas", pan_and_scan=True)
+    specs = [ModelSpec(path=path, name="gemma3"), ModelSpec(path=wide, name="wide"), ModelSpec(path=pas, name="pas")]
     with ServerThread(specs, EngineOptions(kv_cache_gib=0.01, max_num_batched_tokens=CHUNK)) as server:
         yield {
             "server": server,
-            "paths": {"gemma3": path, "wide": wide},
+            "paths": {"gemma3": path, "wide": wide, "pas": pas},
             "stub": generation_pb2_grpc.GenerationServiceStub(server.channel()),
             "refs": {},
         }
@@ -74,6 +77,34 @@ def test_an_image_longer_than_a_step_is_computed_in_one_chunk(served):
         got, _, _ = run(served["stub"], ask("wide", turns))
         assert got == reference(served, "wide", turns)[1]
     baseline(served, "wide")
+
+
+def test_pan_and_scan_crops_equal_transformers(served):
+    """A folder whose image processor says do_pan_and_scan: the 50x30 and 30x50 images are each the original plus 2
+    crops (3 runs of soft tokens in the processor's sentence), the 40x40 one is not cut; features, ids and greedy
+    tokens equal transformers' processor called with the folder's pan-and-scan settings."""
+    enc = served["server"].registry.lookup("pas").bundle.vision.encoder
+    ref = transformers.AutoModelForImageTextToText.from_pretrained(served["paths"]["pas"]).eval()
+    for turns in ([("user", [A, "What is in this picture?"])], [("user", [C, "Compare", B])]):
+        ims = [x for _, items in turns for x in items if isinstance(x, Image.Image)]
+        messages = [{"role": r, "content": [_part(x) for x in items]} for r, items in turns]
+        text = enc.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        batch = enc.processor(text=[text], images=ims, return_tensors="pt", **enc.pan_and_scan)
+        items = enc.preprocess(ims)
+        assert [it.extra["tower_images"] for it in items] == [3 if im.width != im.height else 1 for im in ims]
+        with torch.no_grad():
+            want_feats = ref.model.get_image_features(pixel_values=batch["pixel_values"]).pooler_output.flatten(0, 1)
+            out = ref.generate(**batch, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False)
+        torch.testing.assert_close(torch.cat(enc.encode(items)), want_feats, atol=1e-5, rtol=0)
+        got, _, summary = run(served["stub"], ask("pas", turns))
+        n = batch["input_ids"].shape[1]
+        assert summary.usage.prompt_tokens == n
+        assert got == out[0, n:].tolist()
+    baseline(served, "pas")
+
+
+def _part(x) -> dict:
+    return {"type": "image"} if isinstance(x, Image.Image) else {"type": "text", "text": x}
 
 
 def test_prefix_hit_inside_an_image(served):

@@ -4,7 +4,7 @@ model fails on them too): LLaVA-NeXT with a SigLIP tower under "default" (15 row
 a LLaVA processor counting no CLS row for a CLIP tower or without patch_size (transformers' processor raises a
 TypeError on every image; we named nothing), an Idefics3 processor with another image_seq_len, a
 Qwen2.5-VL or Qwen2-VL image processor with another merge_size or patch_size, a Gemma 3 processor with another
-image_seq_length than mm_tokens_per_image (or pan-and-scan on)."""
+image_seq_length than mm_tokens_per_image."""
 
 from __future__ import annotations
 
@@ -54,8 +54,6 @@ CASES = {
     "qwen-patch-size": ("qwen", lambda c: c["image_processor"].update(patch_size=8, merge_size=1), "patch_size"),
     "qwen2-vl-merge-size": ("qwen2_vl", lambda c: c["image_processor"].update(merge_size=4), "merge_size"),
     "gemma3-image-seq-length": ("gemma3", lambda c: c.update(image_seq_length=9), "image_seq_length"),
-    # Pan-and-scan crops (extra images per image, with their own text) are not served
-    "gemma3-pan-and-scan": ("gemma3", lambda c: c["image_processor"].update(do_pan_and_scan=True), "do_pan_and_scan"),
 }
 
 

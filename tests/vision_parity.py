@@ -42,7 +42,9 @@ def check_features_and_placeholders(path: Path) -> VisionEncoder:
     feats = enc.encode(items)
     torch.testing.assert_close(torch.cat(feats), ref_feats, atol=ATOL, rtol=0)
 
-    ids = enc.expand_prompt(enc.processor.tokenizer(enc.expand_text(text), add_special_tokens=False).input_ids, items)
+    ids = enc.expand_prompt(
+        enc.processor.tokenizer(enc.expand_text(text, items), add_special_tokens=False).input_ids, items
+    )
     assert ids == batch["input_ids"][0].tolist()
     runs = enc.feature_runs(ids, items)
     for item, f, image_runs in zip(items, feats, runs, strict=True):

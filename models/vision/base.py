@@ -229,9 +229,10 @@ class VisionEncoder(nn.Module, ABC):
             out.append(f.clone())
         return out
 
-    def expand_text(self, text: str) -> str:
-        """The rendered chat text before it is tokenized: what the family's processor does to the text itself (Gemma 3
-        writes newlines around each image there, which merge with the text beside them). Unchanged by default."""
+    def expand_text(self, text: str, items: Sequence[ImageInputs]) -> str:
+        """The rendered chat text (one marker per image of `items`, in order) before it is tokenized: what the family's
+        processor does to the text itself (Gemma 3 writes newlines, and pan-and-scan sentences, around each image
+        there, which merge with the text beside them). Unchanged by default."""
         return text
 
     def expand_prompt(self, token_ids: Sequence[int], items: Sequence[ImageInputs]) -> list[int]:

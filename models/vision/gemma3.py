@@ -3,17 +3,23 @@
 Tower: transformers' SigLIP vision model from `vision_config`; features are its last hidden state (after
 post_layernorm; Gemma 3's tower has no pooling head). Projector: transformers' `Gemma3MultiModalProjector` (average
 pool of the patch grid down to `mm_tokens_per_image` rows, soft-embedding RMSNorm, one matrix into the text width).
+With `do_pan_and_scan` true in the folder's image processor config, an image wider or taller than
+`pan_and_scan_min_ratio_to_activate` is also cut into crops, each a tower image of its own: the original's rows come
+first, then each crop's. The file's pan-and-scan settings go to every processor call: transformers' `Gemma3Processor`
+ignores them otherwise (its own defaults, pan-and-scan off and 256-px crops, override the file's; users pass them per
+call), so a folder that asks for pan-and-scan gets it.
 
 Prompt: the chat template writes `<start_of_image>` (the processor's `image_token`) per image, and the processor
-replaces it in the *text* by `processor.full_image_sequence` ("\\n\\n<start_of_image>", `image_seq_length` x
-`<image_soft_token>`, "<end_of_image>\\n\\n") before tokenizing: the newlines merge with the
-text around them ("user\\n" + "\\n\\n" is one token of three newlines in a BPE vocabulary). So `expand_text` makes the
-same replacement in the rendered text with a single `<image_soft_token>`, and `expand_prompt` widens that one token
-to the image's rows: the ids equal the processor's.
+replaces it in the *text* (`replace_image_token`: `full_image_sequence`, "\\n\\n<start_of_image>", `image_seq_length`
+x `<image_soft_token>`, "<end_of_image>\\n\\n"; with crops, a sentence holding one such sequence per tower image)
+before tokenizing: the newlines merge with the text around them ("user\\n" + "\\n\\n" is one token of three newlines
+in a BPE vocabulary). So `expand_text` writes the same text with one `<image_soft_token>` per tower image, and
+`expand_prompt` widens each to `mm_tokens_per_image` rows: the ids equal the processor's. Each run of soft tokens is
+one feature run (one segment).
 
-Attention: transformers lets the tokens of one image see each other both ways during prefill (`token_type_ids`,
+Attention: transformers lets the tokens of one run see each other both ways during prefill (`token_type_ids`,
 `blockwise_overlay`); the service marks the segments `bidirectional` and the engine keeps each inside one prefill
-chunk (models/attention.py, engine/scheduler.py). Pan-and-scan (extra crops) is refused at load.
+chunk (models/attention.py, engine/scheduler.py).
 """
 
 from __future__ import annotations
@@ -26,9 +32,16 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
 
 from omnivox.models.vision.base import ImageInputs, VisionEncoder
 
+_PAN_AND_SCAN = (
+    "do_pan_and_scan",
+    "pan_and_scan_min_crop_size",
+    "pan_and_scan_max_num_crops",
+    "pan_and_scan_min_ratio_to_activate",
+)
+
 
 class Gemma3Encoder(VisionEncoder):
-    """pixel inputs: `pixel_values` [1, 3, S, S] per image (the processor resizes every image to the tower's size)."""
+    """pixel inputs: `pixel_values` [1 + crops, 3, S, S] per image (the processor resizes each to the tower's size)."""
 
     weight_prefixes = (
         (r"(model\.)?vision_tower\.", "vision_tower."),
@@ -42,11 +55,6 @@ class Gemma3Encoder(VisionEncoder):
         self.family = config.model_type  # "gemma3"
         self.config = config
         self.processor = processor
-        if getattr(processor.image_processor, "do_pan_and_scan", None):
-            raise ValueError(
-                "the image processor's do_pan_and_scan true is not supported (Gemma 3 pan-and-scan crops); "
-                "set it false in preprocessor_config.json"
-            )
         self.vision_tower = transformers.AutoModel.from_config(config.vision_config)
         self.multi_modal_projector = Gemma3MultiModalProjector(config)
         self.text_hidden_size = config.text_config.hidden_size
@@ -54,10 +62,14 @@ class Gemma3Encoder(VisionEncoder):
         self.marker_token = processor.image_token  # <start_of_image>: what the chat template writes
         self.soft_token = tok.image_token  # <image_soft_token>: the rows the features replace
         self.placeholder_token_id = config.image_token_id
-        self.marker_token_id = self.placeholder_token_id  # one soft token per image after `expand_text`
+        self.marker_token_id = self.placeholder_token_id  # one soft token per tower image after `expand_text`
         self.reserved_tokens = (tok.eoi_token,)
-        self._one_image = processor.full_image_sequence.replace(self.soft_token * processor.image_seq_length, "")
-        self._one_image = self._one_image.replace(tok.eoi_token, self.soft_token + tok.eoi_token)
+        ip = processor.image_processor
+        self.pan_and_scan = (
+            {k: getattr(ip, k) for k in _PAN_AND_SCAN if getattr(ip, k, None) is not None}
+            if getattr(ip, "do_pan_and_scan", None)
+            else {}
+        )
 
     processor_keys = "the processor's image_seq_length against the config's mm_tokens_per_image"
 
@@ -70,17 +82,38 @@ class Gemma3Encoder(VisionEncoder):
                 f"config mm_tokens_per_image {self.config.mm_tokens_per_image} does not pool the {side}x{side} patch "
                 "grid (a square whose side divides the grid's)"
             )
-        return self.config.mm_tokens_per_image
+        return item.tensors["pixel_values"].shape[0] * self.config.mm_tokens_per_image
 
     def _run_processor(self, im, kwargs: dict) -> ImageInputs:
-        item = super()._run_processor(im, kwargs)
+        item = super()._run_processor(im, {**self.pan_and_scan, **kwargs})
+        crops = item.tensors["pixel_values"].shape[0] - 1
+        text = self.processor.replace_image_token({"num_crops": [crops]}, 0)
+        item.extra["text"] = text.replace(self.soft_token * self.processor.image_seq_length, self.soft_token)
+        item.extra["tower_images"] = crops + 1
         item.placeholder_ids = (self.placeholder_token_id,) * item.num_features
         return item
 
-    def expand_text(self, text: str) -> str:
-        return text.replace(self.marker_token, self._one_image)
+    def expand_text(self, text: str, items: Sequence[ImageInputs]) -> str:
+        pieces = text.split(self.marker_token)
+        if len(pieces) != len(items) + 1:  # left as is: expand_prompt reports the mismatch
+            return text
+        out = [pieces[0]]
+        for item, piece in zip(items, pieces[1:], strict=True):
+            out += [item.extra["text"], piece]
+        return "".join(out)
+
+    def expand_prompt(self, token_ids: Sequence[int], items: Sequence[ImageInputs]) -> list[int]:
+        """Widen each soft token `expand_text` wrote to the rows of one tower image."""
+        soft = self.placeholder_token_id
+        markers = sum(1 for t in token_ids if t == soft)
+        if markers != sum(it.extra["tower_images"] for it in items):
+            raise ValueError(f"the prompt has {markers} image markers for {len(items)} images")
+        rows = [soft] * self.config.mm_tokens_per_image
+        return [r for t in token_ids for r in (rows if t == soft else (t,))]
 
     def _encode_batch(self, items: Sequence[ImageInputs]) -> list[torch.Tensor]:
         pixels = torch.cat([it.tensors["pixel_values"] for it in items]).to(self.device, self.param_dtype)
-        hidden = self.vision_tower(pixel_values=pixels, return_dict=True).last_hidden_state  # [B, patches, vision]
-        return list(self.multi_modal_projector(hidden).unbind(0))  # each [mm_tokens_per_image, text_hidden]
+        hidden = self.vision_tower(pixel_values=pixels, return_dict=True).last_hidden_state  # [n, patches, vision]
+        feats = self.multi_modal_projector(hidden)  # [n, mm_tokens_per_image, text_hidden]
+        counts = [it.tensors["pixel_values"].shape[0] for it in items]
+        return [f.flatten(0, 1) for f in feats.split(counts)]  # each [(1 + crops) * mm_tokens, text_hidden]
