@@ -7,10 +7,12 @@ How the service uses a `VisionEncoder` (one per loaded model):
 2. Per image part (off the event loop): `codecs.image.decode_image(bytes)`, then
    `item = enc.preprocess([pil], max_pixels)[0]` and `key = image_content_key(bytes, model_name,
    {**enc.feature_settings(), "max_pixels": max_pixels})`.
-3. The chat template writes `enc.marker_token` (one token, id `enc.marker_token_id`) where each image goes;
-   `ids = enc.expand_prompt(token_ids, items)` replaces every marker with that image's `item.placeholder_ids`
-   (for SmolVLM these hold text tokens between tiles too). `enc.feature_runs(ids, items)` gives, per image, the runs of
-   `enc.placeholder_token_id` positions its feature rows fill, in order: one `EmbeddingSegment` per run.
+3. The chat template writes `enc.marker_token` where each image goes; the rendered text passes through
+   `enc.expand_text(text, items)` (Gemma 3: the processor's text around each image; others: unchanged) and is
+   tokenized; `ids = enc.expand_prompt(token_ids, items)` replaces every marker (id `enc.marker_token_id`) with that
+   image's `item.placeholder_ids` (for SmolVLM these hold text tokens between tiles too). `enc.feature_runs(ids, items)`
+   gives, per image, the runs of `enc.placeholder_token_id` positions its feature rows fill, in order: one
+   `EmbeddingSegment` per run (`bidirectional` when `enc.bidirectional_images`: Gemma 3).
 4. In the encoder worker: `features = enc.encode(items)` for the images of every request admitted together (one
    batched forward); `features[i]` is [items[i].num_features, text_hidden] in prompt order.
 5. Qwen2-VL / Qwen2.5-VL only: `enc.rope_positions(ids, items)` -> ([3, N] positions, delta); generated token t
