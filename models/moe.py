@@ -65,19 +65,18 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; experts [T, k] chosen expert ids; weights [T, k] their routing weights -> [T, H]."""
         k = experts.shape[1]
-        flat = experts.reshape(-1)  # [T*k]
-        order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens in order within one
-        # One host read per layer (the rows each expert takes); transformers' loop reads which experts were hit too.
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        by_expert, order = torch.sort(experts.reshape(-1), stable=True)  # [T*k] pairs grouped by expert
+        # One host read per layer: the experts hit and their row counts (at most min(T*k, E) of each; transformers'
+        # loop reads which experts were hit too). Experts no token chose cost nothing.
+        hit, counts = (t.tolist() for t in torch.unique_consecutive(by_expert, return_counts=True))
         tokens = order // k
         rows = x.index_select(0, tokens)  # [T*k, H]
         outs, start = [], 0
-        for e, n in enumerate(counts):
-            if n:
-                gate_up = linear(rows[start : start + n], self.gate_up_proj[e])
-                h = F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :]
-                outs.append(linear(h, self.down_proj[e]))
-                start += n
+        for e, n in zip(hit, counts, strict=True):
+            gate_up = linear(rows[start : start + n], self.gate_up_proj[e])
+            h = F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :]
+            outs.append(linear(h, self.down_proj[e]))
+            start += n
         if not outs:  # no rows
             return torch.zeros_like(x)
         scaled = torch.cat(outs) * weights.reshape(-1, 1).index_select(0, order)  # in weights' dtype
