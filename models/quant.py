@@ -267,6 +267,9 @@ def quantize_decoder(model: nn.Module, mode: str, quantize_lm_head: bool = False
     check_mode(mode)
     if mode == "none":
         return model
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "moe", None) is not None:  # the stacked experts have no quantised layer: refuse, never half-do it
+        raise NotApplicable("quantization", f"quantization {mode!r} is not supported for the MoE family {cfg.family}")
     make = _FROM_FLOAT[mode]
     for name, module in list(model.layers.named_modules()):
         if isinstance(module, Linear | PackedLinear):

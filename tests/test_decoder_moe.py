@@ -16,6 +16,7 @@ from engines import tiny_engine
 from service_harness import ServerThread, user_request
 from test_config_sweep import LONG, MID, SHORT, XL, assert_matches
 
+from omnivox.models import quant
 from omnivox.models.config import ModelConfig, NotApplicable, served_families
 from omnivox.models.loading import load_decoder
 from omnivox.services.loading import EngineOptions, ModelSpec
@@ -106,6 +107,8 @@ def test_streaming_loader_equals_the_engine_loader_and_refuses_quantization(path
         with pytest.raises(NotApplicable, match=f"quantization '{mode}'.*qwen2_moe") as err:
             tiny_engine(path, quantization=mode)
         assert err.value.field == "quantization"
+    with pytest.raises(NotApplicable, match="quantization 'int8'.*qwen2_moe"):  # converting a loaded model too
+        quant.quantize_decoder(ours, "int8")
 
 
 def test_stacked_expert_checkpoint_loads_and_a_missing_expert_is_named(paths, tmp_path):
