@@ -5,6 +5,8 @@ verify, an unfinished prefill a chunk), then waiting requests are admitted in ar
 budget, the sequence limit and the KV pool allow. When a running request cannot grow, the newest running request is
 preempted (its blocks freed, it goes back to the front of the queue and is recomputed later, its prefix likely still
 cached). A step that preempted admits nothing: the blocks it freed are for the requests already running.
+A prefill chunk stops before an embedding segment whose encoder is still running, and never ends inside a
+bidirectional one (a Gemma 3 image, `whole_blocks`).
 """
 
 from __future__ import annotations
