@@ -1,9 +1,9 @@
 """Gemma 3 vision-language (Gemma3ForConditionalGeneration) on a tiny random checkpoint: the SigLIP tower + pooling
 projector against transformers' get_image_features, and served over gRPC against the processor + `generate`.
 
-The served models run 8-token engine steps with 4-token (and 16-token) images behind a 3-token sliding window, so a
-prompt's chunks must be moved (or grown past the budget) to keep each image whole (transformers lets an image's tokens see each other both ways during prefill;
-a chunk ending inside one could not), and the window cuts inside an image.
+The served models run 8-token engine steps with 4-token (and 16-token) images behind a 3-token sliding window:
+transformers lets an image's tokens see each other both ways during prefill, so a chunk may not end inside one (it is
+cut before the image, or grown past the budget to its end), and the window cuts inside an image.
 """
 
 from __future__ import annotations
