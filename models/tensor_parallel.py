@@ -4,6 +4,9 @@
 - q/k/v and gate/up (PackedLinear): column-parallel, each part sliced by rows (whole heads; the intermediate
   dimension), so the attention of this rank's heads and its slice of the MLP need no communication;
 - o_proj and down_proj: row-parallel (input columns sliced), one all-reduce each; a bias is added once, after it;
+- mixture-of-experts layers (models/moe.py): the router replicated, every expert's intermediate dimension sliced
+  like a dense MLP's (gate / up rows, down columns; no expert parallelism), one all-reduce of the weighted sum (and
+  one for Qwen2-MoE's shared expert, a row-parallel down_proj like a dense MLP's);
 - embedding: vocabulary-parallel (this rank's rows; other tokens give zero rows), one all-reduce;
 - lm_head (or the tied embedding): vocabulary-parallel, logits all-gathered so every rank holds the full row
   (sampling is deterministic given the same logits and seed; rank 0 is the one whose tokens count).
@@ -31,14 +34,18 @@ from torch import nn
 from omnivox.models.config import ModelConfig
 from omnivox.models.decoder import DecoderModel, split_fused_projections
 from omnivox.models.layers import Linear, PackedLinear, linear
+from omnivox.models.moe import Experts, SparseMoeBlock
 
 
 def check_divisible(cfg: ModelConfig, world: int) -> None:
     """A clear error when `world` ranks cannot split the heads (or the MLP) evenly. KV heads fewer than the ranks
     are replicated, which needs `world` to be a multiple of them."""
-    if cfg.moe is not None and world > 1:  # neither expert-parallel nor per-expert shards yet
-        raise ValueError(f"--tensor-parallel {world}: the mixture-of-experts family {cfg.family} runs on one process")
-    for what, n in (("attention heads", cfg.num_heads), ("MLP intermediate size", cfg.intermediate_size)):
+    sizes = [("attention heads", cfg.num_heads), ("MLP intermediate size", cfg.intermediate_size)]
+    if cfg.moe is not None:  # each expert is sharded like a dense MLP (no expert parallelism)
+        sizes.append(("expert intermediate size", cfg.moe.expert_intermediate_size))
+        if cfg.moe.shared_expert_intermediate_size:
+            sizes.append(("shared expert intermediate size", cfg.moe.shared_expert_intermediate_size))
+    for what, n in sizes:
         if n % world:
             raise ValueError(f"--tensor-parallel {world} does not divide the model's {what} ({n})")
     kv = cfg.num_kv_heads
@@ -106,6 +113,34 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class AllReducedExperts(nn.Module):
+    """A MoE layer's experts holding this rank's slice of every expert's intermediate dimension (gate / up rows,
+    down columns): each rank's weighted sum is partial, one all-reduce completes it."""
+
+    def __init__(self, experts: Experts, group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        self.inner, self.group = experts, group
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        y = self.inner(x, experts, weights)
+        dist.all_reduce(y, group=self.group)
+        return y
+
+
+def _expert_gate_up_rows(gate_up: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """This rank's [E, 2I/world, H] of stacked experts' gate_up [E, 2I, H]: its gate rows, then its up rows."""
+    inter = gate_up.shape[1] // 2
+    n = inter // world
+    gate, up = gate_up[:, rank * n : (rank + 1) * n], gate_up[:, inter + rank * n : inter + (rank + 1) * n]
+    return torch.cat((gate, up), dim=1)
+
+
+def _expert_down_cols(down: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """This rank's [E, H, I/world] of stacked experts' down [E, H, I] (the columns its gate / up rows feed)."""
+    n = down.shape[2] // world
+    return down[:, :, rank * n : (rank + 1) * n]
+
+
 class VocabParallelEmbedding(nn.Module):
     """This rank's rows [start, start + rows) of the embedding; tokens outside them contribute zeros."""
 
@@ -170,18 +205,40 @@ def shard_decoder(model: DecoderModel, group: dist.ProcessGroup | None = None) -
     check_divisible(cfg, world)
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if not isinstance(attn.o_proj, Linear) or not isinstance(mlp.down_proj, Linear):
+        dense = [mlp] if not isinstance(mlp, SparseMoeBlock) else [m for m in (mlp.shared_expert,) if m is not None]
+        if not isinstance(attn.o_proj, Linear) or not all(isinstance(m.down_proj, Linear) for m in dense):
             raise ValueError("tensor parallelism needs float layers (quantised layers are not sharded yet)")
         attn.qkv_proj = _column_shard(attn.qkv_proj, rank, world, cfg.num_kv_heads)
         attn.o_proj = RowParallelLinear.from_full(attn.o_proj, rank, world, group)
         attn.num_heads //= world
         attn.num_kv_heads = local_kv_heads(cfg, world)
-        mlp.gate_up_proj = _column_shard(mlp.gate_up_proj, rank, world)
-        mlp.down_proj = RowParallelLinear.from_full(mlp.down_proj, rank, world, group)
-        mlp.inter //= world
+        for m in dense:  # the dense MLP, or a MoE layer's shared expert
+            m.gate_up_proj = _column_shard(m.gate_up_proj, rank, world)
+            m.down_proj = RowParallelLinear.from_full(m.down_proj, rank, world, group)
+            m.inter //= world
+        if isinstance(mlp, SparseMoeBlock):
+            experts = mlp.experts
+            gate_up = _expert_gate_up_rows(experts.gate_up_proj.detach(), rank, world)
+            down = _expert_down_cols(experts.down_proj.detach(), rank, world)
+            experts.gate_up_proj = nn.Parameter(gate_up.contiguous())
+            experts.down_proj = nn.Parameter(down.contiguous())
+            experts.inter //= world
+            mlp.experts = AllReducedExperts(experts, group)
     embedding = vocab_rows(model.embed_tokens.weight.detach(), rank, world)
     head = None if model.lm_head is None else vocab_rows(model.lm_head.weight.detach(), rank, world)
     return _vocab_parallel(model, embedding, head, rank, world, group)
+
+
+def _local_moe(cfg: ModelConfig, world: int):
+    """One rank's MoE sizes: a world-th of every expert's (and the shared expert's) intermediate dimension."""
+    if cfg.moe is None:
+        return None
+    shared = cfg.moe.shared_expert_intermediate_size
+    return dataclasses.replace(
+        cfg.moe,
+        expert_intermediate_size=cfg.moe.expert_intermediate_size // world,
+        shared_expert_intermediate_size=shared // world if shared else None,
+    )
 
 
 def vocab_rows(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -217,12 +274,16 @@ def _slice_for_rank(
         module = parts[-2] if len(parts) >= 2 else ""
         if module in ("k_proj", "v_proj"):  # column-parallel by whole KV heads (replicated when fewer than ranks)
             tensor = tensor[kv_head_rows(tensor.shape[0], kv_heads, rank, world)]
-        elif module in ("q_proj", "gate_proj", "up_proj"):  # column-parallel: output rows
+        elif module in ("q_proj", "gate_proj", "up_proj", "w1", "w3"):  # column-parallel: output rows (Mixtral w1/w3)
             rows = tensor.shape[0] // world
             tensor = tensor[rank * rows : (rank + 1) * rows]
-        elif module in ("o_proj", "down_proj") and parts[-1] == "weight":  # row-parallel: input columns
+        elif module in ("o_proj", "down_proj", "w2") and parts[-1] == "weight":  # row-parallel: input columns
             cols = tensor.shape[1] // world
             tensor = tensor[:, rank * cols : (rank + 1) * cols]
+        elif module == "experts" and parts[-1] == "gate_up_proj":  # stacked experts [E, 2I, H]: gate and up rows
+            tensor = _expert_gate_up_rows(tensor, rank, world)
+        elif module == "experts" and parts[-1] == "down_proj":  # [E, H, I]: input columns
+            tensor = _expert_down_cols(tensor, rank, world)
         elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
             tensor = vocab_rows(tensor, rank, world)
         yield name, tensor.contiguous()
@@ -251,6 +312,7 @@ def load_shard(
         num_kv_heads=local_kv_heads(cfg, world),
         intermediate_size=cfg.intermediate_size // world,
         vocab_size=-(-cfg.vocab_size // world),  # the embedding and head rows of this rank
+        moe=_local_moe(cfg, world),
     )
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -264,7 +326,12 @@ def load_shard(
     model.load_weights(_slice_for_rank(tensors, rank, world, cfg.num_kv_heads))
     for layer in model.layers:
         layer.self_attn.o_proj = RowParallelLinear(layer.self_attn.o_proj, group)
-        layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj, group)
+        mlp = layer.mlp
+        if isinstance(mlp, SparseMoeBlock):
+            mlp.experts = AllReducedExperts(mlp.experts, group)
+            mlp = mlp.shared_expert
+        if mlp is not None:
+            mlp.down_proj = RowParallelLinear(mlp.down_proj, group)
     model.config = cfg  # the whole model's: vocabulary, context, heads as the checkpoint has them
     head = None if model.lm_head is None else model.lm_head.weight
     return _vocab_parallel(model, model.embed_tokens.weight, head, rank, world, group)

@@ -6,6 +6,7 @@ Generate per family through gRPC with a chat template."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -140,15 +141,28 @@ def test_stacked_expert_checkpoint_loads_and_a_missing_expert_is_named(paths, tm
                 tiny_engine(folder)
 
 
-def test_tensor_parallel_and_moe_gguf_are_refused(paths, tmp_path):
+def test_two_tensor_parallel_ranks_equal_one_process(paths):
+    """Each expert's intermediate dimension sharded over 2 ranks (engine/tensor_parallel.py, load_shard): Qwen3-MoE
+    with a dense layer among the sparse ones, greedy tokens and KV caches equal to one process."""
+    from test_tensor_parallel_configs import two_ranks_equal_one
+
+    from omnivox.models.tensor_parallel import check_divisible
+
+    two_ranks_equal_one(paths["qwen3-moe-dense-layer-top3-unnormalised"], 12)
+    cfg = ModelConfig.from_hf(transformers.AutoConfig.from_pretrained(paths["qwen2-moe-shared-expert-sparse-step-2"]))
+    cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, expert_intermediate_size=30))
+    with pytest.raises(
+        ValueError, match=r"--tensor-parallel 4 does not divide the model's expert intermediate size \(30\)"
+    ):
+        check_divisible(cfg, 4)
+
+
+def test_moe_gguf_is_refused(tmp_path):
     import gguf
     import numpy as np
 
     from omnivox.engine import Engine
-    from omnivox.models.tensor_parallel import check_world
 
-    with pytest.raises(ValueError, match="--tensor-parallel 2: the mixture-of-experts family qwen3_moe"):
-        check_world(paths["qwen3-moe-chunked"], 2, torch.device("cpu"))
     path = tmp_path / "mixtral.gguf"  # llama.cpp writes Mixtral as arch llama with llama.expert_count
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_block_count(1)

@@ -31,6 +31,9 @@ MODELS = {
     "qwen3": ("qwen3", {}),
     "llama-tied": ("llama", {"tie_word_embeddings": True, "vocab_size": 383}),
     "llama-bias": ("llama", {"attention_bias": True, "mlp_bias": True}),  # o_proj and down_proj biases added once
+    # every expert's intermediate dimension sharded (w1 / w3 rows, w2 columns), one all-reduce of the experts' sum
+    "mixtral": ("mixtral", {}),
+    "qwen2-moe": ("qwen2_moe", {"decoder_sparse_step": 2}),  # a dense layer 0, the shared expert row-parallel too
 }
 WORLD = 2
 BLOCK = 16
