@@ -8,7 +8,8 @@ always). Each chosen expert is a SiLU-gated MLP; a token's output is the weighte
 The experts are stacked at load into two tensors, gate_up_proj [E, 2I, H] and down_proj [E, H, I] (transformers 5's
 own layout and names, so a checkpoint saved that way loads as is). The forward groups the (token, expert) pairs by
 expert with one argsort and runs each hit expert once on its rows (a python loop over experts, never over tokens),
-then scatters the weighted rows back with one index_add_.
+then scatters the weighted rows back with one index_add_. Quantised (int8 / int4 at load, models/loading.py), each
+expert's two matrices become their own block layers (QuantizedExperts); the routers stay float.
 """
 
 from __future__ import annotations
@@ -25,10 +26,40 @@ from omnivox.models.layers import Linear, linear
 # Per-expert checkpoint names (Mixtral's block_sparse_moe is renamed to mlp first, models/decoder.py):
 # mlp.experts.{i}.gate_proj / up_proj / down_proj (Qwen) or w1 / w3 / w2 (Mixtral).
 _EXPERT_NAME = re.compile(r"^(?P<module>.+)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
-_PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+EXPERT_PROJECTIONS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+# Routers stay float when the layers are quantised (as vLLM keeps them): an int8 router would pick other experts.
+FLOAT_ROUTERS = ("mlp.gate", "mlp.shared_expert_gate")
 
 
-class Experts(nn.Module):
+class GroupedExperts(nn.Module):
+    """The grouped forward of E SiLU-gated MLPs; subclasses hold the weights and run one expert on its rows."""
+
+    num_experts: int
+    inter: int
+
+    def expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, H]
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; experts [T, k] chosen expert ids; weights [T, k] their routing weights -> [T, H]."""
+        k = experts.shape[1]
+        by_expert, order = torch.sort(experts.reshape(-1), stable=True)  # [T*k] pairs grouped by expert
+        # One host read per layer: the experts hit and their row counts (at most min(T*k, E) of each; transformers'
+        # loop reads which experts were hit too). Experts no token chose cost nothing.
+        hit, counts = (t.tolist() for t in torch.unique_consecutive(by_expert, return_counts=True))
+        tokens = order // k
+        rows = x.index_select(0, tokens)  # [T*k, H]
+        outs, start = [], 0
+        for e, n in zip(hit, counts, strict=True):
+            outs.append(self.expert(e, rows[start : start + n]))
+            start += n
+        if not outs:  # no rows
+            return torch.zeros_like(x)
+        scaled = torch.cat(outs) * weights.reshape(-1, 1).index_select(0, order)  # in weights' dtype
+        return torch.zeros_like(x).index_add_(0, tokens, scaled.to(x.dtype))
+
+
+class Experts(GroupedExperts):
     """E SiLU-gated MLPs stacked: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int) -> None:
@@ -40,7 +71,7 @@ class Experts(nn.Module):
 
     def load_expert(self, expert: int, proj: str, tensor: torch.Tensor) -> None:
         """One expert's checkpoint matrix into its slot; proj is a checkpoint name (gate_proj, w1, ...)."""
-        part = _PROJ[proj]
+        part = EXPERT_PROJECTIONS[proj]
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} {proj}: the config has {self.num_experts} experts")
         i = self.inter
@@ -62,25 +93,23 @@ class Experts(nn.Module):
             if (e, p) not in self.loaded_parts
         ]
 
-    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H]; experts [T, k] chosen expert ids; weights [T, k] their routing weights -> [T, H]."""
-        k = experts.shape[1]
-        by_expert, order = torch.sort(experts.reshape(-1), stable=True)  # [T*k] pairs grouped by expert
-        # One host read per layer: the experts hit and their row counts (at most min(T*k, E) of each; transformers'
-        # loop reads which experts were hit too). Experts no token chose cost nothing.
-        hit, counts = (t.tolist() for t in torch.unique_consecutive(by_expert, return_counts=True))
-        tokens = order // k
-        rows = x.index_select(0, tokens)  # [T*k, H]
-        outs, start = [], 0
-        for e, n in zip(hit, counts, strict=True):
-            gate_up = linear(rows[start : start + n], self.gate_up_proj[e])
-            h = F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :]
-            outs.append(linear(h, self.down_proj[e]))
-            start += n
-        if not outs:  # no rows
-            return torch.zeros_like(x)
-        scaled = torch.cat(outs) * weights.reshape(-1, 1).index_select(0, order)  # in weights' dtype
-        return torch.zeros_like(x).index_add_(0, tokens, scaled.to(x.dtype))
+    def expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        gate_up = linear(rows, self.gate_up_proj[e])
+        return linear(F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :], self.down_proj[e])
+
+
+class QuantizedExperts(GroupedExperts):
+    """Each expert's gate_up [2I, H] and down [H, I] as its own block-quantised layer (models/quant.py Int8Linear /
+    Int4Linear): `serve --quantization int8 / int4` of a MoE model. The routers stay float (FLOAT_ROUTERS)."""
+
+    def __init__(self, gate_up: list[nn.Module], down: list[nn.Module]) -> None:
+        super().__init__()
+        self.gate_up, self.down = nn.ModuleList(gate_up), nn.ModuleList(down)
+        self.num_experts, self.inter = len(gate_up), gate_up[0].out_features // 2
+
+    def expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up[e](rows)
+        return self.down[e](F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :])
 
 
 class SparseMoeBlock(nn.Module):

@@ -36,6 +36,7 @@ from torch import nn
 from omnivox.models import cpu_kernels
 from omnivox.models.config import NotApplicable
 from omnivox.models.layers import Linear, PackedLinear
+from omnivox.models.moe import FLOAT_ROUTERS, Experts, QuantizedExperts
 
 log = logging.getLogger(__name__)
 
@@ -267,13 +268,14 @@ def quantize_decoder(model: nn.Module, mode: str, quantize_lm_head: bool = False
     check_mode(mode)
     if mode == "none":
         return model
-    cfg = getattr(model, "config", None)
-    if getattr(cfg, "moe", None) is not None:  # the stacked experts have no quantised layer: refuse, never half-do it
-        raise NotApplicable("quantization", f"quantization {mode!r} is not supported for the MoE family {cfg.family}")
     make = _FROM_FLOAT[mode]
     for name, module in list(model.layers.named_modules()):
-        if isinstance(module, Linear | PackedLinear):
-            parent, _, attr = name.rpartition(".")
+        parent, _, attr = name.rpartition(".")
+        if isinstance(module, Experts):  # one quantised layer per expert matrix
+            gate_up = [make(w, None) for w in module.gate_up_proj.detach()]
+            down = [make(w, None) for w in module.down_proj.detach()]
+            setattr(model.layers.get_submodule(parent), attr, QuantizedExperts(gate_up, down))
+        elif isinstance(module, Linear | PackedLinear) and not name.endswith(FLOAT_ROUTERS):
             setattr(model.layers.get_submodule(parent), attr, make(module.weight.detach(), _bias(module)))
     if quantize_lm_head:
         quantize_output(model)

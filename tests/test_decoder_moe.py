@@ -17,8 +17,10 @@ from engines import tiny_engine
 from service_harness import ServerThread, user_request
 from test_config_sweep import LONG, MID, SHORT, XL, assert_matches
 
+from omnivox.engine import SamplingParams
 from omnivox.models import quant
-from omnivox.models.config import ModelConfig, NotApplicable, served_families
+from omnivox.models.config import ModelConfig, served_families
+from omnivox.models.layers import Linear
 from omnivox.models.loading import load_decoder
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.v1 import generation_pb2_grpc
@@ -96,20 +98,39 @@ def test_configs_read_as_released(paths):
         assert arch in served_families()
 
 
-def test_streaming_loader_equals_the_engine_loader_and_refuses_quantization(paths):
-    """load_decoder (the streaming loader) stacks the experts as the engine's does; int8 / int4 have no expert
-    layer, so they are refused naming the option and the family (never a model with float experts mislabelled)."""
+def test_streaming_loader_equals_the_engine_loader_and_quantises_each_expert(paths):
+    """load_decoder (the streaming loader) stacks the experts as the engine's does; int8 / int4 at load quantise each
+    expert's matrices as they arrive, equal to quantising the loaded float model, routers kept float; the int8
+    model's logits are the float model's on its dequantised weights (the decode kernel's rounding apart)."""
+    from omnivox.models.moe import QuantizedExperts
+
     path = paths["qwen2-moe-shared-expert-sparse-step-2"]
     engine = tiny_engine(path)
     ours = load_decoder(path, quantization="none")
     for (name, a), (_, b) in zip(ours.state_dict().items(), engine.model.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
     for mode in ("int8", "int4"):
-        with pytest.raises(NotApplicable, match=f"quantization '{mode}'.*qwen2_moe") as err:
-            tiny_engine(path, quantization=mode)
-        assert err.value.field == "quantization"
-    with pytest.raises(NotApplicable, match="quantization 'int8'.*qwen2_moe"):  # converting a loaded model too
-        quant.quantize_decoder(ours, "int8")
+        loaded = load_decoder(path, quantization=mode)
+        converted = quant.quantize_decoder(load_decoder(path, quantization="none"), mode)
+        assert loaded.state_dict().keys() == converted.state_dict().keys()
+        for (name, a), (_, b) in zip(loaded.state_dict().items(), converted.state_dict().items(), strict=True):
+            assert torch.equal(a, b), (mode, name)
+        mlp = loaded.layers[1].mlp
+        assert isinstance(mlp.experts, QuantizedExperts) and type(mlp.gate) is Linear
+        assert type(mlp.shared_expert_gate) is Linear and not isinstance(mlp.shared_expert.down_proj, Linear)
+    int8 = tiny_engine(path, quantization="int8")
+    assert isinstance(int8.model.layers[1].mlp.experts, QuantizedExperts)
+    assert len(int8.generate([XL], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].token_ids) == 4
+    # our float MoE block on the int8 weights, dequantised: the same outputs
+    q, f = int8.model.layers[1].mlp, ours.layers[1].mlp
+    with torch.no_grad():
+        for e in range(q.experts.num_experts):
+            f.experts.gate_up_proj[e].copy_(q.experts.gate_up[e].dequantize())
+            f.experts.down_proj[e].copy_(q.experts.down[e].dequantize())
+        f.shared_expert.gate_up_proj.weight.copy_(q.shared_expert.gate_up_proj.dequantize())
+        f.shared_expert.down_proj.weight.copy_(q.shared_expert.down_proj.dequantize())
+    x = torch.randn(5, ours.config.hidden_size)
+    torch.testing.assert_close(q(x), f(x), atol=2e-3, rtol=1e-2)
 
 
 def test_stacked_expert_checkpoint_loads_and_a_missing_expert_is_named(paths, tmp_path):
