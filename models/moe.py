@@ -42,6 +42,8 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; experts [T, k] chosen expert ids; weights [T, k] their routing weights -> [T, H]."""
+        if x.shape[0] == 1:  # one row (a batch-1 decode step): nothing to group
+            return self._one_row(x, experts[0], weights[0])
         k = experts.shape[1]
         by_expert, order = torch.sort(experts.reshape(-1), stable=True)  # [T*k] pairs grouped by expert
         # One host read per layer: the experts hit and their row counts (at most min(T*k, E) of each; transformers'
@@ -57,6 +59,15 @@ class GroupedExperts(nn.Module):
             return torch.zeros_like(x)
         scaled = torch.cat(outs) * weights.reshape(-1, 1).index_select(0, order)  # in weights' dtype
         return torch.zeros_like(x).index_add_(0, tokens, scaled.to(x.dtype))
+
+    def _one_row(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The grouped path's arithmetic for one row, without its sort, gathers and scatter: each chosen expert in
+        ascending id order (the order the grouped path adds them in), scaled, rounded to x's dtype, summed."""
+        out = None
+        for j, e in sorted(enumerate(experts.tolist()), key=lambda pair: pair[1]):
+            y = (self.expert(e, x) * weights[j]).to(x.dtype)
+            out = y if out is None else out + y
+        return out
 
 
 class Experts(GroupedExperts):
