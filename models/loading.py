@@ -31,7 +31,8 @@ from omnivox.models.decoder import (
 )
 from omnivox.models.gguf_checkpoint import GGUF_ARCHS, ParameterNames, dequantize_gguf_tensors, gguf_tensor_table
 from omnivox.models.layers import Linear, PackedLinear, RMSNorm
-from omnivox.models.moe import EXPERT_PROJECTIONS, FLOAT_ROUTERS, Experts, QuantizedExperts, expert_tensor
+from omnivox.models.moe import FLOAT_ROUTERS, Experts, expert_tensor
+from omnivox.models.moe_quant import PendingExperts
 
 # GGML types served at their own precision (ggml_type ids from gguf.GGMLQuantizationType).
 Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 2, 3, 8, 12, 14
@@ -202,55 +203,6 @@ class _PendingOutput(nn.Module):
         self.blocks = torch.cat(parts)
 
 
-class _PendingExperts(nn.Module):
-    """Collects a MoE layer's expert matrices (one expert's at a time, or transformers 5's stacked tensors), each
-    quantised as it arrives; `build()` makes the QuantizedExperts."""
-
-    def __init__(self, experts: Experts, mode: str) -> None:
-        super().__init__()
-        self.num_experts, self.inter = experts.num_experts, experts.inter
-        self.hidden, self.mode = experts.down_proj.shape[1], mode
-        self.blocks: dict[tuple[int, str], tuple[str, torch.Tensor]] = {}
-
-    def load_part(self, part, kind: str, value) -> None:
-        """kind "expert": part is (expert, checkpoint projection); "gate_up_proj" / "down_proj": stacked [E, ...]."""
-        value = _as_float(value)
-        if kind == "expert":
-            self._put(part[0], EXPERT_PROJECTIONS[part[1]], value)
-        elif kind in ("gate_up_proj", "down_proj") and value.shape[0] == self.num_experts:
-            for e in range(self.num_experts):
-                if kind == "down_proj":
-                    self._put(e, "down", value[e])
-                else:
-                    self._put(e, "gate", value[e, : self.inter])
-                    self._put(e, "up", value[e, self.inter :])
-        else:
-            raise ValueError(f"experts.{kind}: shape {tuple(value.shape)} is not {self.num_experts} stacked experts")
-
-    def _put(self, expert: int, proj: str, w: torch.Tensor) -> None:
-        want = (self.hidden, self.inter) if proj == "down" else (self.inter, self.hidden)
-        if not 0 <= expert < self.num_experts or tuple(w.shape) != want:
-            raise ValueError(f"expert {expert} {proj}: shape {tuple(w.shape)}, expected {want} of {self.num_experts}")
-        self.blocks[(expert, proj)] = _PendingLinear._quantize(w.float(), self.mode)
-
-    def missing(self) -> list[str]:
-        return [
-            f"experts.{e}.{p}_proj.weight"
-            for e in range(self.num_experts)
-            for p in ("gate", "up", "down")
-            if (e, p) not in self.blocks
-        ]
-
-    def build(self, device: torch.device, dtype: torch.dtype) -> QuantizedExperts:
-        layer = quant.Int4Linear if self.mode == "int4" else quant.Int8Linear
-        gate_up = [
-            layer(torch.cat((self.blocks[(e, "gate")][1], self.blocks[(e, "up")][1])).to(device), self.hidden, None)
-            for e in range(self.num_experts)
-        ]
-        down = [layer(self.blocks[(e, "down")][1].to(device), self.inter, None) for e in range(self.num_experts)]
-        return QuantizedExperts(gate_up, down)
-
-
 def _native_mode(values) -> str:
     """A GGUF module's own precision: 4-bit if every part is, int8 if every part is int8 or 4-bit, else float."""
     types = {v.ggml_type if isinstance(v, GGUFBlocks) else -1 for v in values}
@@ -297,11 +249,11 @@ def load_decoder(
     tensors = iter_gguf_blocks(path) if is_gguf and mode != "none" else iter_checkpoint_tensors(path)
     with torch.device("meta"):
         model = DecoderModel(cfg)
-    pending: dict[str, _PendingLinear | _PendingExperts] = {}
+    pending: dict[str, _PendingLinear | PendingExperts] = {}
     if mode != "none":
         for name, module in list(model.layers.named_modules()):
             if isinstance(module, Experts):
-                pending[f"layers.{name}"] = _PendingExperts(module, mode)
+                pending[f"layers.{name}"] = PendingExperts(module, mode)
                 parent, _, attr = name.rpartition(".")
                 setattr(model.layers.get_submodule(parent), attr, pending[f"layers.{name}"])
             elif isinstance(module, Linear | PackedLinear) and not name.endswith(FLOAT_ROUTERS):
@@ -348,7 +300,7 @@ def _gguf_output_quantized(path: Path, tied: bool) -> bool:
 
 def _load(
     model: DecoderModel,
-    pending: dict[str, _PendingLinear | _PendingExperts],
+    pending: dict[str, _PendingLinear | PendingExperts],
     output: _PendingOutput | None,
     tensors,
     device: torch.device,
