@@ -49,19 +49,30 @@ def weight_bytes_per_step(config, dtype_bytes: int) -> int:
 
     Every linear layer and norm of every layer, the final norm, and the lm_head. The embedding lookup reads one row
     per token (~nothing); with tied embeddings the lm_head *is* the embedding matrix and is counted once, as lm_head.
+    A mixture-of-experts layer (Qwen3-MoE, Mixtral, Qwen2-MoE) reads its router, its top_k experts (and Qwen2-MoE's
+    shared expert and its gate), not every expert: a batch-1 step's floor is set by the active weights.
     """
+    from omnivox.models.config import ModelConfig
+
+    moe = ModelConfig.from_hf(config).moe
     h = config.hidden_size
     n_heads = config.num_attention_heads
     n_kv = getattr(config, "num_key_value_heads", None) or n_heads
     head_dim = getattr(config, "head_dim", None) or h // n_heads
     inter = config.intermediate_size
     q, kv, o = n_heads * head_dim, n_kv * head_dim, n_heads * head_dim
-    per_layer = h * q + 2 * h * kv + o * h + 3 * h * inter + 2 * h  # q k v o, gate up down, two norms
-    if config.model_type == "qwen2":
+    per_layer = h * q + 2 * h * kv + o * h + 2 * h  # q k v o, two norms
+    if config.model_type in ("qwen2", "qwen2_moe"):
         per_layer += q + 2 * kv  # q/k/v biases
-    if config.model_type == "qwen3":
+    if config.model_type in ("qwen3", "qwen3_moe"):
         per_layer += 2 * head_dim  # q_norm, k_norm
-    params = config.num_hidden_layers * per_layer + h + config.vocab_size * h  # + final norm + lm_head
+    layers = config.num_hidden_layers
+    sparse = len(moe.sparse_layers) if moe is not None else 0
+    mlp = (layers - sparse) * 3 * h * inter  # dense gate up down
+    if moe is not None:  # router + the chosen experts (+ the shared expert and its gate)
+        shared = 3 * h * moe.shared_expert_intermediate_size + h if moe.shared_expert_intermediate_size else 0
+        mlp += sparse * (h * moe.num_experts + moe.top_k * 3 * h * moe.expert_intermediate_size + shared)
+    params = layers * per_layer + mlp + h + config.vocab_size * h  # + final norm + lm_head
     return params * dtype_bytes
 
 

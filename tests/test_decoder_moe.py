@@ -271,3 +271,22 @@ def test_sparse_block_equals_transformers_bitwise_in_float32_and_bf16(family):
                 torch.testing.assert_close(got, want.reshape(rows, 64), atol=1e-6, rtol=1e-5)
             else:
                 assert torch.equal(got, want.reshape(rows, 64)), (rows, dtype)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_bandwidth_floor_counts_the_active_experts(family):
+    """benchmarks/bandwidth.py's bytes per batch-1 step: every parameter but the embedding and the experts a token
+    does not choose (num_experts - top_k per sparse layer)."""
+    from checkpoints import _BASE, FAMILIES
+
+    from omnivox.benchmarks.bandwidth import weight_bytes_per_step
+
+    config_cls, model_cls, overrides = FAMILIES[family]
+    config = config_cls(**{**_BASE, **overrides, "decoder_sparse_step": 2, "num_hidden_layers": 3})
+    with torch.device("meta"):
+        model = model_cls(config)
+    params = {n: p.numel() for n, p in model.named_parameters()}
+    moe = ModelConfig.from_hf(config).moe
+    idle = len(moe.sparse_layers) * (moe.num_experts - moe.top_k) * 3 * 64 * moe.expert_intermediate_size
+    assert len(moe.sparse_layers) == (3 if family == "mixtral" else 1)  # Mixtral: every layer sparse
+    assert weight_bytes_per_step(config, 2) == 2 * (sum(params.values()) - params["model.embed_tokens.weight"] - idle)
