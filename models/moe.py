@@ -7,9 +7,11 @@ always). Each chosen expert is a SiLU-gated MLP; a token's output is the weighte
 
 The experts are stacked at load into two tensors, gate_up_proj [E, 2I, H] and down_proj [E, H, I] (transformers 5's
 own layout and names, so a checkpoint saved that way loads as is). The forward groups the (token, expert) pairs by
-expert with one argsort and runs each hit expert once on its rows (a python loop over experts, never over tokens),
-then scatters the weighted rows back with one index_add_. Quantised (int8 / int4 at load, models/loading.py), each
-expert's two matrices become their own block layers (QuantizedExperts); the routers stay float.
+expert with one stable sort and runs each hit expert once on its rows (a python loop over the experts hit, never
+over tokens), then scatters the weighted rows back with one index_add_; a single row skips the grouping. The experts
+hit are read on the host, so MoE steps are never captured in CUDA graphs (engine/runner.py). Quantised (int8 / int4
+at load, models/moe_quant.py), each expert's two matrices become their own block layers (QuantizedExperts); the
+routers stay float.
 """
 
 from __future__ import annotations
