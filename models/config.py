@@ -10,6 +10,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",  # Phi-3 / 3.5 / 4-mini: fused qkv_proj and gate_up_proj, split at load
+    "GemmaForCausalLM": "gemma",  # Gemma 1 (2B: MQA, 7B), CodeGemma: Llama's layers, GELU-tanh, (1 + w) norms
     "Gemma3ForCausalLM": "gemma3",  # Gemma 3's text decoder (the 1B, or the text part of larger ones)
     "Gemma2ForCausalLM": "gemma2",  # Gemma 3's layers less q/k norms and local rope, plus attention soft-capping
     # Mixture-of-experts MLPs (models/moe.py) on the layers above
@@ -33,6 +34,7 @@ _MODEL_TYPE_TO_FAMILY = {
     "qwen2_vl_text": "qwen2",
     "mistral": "llama",
     "phi3": "phi3",
+    "gemma": "gemma",
     "gemma3_text": "gemma3",
     "gemma2": "gemma2",
     "qwen3_moe": "qwen3_moe",
@@ -108,7 +110,7 @@ def moe_config(text: Any, family: str) -> MoeConfig | None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    family: str  # "llama" | "qwen2" | "qwen3" | "phi3" | "gemma2" | "gemma3" | "qwen3_moe" | "mixtral" | "qwen2_moe"
+    family: str  # "llama" | "qwen2" | "qwen3" | "phi3" | "gemma" | "gemma2" | "gemma3" | "qwen3_moe" | "mixtral" | "qwen2_moe"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -152,7 +154,8 @@ class ModelConfig:
         archs = list(getattr(hf_config, "architectures", None) or [])
         family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         family = family or _MODEL_TYPE_TO_FAMILY.get(getattr(text, "model_type", ""))
-        if family in ("phi3", "gemma2", "gemma3") and text is not hf_config:  # the text part of a model we do not serve
+        # the text part of a model we do not serve (PaliGemma's is Gemma 1)
+        if family in ("phi3", "gemma", "gemma2", "gemma3") and text is not hf_config:
             family = family if getattr(hf_config, "model_type", None) == "gemma3" else None  # Gemma 3 VLMs we do
         if family is None:
             raise ValueError(
@@ -201,7 +204,7 @@ class ModelConfig:
             hf_config=text,
             rotary_dim=rotary_dim(text, int(head_dim)),
             moe=moe_config(text, family),
-            **(_gemma_fields(text) if family in ("gemma2", "gemma3") else {}),
+            **(_gemma_fields(text, family) if family in GEMMA_FAMILIES else {}),
         )
 
     @property
@@ -221,6 +224,7 @@ SUPPORTED_HIDDEN_ACTS = ("silu",)  # the torch MLP and the fused C decode step b
 
 
 GEMMA_HIDDEN_ACTS = ("gelu_pytorch_tanh", "gelu_tanh")  # Gemma's hidden_activation: GELU, tanh approximation
+GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3")
 
 
 def rope_parameter_sets(text: Any) -> dict[str | None, dict]:
@@ -241,8 +245,13 @@ def rotary_dim(text: Any, head_dim: int) -> int | None:
     return int(head_dim * float(partial))
 
 
-def _gemma_fields(text: Any) -> dict:
-    """Gemma 2 / 3's knobs; only Gemma 3 gives its sliding layers a rope of their own."""
+def _gemma_fields(text: Any, family: str) -> dict:
+    """Gemma's knobs. Gemma 1 keeps Llama's layer and query scale: GELU-tanh, (1 + w) norms and the scaled embedding
+    only. Gemma 2 / 3 add the sandwich norms, query_pre_attn_scalar and soft-caps; only Gemma 3 gives its sliding
+    layers a rope of their own."""
+    common = {"hidden_act": "gelu_tanh", "norm_offset": 1.0, "embed_scale": float(text.hidden_size) ** 0.5}
+    if family == "gemma":
+        return common
     cap = getattr(text, "final_logit_softcapping", None)
     attn_cap = getattr(text, "attn_logit_softcapping", None)
     kinds = list(text.layer_types)[: text.num_hidden_layers]
@@ -251,22 +260,20 @@ def _gemma_fields(text: Any) -> dict:
         "local_rope_layers": tuple(i for i, kind in enumerate(kinds) if kind == "sliding_attention") if local else (),
         "attn_logit_softcapping": float(attn_cap) if attn_cap else None,
         "attn_scale": float(text.query_pre_attn_scalar) ** -0.5,
-        "hidden_act": "gelu_tanh",
-        "norm_offset": 1.0,
         "sandwich_norms": True,
-        "embed_scale": float(text.hidden_size) ** 0.5,
         "final_logit_softcapping": float(cap) if cap else None,
-    }
+    } | common
 
 
 def check_supported(text: Any, family: str = "llama") -> None:
     """Refuse, naming the config key, what our decoder would compute differently from transformers."""
-    if family in ("gemma2", "gemma3"):
-        act = getattr(text, "hidden_activation", None) or "gelu_pytorch_tanh"
+    if family in GEMMA_FAMILIES:
+        # Gemma 1's modeling reads hidden_act (its config turns the releases' legacy "gelu" into the tanh GELU they
+        # were trained with); Gemma 2 / 3's reads hidden_activation
+        key = "hidden_act" if family == "gemma" else "hidden_activation"
+        act = getattr(text, key, None) or "gelu_pytorch_tanh"
         if act not in GEMMA_HIDDEN_ACTS:
-            raise ValueError(
-                f"config hidden_activation {act!r} is not supported (Gemma: {', '.join(GEMMA_HIDDEN_ACTS)})"
-            )
+            raise ValueError(f"config {key} {act!r} is not supported (Gemma: {', '.join(GEMMA_HIDDEN_ACTS)})")
         if getattr(text, "use_bidirectional_attention", False):
             raise ValueError(
                 "config use_bidirectional_attention true is not supported (an embedding model, not a decoder)"

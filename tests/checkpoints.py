@@ -31,6 +31,8 @@ FAMILIES = {
     # Phi-3: fused qkv_proj / gate_up_proj in the checkpoint; original_max_position_embeddings below the served
     # length so that longrope cases take their long factors (Phi3Config's default of 4096 would not)
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {"original_max_position_embeddings": 64}),
+    # Gemma 1 (2B's shape): one KV head (MQA), head_dim 32 (heads x head_dim != hidden, as 7B's 16 x 256 of 3072)
+    "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM, {"head_dim": 32, "num_key_value_heads": 1}),
     # Gemma 3's text decoder: head_dim 16 (not 256), a query scale of its own, one sliding and one full layer
     "gemma3": (
         transformers.Gemma3TextConfig,

@@ -60,6 +60,11 @@ CASES = {
     "phi3-window-20-chunked": ("phi3", {"sliding_window": 20}, {"max_num_batched_tokens": 8}, (SHORT, MID, XL)),
     "phi4-mini-longrope-partial-rotary": ("phi3", PHI4_MINI, {}, (LONG, XL)),
     "phi3-partial-rotary-half-default-rope": ("phi3", {"partial_rotary_factor": 0.5}, {}, (SHORT,)),
+    # Gemma 1: 2B's MQA (one KV head), (1 + w) norms, scaled embedding, GELU-tanh on Llama's layer; 7B's MHA untied
+    # with the releases' legacy hidden_act "gelu" (transformers reads it as the tanh GELU)
+    "gemma-2b-like-mqa-chunked": ("gemma", {}, {"max_num_batched_tokens": 8}, (SHORT, MID, XL)),
+    "gemma-7b-like-mha-untied-legacy-gelu": ("gemma", {"num_key_value_heads": 4, "tie_word_embeddings": False,
+                                                       "legacy": {"hidden_act": "gelu"}}, {}, (MID, LONG)),
     # Gemma 3 1B's shape: a sliding layer (window 20) then a full one, tied, query_pre_attn_scalar != head_dim
     "gemma3-1b-like-chunked": ("gemma3", {}, {"max_num_batched_tokens": 8}, (SHORT, MID, XL)),
     "gemma3-4b-like-linear-rope-softcap-bias": ("gemma3", GEMMA3_4B, {}, (SHORT, XL)),
@@ -125,9 +130,16 @@ def test_configs_read_as_released(paths):
         False,
     )
     assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping) == (0.05, 3.0)
+    gemma = ModelConfig.from_hf(transformers.AutoConfig.from_pretrained(paths["gemma-7b-like-mha-untied-legacy-gelu"]))
+    assert (gemma.family, gemma.hidden_act, gemma.norm_offset, gemma.embed_scale) == ("gemma", "gelu_tanh", 1.0, 8.0)
+    assert (gemma.sandwich_norms, gemma.attn_scale, gemma.sliding_window, gemma.tie_word_embeddings) == (
+        False, None, None, False)  # fmt: skip
 
 
-@pytest.mark.parametrize("case", ["phi4-mini-longrope-partial-rotary", "gemma3-4b-like-linear-rope-softcap-bias"])
+@pytest.mark.parametrize(
+    "case",
+    ["phi4-mini-longrope-partial-rotary", "gemma3-4b-like-linear-rope-softcap-bias", "gemma-2b-like-mqa-chunked"],
+)
 def test_load_paths_agree(paths, case):
     """The streaming loader (models/loading.py: fused projections split, Gemma norms folded as tensors arrive) gives
     the engine loader's float weights, and its int8-at-load the same model as quantising the float one."""
@@ -183,6 +195,13 @@ def test_gemma3_vision_language_config_unwraps_to_this_decoder():
     assert (cfg.family, cfg.hidden_size, cfg.sandwich_norms) == ("gemma3", hf.text_config.hidden_size, True)
 
 
+def test_paligemma_is_refused_not_served_as_its_gemma_text_part():
+    hf = transformers.PaliGemmaConfig(architectures=["PaliGemmaForConditionalGeneration"])
+    assert hf.text_config.model_type == "gemma"
+    with pytest.raises(ValueError, match="unsupported architecture.*PaliGemma"):
+        ModelConfig.from_hf(hf)
+
+
 def test_grpc_greedy_matches_transformers(root):
     """One Generate per family through a real server: the ChatML prompt the service builds, greedy tokens as
     transformers' generate gives them (past the windows of 20)."""
@@ -190,6 +209,7 @@ def test_grpc_greedy_matches_transformers(root):
         "phi3": build(root, "grpc-phi3", "phi3", CASES["phi4-mini-longrope-partial-rotary"][1], tokenizer=True),
         "gemma3": build(root, "grpc-gemma3", "gemma3", {}, tokenizer=True),
         "gemma2": build(root, "grpc-gemma2", "gemma2", {}, tokenizer=True),
+        "gemma": build(root, "grpc-gemma", "gemma", {}, tokenizer=True),
     }
     text = "The capital of France is Paris. The capital of Italy is"
     specs = [ModelSpec(path=p, name=f) for f, p in paths.items()]

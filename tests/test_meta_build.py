@@ -16,6 +16,7 @@ from omnivox.models.config import ModelConfig
 
 # hidden 64 / 4 heads, or the family's explicit head_dim
 HEAD_DIM = {"llama": 16, "qwen2": 16, "qwen3": 32, "mistral": 16, "phi3": 16, "gemma3": 16, "gemma2": 16}
+HEAD_DIM["gemma"] = 32
 HEAD_DIM |= {"qwen3_moe": 32, "mixtral": 16, "qwen2_moe": 16}  # the mixture-of-experts families
 
 ROPES = {
