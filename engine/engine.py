@@ -32,7 +32,7 @@ from omnivox.engine.outputs import RequestOutput
 from omnivox.engine.params import SamplingParams
 from omnivox.engine.request import EmbeddingSegment, EncoderInput, Request
 from omnivox.models.config import ModelConfig
-from omnivox.models.decoder import DecoderModel
+from omnivox.models.decoder import DecoderModel, scale_embeddings
 
 log = logging.getLogger(__name__)
 
@@ -191,8 +191,11 @@ class Engine:
         return bool(self._requests)
 
     def embed_tokens(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """These tokens' input embeddings as the decoder's token path computes them (Gemma's scaled by
+        sqrt(hidden)): an EmbeddingSegment of them gives the logits the tokens give."""
         with torch.inference_mode():
-            return self.model.embed_tokens(torch.tensor(list(token_ids), device=self.device)).clone()
+            rows = self.model.embed_tokens(torch.tensor(list(token_ids), device=self.device))
+            return scale_embeddings(rows, self.model_config.embed_scale).clone()
 
     # ---- stepping -----------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

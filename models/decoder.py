@@ -163,6 +163,12 @@ def make_rotaries(cfg: ModelConfig) -> tuple[RotaryEmbedding, RotaryEmbedding | 
     return RotaryEmbedding(cfg.hf_config, cfg.head_dim, cfg.max_model_len, rotary_dim=cfg.rotary_dim), None
 
 
+def scale_embeddings(x: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """Embedding rows times the family's scale (Gemma: sqrt(hidden)), the scale rounded to x's dtype first as
+    transformers does (sqrt(3072) is 55.5 in bf16); unchanged when the family has none."""
+    return x if scale is None else x * torch.tensor(scale, dtype=x.dtype, device=x.device)
+
+
 class DecoderModel(nn.Module):
     """Token (or embedding) rows in, logits out; attention state lives in the caller's paged KV cache."""
 
@@ -179,10 +185,7 @@ class DecoderModel(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings as the layers take them ([T] -> [T, hidden]): Gemma's scaled by sqrt(hidden), the scale
         rounded to the model dtype as transformers does."""
-        x = self.embed_tokens(input_ids)
-        if self.config.embed_scale is not None:
-            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
-        return x
+        return scale_embeddings(self.embed_tokens(input_ids), self.config.embed_scale)
 
     def forward(
         self,

@@ -264,3 +264,23 @@ def test_softcapped_attention_over_many_query_rows_equals_the_formula():
     scores = torch.tanh(q @ k.repeat_interleave(4, 1).transpose(-1, -2) * 0.25 / 2.0) * 2.0
     want = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v.repeat_interleave(4, 1)
     torch.testing.assert_close(_softcapped_attention(q, k, v, mask, 0.25, 2.0), want)
+
+
+def test_embedding_segments_of_plain_tokens_equal_the_tokens_on_gemma(paths):
+    """Engine.embed_tokens gives the rows the token path feeds the layers: Gemma's scaled by sqrt(hidden). An
+    embedding segment of them in place of the tokens yields the same greedy tokens and log-probabilities (was: the
+    unscaled rows, 8x too small here)."""
+    from omnivox.engine.request import EmbeddingSegment
+
+    engine = tiny_engine(paths["gemma-2b-like-mqa-chunked"])
+    from omnivox.engine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=5)
+    prompt = list(range(20, 60))
+    plain = engine.generate([prompt], params)[0]
+    segment = EmbeddingSegment.from_embeds(10, engine.embed_tokens(prompt[10:30]))
+    via = engine.generate([prompt[:10] + [3] * 20 + prompt[30:]], params, segments=[[segment]])[0]
+    assert via.token_ids == plain.token_ids
+    for a, b in zip(via.logprobs, plain.logprobs, strict=True):
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+        torch.testing.assert_close([lp for _, lp in a.top], [lp for _, lp in b.top], atol=1e-5, rtol=0)
