@@ -22,20 +22,22 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from omnivox.codecs.image import ImageDecodeError, ImageLimits, RequestPixelsError, decode_image, image_content_key
 from omnivox.engine import EmbeddingSegment
 from omnivox.engine.encoder_cache import EncodeHandle, EncoderCache, EncoderWorker
-from omnivox.models.vision import ImageInputs, VisionEncoder
 from omnivox.services import errors
 from omnivox.services.errors import FieldViolation
 from omnivox.services.prompt import Prompt, role_of
 from omnivox.services.tool_parser import ToolFormat
 from omnivox.services.tools import format_of, media_template, tool_turn_content, turn_fields
 from omnivox.v1 import content_pb2
+
+if TYPE_CHECKING:  # models.vision's modules import transformers' processing utilities (~1.5 s): at load, if needed
+    from omnivox.models.vision import ImageInputs, VisionEncoder
 
 log = logging.getLogger(__name__)
 
@@ -233,6 +235,8 @@ def load_image_part(
 ) -> ImageInputPart:
     """Encoder, worker and cache of the vision-language checkpoint in `folder` (blocking). ValueError when the
     folder lacks what image input needs (a processor with a chat template)."""
+    from omnivox.models.vision import VisionEncoder
+
     try:
         encoder = VisionEncoder.from_folder(folder, device=device, dtype=dtype)
     except OSError as exc:  # transformers' "Can't load image processor ..." when preprocessor_config.json is missing

@@ -6,22 +6,41 @@ read by `models.checkpoint.iter_checkpoint_tensors(path)` (names rewritten to a 
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from omnivox.models.audio.base import AudioEncoder, AudioInputs, audio_side_tensors
-from omnivox.models.audio.qwen2_audio import Qwen2AudioEncoder
-from omnivox.models.audio.qwen3_asr import Qwen3ASRAudioEncoder
-from omnivox.models.audio.voxtral import VoxtralAudioEncoder
 
-FAMILIES: dict[str, type[AudioEncoder]] = {
-    "qwen2_audio": Qwen2AudioEncoder,
-    "qwen3_asr": Qwen3ASRAudioEncoder,
-    "voxtral": VoxtralAudioEncoder,
+if TYPE_CHECKING:
+    from omnivox.models.audio.qwen2_audio import Qwen2AudioEncoder
+    from omnivox.models.audio.qwen3_asr import Qwen3ASRAudioEncoder
+    from omnivox.models.audio.voxtral import VoxtralAudioEncoder
+
+# model_type -> (module, encoder class), imported when first loaded: each family's module imports transformers'
+# modeling code (its masking_utils loads torch._dynamo), 2-3 s that every `omnivox serve` start paid, audio or not.
+FAMILIES: dict[str, tuple[str, str]] = {
+    "qwen2_audio": ("omnivox.models.audio.qwen2_audio", "Qwen2AudioEncoder"),
+    "qwen3_asr": ("omnivox.models.audio.qwen3_asr", "Qwen3ASRAudioEncoder"),
+    "voxtral": ("omnivox.models.audio.voxtral", "VoxtralAudioEncoder"),
 }
+_MODULE_OF = {name: module for module, name in FAMILIES.values()}
+
+
+def encoder_class(family: str) -> type[AudioEncoder]:
+    """The AudioEncoder subclass of a family (a key of FAMILIES), its module imported on first use."""
+    module, name = FAMILIES[family]
+    return getattr(importlib.import_module(module), name)
+
+
+def __getattr__(name: str) -> type[AudioEncoder]:  # the encoder classes by name, imported on first access
+    if name in _MODULE_OF:
+        return getattr(importlib.import_module(_MODULE_OF[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def audio_family(path: str | os.PathLike) -> str | None:
@@ -39,7 +58,7 @@ def load_audio_encoder(
     family = audio_family(path)
     if family is None:
         raise ValueError(f"{path}: not an audio-LLM checkpoint we read (families: {', '.join(FAMILIES)})")
-    return FAMILIES[family].from_folder(path, device=device, dtype=dtype)
+    return encoder_class(family).from_folder(path, device=device, dtype=dtype)
 
 
 __all__ = [
@@ -50,6 +69,7 @@ __all__ = [
     "Qwen3ASRAudioEncoder",
     "VoxtralAudioEncoder",
     "audio_family",
+    "encoder_class",
     "load_audio_encoder",
     "audio_side_tensors",
 ]

@@ -14,10 +14,19 @@ is whatever the template writes; `AudioEncoder.expand_prompt` then repeats it to
 
 from __future__ import annotations
 
-from transformers.models.qwen3_asr.processing_qwen3_asr import LANGUAGE_CODE_TO_NAME
+import functools
 
 ASR_TEXT = "<asr_text>"
-_NAME_TO_CODE = {name.lower(): code for code, name in LANGUAGE_CODE_TO_NAME.items()}
+
+
+@functools.cache
+def _languages() -> tuple[dict[str, str], dict[str, str]]:
+    """Qwen3-ASR's language table (code -> name) and its inverse (lower-cased name -> code). Imported on first use:
+    its module pulls in transformers' processing and modeling utilities, ~1.5 s of every `omnivox serve` start
+    (an audio-LLM's processor, loaded with the model, imports most of it anyway)."""
+    from transformers.models.qwen3_asr.processing_qwen3_asr import LANGUAGE_CODE_TO_NAME
+
+    return LANGUAGE_CODE_TO_NAME, {name.lower(): code for code, name in LANGUAGE_CODE_TO_NAME.items()}
 
 
 class TranscriptionRequestError(ValueError):
@@ -32,12 +41,13 @@ class TranscriptionRequestError(ValueError):
 def language_name(language: str) -> str:
     """A BCP-47 tag (`en`, `en-US`, `yue`, `pt-BR`) or an English name (`English`) -> the name Qwen3-ASR was trained
     with. Raises TranscriptionRequestError for a language the model does not list."""
+    code_to_name, name_to_code = _languages()
     code = language.strip().replace("_", "-").split("-")[0].lower()
-    if code in LANGUAGE_CODE_TO_NAME:
-        return LANGUAGE_CODE_TO_NAME[code]
-    if language.strip().lower() in _NAME_TO_CODE:
-        return LANGUAGE_CODE_TO_NAME[_NAME_TO_CODE[language.strip().lower()]]
-    known = ", ".join(sorted(LANGUAGE_CODE_TO_NAME))
+    if code in code_to_name:
+        return code_to_name[code]
+    if language.strip().lower() in name_to_code:
+        return code_to_name[name_to_code[language.strip().lower()]]
+    known = ", ".join(sorted(code_to_name))
     raise TranscriptionRequestError("language", f"{language!r} is not a language this model knows; known: {known}")
 
 
@@ -69,11 +79,12 @@ def parse_transcription(family: str, text: str, language: str | None = None) -> 
     """(language code or None, transcript) from the generated text. `language` is the one the request forced."""
     if family == "voxtral":  # plain text; the forced language is the ISO 639-1 code its request was written with
         return (language.strip().replace("_", "-").split("-")[0].lower() if language else None), text.strip()
-    forced = _NAME_TO_CODE.get(language_name(language).lower()) if language else None
+    name_to_code = _languages()[1]
+    forced = name_to_code.get(language_name(language).lower()) if language else None
     if family != "qwen3_asr" or ASR_TEXT not in text:
         return forced, text.strip()
     head, transcript = text.split(ASR_TEXT, 1)
     head = head.strip()
     name = head[len("language ") :].strip() if head.lower().startswith("language ") else head
-    detected = _NAME_TO_CODE.get(name.lower()) if name and name.lower() != "none" else None
+    detected = name_to_code.get(name.lower()) if name and name.lower() != "none" else None
     return forced or detected, transcript.strip()

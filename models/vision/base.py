@@ -75,15 +75,15 @@ class VisionEncoder(nn.Module, ABC):
 
         Raises ValueError when the checkpoint is not a vision-language model we serve.
         """
-        from omnivox.models.vision import FAMILIES
+        from omnivox.models.vision import FAMILIES, encoder_class
 
         path = Path(path)
         config = transformers.AutoConfig.from_pretrained(path)
-        cls = FAMILIES.get(config.model_type)
-        if cls is None:
+        if config.model_type not in FAMILIES:
             raise ValueError(
                 f"{path}: model_type {config.model_type!r} has no vision encoder; served: {sorted(FAMILIES)}"
             )
+        cls = encoder_class(config.model_type)
         enc = cls(config, cls.load_processor(path, config))
         enc.check_processor()
         enc.load_from(path)
