@@ -14,6 +14,7 @@ models/checkpoint.py is the entry point (`iter_checkpoint_tensors`, `load_hf_con
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +26,10 @@ from .cache import build_cached, omnivox_cache_dir
 
 logger = logging.getLogger(__name__)
 
-GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen2moe", "qwen3moe")
+# llama.cpp stores a MoE layer's experts stacked: blk.N.ffn_{gate,up}_exps [E, I, H] and ffn_down_exps [E, H, I] (torch
+# order); they are handed on expert by expert under transformers' per-expert names, which every loader takes.
+_STACKED_EXPERTS = re.compile(r"^blk\.(?P<layer>\d+)\.ffn_(?P<proj>gate|up|down)_exps\.weight$")
 
 
 def load_gguf_config(path: Path) -> transformers.PretrainedConfig:
@@ -35,16 +39,13 @@ def load_gguf_config(path: Path) -> transformers.PretrainedConfig:
     arch = _read_gguf_metadata(path).get("general.architecture")
     if arch not in GGUF_ARCHS:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHS)})")
-    if _read_gguf_metadata(path).get(f"{arch}.expert_count"):  # llama.cpp writes Mixtral as arch llama + experts
-        raise ValueError(
-            f"{path}: GGUF {arch}.expert_count is set (a mixture-of-experts model such as Mixtral): MoE GGUFs are not "
-            "supported; serve the Hugging Face folder"
-        )
     cached = _gguf_cache_dir(path) / "config"
     if (cached / "config.json").is_file():
         config = transformers.AutoConfig.from_pretrained(cached)
     else:
         config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        if arch == "llama" and _read_gguf_metadata(path).get("llama.expert_count"):
+            config = _mixtral_config(config, _read_gguf_metadata(path))
         _patch_gguf_config(config, _read_gguf_metadata(path), path)
         _save_atomically(cached, config.save_pretrained, "config.json")
     config.name_or_path = str(path)
@@ -140,23 +141,51 @@ def gguf_tensor_table(path: Path) -> tuple[str, list[tuple[str, int, tuple[int, 
 
 def iter_gguf(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     import gguf
+
+    arch, table = gguf_tensor_table(path)
+    if arch not in GGUF_ARCHS:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHS)})")
+    processor, name_map = gguf_name_map(arch, load_gguf_config(path))
+    return dequantize_gguf_tensors(path, table, name_map, processor, gguf.quants.dequantize)
+
+
+def gguf_name_map(arch: str, config: transformers.PretrainedConfig):
+    """(tensor processor, {GGUF tensor name: transformers parameter name}) for a GGUF of `arch` read as `config`.
+
+    transformers' map, except for MoE layers: its stacked-expert entries (`blk.N.ffn_gate_exps` without `.weight`,
+    for transformers' own loader) are replaced by `blk.N.ffn_gate_exps.weight` -> `model.layers.N.mlp.experts`, which
+    `gguf_tensor_parts` splits expert by expert. Mixtral is arch llama in a GGUF (llama.cpp's names, Q/K permuted).
+    """
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
         TensorProcessor,
         get_gguf_hf_weights_map,
     )
 
-    arch, table = gguf_tensor_table(path)
-    if arch not in GGUF_ARCHS:
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHS)})")
-    config = load_gguf_config(path)
-    processor_config = {
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-    }
-    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=processor_config)
-    name_map = get_gguf_hf_weights_map(ParameterNames(config), processor)
-    return dequantize_gguf_tensors(path, table, name_map, processor, gguf.quants.dequantize)
+    heads = {"num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads}
+    # transformers' Qwen2-MoE processor stacks experts into its loader's dict; ours splits them (gguf_tensor_parts)
+    processor_cls = TensorProcessor if arch.endswith("moe") else TENSOR_PROCESSORS.get(arch, TensorProcessor)
+    processor = processor_cls(config=heads)
+    model_type = "llama" if config.model_type == "mixtral" else None
+    name_map = get_gguf_hf_weights_map(ParameterNames(config), processor, model_type=model_type)
+    name_map = {g: h for g, h in name_map.items() if not g.endswith(("_exps", "_exps.weight"))}
+    moe = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    for layer in range(config.num_hidden_layers) if moe else ():
+        for proj in ("gate", "up", "down"):
+            name_map[f"blk.{layer}.ffn_{proj}_exps.weight"] = f"model.layers.{layer}.mlp.experts"
+    return processor, name_map
+
+
+def gguf_tensor_parts(gguf_name: str, hf_name: str, tensor):
+    """The transformers tensors one GGUF tensor holds: a stacked experts tensor [E, ...] as E per-expert matrices
+    (`model.layers.N.mlp.experts.E.gate_proj.weight`, each a view: a torch tensor or rows of raw blocks); Qwen2-MoE's
+    shared-expert gate, a vector [H] in llama.cpp's files, as transformers' [1, H]; anything else as it is."""
+    m = _STACKED_EXPERTS.match(gguf_name)
+    if m is not None:
+        return [(f"{hf_name}.{e}.{m['proj']}_proj.weight", tensor[e]) for e in range(tensor.shape[0])]
+    if gguf_name.endswith(".ffn_gate_inp_shexp.weight") and len(tensor.shape) == 1:
+        return [(hf_name, tensor.reshape(1, -1))]
+    return [(hf_name, tensor)]
 
 
 class ParameterNames:
@@ -194,7 +223,7 @@ def dequantize_gguf_tensors(path, table, name_map, processor, dequantize) -> Ite
         tensor = torch.from_numpy(weights.astype(np.float32, copy=False))
         if tuple(tensor.shape) != tuple(shape):
             raise ValueError(f"{path}: tensor {gguf_name} dequantized to {tuple(tensor.shape)}, expected {shape}")
-        yield name_map[gguf_name], tensor
+        yield from gguf_tensor_parts(gguf_name, name_map[gguf_name], tensor)
 
 
 def _patch_gguf_config(config: transformers.PretrainedConfig, metadata: dict, path: Path) -> None:
@@ -202,8 +231,12 @@ def _patch_gguf_config(config: transformers.PretrainedConfig, metadata: dict, pa
     arch = metadata.get("general.architecture")
     key_length = metadata.get(f"{arch}.attention.key_length")
     # transformers maps no head size for qwen3 GGUFs; Qwen3's default (128) is wrong for other head sizes.
-    if arch == "qwen3" and key_length is not None:
+    if arch in ("qwen3", "qwen3moe") and key_length is not None:
         config.head_dim = int(key_length)
+    if arch in ("qwen2moe", "qwen3moe"):  # transformers maps neither the expert nor the shared expert size
+        config.moe_intermediate_size = int(metadata[f"{arch}.expert_feed_forward_length"])
+        if metadata.get(f"{arch}.expert_shared_feed_forward_length") is not None:
+            config.shared_expert_intermediate_size = int(metadata[f"{arch}.expert_shared_feed_forward_length"])
     if arch in ("gemma2", "gemma3"):
         _patch_gemma_config(config, metadata, arch, int(key_length or config.head_dim))
     if arch == "phi3":
@@ -214,6 +247,26 @@ def _patch_gguf_config(config: transformers.PretrainedConfig, metadata: dict, pa
             config.rope_parameters = _llama3_rope_from_freq_factors(
                 np.asarray(rope_freqs).view(np.float32).reshape(-1), config, path
             )
+
+
+def _mixtral_config(llama: transformers.PretrainedConfig, metadata: dict) -> transformers.MixtralConfig:
+    """Mixtral as llama.cpp writes it: arch llama with `llama.expert_count` / `expert_used_count` (transformers reads
+    it as a dense Llama). The expert size is `feed_forward_length` (Mixtral's intermediate_size); no window, as
+    llama.cpp runs it."""
+    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "max_position_embeddings", "rms_norm_eps", "rope_parameters", "tie_word_embeddings", "bos_token_id",
+            "eos_token_id", "pad_token_id")  # fmt: skip
+    kwargs = {k: getattr(llama, k) for k in keys if getattr(llama, k, None) is not None}
+    inter = metadata.get("llama.expert_feed_forward_length") or metadata["llama.feed_forward_length"]
+    head_dim = metadata.get("llama.attention.key_length") or llama.hidden_size // llama.num_attention_heads
+    return transformers.MixtralConfig(
+        **kwargs,
+        intermediate_size=int(inter),
+        head_dim=int(head_dim),
+        num_local_experts=int(metadata["llama.expert_count"]),
+        num_experts_per_tok=int(metadata["llama.expert_used_count"]),
+        sliding_window=None,
+    )
 
 
 def _patch_gemma_config(config: transformers.PretrainedConfig, metadata: dict, arch: str, key_length: int) -> None:

@@ -29,7 +29,13 @@ from omnivox.models.decoder import (
     norm_value,
     split_fused_projections,
 )
-from omnivox.models.gguf_checkpoint import GGUF_ARCHS, ParameterNames, dequantize_gguf_tensors, gguf_tensor_table
+from omnivox.models.gguf_checkpoint import (
+    GGUF_ARCHS,
+    dequantize_gguf_tensors,
+    gguf_name_map,
+    gguf_tensor_parts,
+    gguf_tensor_table,
+)
 from omnivox.models.layers import Linear, PackedLinear, RMSNorm
 from omnivox.models.moe import FLOAT_ROUTERS, Experts, expert_tensor
 from omnivox.models.moe_quant import PendingExperts
@@ -46,12 +52,18 @@ class GGUFBlocks:
 
     ggml_type: int
     raw: np.ndarray  # uint8 [N, row_bytes]
-    shape: tuple[int, int]  # (N, K) of the float matrix
+    shape: tuple[int, ...]  # (N, K) of the float matrix; (E, N, K) of stacked experts
 
-    def __getitem__(self, rows: slice) -> GGUFBlocks:
-        """Some rows of the matrix, as blocks (Phi-3's fused qkv / gate_up are split at load by rows)."""
+    def __getitem__(self, rows: slice | int) -> GGUFBlocks:
+        """Some rows of the matrix, as blocks (Phi-3's fused qkv / gate_up are split at load by rows); of stacked
+        experts (raw [E, N, row bytes]), an int picks one expert's matrix."""
         raw = self.raw[rows]
-        return GGUFBlocks(self.ggml_type, raw, (raw.shape[0], self.shape[1]))
+        return GGUFBlocks(self.ggml_type, raw, self.shape[1:] if isinstance(rows, int) else (len(raw), *self.shape[1:]))
+
+    @property
+    def native(self) -> str:
+        """The precision it is served at: "int4" (Q4_0 / Q4_1 / Q4_K) or "int8" (Q8_0 / Q6_K)."""
+        return "int4" if self.ggml_type in _INT4_TYPES else "int8"
 
     def dequantize(self) -> torch.Tensor:  # [N, K] float32
         import gguf
@@ -83,17 +95,14 @@ class GGUFBlocks:
 def iter_gguf_blocks(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
     """Like `iter_checkpoint_tensors` for a .gguf, but matrices of the types served natively come as `GGUFBlocks`."""
     import gguf
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
     path = Path(path)
     arch, table = gguf_tensor_table(path)
     if arch not in GGUF_ARCHS:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHS)})")
-    config = load_hf_config(path)
-    heads = {"num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads}
-    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=heads)
-    name_map = get_gguf_hf_weights_map(ParameterNames(config), processor)
-    native = {name for name, ggml_type, shape, _ in table if ggml_type in _INT4_TYPES | _INT8_TYPES and len(shape) == 2}
+    processor, name_map = gguf_name_map(arch, load_hf_config(path))
+    # Matrices, and a MoE layer's stacked experts [E, N, K] (each expert's N rows of blocks handed on as its own)
+    native = {n for n, ggml_type, shape, _ in table if ggml_type in _INT4_TYPES | _INT8_TYPES and len(shape) in (2, 3)}
     offsets = _gguf_offsets(path)
     with open(path, "rb", buffering=0) as f:
         for gguf_name, ggml_type, shape, raw in table:
@@ -101,7 +110,8 @@ def iter_gguf_blocks(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tenso
                 # Plain reads, not the memory map: mapped pages would stay resident (~the file size) while loading.
                 blocks = _read_rows(f, *offsets[gguf_name], raw.shape) if offsets else np.asarray(raw)
                 rows = processor.process(weights=blocks, name=gguf_name).weights  # permutes whole rows of blocks
-                yield name_map[gguf_name], GGUFBlocks(ggml_type, rows, (int(shape[0]), int(shape[1])))
+                matrix = GGUFBlocks(ggml_type, rows, tuple(int(d) for d in shape))
+                yield from gguf_tensor_parts(gguf_name, name_map[gguf_name], matrix)
     rest = [entry for entry in table if entry[0] not in native]
     yield from dequantize_gguf_tensors(path, rest, name_map, processor, gguf.quants.dequantize)
 

@@ -1,0 +1,257 @@
+"""Mixture-of-experts GGUF files in llama.cpp's layout: Mixtral (arch llama with llama.expert_count, Q/K permuted),
+Qwen3-MoE (qwen3moe) and Qwen2-MoE (qwen2moe: shared expert, its gate a vector [H]). Written here from tiny random
+checkpoints as convert_hf_to_gguf.py writes them: each layer's experts stacked into blk.N.ffn_{gate,up,down}_exps
+[E, rows, cols], the router as ffn_gate_inp, the expert sizes under {arch}.expert_feed_forward_length /
+expert_shared_feed_forward_length. Checked against transformers on the source checkpoint (F32), on the Q8_0 weights
+dequantised by gguf's own code (Q8_0), and as raw K-quant blocks (Q4_K / Q6_K experts, which gguf cannot quantize).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from checkpoints import load_reference, make_checkpoint, reference_greedy
+from engines import tiny_engine
+from service_harness import ServerThread, user_request
+from test_config_sweep import SHORT, XL, assert_matches
+from test_gguf_loading import _random_k_blocks
+
+from omnivox.engine import SamplingParams
+from omnivox.models import quant
+from omnivox.models.checkpoint import iter_checkpoint_tensors
+from omnivox.models.moe import Experts, QuantizedExperts
+from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.v1 import generation_pb2_grpc
+
+F32, Q8_0, Q4_K, Q6_K = (gguf.GGMLQuantizationType[t] for t in ("F32", "Q8_0", "Q4_K", "Q6_K"))
+ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}
+_LAYER = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}  # fmt: skip
+_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+_EXPERT_LEAF = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+
+
+def llama_cpp_tensors(hf_dir: Path) -> dict[str, np.ndarray]:
+    """The checkpoint's tensors under llama.cpp's names, float32, experts stacked, Llama-arch Q/K permuted."""
+    from safetensors.torch import load_file
+
+    config = transformers.AutoConfig.from_pretrained(hf_dir)
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}  # fmt: skip
+    out, experts = {}, {}
+    for name, tensor in load_file(hf_dir / "model.safetensors").items():
+        w = tensor.float().numpy()
+        if m := _EXPERT.fullmatch(name):
+            experts.setdefault(f"blk.{m[1]}.ffn_{_EXPERT_LEAF[m[3]]}_exps.weight", {})[int(m[2])] = w
+            continue
+        if name in top:
+            out[top[name]] = w
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        module, leaf = rest.rsplit(".", 1)
+        if config.model_type == "mixtral" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+            heads = config.num_attention_heads if module.endswith("q_proj") else config.num_key_value_heads
+            w = w.reshape(heads, 2, w.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(w.shape)  # LlamaModel.permute
+        if module == "mlp.shared_expert_gate":
+            w = w.reshape(-1)  # llama.cpp's {n_embd}
+        out[f"blk.{layer}.{_LAYER[module]}.{leaf}"] = w
+    for name, by_expert in experts.items():
+        out[name] = np.stack([by_expert[e] for e in sorted(by_expert)])
+    return out
+
+
+def write_moe_gguf(hf_dir: Path, out: Path, qtype=F32, raw: dict | None = None) -> Path:
+    """A GGUF of the MoE checkpoint at hf_dir: metadata as convert_hf_to_gguf.py writes it, the test tokenizer with its
+    chat template, matrices in `qtype` (router, norms, biases and embeddings float), `raw` blocks as given."""
+    config = transformers.AutoConfig.from_pretrained(hf_dir)
+    arch = ARCH[config.model_type]
+    writer = gguf.GGUFWriter(out, arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    if arch == "llama":
+        writer.add_rope_dimension_count(head_dim)
+        writer.add_expert_count(config.num_local_experts)
+    else:
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    tokens = sorted(tok["model"]["vocab"], key=tok["model"]["vocab"].get)
+    specials = {t["content"] for t in tok["added_tokens"] if t["special"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if t in specials else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(0)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(transformers.AutoTokenizer.from_pretrained(hf_dir).chat_template)
+    for name, w in llama_cpp_tensors(hf_dir).items():
+        if raw and name in raw:
+            writer.add_tensor(name, raw[name][0], raw_dtype=raw[name][1])
+        elif _quantized(name) and qtype != F32:
+            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(w))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _quantized(gguf_name: str) -> bool:
+    """What a quantised file quantises here: attention and expert matrices (llama-quantize keeps routers float)."""
+    return (
+        gguf_name.startswith("blk.")
+        and gguf_name.endswith(".weight")
+        and "_inp" not in gguf_name
+        and "norm" not in gguf_name
+    )
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gguf-moe")
+    out = {}
+    # Q8_0 rows are 32-wide groups: the expert (and shared expert) sizes of 48 become 64
+    sizes = {"mixtral": {"intermediate_size": 64}, "qwen2_moe": {"shared_expert_intermediate_size": 64}}
+    for family in ARCH:
+        hf = out[f"{family}-hf"] = make_checkpoint(root / family, family, seed=5, **sizes.get(family, {}))
+        out[f"{family}-f32"] = write_moe_gguf(hf, root / f"{family}.F32.gguf")
+        out[f"{family}-q8"] = write_moe_gguf(hf, root / f"{family}.Q8_0.gguf", Q8_0)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNIVOX_CACHE", str(tmp_path / "omnivox-cache"))
+
+
+@pytest.mark.parametrize("family", list(ARCH))
+def test_float_moe_gguf_equals_transformers_on_its_source(files, family):
+    """Config from the metadata (expert count, top-k, expert sizes, Mixtral from arch llama), every tensor in place:
+    greedy tokens and top-5 log-probabilities of transformers on the checkpoint the file was written from."""
+    engine = tiny_engine(files[f"{family}-f32"], max_num_batched_tokens=8)
+    cfg, source = engine.model_config, transformers.AutoConfig.from_pretrained(files[f"{family}-hf"])
+    assert cfg.hf_config.model_type == family
+    want = ModelConfigMoe(source)
+    assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.expert_intermediate_size) == want
+    assert isinstance(engine.model.layers[0].mlp.experts, Experts)
+    assert_matches(engine, load_reference(files[f"{family}-hf"]), (SHORT, XL))
+
+
+def ModelConfigMoe(source) -> tuple[int, int, int]:  # noqa: N802
+    experts = getattr(source, "num_experts", None) or source.num_local_experts
+    inter = getattr(source, "moe_intermediate_size", None) or source.intermediate_size
+    return experts, source.num_experts_per_tok, inter
+
+
+def _dequantised_reference(hf_dir: Path, qtype) -> transformers.PreTrainedModel:
+    """transformers' model of hf_dir with the matrices a `qtype` file quantises replaced by gguf's own round trip."""
+    ref = load_reference(hf_dir)
+    tensors = llama_cpp_tensors(hf_dir)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if (
+                p.dim() < 2
+                or "embed" in name
+                or "lm_head" in name
+                or name.endswith(("mlp.gate.weight", "_gate.weight"))
+            ):
+                continue
+            w = p.numpy()
+            rt = gguf.quants.dequantize(gguf.quants.quantize(w.reshape(-1, w.shape[-1]), qtype), qtype)
+            p.copy_(torch.from_numpy(rt.reshape(w.shape)))
+    assert tensors  # the writer and the reference read the same checkpoint
+    return ref
+
+
+@pytest.mark.parametrize("family", list(ARCH))
+def test_q8_moe_gguf_at_its_own_precision_and_dequantised(files, family):
+    """Dequantised to float: transformers on the Q8_0-rounded weights. At its own precision (the CPU default): each
+    expert's int8 blocks as stored, routers float; the same greedy tokens as the dequantised file."""
+    path = files[f"{family}-q8"]
+    dequantised = tiny_engine(path, quantization="none")
+    assert_matches(dequantised, _dequantised_reference(files[f"{family}-hf"], Q8_0), (SHORT,))
+    native = tiny_engine(path, quantization="auto")
+    mlp = native.model.layers[0].mlp
+    assert isinstance(mlp.experts, QuantizedExperts)
+    assert all(isinstance(m, quant.Int8Linear) for m in [*mlp.experts.gate_up, *mlp.experts.down])
+    assert not isinstance(mlp.gate, quant.Int8Linear)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert native.generate([XL], params)[0].token_ids == dequantised.generate([XL], params)[0].token_ids
+
+
+def test_k_quant_experts_split_per_expert_and_served_as_int4_and_int8(tmp_path):
+    """Q4_K_M's usual mix: gate/up experts Q4_K, down experts Q6_K. Each expert's matrix is its slice of the stacked
+    blocks (gguf's dequantizer on the raw blocks, never the loader); served natively, gate_up as int4 and down as
+    int8 groups, with logits near the float model's on the same dequantised weights."""
+    hf = make_checkpoint(tmp_path / "hf", "qwen3_moe", seed=2, hidden_size=256, moe_intermediate_size=256,
+                         num_hidden_layers=1, num_experts=4, head_dim=64)  # fmt: skip
+    e, h, i = 4, 256, 256
+    raw = {"blk.0.ffn_gate_exps.weight": (_random_k_blocks(e * i, h, Q4_K, 1).reshape(e, i, -1), Q4_K),
+           "blk.0.ffn_up_exps.weight": (_random_k_blocks(e * i, h, Q4_K, 2).reshape(e, i, -1), Q4_K),
+           "blk.0.ffn_down_exps.weight": (_random_k_blocks(e * h, i, Q6_K, 3).reshape(e, h, -1), Q6_K)}  # fmt: skip
+    path = write_moe_gguf(hf, tmp_path / "k.gguf", raw=raw)
+    ours = dict(iter_checkpoint_tensors(path))
+    for proj, (blocks, qtype) in (("gate", raw["blk.0.ffn_gate_exps.weight"]), ("down", raw["blk.0.ffn_down_exps.weight"])):  # fmt: skip
+        for expert in range(e):
+            want = torch.from_numpy(gguf.quants.dequantize(blocks[expert], qtype))
+            assert torch.equal(ours[f"model.layers.0.mlp.experts.{expert}.{proj}_proj.weight"], want), (proj, expert)
+    assert not torch.equal(
+        ours["model.layers.0.mlp.experts.0.up_proj.weight"], ours["model.layers.0.mlp.experts.1.up_proj.weight"]
+    )
+    native = tiny_engine(path, quantization="auto")  # the file's own precision
+    experts = native.model.layers[0].mlp.experts
+    assert all(isinstance(m, quant.Int4Linear) for m in experts.gate_up)
+    assert all(isinstance(m, quant.Int8Linear) for m in experts.down)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=5)
+    top = [native.generate([SHORT], params)[0], tiny_engine(path, quantization="none").generate([SHORT], params)[0]]
+    a, b = (torch.tensor([lp for _, lp in out.logprobs[0].top]) for out in top)
+    assert torch.allclose(a, b, atol=0.05), (a, b)
+
+
+def test_mixtral_gguf_served_through_grpc_with_its_own_template(files):
+    """The GGUF alone (its tokenizer and chat template from the metadata, no folder beside it): a chat Generate's
+    greedy tokens are transformers' on the source checkpoint for the prompt the template builds."""
+    path = files["mixtral-f32"]
+    text = "The capital of France is Paris. The capital of Italy is"
+    with ServerThread([ModelSpec(path=path, name="mixtral-gguf")], EngineOptions(kv_cache_gib=0.01)) as server:
+        stub = generation_pb2_grpc.GenerationServiceStub(server.channel())
+        request = user_request(text, model="mixtral-gguf", max_output_tokens=6, ignore_eos=True)
+        request.sampling.temperature = 0.0
+        ours = [t for r in stub.Generate(request, timeout=60) if r.WhichOneof("response") == "delta"
+                for t in r.delta.token_ids]  # fmt: skip
+    tok = transformers.AutoTokenizer.from_pretrained(files["mixtral-hf"])
+    chat = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    ref = load_reference(files["mixtral-hf"])
+    ref.generation_config.eos_token_id = None
+    assert ours == reference_greedy(ref, tok.encode(chat, add_special_tokens=False), 6)[0]
