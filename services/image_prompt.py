@@ -116,6 +116,9 @@ class ImageInputPart:
             raise errors.invalid_argument(
                 [FieldViolation(f"{path}.max_pixels", f"must be in [1, {self.limits.max_pixels}], got {max_pixels}")]
             )
+        if max_pixels is not None and self.encoder.max_pixels_refusal:
+            why = self.encoder.max_pixels_refusal
+            raise errors.invalid_argument([FieldViolation(f"{path}.max_pixels", f"not taken by this model: {why}")])
         try:
             decoded = decode_image(part.data, self.limits, part.mime_type or None, pixels_before)
         except ImageDecodeError as err:

@@ -452,6 +452,18 @@ def test_max_pixels_gives_fewer_image_tokens(served, family):
     baseline(served, family)
 
 
+def test_max_pixels_refused_where_every_image_is_one_size(served):
+    """LLaVA 1.5's processor resizes and crops every image to one square (a fixed token count): max_pixels only
+    blurred it at the same cost, so it is INVALID_ARGUMENT naming the field; the server keeps serving."""
+    small = content_pb2.ImagePart(data=png_bytes(sample_image(56, 56, seed=31)), max_pixels=28 * 28)
+    with pytest.raises(grpc.RpcError) as info:
+        run(served["stub"], ask("llava", [("user", [small, "Size?"])]))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert _violations(info.value) == ["contents[0].parts[0].image.max_pixels"]
+    assert "LLaVA 1.5 resizes every image" in info.value.details()
+    baseline(served, "llava")
+
+
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
 def test_qwen_edge_images_and_bad_input(served, family):
     """The smallest and the most elongated images the codec takes go through the Qwen processors' resize (a side

@@ -15,7 +15,7 @@ import transformers
 from gemma3_checkpoint import BOI, EOI, IMAGE, make_gemma3
 from PIL import Image
 from service_harness import ServerThread
-from test_service_images import STEPS, _violations, ask, baseline, reference, run
+from test_service_images import STEPS, _violations, ask, baseline, png_bytes, reference, run
 from vision_checkpoints import relayout, sample_image
 from vision_parity import check_batch_isolation, check_features_and_placeholders, check_hub_layout, check_keys
 
@@ -143,6 +143,25 @@ def test_image_tokens_in_user_text_are_invalid_argument(served):
     assert served["server"].wait_kv_free("gemma3") == kv_before
     got, _, _ = run(served["stub"], ask("gemma3", [("user", [A, "Still there?"])]))
     assert got == reference(served, "gemma3", [("user", [A, "Still there?"])])[1]
+    baseline(served, "gemma3")
+
+
+def test_max_pixels_refused_where_the_token_count_is_fixed(served):
+    """Without pan-and-scan every image is resized to the tower's square (a fixed 4 tokens here): max_pixels would
+    only blur it at the same cost (it did), so it is INVALID_ARGUMENT naming the field, before the image is decoded.
+    With pan-and-scan the crop count follows the image's size: max_pixels is taken (a 50x30 image is 1 + 2 crops; at
+    120 pixels, 14x8, its crops would be narrower than the 8-pixel minimum: none)."""
+    small = content_pb2.ImagePart(data=png_bytes(A), max_pixels=900)
+    for name in ("gemma3", "wide"):
+        with pytest.raises(grpc.RpcError) as info:
+            run(served["stub"], ask(name, [("user", ["Look:", small])]))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert _violations(info.value) == ["contents[0].parts[1].image.max_pixels"]
+        assert "only blurred" in info.value.details()
+    full = run(served["stub"], ask("pas", [("user", [A, "Size?"])]))[2]
+    fewer = content_pb2.ImagePart(data=png_bytes(A), max_pixels=120)
+    less = run(served["stub"], ask("pas", [("user", [fewer, "Size?"])]))[2]
+    assert less.usage.prompt_tokens < full.usage.prompt_tokens
     baseline(served, "gemma3")
 
 

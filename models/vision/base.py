@@ -66,6 +66,10 @@ class VisionEncoder(nn.Module, ABC):
     # The tokens of one image attend to each other both ways during prefill (Gemma 3); the engine then keeps each
     # image's segment inside one prefill chunk (EmbeddingSegment.bidirectional).
     bidirectional_images: bool = False
+    # Why a part's max_pixels cannot lower this family's image tokens, or None when it can. Set where the processor
+    # resizes every image to one size (LLaVA 1.5, Gemma 3 without pan-and-scan): a smaller image would only come out
+    # blurred at the same token count, so the service refuses the field (services/image_prompt.py) instead.
+    max_pixels_refusal: str | None = None
 
     @staticmethod
     def from_folder(

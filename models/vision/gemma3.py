@@ -71,6 +71,15 @@ class Gemma3Encoder(VisionEncoder):
             else {}
         )
 
+    @property
+    def max_pixels_refusal(self) -> str | None:
+        """Every image (and crop) is resized to the tower's square; only pan-and-scan's crop count follows the
+        image's size, so max_pixels lowers the token count with pan-and-scan on and nothing without it."""
+        if self.pan_and_scan:
+            return None
+        side, rows = self.config.vision_config.image_size, self.config.mm_tokens_per_image
+        return f"Gemma 3 resizes every image to {side}x{side} ({rows} tokens): a smaller one is only blurred"
+
     processor_keys = "the processor's image_seq_length against the config's mm_tokens_per_image"
 
     def model_rows(self, item: ImageInputs) -> int:

@@ -65,6 +65,14 @@ class LlavaEncoder(VisionEncoder):
                 "(a CLIP tower needs 'default', a SigLIP tower 'full')"
             )
 
+    @property
+    def max_pixels_refusal(self) -> str | None:
+        """LLaVA 1.5's processor resizes and crops every image to one square; NeXT's grid follows the image's size."""
+        if self.anyres:
+            return None
+        side = self.config.vision_config.image_size
+        return f"LLaVA 1.5 resizes every image to {side}x{side} ({self.rows_per_tile} tokens): a smaller one is only blurred"
+
     processor_keys = (
         "the processor's patch_size, num_additional_image_tokens, vision_feature_select_strategy (and NeXT's "
         "image_grid_pinpoints)"
