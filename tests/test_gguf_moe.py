@@ -26,6 +26,7 @@ from test_gguf_loading import _random_k_blocks
 from omnivox.engine import SamplingParams
 from omnivox.models import quant
 from omnivox.models.checkpoint import iter_checkpoint_tensors
+from omnivox.models.gguf_checkpoint import gguf_tensor_table
 from omnivox.models.moe import Experts, QuantizedExperts
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.v1 import generation_pb2_grpc
@@ -44,8 +45,9 @@ _EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.
 _EXPERT_LEAF = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 
-def llama_cpp_tensors(hf_dir: Path) -> dict[str, np.ndarray]:
-    """The checkpoint's tensors under llama.cpp's names, float32, experts stacked, Llama-arch Q/K permuted."""
+def llama_cpp_tensors(hf_dir: Path, stacked: bool = True) -> dict[str, np.ndarray]:
+    """The checkpoint's tensors under llama.cpp's names, float32, Llama-arch Q/K permuted, experts stacked (or as
+    the Mixtral files converted before spring 2024 hold them: blk.N.ffn_gate.E.weight, one per expert)."""
     from safetensors.torch import load_file
 
     config = transformers.AutoConfig.from_pretrained(hf_dir)
@@ -54,7 +56,10 @@ def llama_cpp_tensors(hf_dir: Path) -> dict[str, np.ndarray]:
     out, experts = {}, {}
     for name, tensor in load_file(hf_dir / "model.safetensors").items():
         w = tensor.float().numpy()
-        if m := _EXPERT.fullmatch(name):
+        if (m := _EXPERT.fullmatch(name)) and not stacked:
+            out[f"blk.{m[1]}.ffn_{_EXPERT_LEAF[m[3]]}.{m[2]}.weight"] = w
+            continue
+        if m:
             experts.setdefault(f"blk.{m[1]}.ffn_{_EXPERT_LEAF[m[3]]}_exps.weight", {})[int(m[2])] = w
             continue
         if name in top:
@@ -73,7 +78,7 @@ def llama_cpp_tensors(hf_dir: Path) -> dict[str, np.ndarray]:
     return out
 
 
-def write_moe_gguf(hf_dir: Path, out: Path, qtype=F32, raw: dict | None = None) -> Path:
+def write_moe_gguf(hf_dir: Path, out: Path, qtype=F32, raw: dict | None = None, stacked: bool = True) -> Path:
     """A GGUF of the MoE checkpoint at hf_dir: metadata as convert_hf_to_gguf.py writes it, the test tokenizer with its
     chat template, matrices in `qtype` (router, norms, biases and embeddings float), `raw` blocks as given."""
     config = transformers.AutoConfig.from_pretrained(hf_dir)
@@ -113,7 +118,7 @@ def write_moe_gguf(hf_dir: Path, out: Path, qtype=F32, raw: dict | None = None) 
     writer.add_pad_token_id(0)
     writer.add_add_bos_token(False)
     writer.add_chat_template(transformers.AutoTokenizer.from_pretrained(hf_dir).chat_template)
-    for name, w in llama_cpp_tensors(hf_dir).items():
+    for name, w in llama_cpp_tensors(hf_dir, stacked).items():
         if raw and name in raw:
             writer.add_tensor(name, raw[name][0], raw_dtype=raw[name][1])
         elif _quantized(name) and qtype != F32:
@@ -147,6 +152,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
         hf = out[f"{family}-hf"] = make_checkpoint(root / family, family, seed=5, **sizes.get(family, {}))
         out[f"{family}-f32"] = write_moe_gguf(hf, root / f"{family}.F32.gguf")
         out[f"{family}-q8"] = write_moe_gguf(hf, root / f"{family}.Q8_0.gguf", Q8_0)
+    out["mixtral-per-expert-q8"] = write_moe_gguf(out["mixtral-hf"], root / "old.Q8_0.gguf", Q8_0, stacked=False)
     return out
 
 
@@ -208,6 +214,20 @@ def test_q8_moe_gguf_at_its_own_precision_and_dequantised(files, family):
     assert not isinstance(mlp.gate, quant.Int8Linear)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     assert native.generate([XL], params)[0].token_ids == dequantised.generate([XL], params)[0].token_ids
+
+
+def test_mixtral_gguf_with_one_tensor_per_expert(files):
+    """Mixtral GGUFs converted before llama.cpp stacked the experts (blk.N.ffn_gate.E.weight; TheBloke's, still
+    loaded by llama.cpp): the same tensors as the stacked file, served at their int8 precision with its tokens."""
+    old, new = files["mixtral-per-expert-q8"], files["mixtral-q8"]
+    assert "blk.0.ffn_gate.3.weight" in {name for name, *_ in gguf_tensor_table(old)[1]}
+    ours, stacked = dict(iter_checkpoint_tensors(old)), dict(iter_checkpoint_tensors(new))
+    assert sorted(ours) == sorted(stacked) and all(torch.equal(ours[n], stacked[n]) for n in ours)
+    native = tiny_engine(old, quantization="auto")
+    assert isinstance(native.model.layers[1].mlp.experts, QuantizedExperts)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = tiny_engine(new, quantization="auto").generate([XL], params)[0].token_ids
+    assert native.generate([XL], params)[0].token_ids == want
 
 
 def test_k_quant_experts_split_per_expert_and_served_as_int4_and_int8(tmp_path):
