@@ -154,7 +154,8 @@ def gguf_name_map(arch: str, config: transformers.PretrainedConfig):
 
     transformers' map, except for MoE layers: its stacked-expert entries (`blk.N.ffn_gate_exps` without `.weight`,
     for transformers' own loader) are replaced by `blk.N.ffn_gate_exps.weight` -> `model.layers.N.mlp.experts`, which
-    `gguf_tensor_parts` splits expert by expert. Mixtral is arch llama in a GGUF (llama.cpp's names, Q/K permuted).
+    `gguf_tensor_parts` splits expert by expert, and the older per-expert `blk.N.ffn_gate.E.weight`. Mixtral is arch
+    llama in a GGUF (llama.cpp's names, Q/K permuted).
     """
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
@@ -169,10 +170,15 @@ def gguf_name_map(arch: str, config: transformers.PretrainedConfig):
     model_type = "llama" if config.model_type == "mixtral" else None
     name_map = get_gguf_hf_weights_map(ParameterNames(config), processor, model_type=model_type)
     name_map = {g: h for g, h in name_map.items() if not g.endswith(("_exps", "_exps.weight"))}
-    moe = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
-    for layer in range(config.num_hidden_layers) if moe else ():
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+    for layer in range(config.num_hidden_layers) if experts else ():
         for proj in ("gate", "up", "down"):
             name_map[f"blk.{layer}.ffn_{proj}_exps.weight"] = f"model.layers.{layer}.mlp.experts"
+            # Mixtral files converted before llama.cpp stacked experts (spring 2024, e.g. TheBloke's): one per expert
+            for e in range(experts):
+                name_map[f"blk.{layer}.ffn_{proj}.{e}.weight"] = (
+                    f"model.layers.{layer}.mlp.experts.{e}.{proj}_proj.weight"
+                )
     return processor, name_map
 
 
