@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import struct
 import sys
 import time
@@ -31,6 +32,28 @@ CHUNK_S = 0.1
 # WAV sample layouts a stdin stream may carry: (format tag, bits) -> numpy dtype (24-bit is unpacked by hand).
 # `sox talk.flac -t wav -` keeps the FLAC's depth, so a 24-bit FLAC arrives as 24-bit PCM (it was refused).
 _WAV_SAMPLES = {(1, 8): "u1", (1, 16): "<i2", (1, 24): "i3", (1, 32): "<i4", (3, 32): "<f4", (3, 64): "<f8"}
+
+
+class _StdinReader:
+    """stdin's file descriptor read directly, `read(n)` returning n bytes unless the stream ends first.
+
+    Not sys.stdin.buffer: gRPC pulls the request iterator on its own (daemon) thread, which sits in a read while a
+    microphone pipe stays open. When the call fails meanwhile (an idle timeout, a refused config) the main thread
+    exits, and the interpreter's shutdown could not take the BufferedReader's lock that thread holds: "Fatal Python
+    error: _enter_buffered_busy", SIGABRT (exit 134) after the one-line error, instead of exit status 1."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def read(self, size: int) -> bytes:
+        parts, got = [], 0
+        while got < size:
+            part = os.read(self.fd, size - got)
+            if not part:
+                break
+            parts.append(part)
+            got += len(part)
+        return b"".join(parts)
 
 
 def _wav_header(stream) -> tuple[int, int, str]:
@@ -87,7 +110,7 @@ def audio_source(path: Path, sample_rate: int) -> tuple[str, int, Iterator[bytes
     from omnivox.services.cli.ask import RAW_AUDIO, read_file
 
     if str(path) == "-":
-        stdin = sys.stdin.buffer
+        stdin = _StdinReader(sys.stdin.fileno())
         channels, layout = 1, "<i2"
         if not sample_rate:
             sample_rate, channels, layout = _wav_header(stdin)
