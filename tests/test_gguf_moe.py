@@ -168,22 +168,17 @@ def test_float_moe_gguf_equals_transformers_on_its_source(files, family):
     engine = tiny_engine(files[f"{family}-f32"], max_num_batched_tokens=8)
     cfg, source = engine.model_config, transformers.AutoConfig.from_pretrained(files[f"{family}-hf"])
     assert cfg.hf_config.model_type == family
-    want = ModelConfigMoe(source)
-    assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.expert_intermediate_size) == want
-    assert isinstance(engine.model.layers[0].mlp.experts, Experts)
-    assert_matches(engine, load_reference(files[f"{family}-hf"]), (SHORT, XL))
-
-
-def ModelConfigMoe(source) -> tuple[int, int, int]:  # noqa: N802
     experts = getattr(source, "num_experts", None) or source.num_local_experts
     inter = getattr(source, "moe_intermediate_size", None) or source.intermediate_size
-    return experts, source.num_experts_per_tok, inter
+    assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.expert_intermediate_size) == (experts, 2, inter)
+    assert cfg.moe.shared_expert_intermediate_size == getattr(source, "shared_expert_intermediate_size", None)
+    assert isinstance(engine.model.layers[0].mlp.experts, Experts)
+    assert_matches(engine, load_reference(files[f"{family}-hf"]), (SHORT, XL))
 
 
 def _dequantised_reference(hf_dir: Path, qtype) -> transformers.PreTrainedModel:
     """transformers' model of hf_dir with the matrices a `qtype` file quantises replaced by gguf's own round trip."""
     ref = load_reference(hf_dir)
-    tensors = llama_cpp_tensors(hf_dir)
     with torch.no_grad():
         for name, p in ref.named_parameters():
             if (
@@ -196,7 +191,6 @@ def _dequantised_reference(hf_dir: Path, qtype) -> transformers.PreTrainedModel:
             w = p.numpy()
             rt = gguf.quants.dequantize(gguf.quants.quantize(w.reshape(-1, w.shape[-1]), qtype), qtype)
             p.copy_(torch.from_numpy(rt.reshape(w.shape)))
-    assert tensors  # the writer and the reference read the same checkpoint
     return ref
 
 
@@ -233,7 +227,7 @@ def test_mixtral_gguf_with_one_tensor_per_expert(files):
 def test_k_quant_experts_split_per_expert_and_served_as_int4_and_int8(tmp_path):
     """Q4_K_M's usual mix: gate/up experts Q4_K, down experts Q6_K. Each expert's matrix is its slice of the stacked
     blocks (gguf's dequantizer on the raw blocks, never the loader); served natively, gate_up as int4 and down as
-    int8 groups, with logits near the float model's on the same dequantised weights."""
+    int8 groups, computing what float experts on the dequantised blocks compute."""
     hf = make_checkpoint(tmp_path / "hf", "qwen3_moe", seed=2, hidden_size=256, moe_intermediate_size=256,
                          num_hidden_layers=1, num_experts=4, head_dim=64)  # fmt: skip
     e, h, i = 4, 256, 256
@@ -253,10 +247,17 @@ def test_k_quant_experts_split_per_expert_and_served_as_int4_and_int8(tmp_path):
     experts = native.model.layers[0].mlp.experts
     assert all(isinstance(m, quant.Int4Linear) for m in experts.gate_up)
     assert all(isinstance(m, quant.Int8Linear) for m in experts.down)
-    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=5)
-    top = [native.generate([SHORT], params)[0], tiny_engine(path, quantization="none").generate([SHORT], params)[0]]
-    a, b = (torch.tensor([lp for _, lp in out.logprobs[0].top]) for out in top)
-    assert torch.allclose(a, b, atol=0.05), (a, b)
+    # The served int4 / int8 experts compute what float experts on the dequantised blocks do (Q4_K regrouped to
+    # 32-wide groups: 1.5 % of the weights' norm on these random blocks, as for dense Q4_K matrices; Q6_K to 8 bits:
+    # 0.45 %), on 5 rows through all 4 experts: 2.1 % of the output's norm here.
+    float_experts = tiny_engine(path, quantization="none").model.layers[0].mlp.experts
+    x = torch.randn(5, h, generator=torch.Generator().manual_seed(0))
+    ids, weights = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0], [1, 3]]), torch.full((5, 2), 0.5)
+    want, got = float_experts(x, ids, weights), experts(x, ids, weights)
+    assert (got - want).norm() / want.norm() < 0.03, (got - want).norm() / want.norm()
+    # --quantization int8 on the same file: the Q4_K blocks regrouped to int8 as well
+    forced = tiny_engine(path, quantization="int8").model.layers[0].mlp.experts
+    assert all(isinstance(m, quant.Int8Linear) for m in [*forced.gate_up, *forced.down])
 
 
 def test_mixtral_gguf_served_through_grpc_with_its_own_template(files):
