@@ -240,9 +240,7 @@ def _patch_gguf_config(config: transformers.PretrainedConfig, metadata: dict, pa
     if arch in ("qwen3", "qwen3moe") and key_length is not None:
         config.head_dim = int(key_length)
     if arch in ("qwen2moe", "qwen3moe"):  # transformers maps neither the expert nor the shared expert size
-        config.moe_intermediate_size = int(metadata[f"{arch}.expert_feed_forward_length"])
-        if metadata.get(f"{arch}.expert_shared_feed_forward_length") is not None:
-            config.shared_expert_intermediate_size = int(metadata[f"{arch}.expert_shared_feed_forward_length"])
+        _patch_moe_sizes(config, metadata, arch, path)
     if arch in ("gemma2", "gemma3"):
         _patch_gemma_config(config, metadata, arch, int(key_length or config.head_dim))
     if arch == "phi3":
@@ -253,6 +251,22 @@ def _patch_gguf_config(config: transformers.PretrainedConfig, metadata: dict, pa
             config.rope_parameters = _llama3_rope_from_freq_factors(
                 np.asarray(rope_freqs).view(np.float32).reshape(-1), config, path
             )
+
+
+def _patch_moe_sizes(config: transformers.PretrainedConfig, metadata: dict, arch: str, path: Path) -> None:
+    """Qwen MoE expert sizes: `{arch}.expert_feed_forward_length` / `expert_shared_feed_forward_length` as
+    convert_hf_to_gguf.py writes them, else the rows of layer 0's ffn_gate_exps / ffn_gate_shexp (llama.cpp itself
+    sizes the experts by their tensors)."""
+    wanted = ("blk.0.ffn_gate_exps.weight", "blk.0.ffn_gate_shexp.weight")
+    rows = {name: shape[-2] for name, _, shape, _ in gguf_tensor_table(path)[1] if name in wanted}
+    sizes = [("moe_intermediate_size", "expert_feed_forward_length", "blk.0.ffn_gate_exps.weight")]
+    if arch == "qwen2moe":
+        sizes.append(("shared_expert_intermediate_size", "expert_shared_feed_forward_length", "blk.0.ffn_gate_shexp.weight"))  # fmt: skip
+    for attr, key, tensor in sizes:
+        size = metadata.get(f"{arch}.{key}") or rows.get(tensor)
+        if size is None:
+            raise ValueError(f"{path}: GGUF has neither {arch}.{key} nor {tensor}: cannot size its experts")
+        setattr(config, attr, int(size))
 
 
 def _mixtral_config(llama: transformers.PretrainedConfig, metadata: dict) -> transformers.MixtralConfig:

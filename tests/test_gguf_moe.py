@@ -25,7 +25,7 @@ from test_gguf_loading import _random_k_blocks
 
 from omnivox.engine import SamplingParams
 from omnivox.models import quant
-from omnivox.models.checkpoint import iter_checkpoint_tensors
+from omnivox.models.checkpoint import iter_checkpoint_tensors, load_hf_config
 from omnivox.models.gguf_checkpoint import gguf_tensor_table
 from omnivox.models.moe import Experts, QuantizedExperts
 from omnivox.services.loading import EngineOptions, ModelSpec
@@ -78,7 +78,9 @@ def llama_cpp_tensors(hf_dir: Path, stacked: bool = True) -> dict[str, np.ndarra
     return out
 
 
-def write_moe_gguf(hf_dir: Path, out: Path, qtype=F32, raw: dict | None = None, stacked: bool = True) -> Path:
+def write_moe_gguf(
+    hf_dir: Path, out: Path, qtype=F32, raw: dict | None = None, stacked: bool = True, sizes: bool = True
+) -> Path:
     """A GGUF of the MoE checkpoint at hf_dir: metadata as convert_hf_to_gguf.py writes it, the test tokenizer with its
     chat template, matrices in `qtype` (router, norms, biases and embeddings float), `raw` blocks as given."""
     config = transformers.AutoConfig.from_pretrained(hf_dir)
@@ -101,9 +103,10 @@ def write_moe_gguf(hf_dir: Path, out: Path, qtype=F32, raw: dict | None = None, 
         writer.add_expert_count(config.num_local_experts)
     else:
         writer.add_expert_count(config.num_experts)
+    if arch != "llama" and sizes:
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     writer.add_expert_used_count(config.num_experts_per_tok)
-    if arch == "qwen2moe":
+    if arch == "qwen2moe" and sizes:
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
     tokens = sorted(tok["model"]["vocab"], key=tok["model"]["vocab"].get)
@@ -222,6 +225,15 @@ def test_mixtral_gguf_with_one_tensor_per_expert(files):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     want = tiny_engine(new, quantization="auto").generate([XL], params)[0].token_ids
     assert native.generate([XL], params)[0].token_ids == want
+
+
+def test_qwen_moe_expert_sizes_from_the_tensors_without_their_keys(files, tmp_path):
+    """A file without expert_feed_forward_length / expert_shared_feed_forward_length (llama.cpp sizes experts by
+    their tensors): the sizes from ffn_gate_exps / ffn_gate_shexp, not Qwen2MoeConfig's defaults (1408 / 5632)."""
+    path = write_moe_gguf(files["qwen2_moe-hf"], tmp_path / "nosizes.gguf", sizes=False)
+    assert "qwen2moe.expert_feed_forward_length" not in gguf.GGUFReader(path).fields
+    config = load_hf_config(path)
+    assert (config.moe_intermediate_size, config.shared_expert_intermediate_size) == (32, 64)
 
 
 def test_k_quant_experts_split_per_expert_and_served_as_int4_and_int8(tmp_path):
