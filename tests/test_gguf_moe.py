@@ -227,6 +227,18 @@ def test_mixtral_gguf_with_one_tensor_per_expert(files):
     assert native.generate([XL], params)[0].token_ids == want
 
 
+def test_tensor_parallel_shard_of_a_moe_gguf_equals_the_folders(files):
+    """`--tensor-parallel 2` reads a MoE GGUF as it reads the folder: rank 1's shard (its slice of every expert's
+    intermediate rows, router whole) tensor for tensor the shard load_shard makes of the source checkpoint."""
+    from omnivox.models.tensor_parallel import load_shard
+
+    for family in ARCH:
+        shards = [load_shard(files[f"{family}-{k}"], 1, 2, torch.device("cpu"), torch.float32) for k in ("hf", "f32")]
+        want, got = (s.state_dict() for s in shards)
+        assert sorted(got) == sorted(want), family
+        assert all(torch.equal(got[n], want[n]) for n in want), family
+
+
 def test_qwen_moe_expert_sizes_from_the_tensors_without_their_keys(files, tmp_path):
     """A file without expert_feed_forward_length / expert_shared_feed_forward_length (llama.cpp sizes experts by
     their tensors): the sizes from ffn_gate_exps / ffn_gate_shexp, not Qwen2MoeConfig's defaults (1408 / 5632)."""
