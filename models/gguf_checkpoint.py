@@ -13,6 +13,8 @@ models/checkpoint.py is the entry point (`iter_checkpoint_tensors`, `load_hf_con
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import re
 from collections.abc import Iterator
@@ -203,9 +205,7 @@ class ParameterNames:
 
     def __init__(self, config: transformers.PretrainedConfig):
         self.config = config
-        with torch.device("meta"):  # parameter names without allocating the weights
-            model = transformers.AutoModelForCausalLM.from_config(config)
-        self._names = dict.fromkeys(model.state_dict())
+        self._names = dict.fromkeys(_parameter_names(config))
 
     def state_dict(self) -> dict[str, None]:
         return self._names
@@ -374,6 +374,27 @@ def _llama3_rope_from_freq_factors(factors: np.ndarray, config: transformers.Pre
     raise ValueError(
         f"{path}: rope_freqs.weight does not match Llama 3 rope scaling; cannot derive the rope parameters"
     )
+
+
+def _parameter_names(config: transformers.PretrainedConfig) -> list[str]:
+    """The state_dict names of transformers' causal LM for `config`, cached by the config's content: building the
+    model, even on the meta device, imports its modeling module, whose masking utilities import torch._dynamo
+    (~1.5 s of every start that serves a GGUF, the embedded default's included)."""
+    text = config.to_json_string(use_diff=False)
+    key = hashlib.sha256(text.encode()).hexdigest()[:32]
+    target = omnivox_cache_dir() / "gguf-meta" / f"names-tf{transformers.__version__}-{key}.json"
+    try:
+        return json.loads(target.read_text())
+    except (OSError, ValueError):  # not cached yet (or unreadable): build it
+        pass
+    with torch.device("meta"):  # parameter names without allocating the weights
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    names = list(model.state_dict())
+    try:
+        build_cached(target, lambda staged: staged.write_text(json.dumps(names)), Path.is_file)
+    except OSError as e:
+        logger.warning("cannot cache GGUF parameter names in %s: %s", target.parent, e)
+    return names
 
 
 _GGUF_META_VERSION = 1  # bump when what we derive from GGUF metadata changes, so old cache entries are not reused

@@ -37,6 +37,7 @@ from omnivox.models.gguf_checkpoint import (
     gguf_tensor_table,
 )
 from omnivox.models.layers import Linear, PackedLinear, RMSNorm
+from omnivox.models.meta import meta_device
 from omnivox.models.moe import FLOAT_ROUTERS, Experts, expert_tensor
 from omnivox.models.moe_quant import PendingExperts
 
@@ -257,7 +258,7 @@ def load_decoder(
     if quantize_lm_head is None:
         quantize_lm_head = is_gguf and mode != "none" and _gguf_output_quantized(path, cfg.tie_word_embeddings)
     tensors = iter_gguf_blocks(path) if is_gguf and mode != "none" else iter_checkpoint_tensors(path)
-    with torch.device("meta"):
+    with meta_device():  # not torch.device("meta"): its init fills import torch._dynamo (~1 s)
         model = DecoderModel(cfg)
     pending: dict[str, _PendingLinear | PendingExperts] = {}
     if mode != "none":

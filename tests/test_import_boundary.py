@@ -1,8 +1,9 @@
-"""`omnivox serve` of a text-only model imports no vision or audio family: those modules bring transformers'
-processing / modeling utilities (and torch._dynamo through its masking code), seconds of every start.
+"""`omnivox serve` of a text-only model imports no vision or audio family, nor what they bring (transformers'
+processing and masking utilities, torch._dynamo): seconds of every start.
 
-One fresh interpreter goes through the serve path (the CLI's serve module, the server, a ModelSpec resolved and
-loaded as `omnivox serve --model PATH` does), then reports which of the heavy modules it holds.
+One fresh interpreter goes through the serve path (the CLI's serve module, the server, ModelSpecs resolved and loaded
+as `omnivox serve --model PATH` does: a safetensors folder and a GGUF whose metadata cache is warm, as on every start
+after the first), then reports which of the heavy modules it holds.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 from pathlib import Path
 
 from checkpoints import make_checkpoint
+from test_checkpoint import write_gguf
 
 # Imported only when a model of theirs is loaded (models/audio/__init__.py, models/vision/__init__.py FAMILIES).
 FAMILY_MODULES = (
@@ -29,6 +31,9 @@ FAMILY_MODULES = (
     "transformers.processing_utils",
     "transformers.masking_utils",
     "transformers.models.qwen3_asr.processing_qwen3_asr",
+    # a GGUF's parameter names (cached: models/gguf_checkpoint.py), init fills under meta (models/meta.py)
+    "transformers.models.llama.modeling_llama",
+    "torch._dynamo",
 )
 
 _SCRIPT = """
@@ -38,18 +43,26 @@ import omnivox.services.server
 from omnivox.services.loading import EngineOptions, ModelSpec, load, resolve
 from omnivox.models.config import served_families
 
-model = resolve(ModelSpec(path=sys.argv[1]), is_default=True, max_queue=4)
-load(model, EngineOptions(max_model_len=256, max_num_seqs=2))
-heavy = [m for m in json.loads(sys.argv[2]) if m in sys.modules]
-print(json.dumps({"ready": model.bundle is not None, "heavy": heavy, "families": served_families()}))
+ready = []
+for path in sys.argv[2:]:
+    model = resolve(ModelSpec(path=path), is_default=not ready, max_queue=4)
+    load(model, EngineOptions(max_model_len=256, max_num_seqs=2))
+    ready.append(model.bundle is not None)
+heavy = [m for m in json.loads(sys.argv[1]) if m in sys.modules]
+print(json.dumps({"ready": ready, "heavy": heavy, "families": served_families()}))
 """
 
 
-def test_text_only_serve_imports_no_family_module(tmp_path: Path) -> None:
-    path = make_checkpoint(tmp_path / "llama")
+def test_text_only_serve_imports_no_family_module(tmp_path: Path, monkeypatch) -> None:
+    from omnivox.models.gguf_checkpoint import gguf_name_map, gguf_tensor_table, load_gguf_config
+
+    folder = make_checkpoint(tmp_path / "llama")
+    gguf_file = write_gguf(make_checkpoint(tmp_path / "llama-2", seed=1), tmp_path / "gguf" / "tiny.gguf", {})
+    monkeypatch.setenv("OMNIVOX_CACHE", str(tmp_path / "cache"))
+    gguf_name_map(gguf_tensor_table(gguf_file)[0], load_gguf_config(gguf_file))  # an earlier start's metadata
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, str(path), json.dumps(FAMILY_MODULES)],
+        [sys.executable, "-c", _SCRIPT, json.dumps(FAMILY_MODULES), str(folder), str(gguf_file)],
         capture_output=True,
         text=True,
         env=env,
@@ -57,7 +70,7 @@ def test_text_only_serve_imports_no_family_module(tmp_path: Path) -> None:
         check=True,
     )
     report = json.loads(out.stdout.strip().splitlines()[-1])
-    assert report["ready"]
+    assert report["ready"] == [True, True]
     assert report["heavy"] == [], f"a text-only serve imported {report['heavy']}"
     # The registries still name every family without importing one.
     assert "'qwen2_audio', 'qwen3_asr', 'voxtral'" in report["families"]

@@ -28,6 +28,7 @@ from torch import nn
 from omnivox.models.attention import AttentionMetadata, paged_attention, write_kv
 from omnivox.models.config import ModelConfig
 from omnivox.models.layers import Linear, PackedLinear, linear
+from omnivox.models.meta import meta_device
 
 # One cross-attention span of a step: (first row, number of rows, kv [num_layers, 2, heads, T_enc, head_dim]).
 CrossSpan = tuple[int, int, torch.Tensor]
@@ -309,7 +310,7 @@ def build_whisper(
 ) -> WhisperModel:
     """A WhisperModel allocated on `device` in `dtype`, weights uninitialised (call `load_weights`)."""
     cfg = whisper_model_config(hf_config, max_model_len)
-    with torch.device("meta"):
+    with meta_device():  # not torch.device("meta"): its init fills import torch._dynamo (~1 s)
         model = WhisperModel(cfg)
     model.to_empty(device=torch.device(device))
     return model.to(dtype).eval()
