@@ -1,7 +1,9 @@
 """Quantising a mixture-of-experts layer's experts while its checkpoint streams in (`load_decoder` int8 / int4).
 
 Each expert matrix is quantised as it arrives (one float matrix in memory at a time), then the layer becomes a
-QuantizedExperts (models/moe.py) as soon as its last matrix is in.
+QuantizedExperts (models/moe.py) as soon as its last matrix is in. A GGUF at its own precision (mode None) hands each
+expert's rows of its stacked ffn_*_exps blocks (models/gguf_checkpoint.py gguf_tensor_parts), kept as they came until
+the layer is complete and then served as int4 / int8 (or float) like the dense GGUF matrices (models/loading.py).
 """
 
 from __future__ import annotations
