@@ -74,8 +74,8 @@ def test_builds_on_meta_without_mixing_devices(family: str, rope: str, partial: 
     rotated = int(cfg.head_dim * partial)
     assert (model.rotary_local is not None) == (family == "gemma3")  # Gemma 3's local layers: tables of their own
     for tables in (model.rotary, model.rotary_local or model.rotary):
-        assert tables.cos.dtype == torch.float32  # tables stay float32 whatever the model dtype
-        assert tables.cos.shape == (cfg.max_model_len, rotated)
+        assert tables.cos_sin.dtype == torch.float32  # tables stay float32 whatever the model dtype
+        assert tables.cos_sin.shape == (cfg.max_model_len, 2, rotated // 2)  # one half: rotate_half repeats it
 
 
 @pytest.mark.parametrize("kind", ["qwen2.5-vl text (M-RoPE)", "mistral (sliding window)"])
@@ -93,7 +93,7 @@ def test_multimodal_text_decoders_build_on_meta(kind: str) -> None:
     model = build_model(cfg, torch.device("meta"), torch.bfloat16)
     assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"meta"}
     if kind.startswith("qwen"):
-        assert model.rotary.mrope_axis is not None and model.rotary.mrope_axis.shape == (16,)
+        assert model.rotary.mrope_axis is not None and model.rotary.mrope_axis.shape == (8,)
     else:
         assert cfg.family == "llama" and all(layer.self_attn.window == 32 for layer in model.layers)
 
@@ -112,8 +112,9 @@ def test_tables_equal_transformers_rotary(rope: str) -> None:
     n = 128 if rope == "longrope" else 256
     ours = RotaryEmbedding(hf, 16, n)
     cos, sin = LlamaRotaryEmbedding(hf)(torch.zeros(1, n, 16), torch.arange(n)[None])
-    torch.testing.assert_close(ours.cos, cos[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ours.sin, sin[0], rtol=1e-5, atol=1e-5)
+    ours_cos, ours_sin = ours.tables(torch.arange(n), torch.float32)  # [n, 1, 16], widened from the stored half
+    torch.testing.assert_close(ours_cos[:, 0], cos[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours_sin[:, 0], sin[0], rtol=1e-5, atol=1e-5)
 
 
 def test_dynamic_rope_is_refused() -> None:
