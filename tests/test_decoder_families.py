@@ -164,7 +164,13 @@ def _greedy(n: int):
 
 
 @pytest.mark.parametrize(
-    "case", ["phi4-mini-longrope-partial-rotary", "gemma3-4b-like-linear-rope-softcap-bias", "gemma2-softcaps-chunked"]
+    "case",
+    [
+        "phi4-mini-longrope-partial-rotary",
+        "gemma3-4b-like-linear-rope-softcap-bias",
+        "gemma2-softcaps-chunked",
+        "gemma-7b-like-mha-untied-legacy-gelu",
+    ],
 )
 def test_two_tensor_parallel_ranks_equal_one_process(paths, case):
     from test_tensor_parallel_configs import two_ranks_equal_one
