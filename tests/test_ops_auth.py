@@ -19,7 +19,8 @@ from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from service_harness import ServerThread, user_request
 
-from omnivox.services.auth import BearerKey, Quota, QuotaBook, load_api_keys
+from omnivox.services.auth import Quota, QuotaBook, load_api_keys
+from omnivox.services.cli.bearer import BearerKey
 from omnivox.services.errors import ServiceError, status_details
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.v1 import generation_pb2_grpc, model_pb2, model_pb2_grpc

@@ -71,7 +71,7 @@ def connect(args: argparse.Namespace) -> grpc.Channel:
             f"cannot reach an omnivox server at {args.server} (is `omnivox serve` running? see --server)"
         ) from None
     if getattr(args, "api_key", None):
-        from omnivox.services.auth import BearerKey
+        from omnivox.services.cli.bearer import BearerKey
 
         return grpc.intercept_channel(channel, BearerKey(args.api_key))
     return channel
