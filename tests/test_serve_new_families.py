@@ -105,3 +105,12 @@ def test_help_lists_the_new_flags() -> None:
     serve_help = omnivox("serve", "--help").stdout
     assert "--max-request-megapixels" in serve_help and "--stream-idle-timeout" in serve_help
     assert "--cache-salt" in omnivox("ask", "--help").stdout  # every command's: test_cache_isolation
+
+
+def test_a_name_after_another_model_is_refused_not_misrouted(served):
+    """`--model A --model B --name b` paired 'b' with A (names go in order) and served B under its folder name:
+    requests for 'b' reached the other model without a word. Now a one-line error, before anything loads."""
+    _, root = served
+    a, b = str(root / "gemma3"), str(root / "qwen3-moe")
+    result = omnivox("serve", "--model", a, "--model", b, "--name", "b", "--port", "0")
+    assert_one_line_error(result, "--name 'b' follows --model #2 but names --model #1", "put each --name right after")

@@ -13,6 +13,30 @@ if TYPE_CHECKING:
     from omnivox.services.loading import ModelSpec
 
 
+class _NameAction(argparse.Action):
+    """--name, appended as `append` does, also noting how many --model came before it (args.models_before_names)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[no-untyped-def]
+        setattr(namespace, self.dest, [*(getattr(namespace, self.dest, None) or []), values])
+        before = list(getattr(namespace, "models_before_names", None) or [])
+        namespace.models_before_names = [*before, len(getattr(namespace, "models", None) or [])]
+
+
+def check_name_order(args: argparse.Namespace) -> None:
+    """Names pair with --model in order, so with fewer names than models, `--model A --model B --name b` named A
+    'b' and left B under its folder name: requests for 'b' silently went to the other model. Refused instead when a
+    --name comes after a later --model than the one it names (given before it or right after it: as meant)."""
+    after = getattr(args, "models_before_names", None) or []
+    if len(args.names) >= len(args.models):
+        return
+    for i, (name, before) in enumerate(zip(args.names, after, strict=True)):
+        if before > i + 1:
+            raise CliError(
+                f"--name {name!r} follows --model #{before} but names --model #{i + 1} ({args.models[i]}): names "
+                "pair with --model in order; put each --name right after its --model, or give one for every --model"
+            )
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """Every `omnivox serve` flag (checked in serve.run and model_specs)."""
     p.add_argument(
@@ -28,7 +52,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--name",
         dest="names",
         metavar="NAME",
-        action="append",
+        action=_NameAction,
         default=[],
         help="the name requests use for the matching --model (in order); default: the folder or file name",
     )
@@ -308,6 +332,7 @@ def check_flag_values(args: argparse.Namespace) -> None:
             raise CliError(f"{flag} and --port are both {args.port}: it needs a port of its own")
     if args.health_port and args.health_port == args.metrics_port:
         raise CliError(f"--health-port and --metrics-port are both {args.health_port}: each needs a port of its own")
+    check_name_order(args)
     for name in args.names:
         if not name.strip() or name != name.strip():
             raise CliError(f"--name {name!r}: a model name is not empty and has no surrounding spaces")
