@@ -57,7 +57,7 @@ def test_text_only_serve_imports_no_family_module(tmp_path: Path, monkeypatch) -
     from omnivox.models.gguf_checkpoint import gguf_name_map, gguf_tensor_table, load_gguf_config
 
     folder = make_checkpoint(tmp_path / "llama")
-    gguf_file = write_gguf(make_checkpoint(tmp_path / "llama-2", seed=1), tmp_path / "gguf" / "tiny.gguf", {})
+    gguf_file = write_gguf(folder, tmp_path / "gguf" / "tiny.gguf", {})
     monkeypatch.setenv("OMNIVOX_CACHE", str(tmp_path / "cache"))
     gguf_name_map(gguf_tensor_table(gguf_file)[0], load_gguf_config(gguf_file))  # an earlier start's metadata
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
