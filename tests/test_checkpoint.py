@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import gguf
+import gguf_writer
 import numpy as np
 import pytest
 import torch
@@ -249,37 +250,15 @@ def write_gguf(
     out.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(out, arch)
     writer.add_name("tiny-test")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    gguf_writer.add_shape(writer, config)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
+    gguf_writer.add_norm_and_vocab(writer, config)
     if arch == "llama":
         writer.add_rope_dimension_count(head_dim)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
 
-    tok = json.loads((hf_dir / "tokenizer.json").read_text())
-    vocab = tok["model"]["vocab"]
-    tokens = [None] * len(vocab)
-    for token, index in vocab.items():
-        tokens[index] = token
-    specials = {t["content"] for t in tok["added_tokens"] if t["special"]}
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL if t in specials else gguf.TokenType.NORMAL for t in tokens])
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_pad_token_id(0)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(transformers.AutoTokenizer.from_pretrained(hf_dir).chat_template)
+    gguf_writer.add_bpe_tokenizer(writer, hf_dir)
 
     for hf_name, tensor in load_file(hf_dir / "model.safetensors").items():
         weights = tensor.float().numpy()

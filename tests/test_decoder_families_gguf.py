@@ -6,11 +6,11 @@ longrope's factors as tensors and the window in the metadata."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import gguf
+import gguf_writer
 import numpy as np
 import pytest
 import transformers
@@ -30,14 +30,8 @@ def write_gguf(hf_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType) -> Pat
     config = transformers.AutoConfig.from_pretrained(hf_dir)
     arch = "gemma3" if config.model_type == "gemma3_text" else config.model_type
     writer = gguf.GGUFWriter(out, arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
+    gguf_writer.add_shape(writer, config)
+    gguf_writer.add_norm_and_vocab(writer, config)
     extra = {}
     if arch in ("gemma2", "gemma3"):
         writer.add_key_length(config.head_dim)
@@ -61,17 +55,7 @@ def write_gguf(hf_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType) -> Pat
             scale = config.max_position_embeddings / config.original_max_position_embeddings
             writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(config.original_max_position_embeddings)))  # fmt: skip
             extra = {"rope_factors_long.weight": rope["long_factor"], "rope_factors_short.weight": rope["short_factor"]}
-    tok = json.loads((hf_dir / "tokenizer.json").read_text())
-    tokens = sorted(tok["model"]["vocab"], key=tok["model"]["vocab"].get)
-    specials = {t["content"] for t in tok["added_tokens"] if t["special"]}
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL if t in specials else gguf.TokenType.NORMAL for t in tokens])
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_pad_token_id(0)
+    gguf_writer.add_bpe_tokenizer(writer, hf_dir, chat_template=False)
     for name, values in extra.items():
         writer.add_tensor(name, np.array(values, dtype=np.float32))
     model_arch = {"gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3, "phi3": gguf.MODEL_ARCH.PHI3}[

@@ -8,11 +8,11 @@ dequantised by gguf's own code (Q8_0), and as raw K-quant blocks (Q4_K / Q6_K ex
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import gguf
+import gguf_writer
 import numpy as np
 import pytest
 import torch
@@ -86,15 +86,9 @@ def write_moe_gguf(
     config = transformers.AutoConfig.from_pretrained(hf_dir)
     arch = ARCH[config.model_type]
     writer = gguf.GGUFWriter(out, arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    gguf_writer.add_shape(writer, config)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
+    gguf_writer.add_norm_and_vocab(writer, config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
@@ -108,19 +102,7 @@ def write_moe_gguf(
     writer.add_expert_used_count(config.num_experts_per_tok)
     if arch == "qwen2moe" and sizes:
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
-    tok = json.loads((hf_dir / "tokenizer.json").read_text())
-    tokens = sorted(tok["model"]["vocab"], key=tok["model"]["vocab"].get)
-    specials = {t["content"] for t in tok["added_tokens"] if t["special"]}
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL if t in specials else gguf.TokenType.NORMAL for t in tokens])
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_pad_token_id(0)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(transformers.AutoTokenizer.from_pretrained(hf_dir).chat_template)
+    gguf_writer.add_bpe_tokenizer(writer, hf_dir)
     for name, w in llama_cpp_tensors(hf_dir, stacked).items():
         if raw and name in raw:
             writer.add_tensor(name, raw[name][0], raw_dtype=raw[name][1])
