@@ -421,9 +421,9 @@ void q8_dequantize_f32(const block_q8_0 *W, float *out, int N, int K, int num_th
 
 // ---------------------------------------------------------------------------------------------------------------------
 // A whole decode step of the Llama-family decoder layers in one call (models/fused_decode.py): M decode rows (one
-// token each), every layer's norms, projections, RoPE, KV write, paged attention, SiLU gate and residuals. The same
-// arithmetic as the per-op torch path (models/decoder.py) with the same kernels; what it removes is ~100 torch ops
-// and four ctypes calls per layer (~10 ms of a ~17 ms SmolLM2-135M batch-1 step at native precision, measured).
+// token each), every layer's norms, projections, RoPE, KV write, paged attention, SiLU (or tanh-GELU: Gemma 1) gate
+// and residuals. The same arithmetic as the per-op torch path (models/decoder.py) with the same kernels; what it
+// removes is ~100 torch ops and four ctypes calls per layer (~10 ms of a ~17 ms SmolLM2-135M batch-1 step at native precision, measured).
 
 typedef struct {
     const void *w;      // float32 [n, k] (kind 0), Q8_0 blocks (kind 1) or Q4_1 blocks (kind 2), rows of k inputs
@@ -444,7 +444,14 @@ typedef struct {
     float scale;                       // attention scale
     float eps;                         // RMSNorm epsilon
     int64_t window;                    // sliding window of this layer's attention (0: none)
+    int64_t act;                       // MLP gate activation: 0 SiLU, 1 GELU with the tanh approximation (Gemma 1)
 } fused_layer;
+
+// GELU, tanh approximation, as torch's gelu(approximate="tanh"): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+static inline float gelu_tanh(float x) {
+    const float beta = 0.7978845608028654f;  // sqrt(2 / pi)
+    return 0.5f * x * (1.f + tanhf(beta * (x + 0.044715f * x * x * x)));
+}
 
 static void fused_apply(const fused_linear *l, const float *x, float *y, int M, int num_threads) {
     if (l->kind == 0) {
@@ -524,7 +531,11 @@ void decoder_layers_f32(const fused_layer *layers, int L, float *x, int M, int H
         for (int r = 0; r < M; r++) {
             const float *g = gu + (size_t)r * 2 * I;
             float *a = h + (size_t)r * I;
-            for (int i = 0; i < I; i++) a[i] = g[i] / (1.f + expf(-g[i])) * g[I + i];
+            if (ly->act == 1) {
+                for (int i = 0; i < I; i++) a[i] = gelu_tanh(g[i]) * g[I + i];
+            } else {
+                for (int i = 0; i < I; i++) a[i] = g[i] / (1.f + expf(-g[i])) * g[I + i];
+            }
         }
         fused_apply(&ly->down, h, o, M, num_threads);
         for (size_t i = 0; i < (size_t)M * H; i++) x[i] += o[i];

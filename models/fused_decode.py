@@ -8,7 +8,8 @@ It serves steps of fewer than `quant.LARGE_BATCH` rows (decode rows, and small p
 verify rows, each row attending up to its own token; no FlexAttention mask) on CPU in float32 without autograd, for models whose layers are exactly models/decoder.py's (subclasses such as tensor-parallel
 layers take the torch path), and only while the rows fit the layers' kernels: quantised block layers below
 `quant.LARGE_BATCH` rows (from there a layer is dequantised for GEMM), float32 layers at one row (the GEMV kernel).
-The torch path stays the reference: tests/test_fused_decode.py checks both agree.
+The MLP gate is SiLU or (Gemma 1) GELU with the tanh approximation; Gemma 2 / 3 (sandwich norms, soft caps, local
+RoPE) take the torch path. The torch path stays the reference: tests/test_fused_decode.py checks both agree.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from omnivox.models.attention import AttentionMetadata
 from omnivox.models.layers import Linear, PackedLinear, RMSNorm
 
 _FLOAT, _Q8, _Q4 = 0, 1, 2
+_ACTS = {"silu": 0, "gelu_tanh": 1}  # MLP.act -> fused_layer.act (cpu_kernels.c); others take the torch path
 
 # Bumped whenever any module anywhere registers a submodule, parameter or buffer (quantize_decoder, sharding, a
 # `setattr` of a layer): a table built before then is re-checked against the modules. Walking the modules on every
@@ -70,6 +72,7 @@ class _FusedLayer(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("eps", ctypes.c_float),
         ("window", ctypes.c_int64),  # sliding window (0: none)
+        ("act", ctypes.c_int64),  # MLP gate activation (_ACTS)
     ]
 
 
@@ -137,7 +140,7 @@ class FusedDecode:
         if type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention or type(layer.mlp) is not MLP:
             return False  # Gemma 3's SandwichDecoderLayer among them
         attn, mlp = layer.self_attn, layer.mlp
-        if attn.partial_rotary or attn.local_rope or attn.softcap or mlp.act != "silu":  # the C step has none of these
+        if attn.partial_rotary or attn.local_rope or attn.softcap or mlp.act not in _ACTS:  # the C step has none
             return False
         norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
         if not all(_norm(n) for n in norms) or layer.input_layernorm is None:
@@ -155,6 +158,7 @@ class FusedDecode:
         entry.num_heads, entry.num_kv_heads = attn.num_heads, attn.num_kv_heads
         entry.scale, entry.eps = attn.scale, layer.input_layernorm.eps
         entry.window = attn.window or 0
+        entry.act = _ACTS[mlp.act]
         return True
 
     def current(self, layers: nn.ModuleList) -> bool:

@@ -155,3 +155,20 @@ def test_fused_step_with_a_verify_chunk_equals_torch_layers(checkpoint, mode, ch
     assert float((h1 - h0).norm() / h0.norm()) < 5e-4
     for a, b in zip(k1, k0, strict=True):
         assert float((a - b).norm() / b.norm()) < 5e-4
+
+
+@pytest.fixture(scope="module")
+def gemma_checkpoint(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("gemma"), "gemma", seed=11)
+
+
+@pytest.mark.parametrize(("mode", "rows", "tolerance"), [("none", [0], 2e-6), ("int8", [4, 0, 3], 5e-4)])
+def test_fused_step_takes_gemma_gelu_tanh_mlp(gemma_checkpoint, mode, rows, tolerance, monkeypatch):
+    """Gemma 1 (Llama's layer with a tanh-GELU gate, (1 + w) norms folded at load, scaled embeddings) decodes through
+    the fused step (`_forward` asserts it ran), equal to the torch layers' F.gelu(approximate="tanh")."""
+    require_kernels()
+    model = load_decoder(gemma_checkpoint, quantization=mode).eval()
+    assert model.layers[0].mlp.act == "gelu_tanh"
+    tokens = [20 + i for i in rows]
+    fused, torch_path = (_step(model, Batch(model, PROMPTS), rows, tokens, f, monkeypatch) for f in (True, False))
+    assert float((fused - torch_path).norm() / torch_path.norm()) < tolerance
