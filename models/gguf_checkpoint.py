@@ -111,6 +111,13 @@ class _GGUFBytes:
                 done += n
         return out if dtype is None else out.astype(dtype)
 
+    def __getitem__(self, index: int) -> _GGUFBytes:
+        """Item `index` of the first axis (a stacked tensor's expert), unread: a GGUF tensor's rows are contiguous."""
+        if not 0 <= index < self.shape[0]:
+            raise IndexError(f"index {index} out of range for {self.shape[0]} items")
+        item = int(np.prod(self.shape[1:], dtype=np.int64))
+        return _GGUFBytes(self.path, self.offset + index * item, self.shape[1:])
+
 
 def gguf_tensor_table(path: Path) -> tuple[str, list[tuple[str, int, tuple[int, ...], np.ndarray | _GGUFBytes]]]:
     """(architecture, [(gguf_name, ggml_type, torch shape, raw bytes)]) of a GGUF file.
@@ -215,6 +222,11 @@ class ParameterNames:
 
 
 def dequantize_gguf_tensors(path, table, name_map, processor, dequantize) -> Iterator[tuple[str, torch.Tensor]]:
+    """(transformers name, float32 tensor) of each mapped tensor in `table`, one tensor in memory at a time.
+
+    A stacked experts tensor [E, rows, cols] is read and dequantized one expert at a time (expert e's rows are one
+    contiguous byte range), so the float32 temporary is one expert matrix, not the stack (~0.8 GB per tensor for a
+    Qwen3-30B-A3B in F16; tests/test_gguf_loading.py's MoE peak-memory case)."""
     import gguf
 
     for gguf_name, ggml_type, shape, raw in table:
@@ -222,14 +234,25 @@ def dequantize_gguf_tensors(path, table, name_map, processor, dequantize) -> Ite
             # e.g. llama.cpp's precomputed `rope_freqs.weight`: derived from the config, not a parameter.
             logger.debug("%s: skipping GGUF tensor %s (no transformers parameter)", path, gguf_name)
             continue
-        weights = dequantize(np.asarray(raw), gguf.GGMLQuantizationType(ggml_type))  # (*shape) float32
-        weights = processor.process(weights=weights, name=gguf_name).weights  # undoes llama.cpp's Q/K permutation
-        if not weights.flags.writeable or not weights.flags.c_contiguous:  # still a view of the mapped file
-            weights = np.array(weights, copy=True, order="C")
-        tensor = torch.from_numpy(weights.astype(np.float32, copy=False))
-        if tuple(tensor.shape) != tuple(shape):
-            raise ValueError(f"{path}: tensor {gguf_name} dequantized to {tuple(tensor.shape)}, expected {shape}")
+        qtype = gguf.GGMLQuantizationType(ggml_type)
+        if _STACKED_EXPERTS.match(gguf_name) is not None and len(shape) == 3:
+            for hf_name, rows in gguf_tensor_parts(gguf_name, name_map[gguf_name], raw):
+                yield hf_name, _dequantized(path, gguf_name, rows, qtype, tuple(shape[1:]), processor, dequantize)
+            continue
+        tensor = _dequantized(path, gguf_name, raw, qtype, tuple(shape), processor, dequantize)
         yield from gguf_tensor_parts(gguf_name, name_map[gguf_name], tensor)
+
+
+def _dequantized(path, gguf_name: str, raw, qtype, shape: tuple[int, ...], processor, dequantize) -> torch.Tensor:
+    """The float32 tensor of `raw` (blocks read when asked for), llama.cpp's Q/K permutation undone."""
+    weights = dequantize(np.asarray(raw), qtype)  # (*shape) float32
+    weights = processor.process(weights=weights, name=gguf_name).weights  # undoes llama.cpp's Q/K permutation
+    if not weights.flags.writeable or not weights.flags.c_contiguous:  # still a view of the mapped file
+        weights = np.array(weights, copy=True, order="C")
+    tensor = torch.from_numpy(weights.astype(np.float32, copy=False))
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"{path}: tensor {gguf_name} dequantized to {tuple(tensor.shape)}, expected {shape}")
+    return tensor
 
 
 def _patch_gguf_config(config: transformers.PretrainedConfig, metadata: dict, path: Path) -> None:

@@ -186,15 +186,46 @@ def test_gguf_loading_peak_memory_under_1_5x_weights(mid_ggufs, level, storage):
     could memory-map (mapped pages count in the resident set until unmapped: an F32 GGUF mapped whole held 2.04x).
     Through the checkpoint reader alone, and through Engine.from_pretrained."""
     twin = mid_ggufs["F32"] if level == "reader" else mid_ggufs["tiny"]
+    weights, growth = _peak_growth(level, mid_ggufs[storage], twin)
+    print(f"{level}, {storage} GGUF: peak growth {growth:.0f} MiB for {weights:.0f} MiB of weights")
+    assert weights > 140
+    assert growth < 1.5 * weights, f"{storage} GGUF ({level}): grew {growth:.0f} MiB for {weights:.0f} MiB of weights"
+
+
+def _peak_growth(level: str, path: Path, twin: Path) -> tuple[float, float]:
+    """(MiB of weights, MiB the peak resident set grew by while loading `path`), in a fresh process."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}  # see test_checkpoint.py's streaming test
     out = subprocess.run(
-        [sys.executable, "-c", _PEAK_PROBE, level, str(mid_ggufs[storage]), str(twin)],
+        [sys.executable, "-c", _PEAK_PROBE, level, str(path), str(twin)],
         capture_output=True,
         text=True,
         check=True,
         env=env,
     )
     weights, growth = map(float, out.stdout.split())
-    print(f"{level}, {storage} GGUF: peak growth {growth:.0f} MiB for {weights:.0f} MiB of weights")
-    assert weights > 140
-    assert growth < 1.5 * weights, f"{storage} GGUF ({level}): grew {growth:.0f} MiB for {weights:.0f} MiB of weights"
+    return weights, growth
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="peak-RSS reset needs Linux /proc")
+def test_moe_gguf_loading_peak_memory_under_1_5x_weights(tmp_path_factory):
+    """The same bound for a MoE GGUF, whose experts are stacked per layer ([E, rows, cols] per projection): one
+    layer of 64 experts in F16, so each stacked tensor is a third of the weights. Dequantized whole (its F16 bytes and
+    the float32 stack), the stack held 1.82x the weights at the peak; expert by expert, 1.02x."""
+    from test_gguf_moe import write_moe_gguf
+
+    root = tmp_path_factory.mktemp("moe-peak")
+    hf_dir = make_checkpoint(
+        root / "hf",
+        "qwen3_moe",
+        hidden_size=512,
+        moe_intermediate_size=256,
+        num_hidden_layers=1,
+        num_experts=64,
+        head_dim=32,
+    )
+    path = write_moe_gguf(hf_dir, root / "moe.F16.gguf", F16)
+    weights, growth = _peak_growth("reader", path, path)  # the file is its own twin: same names and shapes
+    print(f"MoE F16 GGUF: peak growth {growth:.0f} MiB for {weights:.0f} MiB of weights")
+    assert weights > 90
+    assert growth < 1.5 * weights, f"MoE F16 GGUF: grew {growth:.0f} MiB for {weights:.0f} MiB of weights"
