@@ -162,13 +162,21 @@ def gemma_checkpoint(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("gemma"), "gemma", seed=11)
 
 
-@pytest.mark.parametrize(("mode", "rows", "tolerance"), [("none", [0], 2e-6), ("int8", [4, 0, 3], 5e-4)])
-def test_fused_step_takes_gemma_gelu_tanh_mlp(gemma_checkpoint, mode, rows, tolerance, monkeypatch):
+@pytest.mark.parametrize(
+    ("mode", "rows", "tolerance", "gate_scale"),
+    # gate weights x 1e4: gates in the thousands, where the C step's exp overflows (GELU must give -0 there, not NaN)
+    [("none", [0], 2e-6, 1.0), ("int8", [4, 0, 3], 5e-4, 1.0), ("none", [0], 2e-6, 1e4)],
+)
+def test_fused_step_takes_gemma_gelu_tanh_mlp(gemma_checkpoint, mode, rows, tolerance, gate_scale, monkeypatch):
     """Gemma 1 (Llama's layer with a tanh-GELU gate, (1 + w) norms folded at load, scaled embeddings) decodes through
     the fused step (`_forward` asserts it ran), equal to the torch layers' F.gelu(approximate="tanh")."""
     require_kernels()
     model = load_decoder(gemma_checkpoint, quantization=mode).eval()
     assert model.layers[0].mlp.act == "gelu_tanh"
+    if gate_scale != 1.0:
+        with torch.no_grad():
+            for layer in model.layers:
+                layer.mlp.gate_up_proj.weight[: layer.mlp.inter].mul_(gate_scale)
     tokens = [20 + i for i in rows]
     fused, torch_path = (_step(model, Batch(model, PROMPTS), rows, tokens, f, monkeypatch) for f in (True, False))
     assert float((fused - torch_path).norm() / torch_path.norm()) < tolerance
