@@ -65,7 +65,7 @@ class MLP(nn.Module):
         self.inter = inter = intermediate_size or cfg.intermediate_size  # Qwen2-MoE's shared expert: its own
         self.gate_up_proj = PackedLinear(cfg.hidden_size, {"gate_proj": inter, "up_proj": inter}, cfg.mlp_bias)
         self.down_proj = Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.act = cfg.hidden_act  # "silu" (the fused CPU step computes only this) or "gelu_tanh"
+        self.act = cfg.hidden_act  # "silu" or "gelu_tanh" (the fused CPU step computes both)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
