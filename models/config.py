@@ -220,7 +220,7 @@ class ModelConfig:
 
 # Rope types whose tables are a fixed inv_freq plus an attention scale (models/layers.py RotaryEmbedding).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
-SUPPORTED_HIDDEN_ACTS = ("silu",)  # the torch MLP and the fused C decode step both compute SiLU(gate) * up
+SUPPORTED_HIDDEN_ACTS = ("silu",)  # Llama-shaped families: SiLU(gate) * up (Gemma sets its own GELU-tanh below)
 
 
 GEMMA_HIDDEN_ACTS = ("gelu_pytorch_tanh", "gelu_tanh")  # Gemma's hidden_activation: GELU, tanh approximation
