@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from omnivox.services.tool_formats import is_mistral_common
 from omnivox.v1 import content_pb2
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ class ChatPromptBuilder:
             {"role": role_of(c), "content": "\n".join(p.text for p in c.parts if p.WhichOneof("kind") == "text")}
             for c in contents
         ]
-        if hasattr(getattr(self.tokenizer, "tokenizer", None), "instruct_tokenizer"):
+        if is_mistral_common(self.tokenizer):
             # tekken.json (Mistral Small 3.2, Devstral, Magistral as Mistral ships them): no chat template;
             # mistral_common writes the turns, ids straight away (its special tokens are not read back from text)
             continue_final = bool(messages) and messages[-1]["role"] == "assistant"

@@ -30,6 +30,7 @@ from omnivox.engine.detokenizer import skipped_token_ids
 from omnivox.engine.params import ConstraintFactory, TokenConstraint
 from omnivox.services import errors
 from omnivox.services.errors import FieldViolation
+from omnivox.services.tool_formats import is_mistral_common
 from omnivox.v1 import generation_pb2
 
 THINK, END = "<think>", "</think>"
@@ -73,7 +74,9 @@ def tags_of(tokenizer: Any) -> ThinkTags | None:
 def _mistral_common_thinks(tokenizer: Any) -> bool:
     """A tekken.json tokenizer (transformers' MistralCommonBackend) whose instruct tokenizer writes thinking: v13 and
     later with both think tokens (mistral_common's InstructTokenizerV13 sets BEGIN_THINK only then)."""
-    instruct = getattr(getattr(tokenizer, "tokenizer", None), "instruct_tokenizer", None)
+    if not is_mistral_common(tokenizer):
+        return False
+    instruct = tokenizer.tokenizer.instruct_tokenizer
     return getattr(instruct, "BEGIN_THINK", None) is not None and getattr(instruct, "END_THINK", None) is not None
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +35,7 @@ import llguidance
 from omnivox.services import errors
 from omnivox.services.errors import FieldViolation
 from omnivox.services.structured import GrammarCompiler, GrammarSpec, load_json
+from omnivox.services.tool_formats import format_of, is_mistral_common, mistral_common_format
 from omnivox.services.tool_grammar import (
     AUTO,
     JSON_STYLE,
@@ -55,6 +55,9 @@ from omnivox.services.tool_parser import (
     ToolCallStream,
     ToolFormat,
 )
+
+# The formats and their detection, named here for callers of this module (tool_formats / tool_parser define them).
+__all__ = ["HERMES", "LLAMA3", "MISTRAL", "MISTRAL_NEMO", "MISTRAL_V11", "format_of", "mistral_common_format"]
 from omnivox.v1 import content_pb2, generation_pb2
 
 NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -62,61 +65,6 @@ MAX_TOOLS = 128
 # The grammar compiler refuses JSON nested past 128 levels (serde_json's limit) and the call object adds a few; the
 # refs of a schema deeper than this could not be rebased without hitting Python's recursion limit.
 MAX_SCHEMA_DEPTH = 100
-
-
-def format_of(tokenizer: Any, template: str | None = None) -> ToolFormat:
-    """The call format the chat template writes: `template` (a multimodal processor's), else the tokenizer's."""
-    if template is None:
-        template = str(getattr(tokenizer, "chat_template", "") or "")
-        if not template and mistral_common(tokenizer):
-            return mistral_common_format(tokenizer) or HERMES
-    if "[TOOL_CALLS]" in template:  # Mistral's template writes calls back with its tag (a tokenizer that has the
-        # token but a template without tools gets Hermes written into the text: prompt_ids)
-        if "[ARGS]" in template:  # v11+: `[TOOL_CALLS]` + name + `[ARGS]` + arguments
-            return MISTRAL_V11
-        return MISTRAL_NEMO if "[TOOL_CALLS][" in template else MISTRAL
-    if "<tool_call>" not in template and ("<|python_tag|>" in template or "ipython" in template):
-        return LLAMA3
-    return HERMES
-
-
-def mistral_common(tokenizer: Any) -> bool:
-    """A tokenizer read from tekken.json through mistral_common (transformers' MistralCommonBackend), whose prompts
-    mistral_common writes (no chat template)."""
-    return hasattr(getattr(tokenizer, "tokenizer", None), "instruct_tokenizer")
-
-
-# backend -> its format (None: mistral_common writes no calls we read); probed once per tokenizer
-_MISTRAL_COMMON_FORMATS: weakref.WeakKeyDictionary[Any, ToolFormat | None] = weakref.WeakKeyDictionary()
-
-
-def mistral_common_format(backend: Any) -> ToolFormat | None:
-    """How mistral_common writes an assistant's calls for this tokenizer version: `[TOOL_CALLS]name[ARGS]{...}`
-    (v11+; v11 puts `[CALL_ID]id` before `[ARGS]`), `[TOOL_CALLS][{...}]` (v3 to v7 Tekken) or `[TOOL_CALLS] [{...}]`
-    (SentencePiece); None when it writes none of them. Read from a rendered call once per tokenizer (0.3 ms)."""
-    if backend in _MISTRAL_COMMON_FORMATS:
-        return _MISTRAL_COMMON_FORMATS[backend]
-    call = {"id": "a" * 9, "type": "function", "function": {"name": "f", "arguments": {}}}
-    probe = [
-        {"role": "user", "content": "q"},
-        {"role": "assistant", "content": "", "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "a" * 9, "content": "r"},  # mistral_common ends on a user or tool turn
-    ]
-    fmt = None
-    try:
-        ids = backend.apply_chat_template(probe, tokenize=True, return_dict=False)
-    except (ValueError, AssertionError):
-        pass
-    else:
-        text = backend.decode(ids, skip_special_tokens=False)
-        if "[TOOL_CALLS]f[ARGS]" in text or "[TOOL_CALLS]f[CALL_ID]" in text:
-            fmt = MISTRAL_V11
-        elif '[TOOL_CALLS][{"name"' in text:
-            fmt = MISTRAL_NEMO
-        elif '[TOOL_CALLS] [{"name"' in text:
-            fmt = MISTRAL
-    _MISTRAL_COMMON_FORMATS[backend] = fmt
-    return fmt
 
 
 @dataclass
@@ -335,7 +283,7 @@ def prompt_ids(
     template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     msgs = messages(contents)
-    if mistral_common(tokenizer):  # tekken.json: mistral_common writes the tools, calls and results itself
+    if is_mistral_common(tokenizer):  # tekken.json: mistral_common writes the tools, calls and results itself
         # A final assistant turn is continued, as ChatPromptBuilder does without tools (mistral_common refuses to end
         # a prompt on an assistant turn otherwise: "Expected last role User or Tool (or Assistant with prefix)")
         continue_final = bool(msgs) and msgs[-1]["role"] == "assistant"

@@ -27,8 +27,8 @@ import numpy as np
 import soundfile
 
 from omnivox.models.audio.transcription import TranscriptionRequestError
+from omnivox.services.tool_formats import mistral_common_format
 from omnivox.services.tool_parser import ToolFormat
-from omnivox.services.tools import mistral_common_format
 
 
 class VoxtralPrompts:
@@ -78,7 +78,7 @@ class VoxtralPrompts:
         return self._fold(list(ids))
 
     def tool_format(self) -> ToolFormat | None:
-        """How mistral_common writes an assistant's calls for this tokenizer version (`tools.mistral_common_format`:
+        """How mistral_common writes an assistant's calls for this tokenizer version (`tool_formats.mistral_common_format`:
         `[TOOL_CALLS][{...}]` for v3 to v7 Tekken, Voxtral's; `[TOOL_CALLS]name[ARGS]{...}` for v11+); None for a
         format our parser does not read, which refuses tools."""
         return mistral_common_format(self.backend)

@@ -20,7 +20,7 @@ from test_config_sweep import SHORT, XL, assert_matches
 
 from omnivox.engine import SamplingParams
 from omnivox.models import quant
-from omnivox.models.gguf_checkpoint import _patch_gemma_config
+from omnivox.models.gguf_config import patch_gemma_config
 
 
 def write_gguf(hf_dir: Path, out: Path, qtype: gguf.GGMLQuantizationType) -> Path:
@@ -137,7 +137,7 @@ def test_query_scale_as_llama_cpp_reads_it():
     for arch, hidden, layers, head_dim, want in cases:
         config_cls = transformers.Gemma3TextConfig if arch == "gemma3" else transformers.Gemma2Config
         config = config_cls(hidden_size=hidden, num_attention_heads=32, num_hidden_layers=layers)
-        _patch_gemma_config(config, {f"{arch}.block_count": layers}, arch, head_dim)
+        patch_gemma_config(config, {f"{arch}.block_count": layers}, arch, head_dim)
         assert config.query_pre_attn_scalar == want, (arch, layers)
 
 
