@@ -109,3 +109,32 @@ def user_request(text: str, **fields: Any) -> generation_pb2.GenerateRequest:
     return generation_pb2.GenerateRequest(
         contents=[content_pb2.Content(role="user", parts=[content_pb2.Part(text=text)])], **fields
     )
+
+
+def served_greedy_equals_generate(paths: dict[str, Any], max_tokens: int = 6, min_prompt: int = 0) -> None:
+    """Serve every checkpoint of `paths` (name -> folder with a chat template) in one real server and check that one
+    greedy Generate each streams the tokens transformers' generate gives for the ChatML prompt the service builds.
+    `min_prompt`: the prompt must be longer than this (to pass a model's windows)."""
+    import transformers
+    from checkpoints import load_reference, reference_greedy
+
+    from omnivox.v1 import generation_pb2_grpc
+
+    text = "The capital of France is Paris. The capital of Italy is"
+    specs = [ModelSpec(path=p, name=name) for name, p in paths.items()]
+    with ServerThread(specs, EngineOptions(kv_cache_gib=0.01, max_num_batched_tokens=8)) as server:
+        stub = generation_pb2_grpc.GenerationServiceStub(server.channel())
+        for name, path in paths.items():
+            request = user_request(text, model=name, max_output_tokens=max_tokens, ignore_eos=True)
+            request.sampling.temperature = 0.0
+            ours = [t for r in stub.Generate(request, timeout=60) if r.WhichOneof("response") == "delta"
+                    for t in r.delta.token_ids]  # fmt: skip
+            tok = transformers.AutoTokenizer.from_pretrained(path)
+            chat = tok.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+            )
+            prompt = tok.encode(chat, add_special_tokens=False)
+            assert len(prompt) > min_prompt, (name, len(prompt))
+            ref = load_reference(path)
+            ref.generation_config.eos_token_id = None
+            assert ours == reference_greedy(ref, prompt, max_tokens)[0], name

@@ -11,16 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from checkpoints import load_reference, make_checkpoint, reference_greedy
+from checkpoints import load_reference, make_checkpoint
 from engines import tiny_engine
-from service_harness import ServerThread, user_request
+from service_harness import served_greedy_equals_generate
 from test_config_sweep import LONG, MID, SHORT, XL, assert_matches
 
 from omnivox.models import quant
 from omnivox.models.config import ModelConfig
 from omnivox.models.loading import load_decoder
-from omnivox.services.loading import EngineOptions, ModelSpec
-from omnivox.v1 import generation_pb2_grpc
 
 # Phi-4-mini's config.json as released, shrunk: pre-transformers-5 keys (`rope_scaling` {"type": "longrope"},
 # top-level rope_theta and partial_rotary_factor), 3/4 of each head rotating (12 of 16 dims: 6 factors each), tied.
@@ -217,24 +215,7 @@ def test_grpc_greedy_matches_transformers(root):
         "gemma2": build(root, "grpc-gemma2", "gemma2", {}, tokenizer=True),
         "gemma": build(root, "grpc-gemma", "gemma", {}, tokenizer=True),
     }
-    text = "The capital of France is Paris. The capital of Italy is"
-    specs = [ModelSpec(path=p, name=f) for f, p in paths.items()]
-    with ServerThread(specs, EngineOptions(kv_cache_gib=0.01, max_num_batched_tokens=8)) as server:
-        stub = generation_pb2_grpc.GenerationServiceStub(server.channel())
-        for family, path in paths.items():
-            request = user_request(text, model=family, max_output_tokens=6, ignore_eos=True)
-            request.sampling.temperature = 0.0
-            ours = [t for r in stub.Generate(request, timeout=60) if r.WhichOneof("response") == "delta"
-                    for t in r.delta.token_ids]  # fmt: skip
-            tok = transformers.AutoTokenizer.from_pretrained(path)
-            chat = tok.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-            )
-            prompt = tok.encode(chat, add_special_tokens=False)
-            assert len(prompt) > 32  # past the windows and Phi's original length (its long rope factors)
-            ref = load_reference(path)
-            ref.generation_config.eos_token_id = None
-            assert ours == reference_greedy(ref, prompt, 6)[0], family
+    served_greedy_equals_generate(paths, min_prompt=32)  # past the windows and Phi's original length (long rope)
 
 
 @pytest.mark.parametrize("arch", ["llama4", "gemma"])

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from checkpoints import load_reference, make_checkpoint, reference_greedy
+from checkpoints import load_reference, make_checkpoint
 from engines import tiny_engine
-from service_harness import ServerThread, user_request
+from service_harness import served_greedy_equals_generate
 from test_config_sweep import LONG, MID, SHORT, XL, assert_matches
 
 from omnivox.engine import SamplingParams
@@ -22,8 +22,6 @@ from omnivox.models import quant
 from omnivox.models.config import ModelConfig, served_families
 from omnivox.models.layers import Linear
 from omnivox.models.loading import load_decoder
-from omnivox.services.loading import EngineOptions, ModelSpec
-from omnivox.v1 import generation_pb2_grpc
 
 # id -> (family, checkpoint overrides, engine kwargs, prompts compared)
 CASES = {
@@ -185,22 +183,7 @@ def test_grpc_greedy_matches_transformers(root):
         family: make_checkpoint(root / f"grpc-{family}", family, seed=3, with_tokenizer=True)
         for family in ("qwen3_moe", "mixtral", "qwen2_moe")
     }
-    text = "The capital of France is Paris. The capital of Italy is"
-    specs = [ModelSpec(path=p, name=f) for f, p in paths.items()]
-    with ServerThread(specs, EngineOptions(kv_cache_gib=0.01, max_num_batched_tokens=8)) as server:
-        stub = generation_pb2_grpc.GenerationServiceStub(server.channel())
-        for family, path in paths.items():
-            request = user_request(text, model=family, max_output_tokens=6, ignore_eos=True)
-            request.sampling.temperature = 0.0
-            ours = [t for r in stub.Generate(request, timeout=60) if r.WhichOneof("response") == "delta"
-                    for t in r.delta.token_ids]  # fmt: skip
-            tok = transformers.AutoTokenizer.from_pretrained(path)
-            chat = tok.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-            )
-            ref = load_reference(path)
-            ref.generation_config.eos_token_id = None
-            assert ours == reference_greedy(ref, tok.encode(chat, add_special_tokens=False), 6)[0], family
+    served_greedy_equals_generate(paths)
 
 
 BLOCKS = {
