@@ -47,6 +47,10 @@ class EngineOptions:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # per engine step; None = the engine's default for the device
+    # A step with decodes in it carries at most this many tokens (engine/step_budget.py), or as many as cost about
+    # max_step_ms by this machine's own step times measured at load; None for both = the whole max_num_batched_tokens.
+    max_step_tokens: int | None = None
+    max_step_ms: float | None = None
     progress: bool = False  # progress bars while loading weights
     speech_streaming: StreamingOptions | None = None  # codec windows of speech models; None = the codec's defaults
     image_cache_mib: int = 256  # encoder cache of each vision model: encoded images kept for reuse (MiB)
