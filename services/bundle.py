@@ -230,6 +230,17 @@ def load_manifest(manifest: BundleManifest, options: EngineOptions) -> ModelBund
     return ModelBundle(manifest=manifest, source=source, engine=engine, prompt_builder=builder, parts=parts)
 
 
+def _hold_step_budget(engine, options: EngineOptions):
+    """`serve --max-step-tokens` / `--max-step-ms`: the mixed-step budget (engine/step_budget.py), measured here."""
+    from omnivox.engine.step_budget import hold_step_ms, hold_step_tokens
+
+    if options.max_step_tokens is not None:
+        hold_step_tokens(engine, options.max_step_tokens)
+    elif options.max_step_ms is not None:
+        hold_step_ms(engine, options.max_step_ms)
+    return engine
+
+
 def _build_engine(source: Path, base: EngineOptions, manifest: BundleManifest):
     """The manifest's engine under `base` with its engine_overrides. An override that an unnamed flag set for every
     model (manifest.lenient_fields) and that this model cannot take (NotApplicable: int8 weights for float-only
@@ -242,7 +253,8 @@ def _build_engine(source: Path, base: EngineOptions, manifest: BundleManifest):
     options = dataclasses.replace(base, **manifest.engine_overrides)
     while True:
         try:
-            return Engine.from_pretrained(str(source), options)  # an EngineOptions is an EngineConfig
+            engine = Engine.from_pretrained(str(source), options)  # an EngineOptions is an EngineConfig
+            return _hold_step_budget(engine, options)
         except NotApplicable as e:
             if e.field not in manifest.lenient_fields or getattr(options, e.field) == getattr(base, e.field):
                 raise

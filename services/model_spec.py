@@ -37,6 +37,10 @@ class EngineOptions(EngineConfig):
     """How the server runs each model: the engine's configuration (engine/engine_config.py, read by
     Engine.from_pretrained as it is) plus the service's own knobs of the model's parts."""
 
+    # A step with decodes in it carries at most this many tokens (engine/step_budget.py), or as many as cost about
+    # max_step_ms by this machine's own step times measured at load; None for both = the whole max_num_batched_tokens.
+    max_step_tokens: int | None = None
+    max_step_ms: float | None = None
     speech_streaming: StreamingOptions | None = None  # codec windows of speech models; None = the codec's defaults
     image_cache_mib: int = 256  # encoder cache of each vision model: encoded images kept for reuse (MiB)
     max_request_megapixels: float = 48.0  # decoded pixels of all the images of one request (codecs/image.py)
