@@ -64,3 +64,25 @@ def test_this_host_is_read_through_the_seam(monkeypatch, tmp_path: Path):
 def test_unknown_target_is_refused(source):
     with pytest.raises(ValueError, match="unknown kernel target"):
         kernel_build.build_library("k", [source], [], ["-shared"], target="avx9")
+
+
+def test_forced_target_runs_the_engine_on_its_build():
+    """cpu_kernels.use_target (what OMNIVOX_TEST_KERNEL_TARGET sets in tests/conftest.py) switches the library every
+    kernel call of the engine goes through."""
+    from kernel_support import KERNEL_TARGETS, target_library
+
+    from omnivox.models import cpu_kernels
+
+    if "x86-64-v3" not in KERNEL_TARGETS:
+        pytest.skip("this host cannot run the AVX2 build")
+    before = cpu_kernels.active_target()
+    avx2 = target_library("x86-64-v3")
+    try:
+        cpu_kernels.use_target("x86-64-v3")
+        assert cpu_kernels.kernel_available() and cpu_kernels._active() is avx2
+        assert not cpu_kernels.vnni_available()  # x86-64-v3 has no AVX-512: the many-row VNNI kernel is not built
+    finally:
+        cpu_kernels.use_target(before)
+    assert cpu_kernels.kernel_available() and cpu_kernels._active() is cpu_kernels.library(before)
+    with pytest.raises(ValueError, match="unknown kernel target"):
+        cpu_kernels.use_target("avx9")
