@@ -149,11 +149,9 @@ class ModelRegistry:
 
     def set_asr_model(self, name: str | None) -> None:
         """`serve --asr-model`: ModelLoadError unless `name` is None or a served Whisper model (known before loading)."""
-        from omnivox.services.loading import ModelLoadError
-
         model = self._models.get(name) if name is not None else None
-        if name is not None and (model is None or not model.manifest.whisper):
-            raise ModelLoadError(
+        if name is not None and (model is None or "whisper" not in model.manifest.parts):
+            raise errors.ModelLoadError(
                 f"--asr-model {name!r} is not a served Whisper model (served: {', '.join(self._models)})"
             )
         self.asr_model = name

@@ -115,7 +115,7 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
         """The model's speech layout: its bundle's once loaded, read from its folder while it loads."""
         if model.bundle is not None:
             return model.bundle.speech.layout if model.bundle.speech is not None else None
-        if model.manifest.speech and model.source is not None:
+        if "speech" in model.manifest.parts and model.source is not None:
             return SpeechLayout.load(model.source)
         return None
 
