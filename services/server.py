@@ -214,6 +214,8 @@ class OmnivoxServer:
         engine = model.engine
         assert engine is not None
         self.metrics.attach(model.name, engine)
+        engine.arbiter = self.registry.arbiter
+        self.metrics.watch_arbiter(model.name, engine, self.registry.arbiter)
         for modality, part in (("audio", model.bundle.audio), ("image", model.bundle.vision)) if model.bundle else ():
             if part is not None:
                 self.metrics.watch_encoder_cache(model.name, modality, part.worker.cache)

@@ -186,7 +186,10 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
         params = [self._params(plan, model, layout, bundle, text, prompt, i) for i, (text, prompt) in
                   enumerate(zip(plan.segments, prompts, strict=True))]  # fmt: skip
 
-        with model.admit(), SpeechStreamMetrics(self.metrics, model.name, received) as slo:
+        # Opened once admitted (a `with` enters each manager before building the next): the step arbiter puts the
+        # stream first when it falls behind its playback, and the metrics close it however the stream ends.
+        deadline = self.registry.arbiter.open
+        with model.admit(), SpeechStreamMetrics(self.metrics, model.name, received, deadline=deadline(engine)) as slo:
             encoder = AudioStreamEncoder(plan.encoding, plan.sample_rate, source_rate=bundle.worker.sample_rate)
             segments = [
                 _Segment(i, p, sp, bundle.worker.open()) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
