@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from omnivox.services.defaults import UNTRAINED_FILE, EmbeddedDefault, embedded_default
 from omnivox.services.speech_part import SpeechPart, is_speech_checkpoint, load_speech_part
+from omnivox.services.voice_part import is_voice_path
 
 if TYPE_CHECKING:
     from omnivox.engine import Engine
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from omnivox.services.loading import EngineOptions, ModelSpec
     from omnivox.services.prompt import PromptBuilder
     from omnivox.services.structured import GrammarCompiler
+    from omnivox.services.voice_part import VoicePart
     from omnivox.services.whisper_part import WhisperPart
 
 log = logging.getLogger(__name__)
@@ -100,6 +102,7 @@ class BundleManifest:
     audio: bool = False  # an audio-LLM checkpoint (models.audio.audio_family): audio input
     vision: bool = False  # a vision-language checkpoint (services.image_prompt.vision_family): image input
     whisper: bool = False  # a Whisper checkpoint (services/whisper.py): audio in, text out
+    voice: bool = False  # a non-autoregressive voice (services/voice_part.py): text in, speech out, no engine
 
     @property
     def input_modalities(self) -> frozenset[str]:
@@ -107,7 +110,7 @@ class BundleManifest:
 
     @property
     def output_modalities(self) -> frozenset[str]:
-        return modalities(self.speech)[1]
+        return modalities(self.speech or self.voice)[1]
 
     @property
     def sampling_defaults(self) -> dict[str, Any]:
@@ -119,11 +122,12 @@ def probe(spec: ModelSpec) -> BundleManifest:
     """The manifest of a spec whose path was checked (services/loading.check_model_path); reads small files only."""
     overrides = dict(spec.sampling_overrides)
     if spec.path is None:
-        default = embedded_default(spec.speech, spec.asr)
+        default = embedded_default(spec.speech, spec.asr, spec.voice)
         return BundleManifest(
             source=None,
             embedded=default,
             speech=default.speech,
+            voice=default.voice,
             whisper=default.asr,
             untrained_components=default.untrained_components,
             file_defaults=read_generation_config(default.generation_config()),
@@ -132,6 +136,9 @@ def probe(spec: ModelSpec) -> BundleManifest:
             lenient_fields=frozenset(spec.lenient_fields),
         )
     path = Path(spec.path)
+    if is_voice_path(path):
+        return BundleManifest(source=path, voice=True, untrained_components=_read_untrained(path if path.is_dir()
+                              else None), overrides=overrides)  # fmt: skip
     folder = path if path.is_dir() else None
     audio = folder is not None and _audio_family(folder) is not None
     planned = _planned_parts(path) if folder else ()
@@ -189,19 +196,20 @@ class ModelBundle:
 
     manifest: BundleManifest
     source: Path  # where it was loaded from (an embedded default's cache path once fetched)
-    engine: Engine
-    prompt_builder: PromptBuilder
+    engine: Engine | None  # None for a voice (no decode steps: `voice` speaks)
+    prompt_builder: PromptBuilder | None
     speech: SpeechPart | None = None
     vision: ImageInputPart | None = None  # image input: encoder + worker + cache (services/image_prompt.py)
     audio: AudioInputPart | None = None  # audio input: encoder + worker + chat template (services/audio_prompt.py)
     whisper: WhisperPart | None = None  # speech recognition (services/whisper.py)
+    voice: VoicePart | None = None  # a non-autoregressive voice (services/voice_part.py)
     # response_format and tool grammars, compiled off the loop and cached per cache salt (services/structured.py)
     grammars: GrammarCompiler = field(init=False)
 
     def __post_init__(self) -> None:
         from omnivox.services.structured import GrammarCompiler
 
-        self.grammars = GrammarCompiler.for_engine(self.engine)
+        self.grammars = GrammarCompiler.for_engine(self.engine) if self.engine is not None else None  # type: ignore
 
     @property
     def input_modalities(self) -> frozenset[str]:
@@ -210,7 +218,7 @@ class ModelBundle:
 
     @property
     def output_modalities(self) -> frozenset[str]:
-        return modalities(self.speech is not None, self.vision is not None, self.audio is not None)[1]
+        return modalities(self.speech is not None or self.voice is not None)[1]
 
     @property
     def untrained_components(self) -> tuple[str, ...]:
@@ -224,6 +232,9 @@ class ModelBundle:
 
     async def aclose(self) -> None:
         """Stop the parts with background work (the codec worker), then the engine."""
+        if self.voice is not None:
+            await asyncio.to_thread(self.voice.close)  # joins the voice's worker threads
+            return
         self.grammars.close()
         if self.speech is not None:
             await self.speech.worker.shutdown()
@@ -251,6 +262,11 @@ def load_manifest(manifest: BundleManifest, options: EngineOptions) -> ModelBund
     from omnivox.services.prompt import ChatPromptBuilder
 
     source = manifest.source or manifest.embedded.ensure()  # type: ignore[union-attr]
+    if manifest.voice:  # no engine: the voice's phonemizer and ONNX model are the whole bundle
+        from omnivox.services.voice_part import load_voice_part
+
+        return ModelBundle(manifest=manifest, source=source, engine=None, prompt_builder=None,
+                           voice=load_voice_part(source))  # fmt: skip
     if manifest.whisper:
         from omnivox.services.whisper_part import whisper_checkpoint, whisper_kv_gib
 
