@@ -20,7 +20,7 @@ serve: install
 
 test: install
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -x --durations=15
+	$(BIN)/python -m pytest -q -rs --durations=25
 
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -22,7 +22,7 @@ from omnivox.services.errors import FieldViolation, ServiceError, rpc_method
 from omnivox.services.limits import check_generate_limits
 from omnivox.services.logs import current_call
 from omnivox.services.metrics import Metrics
-from omnivox.services.prompt import ChatPromptBuilder, Prompt
+from omnivox.services.prompt import Prompt
 from omnivox.services.registry import ModelRegistry, ServedModel
 from omnivox.v1 import generation_pb2, generation_pb2_grpc
 
@@ -79,15 +79,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             assert model.engine is not None and model.bundle is not None
             grammars = model.bundle.grammars  # response_format and tool grammars, cached per salt
             await structured.constrain(request, checked.params, grammars, salt)  # compiled off the loop
+            builder = model.prompt_builder
+            assert builder is not None
             # A vision or audio model's own template renders the tools with its images and audio (None: text model)
-            media = None if isinstance(model.prompt_builder, ChatPromptBuilder) else model.prompt_builder
-            media_format = tools.media_format(request, media) if media is not None else None
-            tool_plan = tools.plan(request, model.engine.tokenizer, media_format)  # None: no tools, no tool turns
+            tool_plan = tools.plan(request, model.engine.tokenizer, builder.media_tool_format(request))
             await tools.constrain(tool_plan, checked.params, grammars, salt)
             tool_output = tools.ToolOutput(tool_plan) if tool_plan is not None and tool_plan.parses_calls else None
             tokenizer = model.engine.tokenizer
-            text_prompt = media is None
-            template_kwargs = reasoning.template_kwargs(request, tokenizer, text_prompt)
+            template_kwargs = builder.template_kwargs(request, tokenizer)
             built = time.monotonic()
             prompt = await self._build_prompt(model, request, tool_plan, template_kwargs, salt)
             call.phase("prompt", built, time.monotonic())  # tokenise; decode and preprocess images and audio
@@ -193,21 +192,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         salt: str = "",
     ) -> Prompt:
         """`salt` names the share of the encoder cache the images and audio of a media model's prompt use."""
-        assert model.prompt_builder is not None
+        builder = model.prompt_builder
+        assert builder is not None
         try:  # in a worker thread: a long prompt (or decoding audio and images) must not stall the other streams
-            if not isinstance(model.prompt_builder, ChatPromptBuilder):  # images and audio (tools if allowed)
-                tools_list = tool_plan.tools if tool_plan is not None else None
-                build = functools.partial(model.prompt_builder.build, cache_salt=salt)
-                return await build_in_thread(build, request.contents, tools_list)
-            if tool_plan is not None:  # tools and tool turns through the tokenizer's chat template (text turns)
-                assert model.engine is not None
-                tokenizer = model.engine.tokenizer
-                ids = await asyncio.to_thread(tools.prompt_ids, tokenizer, request.contents, tool_plan, template_kwargs)
-                return Prompt(token_ids=ids)
-            if template_kwargs:  # only the text builder takes them (reasoning.template_kwargs refuses otherwise)
-                assert isinstance(model.prompt_builder, ChatPromptBuilder)
-                return await build_in_thread(model.prompt_builder.build, request.contents, template_kwargs)
-            return await build_in_thread(model.prompt_builder.build, request.contents)
+            build = functools.partial(builder.build_request_prompt, cache_salt=salt)
+            return await build_in_thread(build, request.contents, tool_plan, template_kwargs or {})
         except ServiceError:
             raise
         except Exception as exc:  # e.g. a chat template that refuses a role order: the request's fault

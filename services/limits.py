@@ -1,6 +1,6 @@
 """Server limits, set deliberately: the gRPC channel options, and input sizes checked before any work.
 
-gRPC options (one `GrpcLimits`, documented in the README's operations section):
+gRPC options (one `GrpcLimits`, documented in docs/operations.md, "Limits"):
 - max concurrent streams per HTTP/2 connection: one client cannot hold more than this many calls at once on one
   connection (further streams wait in its transport), so the queue bound is shared fairly between connections;
 - metadata size: headers beyond this are refused by gRPC itself before a handler runs;

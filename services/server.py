@@ -179,8 +179,10 @@ class OmnivoxServer:
         """Load every LOADING model in a worker thread, one after another; SERVING once all are ready.
 
         A model that fails to load, when others are served, leaves them serving: ListModels reports it not ready,
-        health says NOT_SERVING for `model/NAME`, and its requests get FAILED_PRECONDITION. When every model fails
-        (a single one, say) the first ModelLoadError is raised.
+        health says NOT_SERVING for `model/NAME`, and its requests get FAILED_PRECONDITION. Health "" (the whole
+        server, what orchestrators probe) stays NOT_SERVING while any configured model is not loaded, so a replica
+        short of a model gets no traffic and its startup probe restarts it; the omnivox services' names say SERVING
+        for the models that are. When every model fails (a single one, say) the first ModelLoadError is raised.
         """
         failures: list[ModelLoadError] = []
         for model in self.registry:
@@ -203,6 +205,9 @@ class OmnivoxServer:
             raise failures[0]
         if not self.registry.draining:
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+            if failures:
+                await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+                log.error('health "" NOT_SERVING: %d of %d models failed to load', len(failures), len(self.registry))
 
     def _watch_engine(self, model: ServedModel) -> None:
         """Metrics from every step; and crash-only: a failed step loop makes health NOT_SERVING and ends the server
@@ -210,6 +215,8 @@ class OmnivoxServer:
         engine = model.engine
         assert engine is not None
         self.metrics.attach(model.name, engine)
+        engine.arbiter = self.registry.arbiter
+        self.metrics.watch_arbiter(model.name, engine, self.registry.arbiter)
         for modality, part in (("audio", model.bundle.audio), ("image", model.bundle.vision)) if model.bundle else ():
             if part is not None:
                 self.metrics.watch_encoder_cache(model.name, modality, part.worker.cache)

@@ -115,7 +115,7 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
         """The model's speech layout: its bundle's once loaded, read from its folder while it loads."""
         if model.bundle is not None:
             return model.bundle.speech.layout if model.bundle.speech is not None else None
-        if model.manifest.speech and model.source is not None:
+        if "speech" in model.manifest.parts and model.source is not None:
             return SpeechLayout.load(model.source)
         return None
 
@@ -127,7 +127,7 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
         models = [self.registry.lookup(request.model)] if request.model else list(self.registry)
         voices = []
         for model in models:
-            if model.manifest.voice:  # a non-autoregressive voice (services/voice_speech.py)
+            if "voice" in model.manifest.parts:  # a non-autoregressive voice (services/voice_speech.py)
                 voices += voice_speech.list_voices(model, request.language_code)
                 continue
             layout = self._layout_of(model)
@@ -196,7 +196,10 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
         params = [self._params(plan, model, layout, bundle, text, prompt, i) for i, (text, prompt) in
                   enumerate(zip(plan.segments, prompts, strict=True))]  # fmt: skip
 
-        with model.admit(), SpeechStreamMetrics(self.metrics, model.name, received) as slo:
+        # Opened once admitted (a `with` enters each manager before building the next): the step arbiter puts the
+        # stream first when it falls behind its playback, and the metrics close it however the stream ends.
+        deadline = self.registry.arbiter.open
+        with model.admit(), SpeechStreamMetrics(self.metrics, model.name, received, deadline=deadline(engine)) as slo:
             encoder = AudioStreamEncoder(plan.encoding, plan.sample_rate, source_rate=bundle.worker.sample_rate)
             segments = [
                 _Segment(i, p, sp, bundle.worker.open()) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))

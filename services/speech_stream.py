@@ -252,7 +252,8 @@ async def streaming_synthesize(
     tasks: list[asyncio.Task] = []
     first_audio: float | None = None
     m = servicer.metrics
-    with model.admit(), SpeechStreamMetrics(m, model.name, received) as slo:
+    deadline = servicer.registry.arbiter.open  # called once admitted: the arbiter puts it first when behind
+    with model.admit(), SpeechStreamMetrics(m, model.name, received, deadline=deadline(engine)) as slo:
         try:
             await context.write(
                 speech_pb2.StreamingSynthesizeSpeechResponse(

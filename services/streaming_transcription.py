@@ -74,7 +74,7 @@ def _whisper_model(servicer: TranscriptionServicer, name: str) -> ServedModel:
     if name:
         model = registry.get_ready(registry.lookup(name).name)
     else:
-        found = [m for m in registry if m.manifest.whisper]
+        found = [m for m in registry if "whisper" in m.manifest.parts]
         if not found:
             raise errors.not_found("model", "", "this server serves no Whisper model (StreamingTranscribe needs one)")
         model = registry.get_ready(found[0].name)

@@ -55,7 +55,7 @@ def check_voice_path(path: Path) -> None:
     that phonemizes with espeak-ng on a machine without it, a config missing a key)."""
     from omnivox.models.voice.espeak import EspeakMissing, find_espeak
     from omnivox.models.voice.piper_config import PiperConfig, find_piper_voice
-    from omnivox.services.loading import ModelLoadError
+    from omnivox.services.errors import ModelLoadError
 
     found = find_piper_voice(path)
     if found is None:

@@ -113,7 +113,7 @@ def user_request(text: str, **fields: Any) -> generation_pb2.GenerateRequest:
 
 def served_greedy_equals_generate(paths: dict[str, Any], max_tokens: int = 6, min_prompt: int = 0) -> None:
     """Serve every checkpoint of `paths` (name -> folder with a chat template) in one real server and check that one
-    greedy Generate each streams the tokens transformers' generate gives for the ChatML prompt the service builds.
+    greedy Generate each streams the tokens transformers' generate gives for the ChatML prompt written out here.
     `min_prompt`: the prompt must be longer than this (to pass a model's windows)."""
     import transformers
     from checkpoints import load_reference, reference_greedy
@@ -129,11 +129,10 @@ def served_greedy_equals_generate(paths: dict[str, Any], max_tokens: int = 6, mi
             request.sampling.temperature = 0.0
             ours = [t for r in stub.Generate(request, timeout=60) if r.WhichOneof("response") == "delta"
                     for t in r.delta.token_ids]  # fmt: skip
-            tok = transformers.AutoTokenizer.from_pretrained(path)
-            chat = tok.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-            )
-            prompt = tok.encode(chat, add_special_tokens=False)
+            # The ChatML template of tests/checkpoints.py written out by hand, not rendered by the same
+            # apply_chat_template call the service makes (a bug shared by both would pass).
+            rendered = f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+            prompt = transformers.AutoTokenizer.from_pretrained(path).encode(rendered, add_special_tokens=False)
             assert len(prompt) > min_prompt, (name, len(prompt))
             ref = load_reference(path)
             ref.generation_config.eos_token_id = None

@@ -4,22 +4,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_support import KERNEL_TARGETS, require_kernels, target_library
 
 from omnivox.models import attention, cpu_kernels
 
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel():
-    if cpu_kernels.kernel_available():
-        return
-    if cpu_kernels.compiler() is None:
-        pytest.skip("no C compiler here: the portable path serves (and the engine tests cover it)")
-    # A compiler exists, so the kernels must build: a broken kernel must not pass as "skipped".
-    pytest.fail(f"a C compiler exists but the CPU kernels are unavailable: {cpu_kernels.build_failure()}")
+    require_kernels()  # skips without a compiler; a compiler with a broken kernel fails (not "skipped")
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 2, 16), (9, 3, 64), (8, 8, 32), (14, 2, 64), (6, 1, 128)])
-def test_kernel_equals_gathered_path(heads, kv_heads, dim):
+@pytest.mark.parametrize("target", KERNEL_TARGETS)
+def test_kernel_equals_gathered_path(target, heads, kv_heads, dim):
+    lib = target_library(target)
     torch.manual_seed(heads * 100 + dim)
     bs, num_blocks = 16, 40
     k_cache = torch.randn(num_blocks * bs, kv_heads, dim)
@@ -45,7 +43,7 @@ def test_kernel_equals_gathered_path(heads, kv_heads, dim):
     )
     q = torch.randn(len(lens), heads, dim)
     scale = dim**-0.5
-    ours = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, bs, scale)
+    ours = cpu_kernels.paged_decode_attention(q, k_cache, v_cache, tables, lens, bs, scale, lib=lib)
     portable = attention._decode_attention_gathered(q, k_cache, v_cache, meta, scale)
     torch.testing.assert_close(ours, portable, atol=1e-5, rtol=1e-4)
     # and both against a plain softmax(qK^T)V written out per request
@@ -58,11 +56,14 @@ def test_kernel_equals_gathered_path(heads, kv_heads, dim):
 
 
 @pytest.mark.parametrize(("n", "k", "bias"), [(1, 8, False), (7, 13, True), (64, 576, False), (1536, 576, True)])
-def test_gemv_equals_linear(n, k, bias):
+@pytest.mark.parametrize("target", KERNEL_TARGETS)
+def test_gemv_equals_linear(target, n, k, bias):
+    lib = target_library(target)
     torch.manual_seed(n + k)
     w, x = torch.randn(n, k), torch.randn(1, k)
     b = torch.randn(n) if bias else None
-    torch.testing.assert_close(cpu_kernels.gemv(x, w, b), torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-4)
+    ours = cpu_kernels.gemv(x, w, b, lib=lib)
+    torch.testing.assert_close(ours, torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-4)
 
 
 def test_decoder_linear_routes_single_rows_to_the_kernel():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_support import KERNEL_TARGETS, require_kernels, target_library
 
 from omnivox.models import cpu_kernels, quant
 
@@ -20,15 +21,6 @@ ROWS = [
 ]  # batch-1 GEMV, 2- and 3-row tiles, 4-row tiles + a remainder, float GEMM
 
 
-def require_kernels() -> None:
-    """Skip without a C compiler (only the portable path exists); fail when one exists and the kernels did not build."""
-    if cpu_kernels.kernel_available():
-        return
-    if cpu_kernels.compiler() is None:
-        pytest.skip("no C compiler: only the portable path exists")
-    pytest.fail(f"a C compiler exists but the CPU kernels are unavailable: {cpu_kernels.build_failure()}")
-
-
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
@@ -39,12 +31,13 @@ LAYERS = {"q8": quant.Int8Linear, "q4": quant.Int4Linear}
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 @pytest.mark.parametrize("m", ROWS[:5])
 @pytest.mark.parametrize("kind", ["q8", "q4"])
-def test_block_kernels_equal_portable_path(kind, n, k, m):
-    require_kernels()
+@pytest.mark.parametrize("target", KERNEL_TARGETS)
+def test_block_kernels_equal_portable_path(target, kind, n, k, m):
+    lib = target_library(target)
     torch.manual_seed(n * k + m)
     layer = LAYERS[kind].from_float(torch.randn(n, k), torch.randn(n))
     x = F.pad(torch.randn(m, k), (0, layer.padded_in - k))
-    ours = cpu_kernels.block_matmul(kind, x, layer.blocks, n, layer.bias)
+    ours = cpu_kernels.block_matmul(kind, x, layer.blocks, n, layer.bias, lib=lib)
     portable = quant.block_matmul_portable(kind, x, layer.blocks, layer.bias)
     # Same integer group dots and scales; only the float summation order differs.
     torch.testing.assert_close(ours, portable, rtol=1e-4, atol=1e-4)
@@ -76,10 +69,11 @@ def test_vnni_kernel_equals_portable_path(kind, act_bits, n, k, m):
 
 
 @pytest.mark.parametrize("kind", ["q8", "q4"])
-def test_dequantize_kernels_equal_torch(kind):
-    require_kernels()
+@pytest.mark.parametrize("target", KERNEL_TARGETS)
+def test_dequantize_kernels_equal_torch(target, kind):
+    lib = target_library(target)
     layer = LAYERS[kind].from_float(torch.randn(37, 96))
-    assert torch.equal(cpu_kernels.block_dequantize(kind, layer.blocks, 37, 96), layer.dequantize())
+    assert torch.equal(cpu_kernels.block_dequantize(kind, layer.blocks, 37, 96, lib=lib), layer.dequantize())
 
 
 def test_q4_round_trip_is_within_half_a_level():

@@ -329,3 +329,64 @@ def test_logit_bias_and_penalties_reach_the_sampler(stub) -> None:
     deltas, _ = collect(stub.Generate(user_request("Hello", max_output_tokens=6, sampling=sampling, ignore_eos=True)))
     tokens = [t for d in deltas for t in d.token_ids]
     assert tokens.count(forced) < 6
+
+
+def _turns(n: int) -> generation_pb2.GenerateRequest:
+    return _contents(*[content_pb2.Content(role="user") for _ in range(n)])  # no parts: only the turn count
+
+
+def _parts(n: int) -> generation_pb2.GenerateRequest:
+    return _contents(content_pb2.Content(role="user", parts=[content_pb2.Part(text="a")] * n))
+
+
+def _utf8(n_bytes: int) -> str:
+    return "é" * (n_bytes // 2) + "a" * (n_bytes % 2)  # two bytes a character: bytes are counted, not characters
+
+
+def _text(n_bytes: int) -> generation_pb2.GenerateRequest:
+    return user_request(_utf8(n_bytes))
+
+
+# (request of size n, the limit, the field named, what the size violation says): services/limits.py's numbers,
+# written out here so that changing one is a visible decision.
+SIZE_LIMITS = {
+    "turns": (_turns, 1024, "contents", "1025 turns; at most 1024"),
+    "parts": (_parts, 1024, "contents", "1025 parts; at most 1024"),
+    "text": (_text, 1 << 20, "contents", f"{(1 << 20) + 1} bytes of text; at most {1 << 20}"),
+    "stop-ids": (lambda n: _bad(stop_token_ids=list(range(n))), 64, "stop_token_ids", "65 ids; at most 64"),
+    "stop-bytes": (lambda n: _bad(stop_sequences=[_utf8(n)]), 256, "stop_sequences[0]", "longer than 256 bytes"),
+    "biases": (
+        lambda n: _bad(sampling=sampling_pb2.SamplingConfig(logit_bias={i: 0.5 for i in range(n)})),
+        1024,
+        "sampling.logit_bias",
+        "1025 entries; at most 1024",
+    ),
+}
+
+
+def _refusal(stub, request: generation_pb2.GenerateRequest) -> list[tuple[str, str]] | None:
+    """None when the request was served; else the (field, description) pairs of its INVALID_ARGUMENT."""
+    request.model = "tiny"
+    request.max_output_tokens = request.max_output_tokens or 2
+    try:
+        collect(stub.Generate(request, timeout=60))
+    except grpc.RpcError as err:
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+        return [(v.field, v.description) for v in violations(err)]
+    return None
+
+
+@pytest.mark.parametrize("kind", list(SIZE_LIMITS))
+def test_size_limit_at_its_edge(stub, kind: str) -> None:
+    """The limit itself passes the size check (the request may still be refused for what it says: 1,024 empty turns,
+    a 1 MiB prompt past the context, biases on ids past the vocabulary); one more is INVALID_ARGUMENT naming the field
+    with the size; the server keeps serving."""
+    build, limit, field, says = SIZE_LIMITS[kind]
+    at_limit = _refusal(stub, build(limit))
+    assert at_limit is None or not any("at most" in d and str(limit) in d for _, d in at_limit), at_limit
+    if kind.startswith("stop"):
+        assert at_limit is None  # nothing else wrong with these: served
+    over = _refusal(stub, build(limit + 1))
+    assert over is not None and (field, says) in over, over
+    _, summary = collect(stub.Generate(user_request("Still there?", max_output_tokens=2)))
+    assert summary.usage.output_tokens >= 1

@@ -132,6 +132,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "higher gives faster time to first token (default: 128 on CPU, 2048 on CUDA)",
     )
     p.add_argument(
+        "--max-step-ms",
+        type=float,
+        help="while decodes run, a step carries only as many prompt tokens as keep it near this many milliseconds, "
+        "by this machine's step times measured at start-up (default: off, the whole --max-batched-tokens)",
+    )
+    p.add_argument(
+        "--max-step-tokens",
+        type=int,
+        help="while decodes run, a step carries at most this many tokens (decodes + prompt chunks; prompts keep "
+        "at least 16 a step); instead of measuring --max-step-ms",
+    )
+    p.add_argument(
         "--quantization",
         metavar="[NAME=]MODE",
         action="append",
