@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from omnivox.engine.arbiter import StepArbiter
 from omnivox.engine.block_pool import KVUsage
 from omnivox.engine.core import EngineCore, Proposer, StepResult
 from omnivox.engine.engine_config import EngineConfig
@@ -95,6 +96,7 @@ class Engine:
         self.step_observers: list[Callable[[StepResult], None]] = []
         self.failure: Exception | None = None  # what a failed step raised; the engine then stops (crash-only)
         self.failure_observers: list[Callable[[Exception], None]] = []
+        self.arbiter: StepArbiter | None = None  # shared with the process's other engines (engine/arbiter.py)
 
     # ---- construction -------------------------------------------------------------------------------------------
     @classmethod
@@ -320,6 +322,8 @@ class Engine:
                 if self._stopping:
                     return
             try:
+                if self.arbiter is not None:  # another engine's audio behind its playback deadline steps first
+                    self.arbiter.wait_turn(self)
                 self.step()
                 getattr(self.model, "raise_if_broken", lambda: None)()  # a tensor-parallel rank lost: stop too
                 if self.last_step is not None and self.last_step.plan.is_empty:  # all wait on encoders: no spinning

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from omnivox.engine.arbiter import StepArbiter
 from omnivox.services import errors
 from omnivox.services.bundle import AUDIO, IMAGE, TEXT, BundleManifest, ModelBundle
 from omnivox.services.stream_idle import DEFAULT_STREAM_IDLE_S
@@ -126,6 +127,7 @@ class ModelRegistry:
         # `serve --stream-idle-timeout`: a bidirectional stream receiving nothing this long (with nothing of its
         # client's in hand) ends OUT_OF_RANGE, freeing its slot (services/stream_idle.py); None = no bound.
         self.stream_idle_s: float | None = DEFAULT_STREAM_IDLE_S
+        self.arbiter = StepArbiter()  # one across the process's engines: audio behind its deadline steps first
 
     def add(self, model: ServedModel) -> None:
         if model.name in self._models:

@@ -120,6 +120,10 @@ async def streaming_synthesize(
         )
     try:  # the checks of SynthesizeSpeech, their fields named as this request has them: `config.<field>`
         model = servicer._speech_model(cfg.model)
+        if model.bundle is not None and model.bundle.voice is not None:  # no engine: services/voice_speech.py
+            from omnivox.services.voice_speech import stream_voice
+
+            return await stream_voice(servicer, cfg, requests, context, model, received)
         assert model.bundle is not None and model.bundle.speech is not None and model.engine is not None
         created = {v.name: v for v in servicer.voices.list(model.name)}
         probe = speech_pb2.SynthesizeSpeechRequest(
@@ -248,7 +252,8 @@ async def streaming_synthesize(
     tasks: list[asyncio.Task] = []
     first_audio: float | None = None
     m = servicer.metrics
-    with model.admit(), SpeechStreamMetrics(m, model.name, received) as slo:
+    deadline = servicer.registry.arbiter.open  # called once admitted: the arbiter puts it first when behind
+    with model.admit(), SpeechStreamMetrics(m, model.name, received, deadline=deadline(engine)) as slo:
         try:
             await context.write(
                 speech_pb2.StreamingSynthesizeSpeechResponse(
