@@ -186,7 +186,7 @@ class OmnivoxServer:
         """
         failures: list[ModelLoadError] = []
         for model in self.registry:
-            if model.engine is None and model.state is not ModelState.FAILED:
+            if model.bundle is None and model.state is not ModelState.FAILED:
                 log.info("loading %s from %s", model.name, model.source or "the embedded default")
                 try:
                     await asyncio.to_thread(loading.load, model, options)  # the whole bundle, speech codec included
@@ -199,6 +199,7 @@ class OmnivoxServer:
                 log_message_limit(model, self.options.max_receive_message_bytes)
             if model.engine is not None:
                 self._watch_engine(model)
+            if model.bundle is not None:  # a voice has no engine to watch (services/voice_part.py)
                 await self.health.set(f"model/{model.name}", health_pb2.HealthCheckResponse.SERVING)
         if failures and len(failures) == len(self.registry):
             raise failures[0]
