@@ -3,10 +3,11 @@ off in the same run (engine/arbiter.py: a speech stream behind its playback dead
 
     python -m omnivox.benchmarks.mixed_load [--seconds 20] [--text 6] [--speech 2] [--transcriptions 2] [--threads 1]
 
-Starts `omnivox serve` with no --model (the embedded defaults: SmolLM2-135M Q4_1 text, the random speech model and
+Starts `omnivox serve` with no --model (the embedded defaults: SmolLM2-135M Q4_1 text, the speech models and
 whisper-base), once with `--audio-first-margin 1.0` (the default) and once with `--audio-first-margin 0` (off),
 alternating `--rounds` times, and for `--seconds` each runs closed loops of clients: text streams (Generate, a short
-chat prompt, 48 tokens: TTFT and ITL per token), speech syntheses (SynthesizeSpeech LINEAR16 24 kHz: time to first
+chat prompt, 48 tokens: TTFT and ITL per token), speech syntheses (SynthesizeSpeech by orpheus-random, the speech
+model that runs on an engine, LINEAR16 24 kHz: time to first
 audio, RTF = wall / audio seconds, lateness = how late the worst chunk was for playback started at the first one)
 and transcriptions (Transcribe of 6 s of a tone: RTF). It scrapes the server's /metrics at the end of each round for
 the arbiter's decisions (omnivox_arbiter_yields_total per model). Results: medians and p99s per mode, the CPU's
@@ -105,9 +106,10 @@ def text_client(address: str, until: float, out: dict) -> None:
             out["requests"] += 1
 
 
-def speech_client(address: str, until: float, out: dict) -> None:
+def speech_client(address: str, until: float, out: dict, model: str = "orpheus-random") -> None:
+    """Syntheses by the engine-driven speech model (the default hibari voice has no engine steps to arbitrate)."""
     while time.monotonic() < until:
-        r = synthesize_one(address, SPEECH_TEXT, "", "", 600)
+        r = synthesize_one(address, SPEECH_TEXT, "", model, 600)
         out["ttfa"].append(r.ttfa_s)
         out["rtf"].append(r.rtf)
         out["lateness"].append(r.lateness_s)
