@@ -37,6 +37,8 @@ class CheckedGenerate:
     model: ServedModel
     params: SamplingParams
     salt: str  # this caller's (and cache_salt's) share of the caches (services/cache_salt.py)
+    # A completion's prompt text, tokenised as it is (no chat template): HTTP /v1/completions. None: the contents.
+    raw_prompt: str | None = None
 
 
 @dataclass
@@ -90,7 +92,10 @@ async def process(checked: CheckedGenerate, phase: Callable[[str, float, float],
     tool_output = tools.ToolOutput(tool_plan) if tool_plan is not None and tool_plan.parses_calls else None
     template_kwargs = builder.template_kwargs(request, tokenizer)
     started = time.monotonic()
-    prompt = await build_prompt(model, request, tool_plan, template_kwargs, salt)
+    if checked.raw_prompt is not None:
+        prompt = Prompt(token_ids=list(tokenizer.encode(checked.raw_prompt, add_special_tokens=True)))
+    else:
+        prompt = await build_prompt(model, request, tool_plan, template_kwargs, salt)
     phase("prompt", started, time.monotonic())  # tokenise; decode and preprocess images and audio
     try:
         validation.check_prompt_fits(len(prompt.token_ids), params, model)

@@ -57,6 +57,15 @@ def current_call() -> CallRecord:
     return _CURRENT.get() or CallRecord("")
 
 
+def set_current_call(record: CallRecord) -> contextvars.Token:
+    """Make `record` the current call's (the HTTP front's calls, which no interceptor opens); reset with the token."""
+    return _CURRENT.set(record)
+
+
+def reset_current_call(token: contextvars.Token) -> None:
+    _CURRENT.reset(token)
+
+
 Behavior = Callable[..., Any]
 
 

@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from omnivox.services import loading
 from omnivox.services.audio_prompt import log_message_limit
-from omnivox.services.auth import Quota
+from omnivox.services.auth import AuthInterceptor, Quota
 from omnivox.services.bindings import omnivox_services
 from omnivox.services.health import HealthServicer
 from omnivox.services.interceptors import server_interceptors
@@ -65,6 +65,8 @@ class ServerOptions:
     # A speech stream whose client runs dry within this many seconds steps first (engine/arbiter.py); 0 = off.
     audio_first_margin_s: float = 1.0
     stream_idle_timeout_s: float = DEFAULT_STREAM_IDLE_S  # bidirectional streams idle this long end (0 = never)
+    # The OpenAI-compatible HTTP front (services/http_front.py) on host:port; None = not served; 0 = any free port.
+    http_port: int | None = None
 
 
 def listen_address(host: str, port: int) -> str:
@@ -90,6 +92,8 @@ class OmnivoxServer:
         self._server: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
         self.health_port: int | None = None
+        self.http: Any = None  # the HTTP front (services/http_front.py) when http_port is set
+        self.http_port: int | None = None
         self._force_stop = asyncio.Event()
         self.forced = False  # a drain cut short by force_stop()
 
@@ -155,7 +159,26 @@ class OmnivoxServer:
             log.info("metrics on http://%s/metrics", listen_address(opts.host, self.metrics_port))
         if opts.health_port is not None:
             await self._serve_health(opts.host, opts.health_port)
+        if opts.http_port is not None:
+            await self._serve_http(opts, interceptors)
         return self.port
+
+    async def _serve_http(self, opts: ServerOptions, interceptors: list[Any]) -> None:
+        """The OpenAI-compatible front, with the gRPC chain's keys and quotas (one book for both fronts)."""
+        from omnivox.services.http_front import HttpFront  # FastAPI and uvicorn are imported only when asked for
+
+        auth = next((i for i in interceptors if isinstance(i, AuthInterceptor)), None)
+        self.http = HttpFront(self.registry, self.metrics, auth, opts.max_receive_message_bytes)
+        ssl = {"ssl_certfile": str(opts.tls_cert), "ssl_keyfile": str(opts.tls_key)} if opts.tls_cert else {}
+        try:
+            self.http_port = await self.http.start(opts.host, opts.http_port, ssl)
+        except (OSError, SystemExit) as exc:  # uvicorn logs the bind error and exits its startup
+            assert self._server is not None
+            await self._server.stop(0)
+            self.metrics.close()
+            raise OSError(f"cannot serve HTTP on {listen_address(opts.host, opts.http_port)}") from exc
+        scheme = "https" if opts.tls_cert else "http"
+        log.info("OpenAI-compatible HTTP on %s://%s/v1", scheme, listen_address(opts.host, self.http_port))
 
     async def _serve_health(self, host: str, port: int) -> None:
         """The health service (the same servicer: the same statuses and Watch updates) alone, in plaintext."""
@@ -256,6 +279,8 @@ class OmnivoxServer:
             # calls still running are cancelled, which aborts their engine requests.
             remaining = max(deadline - asyncio.get_running_loop().time(), 0.0)
             await self._server.stop(0 if self._force_stop.is_set() else min(remaining, 1.0))
+        if self.http is not None:  # its streams still running are cancelled: their engine requests abort
+            await self.http.stop()
         if self._health_server is not None:  # after the main port: probes saw NOT_SERVING through the drain
             await self._health_server.stop(0)
         await self.registry.aclose()  # every bundle: its codec worker, then its engine

@@ -104,6 +104,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="also serve grpc.health.v1 alone, in plaintext, on this port: for probes that cannot speak TLS or "
         "mTLS (Kubernetes' gRPC probes, Docker's HEALTHCHECK) when --tls-cert is set",
     )
+    p.add_argument(
+        "--http-port",
+        type=int,
+        help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, "
+        "/health) on this port, with the same models, keys and limits (off without)",
+    )
     p.add_argument("--api-keys", type=Path, help="file of API keys (one per line, or id:key); RPCs then need one")
     p.add_argument("--tls-client-ca", type=Path, help="PEM CA: require client certificates it signed (mTLS)")
     p.add_argument("--max-streams-per-key", type=int, default=0, help="concurrent calls per caller (0: no limit)")
@@ -356,9 +362,15 @@ def check_flag_values(args: argparse.Namespace) -> None:
     finite("--max-streams-per-key", args.max_streams_per_key, 0)
     finite("--max-rpm-per-key", args.max_rpm_per_key, 0)
     finite("--max-model-len", args.max_model_len, 1)
-    for flag, port in (("--metrics-port", args.metrics_port), ("--health-port", args.health_port)):
+    for flag, port in (
+        ("--metrics-port", args.metrics_port),
+        ("--health-port", args.health_port),
+        ("--http-port", args.http_port),
+    ):
         if port and port == args.port:
             raise CliError(f"{flag} and --port are both {args.port}: it needs a port of its own")
+    if args.http_port and args.http_port in (args.metrics_port, args.health_port):
+        raise CliError(f"--http-port {args.http_port} is also --metrics-port or --health-port: each needs its own")
     if args.health_port and args.health_port == args.metrics_port:
         raise CliError(f"--health-port and --metrics-port are both {args.health_port}: each needs a port of its own")
     check_name_order(args)

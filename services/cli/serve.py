@@ -58,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
         ("--port", args.port),
         ("--metrics-port", args.metrics_port),
         ("--health-port", args.health_port),
+        ("--http-port", args.http_port),
     ):
         if port is not None and not 0 <= port <= 65535:  # gRPC bound --port 99999 as 34463, saying so only in a log
             raise CliError(f"{flag} must be in [0, 65535], got {port}")
@@ -95,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
         stream_idle_timeout_s=args.stream_idle_timeout,
         metrics_port=args.metrics_port,
         health_port=args.health_port,
+        http_port=args.http_port,
         api_keys=args.api_keys,
         tls_client_ca=args.tls_client_ca,
         quota=Quota(max_concurrent=args.max_streams_per_key, max_per_minute=args.max_rpm_per_key),
