@@ -25,6 +25,7 @@ from .kernel_build import TARGETS, BuildError, build_library, compiler, cpu_flag
 log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "block_kernels_vnni.c")]
+_HEADER = Path(__file__).with_name("intrinsics_scalar.h")
 _COMPILE = ["-O3", "-fno-math-errno", "-fopenmp", "-fPIC"]  # -march comes from the target (models/kernel_build.py)
 _LINK = ["-shared", "-fopenmp", "-lm"]
 _lock = threading.Lock()
@@ -91,6 +92,31 @@ def _load(target: str) -> ctypes.CDLL | None:
     return None
 
 
+def vnni_emulation() -> ctypes.CDLL | None:
+    """block_kernels_vnni.c built against scalar versions of its intrinsics (models/intrinsics_scalar.h), once per
+    process: the many-row kernel's logic on any host, for its twin tests (slow; never serves). None without a
+    compiler or when the build failed (build_failure("emulation") says why)."""
+    with _lock:
+        if "emulation" not in _libraries:
+            _libraries["emulation"] = _load_emulation()
+        return _libraries["emulation"]
+
+
+def _load_emulation() -> ctypes.CDLL | None:
+    if compiler() is None:
+        return None
+    try:
+        flags = [*_COMPILE, "-DOMNIVOX_SCALAR_INTRINSICS"]
+        lib = ctypes.CDLL(str(build_library("vnni_emulation", [_SOURCES[1]], flags, _LINK, depends=[_HEADER])))
+    except BuildError as err:
+        _failures["emulation"] = str(err)
+        return None
+    lib.vnni_available.restype = ctypes.c_int
+    lib.block_matmul_vnni.restype = None
+    lib.block_matmul_vnni.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5
+    return lib
+
+
 def use_target(target: str) -> None:
     """Run the engine's kernels from the build for `target` from now on (default "native").
 
@@ -124,7 +150,7 @@ def build_failure(target: str | None = None) -> str | None:
     kernel that stops compiling cannot hide behind the fallback.
     """
     target = target or _target
-    library(target)
+    vnni_emulation() if target == "emulation" else library(target)
     return _failures.get(target)
 
 

@@ -32,7 +32,6 @@ from omnivox.models.orpheus import SpeechLayout
 from omnivox.services import errors, voice_speech
 from omnivox.services.cache_salt import request_salt
 from omnivox.services.errors import FieldViolation, rpc_method
-from omnivox.services.generation import seconds_to_duration
 from omnivox.services.logs import current_call
 from omnivox.services.metrics import Metrics, SpeechStreamMetrics
 from omnivox.services.registry import AUDIO, ModelRegistry, ServedModel
@@ -40,6 +39,7 @@ from omnivox.services.speech_part import SpeechPart
 from omnivox.services.speech_stream import streaming_synthesize
 from omnivox.services.speech_text import MAX_SEGMENT_CHARS, split_text
 from omnivox.services.speech_validation import SpeechPlan, invalid, language_matches, validate_speech
+from omnivox.services.summaries import seconds_to_duration
 from omnivox.services.voices import VoiceStore
 from omnivox.v1 import content_pb2, generation_pb2, speech_pb2, speech_pb2_grpc
 

@@ -39,11 +39,11 @@ from omnivox.engine import InvalidRequest
 from omnivox.services import errors
 from omnivox.services.cache_salt import request_salt
 from omnivox.services.errors import FieldViolation
-from omnivox.services.generation import seconds_to_duration
 from omnivox.services.metrics import SpeechStreamMetrics
 from omnivox.services.speech_validation import invalid, validate_speech
 from omnivox.services.stream_idle import idle_bounded
 from omnivox.services.streaming_transcription import next_item
+from omnivox.services.summaries import seconds_to_duration
 from omnivox.v1 import content_pb2, generation_pb2, speech_pb2
 
 if TYPE_CHECKING:

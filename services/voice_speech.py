@@ -27,7 +27,7 @@ from omnivox.models.voice import UnknownVoice, VoiceNeedsDownload
 from omnivox.models.voice.voice_model import VoiceSettings
 from omnivox.services import errors, validation
 from omnivox.services.errors import FieldViolation
-from omnivox.services.generation import seconds_to_duration
+from omnivox.services.summaries import seconds_to_duration
 from omnivox.services.metrics import SpeechStreamMetrics
 from omnivox.services.registry import ServedModel
 from omnivox.services.speech_stream import DEFAULT_MAX_CLAUSE_CHARS, SETTLE_S, ClauseCutter
