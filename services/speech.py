@@ -156,6 +156,12 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
             raise voice_speech.cannot_clone(model, model.bundle.voice)
         assert model.bundle.speech is not None
         layout = model.bundle.speech.layout
+        if not isinstance(
+            layout, SpeechLayout
+        ):  # CSM: its voice prompts (Mimi-encoded reference turns) are not here yet
+            raise errors.failed_precondition(
+                f"model {model.name!r} is a CSM model: cloning a voice from reference audio is not served for it yet"
+            )
         voice = await self.voices.create(model.name, layout, model.bundle.source / layout.codec_folder, request)
         return speech_pb2.CreateVoiceResponse(voice=voice.to_proto(model.name, layout.language_code))
 
@@ -315,12 +321,12 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
         if "seed" in kwargs:
             # segments differ, the request stays reproducible (wrapped: the seed range ends at MAX_SEED)
             kwargs["seed"] = (int(kwargs["seed"]) + index) % (MAX_SEED + 1)
+        if bundle.constraint is not None:  # audio tokens in the vocabulary: the layout's, ended by end-of-speech
+            kwargs.update(stop_token_ids=[layout.end_of_speech], constraint_factory=shared(bundle.constraint))
         params = SamplingParams(
             **kwargs,  # type: ignore[arg-type]
             max_tokens=frames * layout.frame_size,
-            stop_token_ids=[layout.end_of_speech],
             detokenize=False,  # the audio codes are read as token ids; their text is never used
-            constraint_factory=shared(bundle.constraint),
         )
         try:
             params.validate(model.vocab_size)
@@ -348,7 +354,10 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
                     async for out in stream:
                         seg.cached_tokens = max(seg.cached_tokens, out.num_cached_tokens)
                         frames: list[list[int]] = []
-                        for token in out.new_token_ids:
+                        if out.new_frames:  # a frame model (CSM): each token came with its whole frame
+                            frames = layout.codec_frames(out.new_frames)
+                            seg.audio_tokens += len(out.new_token_ids)
+                        for token in out.new_token_ids if not out.new_frames else ():
                             if token == layout.end_of_speech:
                                 break
                             try:

@@ -222,7 +222,10 @@ async def streaming_synthesize(
             async with contextlib.aclosing(gen):
                 async for out in gen:
                     new: list[list[int]] = []
-                    for token in out.new_token_ids:
+                    if out.new_frames:  # a frame model (CSM): each token came with its whole frame
+                        new = layout.codec_frames(out.new_frames)
+                        count += len(out.new_token_ids)
+                    for token in out.new_token_ids if not out.new_frames else ():
                         if token == layout.end_of_speech:
                             break
                         frame.append(layout.code_of(token, count))
