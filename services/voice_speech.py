@@ -27,13 +27,13 @@ from omnivox.models.voice import UnknownVoice, VoiceNeedsDownload
 from omnivox.models.voice.voice_model import VoiceSettings
 from omnivox.services import errors, validation
 from omnivox.services.errors import FieldViolation
-from omnivox.services.summaries import seconds_to_duration
 from omnivox.services.metrics import SpeechStreamMetrics
 from omnivox.services.registry import ServedModel
 from omnivox.services.speech_stream import DEFAULT_MAX_CLAUSE_CHARS, SETTLE_S, ClauseCutter
 from omnivox.services.speech_text import split_text
 from omnivox.services.speech_validation import encoding_name, language_matches
 from omnivox.services.stream_idle import idle_bounded
+from omnivox.services.summaries import seconds_to_duration
 from omnivox.services.voice_part import VoicePart
 from omnivox.v1 import content_pb2, generation_pb2, speech_pb2
 
