@@ -92,6 +92,7 @@ def test_tool_call_with_a_schema(client: openai.OpenAI) -> None:
             "function": {
                 "name": "get_weather",
                 "description": "The weather in a city",
+                "strict": True,
                 "parameters": {
                     "type": "object",
                     "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
@@ -102,13 +103,19 @@ def test_tool_call_with_a_schema(client: openai.OpenAI) -> None:
     ]
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     reply = client.chat.completions.create(
-        model=DEFAULT_MODEL_NAME, messages=messages, tools=tools, tool_choice="required", max_tokens=40
+        model=DEFAULT_MODEL_NAME,
+        messages=messages,
+        tools=tools,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=60,
+        temperature=0,
     )
     [choice] = reply.choices
-    assert choice.finish_reason == "tool_calls"
+    assert choice.finish_reason == "tool_calls", choice
     [call] = choice.message.tool_calls
     assert call.type == "function" and call.function.name == "get_weather" and call.id
-    assert json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Oslo"), call
 
 
 def test_json_schema_output(client: openai.OpenAI) -> None:
