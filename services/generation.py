@@ -15,7 +15,7 @@ import grpc
 from google.protobuf import duration_pb2
 
 from omnivox.engine import RequestOutput
-from omnivox.engine.errors import InvalidRequest
+from omnivox.engine.errors import InvalidRequest, ModelGroupBroken
 from omnivox.services import cascade, errors, reasoning, structured, tools, validation
 from omnivox.services.cache_salt import request_salt
 from omnivox.services.errors import FieldViolation, ServiceError, rpc_method
@@ -140,6 +140,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 raise validation.from_invalid_request(last.error)
             if last.finish_reason == "error":  # the engine failed this request's step and kept serving the others
                 self.metrics.request_ended(model.name, "error")
+                if isinstance(model.engine.failure, ModelGroupBroken):  # a lost rank or node: retry elsewhere
+                    raise errors.unavailable(f"{model.name}: {model.engine.failure}; the server is restarting")
                 raise errors.internal("the engine failed while computing this request; see the server log")
             final = self._summary(last, model, request.request_id or engine_request_id, received)
             answer = last.text
