@@ -24,7 +24,10 @@ from .kernel_build import TARGETS, BuildError, build_library, compiler, cpu_flag
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "block_kernels_vnni.c")]
+_SOURCES = [
+    Path(__file__).with_name(name) for name in ("cpu_kernels.c", "block_kernels_vnni.c", "block_kernels_avx2.c")
+]
+_HEADER = Path(__file__).with_name("intrinsics_scalar.h")
 _COMPILE = ["-O3", "-fno-math-errno", "-fopenmp", "-fPIC"]  # -march comes from the target (models/kernel_build.py)
 _LINK = ["-shared", "-fopenmp", "-lm"]
 _lock = threading.Lock()
@@ -32,6 +35,7 @@ _libraries: dict[str, ctypes.CDLL | None] = {}  # per target, built and loaded o
 _failures: dict[str, str] = {}  # per target: why it is unavailable although a compiler exists (a build or load error)
 _target = "native"  # the build the engine's kernels run on (use_target)
 _lib: ctypes.CDLL | None = None  # the loaded library of _target, once kernel_available() said True
+_many: dict[str, str | None] = {}  # per target: its many-row kernel (many_row_kernel)
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -51,9 +55,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         deq.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
     lib.vnni_available.restype = ctypes.c_int
     lib.vnni_available.argtypes = []
-    vnni = lib.block_matmul_vnni
-    vnni.restype = None
-    vnni.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5
+    lib.avx2_rows_available.restype = ctypes.c_int
+    lib.avx2_rows_available.argtypes = []
+    for name in ("block_matmul_vnni", "block_matmul_avx2"):
+        many = getattr(lib, name)
+        many.restype = None
+        many.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5
     layers = lib.decoder_layers_f32
     layers.restype = None
     layers.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 4
@@ -91,6 +98,31 @@ def _load(target: str) -> ctypes.CDLL | None:
     return None
 
 
+def vnni_emulation() -> ctypes.CDLL | None:
+    """block_kernels_vnni.c built against scalar versions of its intrinsics (models/intrinsics_scalar.h), once per
+    process: the many-row kernel's logic on any host, for its twin tests (slow; never serves). None without a
+    compiler or when the build failed (build_failure("emulation") says why)."""
+    with _lock:
+        if "emulation" not in _libraries:
+            _libraries["emulation"] = _load_emulation()
+        return _libraries["emulation"]
+
+
+def _load_emulation() -> ctypes.CDLL | None:
+    if compiler() is None:
+        return None
+    try:
+        flags = [*_COMPILE, "-DOMNIVOX_SCALAR_INTRINSICS"]
+        lib = ctypes.CDLL(str(build_library("vnni_emulation", [_SOURCES[1]], flags, _LINK, depends=[_HEADER])))
+    except BuildError as err:
+        _failures["emulation"] = str(err)
+        return None
+    lib.vnni_available.restype = ctypes.c_int
+    lib.block_matmul_vnni.restype = None
+    lib.block_matmul_vnni.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5
+    return lib
+
+
 def use_target(target: str) -> None:
     """Run the engine's kernels from the build for `target` from now on (default "native").
 
@@ -124,7 +156,7 @@ def build_failure(target: str | None = None) -> str | None:
     kernel that stops compiling cannot hide behind the fallback.
     """
     target = target or _target
-    library(target)
+    vnni_emulation() if target == "emulation" else library(target)
     return _failures.get(target)
 
 
@@ -211,7 +243,21 @@ def vnni_available(lib: ctypes.CDLL | None = None) -> bool:
     return lib is not None and bool(lib.vnni_available())
 
 
-def block_matmul_vnni(
+def many_row_kernel(lib: ctypes.CDLL | None = None) -> str | None:
+    """The many-row integer block kernel in `lib` (default: the active build): "vnni" (block_kernels_vnni.c, AVX-512
+    VNNI), else "avx2" (block_kernels_avx2.c, AVX2 + FMA), else None (the int16 kernels and float GEMM serve)."""
+    if lib is None:
+        if _target not in _many:  # asked per layer call: looked up once per target
+            _many[_target] = many_row_kernel(library(_target)) if library(_target) is not None else None
+        return _many[_target]
+    if lib.vnni_available():
+        return "vnni"
+    if getattr(lib, "avx2_rows_available", None) is not None and lib.avx2_rows_available():  # the emulation has none
+        return "avx2"
+    return None
+
+
+def block_matmul_many(
     kind: str,
     x: torch.Tensor,
     blocks: torch.Tensor,
@@ -219,18 +265,24 @@ def block_matmul_vnni(
     bias: torch.Tensor | None,
     act_bits: int = 15,
     lib: ctypes.CDLL | None = None,
+    kernel: str | None = None,
 ) -> torch.Tensor:
-    """As block_matmul, through the many-row VNNI kernel (block_kernels_vnni.c); vnni_available() only.
+    """As block_matmul, through the many-row kernel `kernel` ("vnni" / "avx2"; default many_row_kernel(lib)).
 
     act_bits: activations per group of 32 as 15 bits (two int8 passes) or 8 (one pass, llama.cpp's Q8_1)."""
     if act_bits not in (8, 15):
         raise ValueError(f"act_bits must be 8 or 15, got {act_bits}")
     lib = lib or _active()
+    kernel = kernel or many_row_kernel(lib)
+    if kernel not in ("vnni", "avx2"):
+        raise ValueError(f"no many-row kernel {kernel!r} in this build")
     x = x.contiguous()
     m, k = x.shape
     out = torch.empty(m, n, dtype=torch.float32)
     bias_ptr = None if bias is None else bias.data_ptr()
-    lib.block_matmul_vnni(
+    fn = lib.block_matmul_vnni if kernel == "vnni" else lib.block_matmul_avx2
+    passes = 1 if act_bits == 8 else 2
+    fn(
         blocks.data_ptr(),
         int(kind == "q4"),
         x.data_ptr(),
@@ -239,7 +291,7 @@ def block_matmul_vnni(
         m,
         n,
         k,
-        1 if act_bits == 8 else 2,
+        passes,
         torch.get_num_threads(),
     )
     return out

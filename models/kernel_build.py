@@ -98,10 +98,11 @@ def library_path(
     target: str,
     cc: str,
     cpuinfo: str | None = None,
+    depends: Sequence[Path] = (),
 ) -> Path:
     """Where the build of `sources` for `target` lives in the omnivox cache (its name holds the cache key)."""
     digest = hashlib.sha256()
-    for source in sources:
+    for source in [*sources, *depends]:
         digest.update(source.read_bytes())
     digest.update(" ".join([cc, *compile_flags, "|", *link_flags, "|", target_key(target, cpuinfo)]).encode())
     return omnivox_cache_dir() / "kernels" / f"{name}-{target}-{digest.hexdigest()[:16]}.so"
@@ -114,6 +115,7 @@ def build_library(
     link_flags: Sequence[str],
     target: str = "native",
     cc: str | None = None,
+    depends: Sequence[Path] = (),
 ) -> Path:
     """Compile `sources` (each to an object with `compile_flags` and `-march` of `target`), link them into a shared
     library with `link_flags`, once per cache key (models/cache.py's locked, atomic build); return its path.
@@ -126,7 +128,7 @@ def build_library(
     if cc is None:
         raise ValueError("no C compiler")
     march = [f"-march={TARGETS[target].march}"]
-    path = library_path(name, sources, [*march, *compile_flags], link_flags, target, cc)
+    path = library_path(name, sources, [*march, *compile_flags], link_flags, target, cc, depends=depends)
 
     def compile_to(staged: Path) -> None:
         with tempfile.TemporaryDirectory() as tmp:

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from omnivox.services.prompt import PromptBuilder
     from omnivox.services.speech_part import SpeechPart
     from omnivox.services.structured import GrammarCompiler
+    from omnivox.services.voice_part import VoicePart
     from omnivox.services.whisper_part import WhisperPart
 
 log = logging.getLogger(__name__)
@@ -102,12 +103,13 @@ def probe(spec: ModelSpec) -> BundleManifest:
         lenient_fields=frozenset(spec.lenient_fields),
     )
     if spec.path is None:
-        default = embedded_default(spec.speech, spec.asr)
+        default = embedded_default(spec.speech, spec.asr, spec.voice)
         return BundleManifest(
             source=None,
             embedded=default,
             parts=frozenset({part_table.SPEECH} if default.speech else ())
-            | ({part_table.WHISPER} if default.asr else set()),
+            | ({part_table.WHISPER} if default.asr else set())
+            | ({part_table.VOICE} if default.voice else set()),
             untrained_components=default.untrained_components,
             file_defaults=read_generation_config(default.generation_config()),
             **common,
@@ -144,8 +146,8 @@ class ModelBundle:
 
     manifest: BundleManifest
     source: Path  # where it was loaded from (an embedded default's cache path once fetched)
-    engine: Engine
-    prompt_builder: PromptBuilder
+    engine: Engine | None  # None when a part is the whole model (a voice: services/voice_part.py)
+    prompt_builder: PromptBuilder | None
     parts: dict[str, Any] = field(default_factory=dict)  # by services/parts.py row name
     # response_format and tool grammars, compiled off the loop and cached per cache salt (services/structured.py)
     grammars: GrammarCompiler = field(init=False)
@@ -153,7 +155,7 @@ class ModelBundle:
     def __post_init__(self) -> None:
         from omnivox.services.structured import GrammarCompiler
 
-        self.grammars = GrammarCompiler.for_engine(self.engine)
+        self.grammars = GrammarCompiler.for_engine(self.engine) if self.engine is not None else None  # type: ignore
 
     # The parts each servicer reads, typed.
     @property
@@ -169,6 +171,10 @@ class ModelBundle:
         return self.parts.get(
             part_table.AUDIO_IN
         )  # audio input: encoder + worker + template (services/audio_prompt.py)
+
+    @property
+    def voice(self) -> VoicePart | None:
+        return self.parts.get(part_table.VOICE)  # a non-autoregressive voice, no engine (services/voice_part.py)
 
     @property
     def vision(self) -> ImageInputPart | None:
@@ -194,9 +200,11 @@ class ModelBundle:
 
     async def aclose(self) -> None:
         """Stop the parts with background work (the codec worker, encoder threads), then the engine."""
-        self.grammars.close()
+        if self.grammars is not None:
+            self.grammars.close()
         await part_table.close(self.parts)
-        await asyncio.to_thread(self.engine.shutdown)  # joins the engine thread: off the event loop
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.shutdown)  # joins the engine thread: off the event loop
 
 
 def load_bundle(spec: ModelSpec, options: EngineOptions) -> ModelBundle:
@@ -212,6 +220,9 @@ def load_manifest(manifest: BundleManifest, options: EngineOptions) -> ModelBund
     """
     source = manifest.source or manifest.embedded.ensure()  # type: ignore[union-attr]
     source, options = part_table.prepare(manifest.parts, source, options)
+    if not part_table.needs_engine(manifest.parts):  # a voice: its part is the whole model
+        parts = part_table.load(manifest.parts, source, None, options)  # type: ignore[arg-type]
+        return ModelBundle(manifest=manifest, source=source, engine=None, prompt_builder=None, parts=parts)
     engine = _build_engine(source, options, manifest)
     try:
         if engine.tokenizer is None:

@@ -20,15 +20,26 @@ log = logging.getLogger(__name__)
 
 
 def model_name_for(path: Path) -> str:
-    """A request-friendly name: the folder's name, or the .gguf file's stem, lower-cased."""
-    return (path.stem if path.suffix == ".gguf" else path.name).lower()
+    """A request-friendly name: the folder's name, or the .gguf / .onnx file's stem (a Piper voice folder's .onnx
+    stem: its folder is often just `data`), lower-cased."""
+    from omnivox.models.voice.piper_config import find_piper_voice
+
+    if path.is_dir() and (voice := find_piper_voice(path)) is not None:
+        path = voice[0]
+    return (path.stem if path.suffix in (".gguf", ".onnx") else path.name).lower()
 
 
 def check_model_path(path: str | Path) -> Path:
-    """Raise ModelLoadError unless path is a checkpoint folder (config.json) or a .gguf file."""
+    """Raise ModelLoadError unless path is a checkpoint folder (config.json), a .gguf file or a voice (a Piper
+    NAME.onnx + NAME.onnx.json, as a folder or the .onnx file)."""
+    from omnivox.services.voice_part import check_voice_path, is_voice_path
+
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelLoadError(f"no such file or folder: {path}")
+    if is_voice_path(path):
+        check_voice_path(path)
+        return path.resolve()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path} is a folder but not a checkpoint (it has no config.json)")

@@ -22,6 +22,7 @@ class ModelSpec:
     name: str | None = None
     speech: bool = False  # with path None: the embedded random speech model (services/defaults.py) instead
     asr: bool = False  # with path None: the embedded whisper-base (services/defaults.py) instead
+    voice: bool = False  # with path None: the embedded hibari voice (services/defaults.py) instead
     # SamplingParams fields that replace the model's own defaults (`serve --sampling-default`), checked by the CLI.
     sampling_overrides: Mapping[str, Any] = field(default_factory=dict)
     # EngineOptions fields for this model alone (`serve --quantization NAME=...`, `--speculative NAME=...`,

@@ -11,6 +11,7 @@ loading a bundle, its modalities, its prompt builder and its shutdown are loops 
 | whisper | config model_type "whisper" (or CT2)     | audio in only, text out     | services/whisper_part.py     |
 | audio   | an audio-LLM config (models.audio)       | accepts audio               | services/audio_prompt.py     |
 | vision  | a vision-language config (models.vision) | accepts images              | services/image_prompt.py     |
+| voice   | a Piper voice, an unpacked hibari-tts    | produces audio, no engine   | services/voice_part.py       |
 
 To add a part (a new speech model kind, an encoder): write its module (a loader returning the part, and a close),
 then add one `PartKind` row below. Rows load in table order; the prompt builder of the LAST row that has one wins
@@ -56,6 +57,8 @@ class PartKind:
     # Before the engine is built: the folder to load from and the engine options it needs (Whisper's converted copy
     # and its small KV cache).
     prepare: Callable[[Path, EngineOptions], tuple[Path, EngineOptions]] | None = None
+    # False: the part is the whole model (a non-autoregressive voice): no engine is built, `load` gets None for it.
+    needs_engine: bool = True
 
 
 def _in_thread(part: Any) -> Awaitable[None]:
@@ -152,7 +155,20 @@ def _vision_builder(part: Any, engine: Engine) -> PromptBuilder:
     return ImagePromptBuilder(part, engine.model_config.max_model_len)
 
 
-SPEECH, WHISPER, AUDIO_IN, VISION = "speech", "whisper", "audio", "vision"
+# --- speech out, no engine: a non-autoregressive voice ------------------------------------------------------------------
+def _is_voice(path: Path) -> bool:
+    from omnivox.services.voice_part import is_voice_path
+
+    return is_voice_path(path)
+
+
+def _load_voice(source: Path, engine: None, options: EngineOptions) -> Any:
+    from omnivox.services.voice_part import load_voice_part
+
+    return load_voice_part(source)
+
+
+SPEECH, WHISPER, AUDIO_IN, VISION, VOICE = "speech", "whisper", "audio", "vision", "voice"
 
 PARTS: tuple[PartKind, ...] = (
     PartKind(SPEECH, _is_speech, _load_speech, output=AUDIO, close=_close_speech),
@@ -184,7 +200,13 @@ PARTS: tuple[PartKind, ...] = (
         prompt_builder=_vision_builder,
         close=_in_thread,
     ),  # fmt: skip
+    PartKind(VOICE, _is_voice, _load_voice, output=AUDIO, close=_in_thread, needs_engine=False),
 )
+
+
+def needs_engine(names: Iterable[str]) -> bool:
+    """False when one of the parts is the whole model (a voice): the bundle then has no engine."""
+    return all(kind.needs_engine for kind in rows(names))
 
 
 def rows(names: Iterable[str]) -> list[PartKind]:

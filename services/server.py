@@ -62,6 +62,8 @@ class ServerOptions:
     trace_exporter: Any = None  # an OpenTelemetry SpanExporter: tracing on (services/tracing.py); None = off
     data_dir: Path | None = None  # created voices live here (services/voices.py); None = $OMNIVOX_DATA_DIR or XDG
     asr_model: str | None = None  # a served Whisper model: Generate's audio for text models (services/cascade.py)
+    # A speech stream whose client runs dry within this many seconds steps first (engine/arbiter.py); 0 = off.
+    audio_first_margin_s: float = 1.0
     stream_idle_timeout_s: float = DEFAULT_STREAM_IDLE_S  # bidirectional streams idle this long end (0 = never)
 
 
@@ -77,6 +79,7 @@ class OmnivoxServer:
         self.options = options
         registry.set_asr_model(options.asr_model)  # ModelLoadError unless it names a served Whisper model
         registry.stream_idle_s = options.stream_idle_timeout_s or None
+        registry.arbiter.margin_s = options.audio_first_margin_s
         self.health = HealthServicer()
         self.metrics = Metrics()
         self.metrics_port: int | None = None
@@ -186,7 +189,7 @@ class OmnivoxServer:
         """
         failures: list[ModelLoadError] = []
         for model in self.registry:
-            if model.engine is None and model.state is not ModelState.FAILED:
+            if model.bundle is None and model.state is not ModelState.FAILED:
                 log.info("loading %s from %s", model.name, model.source or "the embedded default")
                 try:
                     await asyncio.to_thread(loading.load, model, options)  # the whole bundle, speech codec included
@@ -199,6 +202,7 @@ class OmnivoxServer:
                 log_message_limit(model, self.options.max_receive_message_bytes)
             if model.engine is not None:
                 self._watch_engine(model)
+            if model.bundle is not None:  # a voice has no engine to watch (services/voice_part.py)
                 await self.health.set(f"model/{model.name}", health_pb2.HealthCheckResponse.SERVING)
         if failures and len(failures) == len(self.registry):
             raise failures[0]

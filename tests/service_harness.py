@@ -90,16 +90,21 @@ class ServerThread:
         assert model.engine is not None
         return model.engine
 
-    def wait_kv_free(self, name: str = "", timeout: float = 1.0) -> tuple[int, int]:
+    def wait_kv_free(self, name: str = "", timeout: float = 60.0) -> tuple[int, int]:
         """Wait until the model's KV pool has every block free again; return (free, total) as last seen.
 
-        The default timeout is short on purpose: an aborted request frees its blocks within one engine step.
+        Waits on the engine, not on the clock: it returns as soon as every block is free, or as soon as the engine
+        holds no request (then nothing is left that could free the rest: a leak, returned at once). The timeout only
+        bounds a wedged engine; the old fixed 1 s failed on a loaded 2-core machine where one step took longer.
         """
         engine = self.engine(name)
         deadline = time.monotonic() + timeout
         while True:
             usage = engine.kv_usage()
             if usage.free_blocks == usage.total_blocks or time.monotonic() > deadline:
+                return usage.free_blocks, usage.total_blocks
+            if not engine.has_unfinished():  # blocks are freed before the request leaves (engine.py _finish)
+                usage = engine.kv_usage()
                 return usage.free_blocks, usage.total_blocks
             time.sleep(0.01)
 

@@ -66,14 +66,26 @@ def test_gemv_equals_linear(target, n, k, bias):
     torch.testing.assert_close(ours, torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-4)
 
 
-def test_decoder_linear_routes_single_rows_to_the_kernel():
+def test_decoder_linear_routes_single_rows_to_the_kernel(monkeypatch):
+    """models/layers.py `linear`: one float32 row of a contiguous weight goes through the GEMV kernel (a spy counts
+    the calls), everything else through F.linear; both give the same numbers."""
     from omnivox.models.layers import linear
 
+    calls = []
+    real = cpu_kernels.gemv
+    monkeypatch.setattr(cpu_kernels, "gemv", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     w, x = torch.randn(16, 24), torch.randn(3, 24)
     with torch.inference_mode():
         one = linear(x[:1], w)
+        assert calls == [(1, 24)], "a single float32 row did not take the GEMV kernel"
         many = linear(x, w)
+        linear(x[:1], w.t().contiguous().t())  # a transposed (non-contiguous) weight: F.linear
+        linear(x[:1].double(), w.double())  # float64: F.linear
+    assert calls == [(1, 24)], "rows the kernel does not cover went through it"
     torch.testing.assert_close(one, many[:1], atol=1e-5, rtol=1e-5)
+    with torch.enable_grad():
+        linear(x[:1], w)  # autograd needs torch's op
+    assert len(calls) == 1
 
 
 def test_kernel_source_ships_in_wheels():
@@ -84,5 +96,6 @@ def test_kernel_source_ships_in_wheels():
     root = Path(__file__).resolve().parents[1]
     data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     assert "*.c" in data["omnivox.models"]
-    for source in cpu_kernels._SOURCES:  # cpu_kernels.c and block_kernels_vnni.c
+    assert "*.h" in data["omnivox.models"]  # intrinsics_scalar.h, which block_kernels_vnni.c can include
+    for source in [*cpu_kernels._SOURCES, cpu_kernels._HEADER]:  # cpu_kernels.c, block_kernels_vnni.c, the header
         assert source.exists() and source.parent == root / "models"

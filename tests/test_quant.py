@@ -3,6 +3,8 @@ stated error of float32 `F.linear` on odd shapes, at one row and many."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -43,22 +45,40 @@ def test_block_kernels_equal_portable_path(target, kind, n, k, m):
     torch.testing.assert_close(ours, portable, rtol=1e-4, atol=1e-4)
 
 
-def require_vnni() -> None:
-    require_kernels()
-    if not cpu_kernels.vnni_available():
-        pytest.skip("this CPU or compiler has no AVX-512 VNNI: the int16 kernels and float GEMM serve")
+def many_row_library(build: str) -> ctypes.CDLL:
+    """A build holding the many-row kernel `build` names: "vnni-native" where this CPU has AVX-512 VNNI;
+    "vnni-emulation", the same source against scalar versions of its intrinsics (models/intrinsics_scalar.h), on every
+    host; "avx2-TARGET", the AVX2 kernel in each build this host runs."""
+    kernel, _, target = build.partition("-")
+    if target == "emulation":
+        lib = cpu_kernels.vnni_emulation()
+        if lib is None:
+            require_kernels()  # skips without a compiler
+            failure = cpu_kernels.build_failure("emulation")
+            pytest.fail(f"a C compiler exists but the emulated VNNI kernel did not build: {failure}")
+        return lib
+    lib = target_library(target)
+    if kernel == "vnni" and not cpu_kernels.vnni_available(lib):
+        pytest.skip("this CPU or compiler has no AVX-512 VNNI: the AVX2 kernel serves (tested on its emulation too)")
+    if kernel == "avx2" and not lib.avx2_rows_available():
+        pytest.skip(f"the {target} build has no AVX2")
+    return lib
 
 
-@pytest.mark.parametrize(("n", "k"), [(1, 32), (7, 40), (33, 100), (130, 576)])  # partial 8-row tiles, odd K
+MANY_ROW_BUILDS = ["vnni-native", "vnni-emulation", *(f"avx2-{t}" for t in KERNEL_TARGETS)]
+
+
+@pytest.mark.parametrize(("n", "k"), [(1, 32), (7, 40), (33, 100), (130, 576)])  # partial and full tiles, odd K
 @pytest.mark.parametrize("m", [1, 5, 17, 35])
 @pytest.mark.parametrize("act_bits", quant.ACT_BITS)
 @pytest.mark.parametrize("kind", ["q8", "q4"])
-def test_vnni_kernel_equals_portable_path(kind, act_bits, n, k, m):
-    require_vnni()
+@pytest.mark.parametrize("build", MANY_ROW_BUILDS)
+def test_many_row_kernel_equals_portable_path(build, kind, act_bits, n, k, m):
+    lib = many_row_library(build)
     torch.manual_seed(n * k + m + act_bits)
     layer = LAYERS[kind].from_float(torch.randn(n, k), torch.randn(n))
     x = F.pad(torch.randn(m, k) * 3, (0, layer.padded_in - k))
-    ours = cpu_kernels.block_matmul_vnni(kind, x, layer.blocks, n, layer.bias, act_bits)
+    ours = cpu_kernels.block_matmul_many(kind, x, layer.blocks, n, layer.bias, act_bits, lib=lib, kernel=build[:4])
     portable = quant.block_matmul_portable(kind, x, layer.blocks, layer.bias, act_bits)
     # The same integer group dots and scales (15 bits: two int8 passes recombined exactly); only the float summation
     # order differs.

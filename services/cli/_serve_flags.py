@@ -192,6 +192,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "one GPU per rank; gloo on the CPU); N must divide the head counts. Encoders and the codec stay on rank 0",
     )
     p.add_argument(
+        "--audio-first-margin",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="while a speech stream's client would run dry within this many seconds (or its first audio is due), "
+        "the other models' engines wait before their steps, at most 0.1 s each (0 = off)",
+    )
+    p.add_argument(
         "--speech-first-hop",
         type=int,
         metavar="FRAMES",
@@ -282,15 +290,22 @@ def model_specs(
     activation_bits: list[str] = (),
 ) -> list[ModelSpec]:
     """One ModelSpec per --model (the embedded defaults without any), each with its --sampling-default overrides."""
-    from omnivox.services.defaults import DEFAULT_ASR_MODEL_NAME, DEFAULT_MODEL_NAME, DEFAULT_SPEECH_MODEL_NAME
+    from omnivox.services.defaults import (
+        DEFAULT_ASR_MODEL_NAME,
+        DEFAULT_MODEL_NAME,
+        DEFAULT_SPEECH_MODEL_NAME,
+        DEFAULT_VOICE_MODEL_NAME,
+    )
     from omnivox.services.loading import ModelSpec, model_name_for
 
     if len(names) > max(len(models), 1):
         raise CliError(f"{len(names)} --name given for {len(models)} --model")
-    if not models:  # the embedded defaults: the text model, the random speech model, whisper-base
-        specs = [ModelSpec(path=None, name=names[0] if names else None), ModelSpec(path=None, speech=True)]
-        specs.append(ModelSpec(path=None, asr=True))
-        served = [specs[0].name or DEFAULT_MODEL_NAME, DEFAULT_SPEECH_MODEL_NAME, DEFAULT_ASR_MODEL_NAME]
+    if not models:  # the embedded defaults: the text model, the hibari voice (the first speech model: the default
+        # speech model), the random Orpheus-layout model, whisper-base
+        specs = [ModelSpec(path=None, name=names[0] if names else None), ModelSpec(path=None, voice=True)]
+        specs += [ModelSpec(path=None, speech=True), ModelSpec(path=None, asr=True)]
+        served = [specs[0].name or DEFAULT_MODEL_NAME, DEFAULT_VOICE_MODEL_NAME, DEFAULT_SPEECH_MODEL_NAME]
+        served.append(DEFAULT_ASR_MODEL_NAME)
     else:
         specs = [ModelSpec(path=path, name=names[i] if i < len(names) else None) for i, path in enumerate(models)]
         served = [spec.name or model_name_for(path.expanduser()) for spec, path in zip(specs, models, strict=True)]
@@ -304,7 +319,9 @@ def model_specs(
         overrides[served.index(target) if target is not None else 0][key] = value
     engine = engine_overrides(served, list(quantization), list(speculative), list(activation_bits))
     return [
-        ModelSpec(s.path, s.name, s.speech, s.asr, sampling_overrides=o, engine_overrides=e, lenient_fields=loose)
+        ModelSpec(
+            s.path, s.name, s.speech, s.asr, s.voice, sampling_overrides=o, engine_overrides=e, lenient_fields=loose
+        )  # fmt: skip
         for s, o, (e, loose) in zip(specs, overrides, engine, strict=True)
     ]
 
