@@ -5,7 +5,7 @@ in one call (models/fused_decode.py).
 torch has no paged attention on CPU: the portable path gathers each request's KV blocks into a contiguous copy before
 attending, which at large batch moves the KV cache through memory three times per step. The kernel reads the cache
 in place, once. It is compiled with `cc -O3 -march=native -fopenmp` into the omnivox cache (keyed by source, compiler
-flags and the CPU's instruction-set flags: models/kernel_build.py), loaded with ctypes (which releases the GIL during
+flags and the CPU's instruction-set flags: native/kernel_build.py), loaded with ctypes (which releases the GIL during
 the call), and used for float32 CPU decode. `library(target)` builds for a named instruction set instead
 (`x86-64-v3`: AVX2 + FMA), and `use_target` makes the engine run on it (tests force the AVX2 kernels that way).
 Without a compiler, or when the build fails, the portable path serves and a warning says so once.
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .kernel_build import TARGETS, BuildError, build_library, compiler, cpu_flags, runnable_targets
+from omnivox.native.kernel_build import TARGETS, BuildError, build_library, compiler, cpu_flags, runnable_targets
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ _SOURCES = [
     Path(__file__).with_name(name) for name in ("cpu_kernels.c", "block_kernels_vnni.c", "block_kernels_avx2.c")
 ]
 _HEADER = Path(__file__).with_name("intrinsics_scalar.h")
-_COMPILE = ["-O3", "-fno-math-errno", "-fopenmp", "-fPIC"]  # -march comes from the target (models/kernel_build.py)
+_COMPILE = ["-O3", "-fno-math-errno", "-fopenmp", "-fPIC"]  # -march comes from the target (native/kernel_build.py)
 _LINK = ["-shared", "-fopenmp", "-lm"]
 _lock = threading.Lock()
 _libraries: dict[str, ctypes.CDLL | None] = {}  # per target, built and loaded once per process (None: unavailable)
@@ -69,7 +69,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def library(target: str = "native") -> ctypes.CDLL | None:
-    """The kernels built for `target` (models/kernel_build.py TARGETS), built and loaded once per process; None
+    """The kernels built for `target` (native/kernel_build.py TARGETS), built and loaded once per process; None
     without a compiler, when the build failed (build_failure says why) or when this CPU cannot run the target."""
     with _lock:
         if target not in _libraries:
