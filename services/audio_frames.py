@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from omnivox.models.orpheus import SpeechLayout
+
+if TYPE_CHECKING:
+    from omnivox.services.csm_part import CsmLayout
 
 log = logging.getLogger(__name__)
 
@@ -21,15 +25,19 @@ class AudioFrameAssembler:
     The stream ends at end-of-speech, or at a token that is no audio token at its position (the token constraint
     rules that out; if it happens anyway the audio ends there, logged, rather than failing the call)."""
 
-    def __init__(self, layout: SpeechLayout, label: str = "") -> None:
+    def __init__(self, layout: SpeechLayout | CsmLayout, label: str = "") -> None:
         self.layout = layout
         self.label = label  # names the stream in the log ("segment 2", "clause 0")
         self.audio_tokens = 0  # audio tokens taken so far (a partial frame's included)
         self.ended = False
         self._frame: list[int] = []
 
-    def feed(self, token_ids: Sequence[int]) -> list[list[int]]:
-        """The frames the new tokens complete; nothing once the speech has ended."""
+    def feed(self, token_ids: Sequence[int], engine_frames: Sequence[Sequence[int]] = ()) -> list[list[int]]:
+        """The frames the new tokens complete; nothing once the speech has ended. `engine_frames`: a frame model's
+        (CSM, services/csm_part.py) whole frames, one per token (`RequestOutput.new_frames`), taken as they are."""
+        if engine_frames:
+            self.audio_tokens += len(token_ids)
+            return self.layout.codec_frames(engine_frames)
         frames: list[list[int]] = []
         layout = self.layout
         for token in token_ids:

@@ -188,7 +188,7 @@ class ClauseSynthesis:
         gen = engine.stream(prompt, params, request_id=f"{self.request_id}-{index}", cache_salt=self.salt)
         async with contextlib.aclosing(gen):
             async for out in gen:
-                new = assembler.feed(out.new_token_ids)
+                new = assembler.feed(out.new_token_ids, out.new_frames)
                 part.worker.push(self.stream, new)
                 frames += new
                 if out.finished:

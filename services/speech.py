@@ -100,6 +100,12 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
             raise voice_speech.cannot_clone(model, model.bundle.voice)
         assert model.bundle.speech is not None
         layout = model.bundle.speech.layout
+        if not isinstance(
+            layout, SpeechLayout
+        ):  # CSM: its voice prompts (Mimi-encoded reference turns) are not here yet
+            raise errors.failed_precondition(
+                f"model {model.name!r} is a CSM model: cloning a voice from reference audio is not served for it yet"
+            )
         voice = await self.voices.create(model.name, layout, model.bundle.source / layout.codec_folder, request)
         return speech_pb2.CreateVoiceResponse(voice=voice.to_proto(model.name, layout.language_code))
 

@@ -147,12 +147,12 @@ def segment_params(
     if "seed" in kwargs:
         # segments differ, the request stays reproducible (wrapped: the seed range ends at MAX_SEED)
         kwargs["seed"] = (int(kwargs["seed"]) + index) % (MAX_SEED + 1)
+    if part.constraint is not None:  # audio tokens in the vocabulary: the layout's, ended by end-of-speech
+        kwargs.update(stop_token_ids=[layout.end_of_speech], constraint_factory=shared(part.constraint))
     params = SamplingParams(
         **kwargs,  # type: ignore[arg-type]
         max_tokens=frames * layout.frame_size,
-        stop_token_ids=[layout.end_of_speech],
         detokenize=False,  # the audio codes are read as token ids; their text is never used
-        constraint_factory=shared(part.constraint),
     )
     try:
         params.validate(model.vocab_size)

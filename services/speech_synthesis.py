@@ -119,7 +119,7 @@ class SegmentedSynthesis:
                 async with contextlib.aclosing(stream):
                     async for out in stream:
                         seg.cached_tokens = max(seg.cached_tokens, out.num_cached_tokens)
-                        part.worker.push(seg.stream, frames.feed(out.new_token_ids))
+                        part.worker.push(seg.stream, frames.feed(out.new_token_ids, out.new_frames))
                         seg.audio_tokens = frames.audio_tokens
                         if out.finished:
                             seg.finish_reason, seg.error = out.finish_reason, out.error

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mimi_checkpoints import TINY_MIMI_CONFIGS
+
 from omnivox.models.checkpoint import load_tokenizer
 from omnivox.models.csm_random import save_random_csm
 from omnivox.services.defaults import ensure_default_model
-from tests.mimi_checkpoints import TINY_MIMI_CONFIGS
 
 TINY_CSM_SHAPES: dict[str, dict] = {
     "csm-a": dict(

@@ -7,12 +7,12 @@ import asyncio
 import numpy as np
 import pytest
 import torch
+from mimi_checkpoints import TINY_MIMI_CONFIGS, save_tiny_mimi
 from transformers import MimiModel
 
 from omnivox.codecs.decode_worker import END, DecodeWorker
 from omnivox.codecs.mimi import MimiDecoder
 from omnivox.codecs.mimi_streaming import MimiStreamDecoder
-from tests.mimi_checkpoints import TINY_MIMI_CONFIGS, save_tiny_mimi
 
 
 @pytest.fixture(scope="module", params=sorted(TINY_MIMI_CONFIGS))

@@ -8,6 +8,8 @@ from kernel_support import KERNEL_TARGETS, require_kernels, target_library
 
 from omnivox.models import attention, cpu_kernels
 
+pytestmark = pytest.mark.cpu_paths  # also run on the AVX2 builds: make test's second pass
+
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel():

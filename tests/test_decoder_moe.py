@@ -193,6 +193,7 @@ BLOCKS = {
 }
 
 
+@pytest.mark.cpu_paths
 @pytest.mark.parametrize("family", list(BLOCKS))
 def test_sparse_block_equals_transformers_float32_within_rounding_bf16_bitwise(family):
     """Our SparseMoeBlock against transformers' own on 37 rows and on 1, in float32 (within 1e-5) and bf16 (bit for bit): the routing weights'

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from csm_checkpoints import TINY_CSM_SHAPES, save_tiny_csm
 from transformers import CsmForConditionalGeneration
 
 from omnivox.codecs.mimi import MimiDecoder
 from omnivox.engine.engine import Engine
 from omnivox.engine.params import SamplingParams
-from tests.csm_checkpoints import TINY_CSM_SHAPES, save_tiny_csm
 
 TEXTS = ("Hello there.", "A longer sentence, to give this prompt another length.", "Hi", "One, two, three, four.")
 

@@ -9,6 +9,8 @@ import pytest
 
 from omnivox.native import kernel_build
 
+pytestmark = pytest.mark.cpu_paths  # also run on the AVX2 builds: make test's second pass
+
 MODEL = "model name\t: AMD EPYC Processor\n"
 AVX2 = "fpu sse2 avx avx2 fma f16c bmi1 bmi2 movbe abm"
 AVX512 = AVX2 + " avx512f avx512bw avx512cd avx512dq avx512vl avx512_vnni"

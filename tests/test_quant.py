@@ -12,6 +12,8 @@ from kernel_support import KERNEL_TARGETS, require_kernels, target_library
 
 from omnivox.models import cpu_kernels, quant
 
+pytestmark = pytest.mark.cpu_paths  # also run on the AVX2 builds: make test's second pass
+
 SHAPES = [(1, 32), (7, 40), (33, 100), (96, 64), (130, 576)]  # (out, in): odd sizes, K not a multiple of 32
 ROWS = [
     1,
