@@ -87,3 +87,18 @@ def test_served_engine_holds_the_flagged_budget(ckpt):
         stub = generation_pb2_grpc.GenerationServiceStub(s.channel())
         replies = list(stub.Generate(user_request("Hello there", model="tiny", max_output_tokens=4), timeout=60))
         assert replies and s.wait_kv_free("tiny")[0] == s.wait_kv_free("tiny")[1]
+
+
+def test_max_step_ms_measures_text_engines_and_leaves_whisper_alone(ckpt, tmp_path):
+    """`serve --max-step-ms` beside a Whisper: the text engine gets a measured budget; Whisper (whose requests need
+    audio the calibration has none of) loads without one and serves."""
+    from service_harness import ServerThread
+    from whisper_checkpoints import make_whisper
+
+    from omnivox.services.loading import EngineOptions, ModelSpec
+
+    specs = [ModelSpec(path=ckpt, name="tiny"), ModelSpec(path=make_whisper(tmp_path / "whisper"), name="whisper")]
+    with ServerThread(specs, EngineOptions(kv_cache_gib=0.01, max_num_batched_tokens=32, max_step_ms=1e4)) as s:
+        assert s.engine("tiny").scheduler.budget == StepBudget(32, 32, 16)
+        assert s.engine("whisper").scheduler.budget.mixed_step_tokens is None
+        s.engine("tiny").check_integrity()
