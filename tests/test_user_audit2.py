@@ -13,11 +13,11 @@ import grpc
 import numpy as np
 import pytest
 import soundfile as sf
-from checkpoints import make_checkpoint
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
-from service_harness import ServerThread
-from whisper_checkpoints import make_whisper
+from support.checkpoints import make_checkpoint
+from support.service_harness import ServerThread
+from support.whisper_checkpoints import make_whisper
 
 from omnivox.codecs.audio_input import AudioInputError, decode_audio
 from omnivox.codecs.image import ImageDecodeError, decode_image

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from vision_checkpoints import make_qwen2_5_vl
+from support.vision_checkpoints import make_qwen2_5_vl
 
 from omnivox.services.cli import main
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import transformers
-from checkpoints import make_tokenizer
+from support.checkpoints import make_tokenizer
 
 from omnivox.benchmarks.bandwidth import kv_bytes_per_step, measure_bandwidth, measure_matmul, weight_bytes_per_step
 from omnivox.benchmarks.main import evaluate_targets

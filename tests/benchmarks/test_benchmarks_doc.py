@@ -8,10 +8,11 @@ import re
 from pathlib import Path
 
 import pytest
+from support.paths import REPO_ROOT
 
 from omnivox.benchmarks import report
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 DOC = (ROOT / "BENCHMARKS.md").read_text()
 RESULTS = ROOT / "benchmarks" / "results"
 

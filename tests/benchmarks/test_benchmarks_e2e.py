@@ -7,14 +7,14 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from checkpoints import make_checkpoint
+from support.checkpoints import make_checkpoint
+from support.paths import REPO_ROOT
 
 from omnivox.benchmarks.main import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 
 
 @pytest.mark.timeout(240)

@@ -9,10 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.paths import REPO_ROOT
 
 from omnivox.benchmarks.main import own_systems_failed, write_partial
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 
 
 def _gpu_sh(out: Path, *args: str, budget_s: int = 200) -> subprocess.CompletedProcess:

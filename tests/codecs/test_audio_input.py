@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 import torchaudio.functional as AF
-from audio_checkpoints import chirp, encode, espeak_wav, noise, tone
+from support.audio_checkpoints import chirp, encode, espeak_wav, noise, tone
 
 from omnivox.codecs.audio_format import AudioStreamEncoder, float_to_int16, int16_to_mulaw
 from omnivox.codecs.audio_input import (

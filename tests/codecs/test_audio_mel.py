@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from audio_checkpoints import chirp, noise, tone
+from support.audio_checkpoints import chirp, noise, tone
 from transformers.models.qwen3_asr.feature_extraction_qwen3_asr import Qwen3ASRFeatureExtractor
 
 from omnivox.codecs.mel import LogMelExtractor, MelSettings

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from audio_checkpoints import espeak_wav, noise, tone
+from support.audio_checkpoints import espeak_wav, noise, tone
 
 from omnivox.codecs.audio_input import AudioLimits, decode_audio
 from omnivox.codecs.audio_split import split_at_quiet

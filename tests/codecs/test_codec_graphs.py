@@ -9,7 +9,7 @@ import asyncio
 import numpy as np
 import pytest
 import torch
-from engines import device_under_test
+from support.engines import device_under_test
 
 from omnivox.codecs.codec_graphs import StaticCodec, frame_buckets_for
 from omnivox.codecs.decode_worker import END, DecodeWorker

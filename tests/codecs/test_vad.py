@@ -9,7 +9,7 @@ import io
 import numpy as np
 import pytest
 import soundfile
-from audio_checkpoints import espeak_wav, noise, tone
+from support.audio_checkpoints import espeak_wav, noise, tone
 
 from omnivox.codecs.audio_input import resample
 from omnivox.codecs.vad import START_MARGIN_DB, SpeechEventKind, VadConfig, VoiceActivityDetector, frame_energies_dbfs

@@ -20,13 +20,14 @@ from typing import Any
 
 import pytest
 import yaml
+from support.paths import REPO_ROOT
 
 from omnivox.services.bindings import omnivox_services
 from omnivox.services.cli import build_parser
 from omnivox.services.registry import ModelRegistry
 from omnivox.services.server import ServerOptions
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO_ROOT
 DEPLOY = ROOT / "deploy"
 OVERLAYS = sorted(p.parent.name for p in (DEPLOY / "overlays").glob("*/kustomization.yaml"))
 DOCKERFILES = [ROOT / "docker" / "Dockerfile", ROOT / "docker" / "Dockerfile.cuda"]

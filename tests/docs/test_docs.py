@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 from google.protobuf.descriptor import FileDescriptor
+from support.paths import REPO_ROOT
 
 from omnivox.v1 import content_pb2, generation_pb2, model_pb2, sampling_pb2, speech_pb2, transcription_pb2
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO_ROOT
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PROTO_FILES: list[FileDescriptor] = [
     m.DESCRIPTOR for m in (content_pb2, generation_pb2, model_pb2, sampling_pb2, speech_pb2, transcription_pb2)

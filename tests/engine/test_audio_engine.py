@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from audio_checkpoints import chirp, encode, make_qwen2_audio, make_qwen3_asr, noise
-from engines import tiny_engine
+from support.audio_checkpoints import chirp, encode, make_qwen2_audio, make_qwen3_asr, noise
+from support.engines import tiny_engine
 
 from omnivox.codecs.audio_format import float_to_int16
 from omnivox.codecs.audio_input import content_key, decode_audio

@@ -6,8 +6,8 @@ import dataclasses
 import json
 
 import pytest
-from engines import tiny_checkpoint, tiny_engine
-from service_harness import ServerThread
+from support.engines import tiny_checkpoint, tiny_engine
+from support.service_harness import ServerThread
 
 from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
 from omnivox.codecs.streaming import StreamingOptions

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from engines import tiny_checkpoint
+from support.engines import tiny_checkpoint
 from transformers import AutoTokenizer
 
 from omnivox.engine.detokenizer import IncrementalDetokenizer

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 import torch
-from engines import tiny_checkpoint, tiny_engine
+from support.engines import tiny_checkpoint, tiny_engine
 
 from omnivox.engine import EmbeddingSegment, InvalidRequest, SamplingParams, shared
 

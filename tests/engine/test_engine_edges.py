@@ -8,9 +8,9 @@ import math
 
 import llguidance
 import pytest
-from audit_generate import run, violations
-from engines import tiny_checkpoint, tiny_engine
-from service_harness import ServerThread, user_request
+from support.engines import tiny_checkpoint, tiny_engine
+from support.service_harness import ServerThread, user_request
+from support.tiny_chat_server import run, violations
 
 from omnivox.engine import InvalidRequest, SamplingParams, shared
 from omnivox.engine.speculative import NgramProposer

@@ -12,15 +12,15 @@ import llguidance
 import numpy as np
 import pytest
 import torch
-from audio_checkpoints import chirp, noise, tone
-from audit_generate import run as generate
-from checkpoints import load_reference
-from engines import tiny_checkpoint, tiny_engine
-from service_harness import ServerThread, user_request
-from test_sampling_distribution import PROMPT, chi_square_ok, expected_probs
-from test_sampling_distribution import spread as spread  # noqa: F401  (fixture)
-from test_speculative import GeneralDraft
-from whisper_checkpoints import make_whisper
+from support.audio_checkpoints import chirp, noise, tone
+from support.checkpoints import load_reference
+from support.drafts import GeneralDraft
+from support.engines import tiny_checkpoint, tiny_engine
+from support.sampling_checks import PROMPT, chi_square_ok, expected_probs
+from support.sampling_checks import spread as spread  # noqa: F401  (fixture)
+from support.service_harness import ServerThread, user_request
+from support.tiny_chat_server import run as generate
+from support.whisper_checkpoints import make_whisper
 
 from omnivox.engine import SamplingParams
 from omnivox.engine.draft import DraftModelProposer

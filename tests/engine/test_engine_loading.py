@@ -9,7 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from checkpoints import make_checkpoint
+from support.checkpoints import make_checkpoint
 
 _PROBE = textwrap.dedent(
     """

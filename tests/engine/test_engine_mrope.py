@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from vision_checkpoints import make_qwen2_5_vl, sample_image
-from vision_parity import images, prompt
+from support.vision_checkpoints import make_qwen2_5_vl, sample_image
+from support.vision_parity import images, prompt
 
 from omnivox.engine import EmbeddingSegment, Engine, SamplingParams
 from omnivox.models.vision import VisionEncoder

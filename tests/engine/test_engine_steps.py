@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engines import tiny_checkpoint, tiny_engine
+from support.engines import tiny_checkpoint, tiny_engine
 
 from omnivox.engine import EmbeddingSegment, InvalidRequest, SamplingParams
 

@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from host_reads import count_host_reads, synchronising_calls
+from support.host_reads import count_host_reads, synchronising_calls
 
 SYNC = "called a synchronizing CUDA operation"  # torch's TORCH_WARN text in sync debug mode "warn"
 

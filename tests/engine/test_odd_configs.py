@@ -9,10 +9,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from audio_checkpoints import encode, make_qwen2_audio, tone
-from checkpoints import make_checkpoint
-from service_harness import ServerThread, user_request
-from vision_checkpoints import make_qwen2_5_vl, png_bytes, sample_image
+from support.audio_checkpoints import encode, make_qwen2_audio, tone
+from support.checkpoints import make_checkpoint
+from support.service_harness import ServerThread, user_request
+from support.vision_checkpoints import make_qwen2_5_vl, png_bytes, sample_image
 
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc

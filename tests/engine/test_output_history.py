@@ -5,7 +5,7 @@ skipped special ids follows tokens added later."""
 from __future__ import annotations
 
 import pytest
-from engines import tiny_checkpoint, tiny_engine
+from support.engines import tiny_checkpoint, tiny_engine
 from transformers import AutoTokenizer
 
 from omnivox.engine import SamplingParams

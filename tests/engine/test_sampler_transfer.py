@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engines import device_under_test, tiny_checkpoint, tiny_engine
-from host_reads import count_host_reads, synchronising_calls
+from support.engines import device_under_test, tiny_checkpoint, tiny_engine
+from support.host_reads import count_host_reads, synchronising_calls
 
 from omnivox.engine import SamplingParams
 from omnivox.engine.sampler import Sampler

@@ -5,8 +5,8 @@ preemption and the pool's bookkeeping stay right."""
 from __future__ import annotations
 
 import pytest
-from checkpoints import load_reference, reference_greedy
-from engines import tiny_checkpoint, tiny_engine
+from support.checkpoints import load_reference, reference_greedy
+from support.engines import tiny_checkpoint, tiny_engine
 
 from omnivox.engine import SamplingParams
 from omnivox.engine.request import Status
@@ -151,7 +151,7 @@ def test_mixed_full_and_sliding_layers_keep_every_block(tmp_path_factory):
 def test_grpc_a_pool_smaller_than_the_context_serves_the_whole_length(ckpt, keeping):
     """Through the gRPC API: a pool of 10 blocks (160 tokens) serves a 300-token answer of a window-32 model, since
     a request holds at most one step's window plus its chunk; the context is not capped to the pool (it was: 160)."""
-    from service_harness import ServerThread, user_request
+    from support.service_harness import ServerThread, user_request
 
     from omnivox.services.loading import EngineOptions, ModelSpec
     from omnivox.v1 import generation_pb2_grpc

@@ -6,14 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from engines import device_under_test, tiny_checkpoint, tiny_engine
-from host_reads import count_host_reads, synchronising_calls
-from test_sampling_distribution import PROMPT, chi_square_ok
-from test_sampling_distribution import spread as spread  # noqa: F401  (fixture)
+from support.drafts import GeneralDraft
+from support.engines import device_under_test, tiny_checkpoint, tiny_engine
+from support.host_reads import count_host_reads, synchronising_calls
+from support.sampling_checks import PROMPT, chi_square_ok
+from support.sampling_checks import spread as spread  # noqa: F401  (fixture)
 
 from omnivox.engine import SamplingParams
 from omnivox.engine.draft import DraftModelProposer
-from omnivox.engine.speculative import NgramProposer, Proposal, resolve
+from omnivox.engine.speculative import NgramProposer, resolve
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 PROMPTS = [list(range(11, 30)), [5, 6, 7, 5, 6, 7, 5, 6], list(range(40, 45))]
@@ -158,24 +159,9 @@ def test_ngram_proposes_what_followed_the_last_match():
     assert prop(Request("s", [1, 2, 3, 4, 5], SamplingParams(), 10, ())) == []
 
 
-class GeneralDraft:
-    """Proposes one token drawn from a fixed distribution q (with q): exercises the general rejection path."""
-
-    def __init__(self, vocab: int) -> None:
-        g = torch.Generator().manual_seed(1)
-        self.q = torch.softmax(torch.randn(vocab, generator=g) * 4, 0)
-        self.gen = torch.Generator().manual_seed(2)
-        self.proposed = 0
-
-    def __call__(self, req):
-        self.proposed += 1
-        token = int(torch.multinomial(self.q, 1, generator=self.gen))
-        return Proposal([token], self.q.unsqueeze(0))
-
-
 def test_first_two_tokens_keep_their_distribution_at_temperature_1(spread):  # noqa: F811
     path, first_logits = spread
-    from checkpoints import load_reference
+    from support.checkpoints import load_reference
 
     model = load_reference(path)
     with torch.no_grad():  # p(t2 | t1) for every t1

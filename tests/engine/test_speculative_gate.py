@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from engines import tiny_checkpoint, tiny_engine
+from support.engines import tiny_checkpoint, tiny_engine
 
 from omnivox.engine import SamplingParams
 from omnivox.engine.request import Request

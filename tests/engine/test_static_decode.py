@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engines import device_under_test, tiny_checkpoint, tiny_engine
+from support.engines import device_under_test, tiny_checkpoint, tiny_engine
 
 from omnivox.engine import SamplingParams
 from omnivox.engine.loading import profile_activation_bytes

@@ -9,7 +9,7 @@ import llguidance
 import llguidance.numpy as llg_np
 import pytest
 import torch
-from engines import tiny_checkpoint, tiny_engine
+from support.engines import tiny_checkpoint, tiny_engine
 
 from omnivox.engine import SamplingParams
 from omnivox.engine.params import shared
@@ -129,7 +129,7 @@ def test_finished_grammar_wins_over_min_tokens(engine) -> None:
 def test_realistic_tokenizer_json_and_tool_calls(default_gguf, tmp_path) -> None:
     """SmolLM2's 49 152-token BPE (multi-character tokens, special tokens) under a tiny random decoder: sampled JSON
     validates and a required tool call parses, with the Hermes grammar services/tools.py builds."""
-    from checkpoints import make_checkpoint
+    from support.checkpoints import make_checkpoint
 
     from omnivox.models.checkpoint import load_tokenizer
     from omnivox.services import tool_grammar, tool_parser, tools

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import make_checkpoint
+from support.checkpoints import make_checkpoint
 
 from omnivox.engine import EmbeddingSegment, Engine, SamplingParams
 from omnivox.engine.tensor_parallel import TensorParallelModel

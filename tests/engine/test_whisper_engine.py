@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from engines import tiny_engine
+from support.engines import tiny_engine
 from transformers import GenerationMixin, WhisperConfig, WhisperForConditionalGeneration
 
 from omnivox.engine import InvalidRequest, SamplingParams

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from checkpoints import make_checkpoint
-from service_harness import ServerThread, user_request
+from support.checkpoints import make_checkpoint
+from support.service_harness import ServerThread, user_request
 
 from omnivox.engine import Engine, SamplingParams
 from omnivox.models import cpu_kernels

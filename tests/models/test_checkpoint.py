@@ -10,12 +10,12 @@ import textwrap
 from pathlib import Path
 
 import gguf
-import gguf_writer
 import numpy as np
 import pytest
 import torch
 import transformers
-from checkpoints import make_checkpoint
+from support.checkpoints import make_checkpoint
+from support.gguf_writer import _gguf_name, write_gguf
 
 from omnivox.models.checkpoint import iter_checkpoint_tensors, load_hf_config, load_tokenizer
 
@@ -195,115 +195,6 @@ def test_streaming_peak_memory_under_1_5x_weights(tmp_path):
 
 # ---------------------------------------------------------------------------------------------------------------------
 # GGUF written here the way llama.cpp's convert_hf_to_gguf.py writes it
-
-_GGUF_LEAF = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-}
-
-
-def _gguf_name(hf_name: str) -> str:
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
-    if hf_name in top:
-        return top[hf_name]
-    if hf_name == "lm_head.weight":
-        return "output.weight"
-    _, _, layer, rest = hf_name.split(".", 3)
-    module, leaf = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_GGUF_LEAF[module]}.{leaf}"
-
-
-def _llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
-    """convert_hf_to_gguf.py's LlamaModel.permute: interleave the two rotary halves of each head."""
-    return (
-        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weights.shape)
-    )
-
-
-def write_gguf(
-    hf_dir: Path,
-    out: Path,
-    quantize: dict[str, gguf.GGMLQuantizationType],
-    raw: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]] | None = None,
-) -> Path:
-    """A GGUF of the checkpoint at hf_dir: metadata, byte-level BPE tokenizer, tensors (quantized where asked).
-
-    `raw` gives some tensors as ready blocks (uint8 [rows, bytes per row]) of a type, stored as they are: for types the
-    gguf package cannot quantize (K-quants).
-    """
-    from safetensors.torch import load_file
-
-    config = transformers.AutoConfig.from_pretrained(hf_dir)
-    arch = config.model_type
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    out.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(out, arch)
-    writer.add_name("tiny-test")
-    gguf_writer.add_shape(writer, config)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    gguf_writer.add_norm_and_vocab(writer, config)
-    if arch == "llama":
-        writer.add_rope_dimension_count(head_dim)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-
-    gguf_writer.add_bpe_tokenizer(writer, hf_dir)
-
-    for hf_name, tensor in load_file(hf_dir / "model.safetensors").items():
-        weights = tensor.float().numpy()
-        if arch == "llama" and hf_name.endswith("q_proj.weight"):
-            weights = _llama_cpp_permute(weights, config.num_attention_heads)
-        elif arch == "llama" and hf_name.endswith("k_proj.weight"):
-            weights = _llama_cpp_permute(weights, config.num_key_value_heads)
-        name = _gguf_name(hf_name)
-        qtype = quantize.get(name, gguf.GGMLQuantizationType.F32)
-        if raw and name in raw:
-            blocks, raw_type = raw[name]
-            writer.add_tensor(name, blocks, raw_dtype=raw_type)
-        elif qtype == gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(name, np.ascontiguousarray(weights))
-        else:
-            writer.add_tensor(name, gguf.quants.quantize(weights, qtype), raw_dtype=qtype)
-    rope = config.rope_parameters
-    if rope.get("rope_type") == "llama3":
-        writer.add_tensor("rope_freqs.weight", _llama_cpp_rope_factors(rope, head_dim))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
-
-
-def _llama_cpp_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
-    """convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors: Llama 3 rope scaling as per-frequency divisors."""
-    import math
-
-    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
-    old_context_len = rope["original_max_position_embeddings"]
-    low_freq_wavelen, high_freq_wavelen = old_context_len / low, old_context_len / high
-    factors = []
-    for freq in freqs:
-        wavelen = 2 * math.pi / freq
-        if wavelen < high_freq_wavelen:
-            factors.append(1)
-        elif wavelen > low_freq_wavelen:
-            factors.append(factor)
-        else:
-            smooth = (old_context_len / wavelen - low) / (high - low)
-            factors.append(1 / ((1 - smooth) / factor + smooth))
-    return np.array(factors, dtype=np.float32)
 
 
 _Q8 = gguf.GGMLQuantizationType.Q8_0

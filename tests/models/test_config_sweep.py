@@ -10,18 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from checkpoints import load_reference, make_checkpoint, reference_greedy
-from engines import tiny_engine
-from service_harness import ServerThread, user_request
+from support.checkpoints import load_reference, make_checkpoint, reference_greedy
+from support.decoder_parity import LONG, MID, SHORT, STEPS, XL, assert_matches
+from support.engines import tiny_engine
+from support.service_harness import ServerThread, user_request
 
-from omnivox.engine import Engine, SamplingParams
+from omnivox.engine import SamplingParams
 from omnivox.models.config import ModelConfig
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.v1 import generation_pb2_grpc
-
-SHORT, MID, LONG = [1, 5, 9, 33, 17, 200, 45], list(range(5, 23)), list(range(3, 43))  # 7, 18 and 40 tokens
-XL = list(range(3, 63))  # 60 tokens: 4 blocks of 16, more than a window of 20 can touch (3)
-STEPS = 6
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
 # head_dim 16 in the tiny configs: 8 frequencies, one factor each (Phi-3 style lists)
@@ -98,18 +95,6 @@ def build(root: Path, name: str, family: str, overrides: dict) -> Path:
         config |= {"rope_scaling": legacy, "rope_theta": theta}
         (path / "config.json").write_text(json.dumps(config))
     return path
-
-
-def assert_matches(engine: Engine, ref, prompts, steps: int = STEPS) -> None:
-    """Each prompt alone (CPU float32 batch-1 decode: the fused C step) and all together (the torch layers)."""
-    ref.generation_config.eos_token_id = None  # like ignore_eos
-    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=5)
-    outs = engine.generate(list(prompts), params) + [engine.generate([p], params)[0] for p in prompts]
-    for prompt, out in zip(list(prompts) * 2, outs, strict=True):
-        tokens, top = reference_greedy(ref, prompt, steps)
-        assert out.token_ids == tokens
-        ours = torch.tensor([[lp for _, lp in step.top] for step in out.logprobs])
-        torch.testing.assert_close(ours, top, atol=1e-4, rtol=1e-4)
 
 
 @pytest.fixture(scope="module")
@@ -273,7 +258,7 @@ WHISPER = {
 
 @pytest.mark.parametrize("case", list(WHISPER))
 def test_whisper_matches_transformers(root, case):
-    from test_whisper_model import BLOCK, _Seq, _step, tiny_whisper_config
+    from support.whisper_checkpoints import BLOCK, _Seq, _step, tiny_whisper_config
     from transformers import WhisperForConditionalGeneration
 
     from omnivox.models.audio.whisper import load_whisper
@@ -304,7 +289,7 @@ def test_whisper_matches_transformers(root, case):
 
 
 def test_whisper_activation_refused_naming_the_key(root):
-    from test_whisper_model import tiny_whisper_config
+    from support.whisper_checkpoints import tiny_whisper_config
 
     from omnivox.models.audio.whisper import whisper_model_config
 

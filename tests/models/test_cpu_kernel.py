@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.paths import REPO_ROOT
 
 from omnivox.models import attention, cpu_kernels
 
@@ -78,9 +79,8 @@ def test_decoder_linear_routes_single_rows_to_the_kernel():
 def test_kernel_source_ships_in_wheels():
     """A wheel install (the Docker image) builds the kernels from models/*.c: they must be package data."""
     import tomllib
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = REPO_ROOT
     data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     assert "*.c" in data["omnivox.models"]
     for source in cpu_kernels._SOURCES:  # cpu_kernels.c and block_kernels_vnni.c

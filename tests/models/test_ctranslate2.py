@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from test_whisper_model import save_tiny_whisper
+from support.whisper_checkpoints import save_tiny_whisper
 from tokenizers import Tokenizer, decoders, models
 from tokenizers.pre_tokenizers import ByteLevel
 
@@ -144,7 +144,7 @@ def test_convert_folder_loads_in_transformers_and_ours(tiny, tmp_path):
     assert out.shape[-1] >= 1
     ours = load_whisper(str(dst))
     kv = ours.encode_cross(features)[0]
-    from test_whisper_model import BLOCK, _Seq, _step
+    from support.whisper_checkpoints import BLOCK, _Seq, _step
 
     caches = [(torch.zeros(4 * BLOCK, 4, 16), torch.zeros(4 * BLOCK, 4, 16)) for _ in range(2)]
     seq = _Seq(prompt[0].tolist(), [0, 1], kv)

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from checkpoints import load_reference, make_checkpoint
-from engines import tiny_engine
-from service_harness import served_greedy_equals_generate
-from test_config_sweep import LONG, MID, SHORT, XL, assert_matches
+from support.checkpoints import load_reference, make_checkpoint
+from support.decoder_parity import LONG, MID, SHORT, XL, assert_matches
+from support.engines import tiny_engine
+from support.service_harness import served_greedy_equals_generate
 
 from omnivox.models import quant
 from omnivox.models.config import ModelConfig
@@ -171,7 +171,7 @@ def _greedy(n: int):
     ],
 )
 def test_two_tensor_parallel_ranks_equal_one_process(paths, case):
-    from test_tensor_parallel_configs import two_ranks_equal_one
+    from support.tensor_parallel import two_ranks_equal_one
 
     two_ranks_equal_one(paths[case], 12)
 

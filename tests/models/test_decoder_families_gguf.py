@@ -10,13 +10,13 @@ import math
 from pathlib import Path
 
 import gguf
-import gguf_writer
 import numpy as np
 import pytest
 import transformers
-from checkpoints import load_reference, make_checkpoint
-from engines import tiny_engine
-from test_config_sweep import SHORT, XL, assert_matches
+from support import gguf_writer
+from support.checkpoints import load_reference, make_checkpoint
+from support.decoder_parity import SHORT, XL, assert_matches
+from support.engines import tiny_engine
 
 from omnivox.engine import SamplingParams
 from omnivox.models import quant

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from checkpoints import load_reference, make_checkpoint
-from engines import tiny_engine
-from service_harness import served_greedy_equals_generate
-from test_config_sweep import LONG, MID, SHORT, XL, assert_matches
+from support.checkpoints import load_reference, make_checkpoint
+from support.decoder_parity import LONG, MID, SHORT, XL, assert_matches
+from support.engines import tiny_engine
+from support.service_harness import served_greedy_equals_generate
 
 from omnivox.engine import SamplingParams
 from omnivox.models import quant
@@ -163,7 +163,7 @@ def test_stacked_expert_checkpoint_loads_and_a_missing_expert_is_named(paths, tm
 def test_two_tensor_parallel_ranks_equal_one_process(paths):
     """Each expert's intermediate dimension sharded over 2 ranks (engine/tensor_parallel.py, load_shard): Qwen3-MoE
     with a dense layer among the sparse ones, greedy tokens and KV caches equal to one process."""
-    from test_tensor_parallel_configs import two_ranks_equal_one
+    from support.tensor_parallel import two_ranks_equal_one
 
     from omnivox.models.tensor_parallel import check_divisible
 
@@ -241,7 +241,7 @@ def test_sparse_block_equals_transformers_bitwise_in_float32_and_bf16(family):
 def test_bandwidth_floor_counts_the_active_experts(family):
     """benchmarks/bandwidth.py's bytes per batch-1 step: every parameter but the embedding and the experts a token
     does not choose (num_experts - top_k per sparse layer)."""
-    from checkpoints import _BASE, FAMILIES
+    from support.checkpoints import _BASE, FAMILIES
 
     from omnivox.benchmarks.bandwidth import weight_bytes_per_step
 

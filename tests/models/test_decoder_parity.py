@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from checkpoints import load_reference, reference_greedy
-from engines import tiny_checkpoint, tiny_engine
+from support.checkpoints import load_reference, reference_greedy
+from support.engines import tiny_checkpoint, tiny_engine
 
 from omnivox.engine import SamplingParams
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from checkpoints import make_checkpoint
-from test_quant import require_kernels
+from support.checkpoints import make_checkpoint
+from support.kernels import require_kernels
 
 from omnivox.models import cpu_kernels, fused_decode, quant
 from omnivox.models.attention import AttentionMetadata, PrefillChunk

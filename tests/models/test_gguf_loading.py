@@ -18,14 +18,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from checkpoints import make_checkpoint
-from test_checkpoint import _gguf_name, write_gguf
+from support.checkpoints import make_checkpoint
+from support.gguf_writer import Q4_K, _gguf_name, _random_k_blocks, write_gguf
 
 from omnivox.models.checkpoint import iter_checkpoint_tensors, load_hf_config
 
 F16 = gguf.GGMLQuantizationType.F16
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
-Q4_K = gguf.GGMLQuantizationType.Q4_K
 Q6_K = gguf.GGMLQuantizationType.Q6_K
 
 
@@ -39,20 +38,6 @@ def _unpermute(weights: np.ndarray, n_head: int) -> np.ndarray:
     """Inverse of llama.cpp's LlamaModel.permute (rows of each head: [h0 r0, h1 r0, h0 r1, ...] -> [h0..., h1...])."""
     rows = weights.shape[0]
     return weights.reshape(n_head, rows // n_head // 2, 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
-
-
-def _random_k_blocks(rows: int, cols: int, qtype: gguf.GGMLQuantizationType, seed: int) -> np.ndarray:
-    """Random but valid K-quant blocks, uint8 [rows, cols / 256 * block bytes]: random quants and sub-block scales,
-    finite small f16 super-block scales (d, and dmin for Q4_K)."""
-    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(rows * cols // block_size, type_size), dtype=np.uint8)
-    if qtype == Q4_K:  # d: f16, dmin: f16, scales: 12 bytes, qs: 128 bytes
-        blocks[:, 0:2] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
-        blocks[:, 2:4] = np.frombuffer(np.float16(0.001).tobytes(), np.uint8)
-    else:  # Q6_K: ql 128 bytes, qh 64 bytes, scales 16 int8, d: f16 (last)
-        blocks[:, -2:] = np.frombuffer(np.float16(0.0005).tobytes(), np.uint8)
-    return blocks.reshape(rows, cols // block_size * type_size)
 
 
 # (heads, kv heads, head_dim, hidden): odd head counts, MHA, GQA and MQA.
@@ -212,7 +197,7 @@ def test_moe_gguf_loading_peak_memory_under_1_5x_weights(tmp_path_factory):
     """The same bound for a MoE GGUF, whose experts are stacked per layer ([E, rows, cols] per projection): one
     layer of 64 experts in F16, so each stacked tensor is a third of the weights. Dequantized whole (its F16 bytes and
     the float32 stack), the stack held 1.82x the weights at the peak; expert by expert, 1.02x."""
-    from test_gguf_moe import write_moe_gguf
+    from support.gguf_writer import write_moe_gguf
 
     root = tmp_path_factory.mktemp("moe-peak")
     hf_dir = make_checkpoint(

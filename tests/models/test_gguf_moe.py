@@ -8,20 +8,17 @@ dequantised by gguf's own code (Q8_0), and as raw K-quant blocks (Q4_K / Q6_K ex
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import gguf
-import gguf_writer
-import numpy as np
 import pytest
 import torch
 import transformers
-from checkpoints import load_reference, make_checkpoint, reference_greedy
-from engines import tiny_engine
-from service_harness import ServerThread, user_request
-from test_config_sweep import SHORT, XL, assert_matches
-from test_gguf_loading import _random_k_blocks
+from support.checkpoints import load_reference, make_checkpoint, reference_greedy
+from support.decoder_parity import SHORT, XL, assert_matches
+from support.engines import tiny_engine
+from support.gguf_writer import ARCH, Q4_K, Q6_K, Q8_0, _random_k_blocks, write_moe_gguf
+from support.service_harness import ServerThread, user_request
 
 from omnivox.engine import SamplingParams
 from omnivox.models import quant
@@ -30,101 +27,6 @@ from omnivox.models.gguf_checkpoint import gguf_tensor_table
 from omnivox.models.moe import Experts, QuantizedExperts
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.v1 import generation_pb2_grpc
-
-F32, Q8_0, Q4_K, Q6_K = (gguf.GGMLQuantizationType[t] for t in ("F32", "Q8_0", "Q4_K", "Q6_K"))
-ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}
-_LAYER = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
-    "block_sparse_moe.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
-    "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
-    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
-}  # fmt: skip
-_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
-_EXPERT_LEAF = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
-
-
-def llama_cpp_tensors(hf_dir: Path, stacked: bool = True) -> dict[str, np.ndarray]:
-    """The checkpoint's tensors under llama.cpp's names, float32, Llama-arch Q/K permuted, experts stacked (or as
-    the Mixtral files converted before spring 2024 hold them: blk.N.ffn_gate.E.weight, one per expert)."""
-    from safetensors.torch import load_file
-
-    config = transformers.AutoConfig.from_pretrained(hf_dir)
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}  # fmt: skip
-    out, experts = {}, {}
-    for name, tensor in load_file(hf_dir / "model.safetensors").items():
-        w = tensor.float().numpy()
-        if (m := _EXPERT.fullmatch(name)) and not stacked:
-            out[f"blk.{m[1]}.ffn_{_EXPERT_LEAF[m[3]]}.{m[2]}.weight"] = w
-            continue
-        if m:
-            experts.setdefault(f"blk.{m[1]}.ffn_{_EXPERT_LEAF[m[3]]}_exps.weight", {})[int(m[2])] = w
-            continue
-        if name in top:
-            out[top[name]] = w
-            continue
-        _, _, layer, rest = name.split(".", 3)
-        module, leaf = rest.rsplit(".", 1)
-        if config.model_type == "mixtral" and module in ("self_attn.q_proj", "self_attn.k_proj"):
-            heads = config.num_attention_heads if module.endswith("q_proj") else config.num_key_value_heads
-            w = w.reshape(heads, 2, w.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(w.shape)  # LlamaModel.permute
-        if module == "mlp.shared_expert_gate":
-            w = w.reshape(-1)  # llama.cpp's {n_embd}
-        out[f"blk.{layer}.{_LAYER[module]}.{leaf}"] = w
-    for name, by_expert in experts.items():
-        out[name] = np.stack([by_expert[e] for e in sorted(by_expert)])
-    return out
-
-
-def write_moe_gguf(
-    hf_dir: Path, out: Path, qtype=F32, raw: dict | None = None, stacked: bool = True, sizes: bool = True
-) -> Path:
-    """A GGUF of the MoE checkpoint at hf_dir: metadata as convert_hf_to_gguf.py writes it, the test tokenizer with its
-    chat template, matrices in `qtype` (router, norms, biases and embeddings float), `raw` blocks as given."""
-    config = transformers.AutoConfig.from_pretrained(hf_dir)
-    arch = ARCH[config.model_type]
-    writer = gguf.GGUFWriter(out, arch)
-    gguf_writer.add_shape(writer, config)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    gguf_writer.add_norm_and_vocab(writer, config)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    if arch == "llama":
-        writer.add_rope_dimension_count(head_dim)
-        writer.add_expert_count(config.num_local_experts)
-    else:
-        writer.add_expert_count(config.num_experts)
-    if arch != "llama" and sizes:
-        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
-    writer.add_expert_used_count(config.num_experts_per_tok)
-    if arch == "qwen2moe" and sizes:
-        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
-    gguf_writer.add_bpe_tokenizer(writer, hf_dir)
-    for name, w in llama_cpp_tensors(hf_dir, stacked).items():
-        if raw and name in raw:
-            writer.add_tensor(name, raw[name][0], raw_dtype=raw[name][1])
-        elif _quantized(name) and qtype != F32:
-            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(name, np.ascontiguousarray(w))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
-
-
-def _quantized(gguf_name: str) -> bool:
-    """What a quantised file quantises here: attention and expert matrices (llama-quantize keeps routers float)."""
-    return (
-        gguf_name.startswith("blk.")
-        and gguf_name.endswith(".weight")
-        and "_inp" not in gguf_name
-        and "norm" not in gguf_name
-    )
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from checkpoints import _BASE, FAMILIES
+from support.checkpoints import _BASE, FAMILIES
 
 from omnivox.engine.loading import build_model
 from omnivox.models.config import ModelConfig

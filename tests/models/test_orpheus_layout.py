@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from checkpoints import make_checkpoint, make_tokenizer
+from support.checkpoints import make_checkpoint, make_tokenizer
 
 from omnivox.engine import Engine, SamplingParams, shared
 from omnivox.models.orpheus import LAYOUT_FILE, ORPHEUS_LAYOUT, SpeechLayout, SpeechTokenConstraint

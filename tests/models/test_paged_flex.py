@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from engines import device_under_test
+from support.engines import device_under_test
 
 from omnivox.models.attention import (
     AttentionMetadata,
@@ -85,7 +85,7 @@ def test_paged_attention_takes_the_flex_path_when_the_mask_is_given():
 @pytest.mark.parametrize("static", [False, True])
 def test_engine_with_flex_decode_equals_the_default(tmp_path_factory, static):
     """Through the whole engine (dynamic path and the static twin): the same greedy tokens and logprobs."""
-    from engines import tiny_checkpoint, tiny_engine
+    from support.engines import tiny_checkpoint, tiny_engine
 
     from omnivox.engine import SamplingParams
 
@@ -112,7 +112,7 @@ def test_engine_with_flex_decode_equals_the_default(tmp_path_factory, static):
 
 
 def test_flex_failure_at_load_falls_back_to_native(tmp_path_factory, monkeypatch):
-    from engines import tiny_checkpoint, tiny_engine
+    from support.engines import tiny_checkpoint, tiny_engine
 
     from omnivox.engine import runner as runner_mod
 

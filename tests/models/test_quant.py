@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from support.kernels import require_kernels
 
 from omnivox.models import cpu_kernels, quant
 
@@ -18,15 +19,6 @@ ROWS = [
     17,
     quant.LARGE_BATCH + 3,
 ]  # batch-1 GEMV, 2- and 3-row tiles, 4-row tiles + a remainder, float GEMM
-
-
-def require_kernels() -> None:
-    """Skip without a C compiler (only the portable path exists); fail when one exists and the kernels did not build."""
-    if cpu_kernels.kernel_available():
-        return
-    if cpu_kernels.compiler() is None:
-        pytest.skip("no C compiler: only the portable path exists")
-    pytest.fail(f"a C compiler exists but the CPU kernels are unavailable: {cpu_kernels.build_failure()}")
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -13,8 +13,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from checkpoints import make_checkpoint
-from test_checkpoint import write_gguf
+from support.checkpoints import make_checkpoint
+from support.gguf_writer import write_gguf
 
 from omnivox.benchmarks.quality import SequenceCache, greedy
 from omnivox.models import quant

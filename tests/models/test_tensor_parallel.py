@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from checkpoints import make_checkpoint
+from support.checkpoints import make_checkpoint
 
 from omnivox.models.attention import AttentionMetadata, PrefillChunk
 from omnivox.models.config import ModelConfig

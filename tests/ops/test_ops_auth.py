@@ -11,13 +11,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from checkpoints import make_checkpoint
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from service_harness import ServerThread, user_request
+from support.checkpoints import make_checkpoint
+from support.service_harness import ServerThread, user_request
 
 from omnivox.services.auth import Quota, QuotaBook, load_api_keys
 from omnivox.services.cli.bearer import BearerKey

@@ -20,7 +20,6 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
-from checkpoints import make_checkpoint
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -28,7 +27,9 @@ from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
-from service_harness import ServerThread, user_request
+from support.checkpoints import make_checkpoint
+from support.paths import REPO_ROOT
+from support.service_harness import ServerThread, user_request
 
 from omnivox.services.auth import KeyFile, Quota, QuotaBook
 from omnivox.services.cli import build_parser
@@ -412,7 +413,7 @@ def test_manifest_and_image_flag_values_pass_the_serve_checks() -> None:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("kubectl not installed (kubectl kustomize renders the overlays)")
-    root = Path(__file__).resolve().parent.parent
+    root = REPO_ROOT
     argvs = [["serve", "--host", "0.0.0.0", "--port", "50051"]]  # docker/Dockerfile's CMD (test_deploy pins it)
     for overlay in sorted((root / "deploy" / "overlays").iterdir()):
         out = subprocess.run([kubectl, "kustomize", str(overlay)], capture_output=True, text=True, timeout=60)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from checkpoints import make_checkpoint
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from service_harness import user_request
+from support.checkpoints import make_checkpoint
+from support.service_harness import user_request
 
 from omnivox.services import server as server_module
 from omnivox.services.loading import EngineOptions, ModelSpec
@@ -84,7 +84,7 @@ def test_engine_failure_fails_calls_and_exits_nonzero(checkpoint: Path) -> None:
 def test_a_model_that_fails_to_load_leaves_the_others_serving(checkpoint: Path, tmp_path: Path) -> None:
     import shutil
 
-    from service_harness import ServerThread
+    from support.service_harness import ServerThread
 
     from omnivox.v1 import model_pb2, model_pb2_grpc
 

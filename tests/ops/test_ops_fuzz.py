@@ -10,12 +10,12 @@ import math
 
 import grpc
 import pytest
-from checkpoints import make_checkpoint
 from google.protobuf import descriptor
 from google.protobuf.message import DecodeError, Message
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from service_harness import ServerThread
+from support.checkpoints import make_checkpoint
+from support.service_harness import ServerThread
 
 from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
 from omnivox.services import validation

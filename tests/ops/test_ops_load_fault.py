@@ -7,16 +7,16 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from checkpoints import make_checkpoint
-from service_harness import ServerThread
+from support.checkpoints import make_checkpoint
+from support.paths import REPO_ROOT
+from support.service_harness import ServerThread
 
 from omnivox.benchmarks.load_fault import ResourceSampler, wait_idle
 from omnivox.services.loading import EngineOptions, ModelSpec
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = REPO_ROOT
 
 
 @pytest.fixture(scope="module")

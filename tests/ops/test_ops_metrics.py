@@ -8,9 +8,9 @@ import logging
 import urllib.request
 
 import pytest
-from checkpoints import make_checkpoint
 from prometheus_client.parser import text_string_to_metric_families
-from service_harness import ServerThread, user_request
+from support.checkpoints import make_checkpoint
+from support.service_harness import ServerThread, user_request
 
 from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
 from omnivox.services.defaults import save_random_speech_model

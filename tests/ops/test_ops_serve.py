@@ -18,8 +18,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from checkpoints import make_checkpoint
-from test_cli import ServeProcess, omnivox, wait_for_log
+from support.checkpoints import make_checkpoint
+from support.serve_process import ServeProcess, omnivox, wait_for_log
 
 from omnivox.services.errors import rpc_method
 from omnivox.v1 import generation_pb2, generation_pb2_grpc, model_pb2, model_pb2_grpc

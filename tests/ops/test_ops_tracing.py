@@ -4,8 +4,8 @@ children in order; off unless an exporter is configured."""
 from __future__ import annotations
 
 import pytest
-from checkpoints import make_checkpoint
-from service_harness import ServerThread, user_request
+from support.checkpoints import make_checkpoint
+from support.service_harness import ServerThread, user_request
 
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.v1 import generation_pb2_grpc
@@ -52,7 +52,7 @@ def test_tracing_is_off_by_default(tmp_path) -> None:
 
 def test_encode_and_codec_spans(tmp_path) -> None:
     """An audio question gets an `encode` span (the encoder worker's pass for its clip); a synthesis a `codec` span."""
-    from audio_checkpoints import encode, make_qwen2_audio, tone
+    from support.audio_checkpoints import encode, make_qwen2_audio, tone
 
     from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
     from omnivox.services.defaults import save_random_speech_model

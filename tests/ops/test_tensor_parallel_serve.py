@@ -12,9 +12,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from checkpoints import make_checkpoint
-from service_harness import user_request
-from test_cli import ServeProcess
+from support.checkpoints import make_checkpoint
+from support.serve_process import ServeProcess
+from support.service_harness import user_request
 
 from omnivox.engine import Engine, SamplingParams
 from omnivox.services.cli import serve as serve_cli

@@ -8,7 +8,9 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from support.paths import REPO_ROOT
+
+ROOT = REPO_ROOT
 sys.path.insert(0, str(ROOT / "protos"))
 spec = importlib.util.spec_from_file_location("omnivox_protos_generate", ROOT / "protos" / "generate.py")
 generate = importlib.util.module_from_spec(spec)

@@ -8,11 +8,11 @@ import time
 
 import grpc
 import pytest
-from audio_checkpoints import encode, make_qwen2_audio, tone
-from checkpoints import make_checkpoint
 from google.rpc import error_details_pb2
-from service_harness import ServerThread
-from whisper_checkpoints import make_whisper
+from support.audio_checkpoints import encode, make_qwen2_audio, tone
+from support.checkpoints import make_checkpoint
+from support.service_harness import ServerThread
+from support.whisper_checkpoints import make_whisper
 
 from omnivox.services.errors import status_details
 from omnivox.services.loading import EngineOptions, ModelSpec

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from checkpoints import make_checkpoint
+from support.checkpoints import make_checkpoint
 
 from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
 from omnivox.services.bundle import AUDIO, TEXT, load_bundle, modalities, probe, read_generation_config

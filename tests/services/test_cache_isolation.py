@@ -10,12 +10,12 @@ import re
 
 import grpc
 import pytest
-from audio_checkpoints import chirp, encode, make_qwen2_audio
-from checkpoints import make_checkpoint
 from google.rpc import error_details_pb2
-from service_harness import ServerThread, user_request
-from vision_checkpoints import make_llava, png_bytes, sample_image
-from whisper_checkpoints import make_whisper
+from support.audio_checkpoints import chirp, encode, make_qwen2_audio
+from support.checkpoints import make_checkpoint
+from support.service_harness import ServerThread, user_request
+from support.vision_checkpoints import make_llava, png_bytes, sample_image
+from support.whisper_checkpoints import make_whisper
 
 from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
 from omnivox.services.cache_salt import MAX_CACHE_SALT_CHARS, request_salt

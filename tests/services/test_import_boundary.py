@@ -14,8 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from checkpoints import make_checkpoint
-from test_checkpoint import write_gguf
+from support.checkpoints import make_checkpoint
+from support.gguf_writer import write_gguf
 
 # Imported only when a model of theirs is loaded (models/audio/__init__.py, models/vision/__init__.py FAMILIES).
 FAMILY_MODULES = (

@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 import time
 
-from engines import tiny_checkpoint, tiny_engine
+from support.engines import tiny_checkpoint, tiny_engine
 
 from omnivox.engine import SamplingParams
 

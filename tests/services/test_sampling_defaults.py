@@ -7,8 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
-from checkpoints import make_checkpoint
-from service_harness import ServerThread, user_request
+from support.checkpoints import make_checkpoint
+from support.paths import REPO_ROOT
+from support.service_harness import ServerThread, user_request
 
 from omnivox.engine import SamplingParams
 from omnivox.services.bundle import read_generation_config
@@ -131,7 +132,7 @@ def test_the_shipped_defaults_are_package_data() -> None:
     import fnmatch
     import tomllib
 
-    root = Path(__file__).resolve().parents[1]
+    root = REPO_ROOT
     globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
         "omnivox.services"
     ]

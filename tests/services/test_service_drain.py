@@ -8,9 +8,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from checkpoints import make_checkpoint
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from service_harness import ServerThread, user_request
+from support.checkpoints import make_checkpoint
+from support.service_harness import ServerThread, user_request
 
 from omnivox.services import loading
 from omnivox.services.loading import EngineOptions, ModelSpec

@@ -9,8 +9,8 @@ import time
 import grpc
 import numpy as np
 import pytest
-from service_harness import ServerThread
-from whisper_checkpoints import make_whisper
+from support.service_harness import ServerThread
+from support.whisper_checkpoints import make_whisper
 
 from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
 from omnivox.services.defaults import save_random_speech_model

@@ -6,9 +6,9 @@ import os
 from pathlib import Path
 
 import torch
-from checkpoints import make_checkpoint
 
 from omnivox.engine import Engine
+from support.checkpoints import make_checkpoint
 
 _CACHE: dict[tuple, Path] = {}
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import transformers
-from vision_checkpoints import _save, chat_template, tokenizer_with
+
+from support.vision_checkpoints import _save, chat_template, tokenizer_with
 
 BOI, EOI, IMAGE = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
 

@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from vision_checkpoints import sample_image
-from vision_parity import images, prompt
 
 from omnivox.models.attention import AttentionMetadata, PrefillChunk
 from omnivox.models.checkpoint import iter_checkpoint_tensors
 from omnivox.models.config import ModelConfig
 from omnivox.models.decoder import DecoderModel
 from omnivox.models.vision import VisionEncoder, mrope_positions, mrope_span
+from support.vision_checkpoints import sample_image
+from support.vision_parity import images, prompt
 
 BLOCK = 16
 

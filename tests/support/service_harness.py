@@ -19,11 +19,11 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 import grpc
-from engines import device_under_test
 
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.services.server import OmnivoxServer, ServerOptions, build_registry
 from omnivox.v1 import content_pb2, generation_pb2
+from support.engines import device_under_test
 
 
 class ServerThread:
@@ -116,9 +116,9 @@ def served_greedy_equals_generate(paths: dict[str, Any], max_tokens: int = 6, mi
     greedy Generate each streams the tokens transformers' generate gives for the ChatML prompt the service builds.
     `min_prompt`: the prompt must be longer than this (to pass a model's windows)."""
     import transformers
-    from checkpoints import load_reference, reference_greedy
 
     from omnivox.v1 import generation_pb2_grpc
+    from support.checkpoints import load_reference, reference_greedy
 
     text = "The capital of France is Paris. The capital of Italy is"
     specs = [ModelSpec(path=p, name=name) for name, p in paths.items()]

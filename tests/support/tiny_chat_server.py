@@ -9,13 +9,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from checkpoints import make_checkpoint
 from google.rpc import error_details_pb2
-from service_harness import ServerThread
 
 from omnivox.services.errors import status_details
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.v1 import generation_pb2
+from support.checkpoints import make_checkpoint
+from support.service_harness import ServerThread
 
 
 @contextmanager

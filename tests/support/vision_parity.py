@@ -6,13 +6,13 @@ from pathlib import Path
 
 import torch
 import transformers
-from vision_checkpoints import png_bytes, reference_features, sample_image
 
 from omnivox.codecs.image import image_content_key
 from omnivox.models.checkpoint import iter_checkpoint_tensors
 from omnivox.models.config import ModelConfig
 from omnivox.models.decoder import DecoderModel
 from omnivox.models.vision import VisionEncoder
+from support.vision_checkpoints import png_bytes, reference_features, sample_image
 
 QUESTION = "What is in these pictures?"
 ATOL = 1e-5  # float32 parity

@@ -10,9 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import transformers
-from vision_checkpoints import _TEXT, _save, chat_template, tokenizer_with
 
 from omnivox.models.vision.base import image_only_processor_class
+from support.vision_checkpoints import _TEXT, _save, chat_template, tokenizer_with
 
 TEXT = _TEXT  # the tiny text decoder the served vision checkpoints use; variants override its keys
 

@@ -16,7 +16,8 @@ import tempfile
 from pathlib import Path
 
 import transformers
-from audio_checkpoints import make_voxtral
+
+from support.audio_checkpoints import make_voxtral
 
 _NAMED = {
     0: "<unk>", 1: "<s>", 2: "</s>", 3: "[INST]", 4: "[/INST]", 5: "[AVAILABLE_TOOLS]", 6: "[/AVAILABLE_TOOLS]",

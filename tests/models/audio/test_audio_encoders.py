@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from audio_checkpoints import chirp, make_qwen2_audio, make_qwen3_asr, make_voxtral, noise, tone
 from safetensors.torch import load_file, save_file
+from support.audio_checkpoints import chirp, make_qwen2_audio, make_qwen3_asr, make_voxtral, noise, tone
 
 from omnivox.models.audio import (
     Qwen2AudioEncoder,

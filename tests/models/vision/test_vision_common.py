@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from checkpoints import make_checkpoint
-from vision_checkpoints import make_llava, png_bytes, sample_image
+from support.checkpoints import make_checkpoint
+from support.vision_checkpoints import make_llava, png_bytes, sample_image
 
 from omnivox.codecs.image import decode_image, image_content_key
 from omnivox.models.vision import VisionEncoder

@@ -12,12 +12,12 @@ import grpc
 import pytest
 import torch
 import transformers
-from gemma3_checkpoint import BOI, EOI, IMAGE, make_gemma3
 from PIL import Image
-from service_harness import ServerThread
-from test_service_images import STEPS, _violations, ask, baseline, png_bytes, reference, run
-from vision_checkpoints import relayout, sample_image
-from vision_parity import check_batch_isolation, check_features_and_placeholders, check_hub_layout, check_keys
+from support.gemma3_checkpoint import BOI, EOI, IMAGE, make_gemma3
+from support.image_service import STEPS, _violations, ask, baseline, reference, run
+from support.service_harness import ServerThread
+from support.vision_checkpoints import png_bytes, relayout, sample_image
+from support.vision_parity import check_batch_isolation, check_features_and_placeholders, check_hub_layout, check_keys
 
 from omnivox.engine.params import SamplingParams
 from omnivox.engine.request import EmbeddingSegment, Request

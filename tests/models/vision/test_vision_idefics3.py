@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import transformers
-from vision_checkpoints import make_idefics3, sample_image
-from vision_parity import (
+from support.vision_checkpoints import make_idefics3, sample_image
+from support.vision_parity import (
     check_batch_isolation,
     check_features_and_placeholders,
     check_hub_layout,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vision_checkpoints import make_llava, relayout, sample_image
-from vision_parity import (
+from support.vision_checkpoints import make_llava, relayout, sample_image
+from support.vision_parity import (
     check_batch_isolation,
     check_features_and_placeholders,
     check_hub_layout,

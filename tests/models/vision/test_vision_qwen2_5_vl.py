@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from qwen_vl_parity import check_mrope_decoder, check_rope_index
-from vision_checkpoints import make_qwen2_5_vl, relayout, sample_image
-from vision_parity import (
+from support.qwen_vl_parity import check_mrope_decoder, check_rope_index
+from support.vision_checkpoints import make_qwen2_5_vl, relayout, sample_image
+from support.vision_parity import (
     check_batch_isolation,
     check_features_and_placeholders,
     check_hub_layout,

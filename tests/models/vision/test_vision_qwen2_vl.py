@@ -7,16 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from qwen_vl_parity import check_mrope_decoder, check_rope_index
-from transformers.utils import is_torchvision_available
-from vision_checkpoints import make_qwen2_vl, relayout, sample_image
-from vision_parity import (
+from support.qwen_vl_parity import check_mrope_decoder, check_rope_index
+from support.vision_checkpoints import make_qwen2_vl, relayout, sample_image
+from support.vision_parity import (
     check_batch_isolation,
     check_features_and_placeholders,
     check_hub_layout,
     check_keys,
     check_max_pixels,
 )
+from transformers.utils import is_torchvision_available
 
 from omnivox.models.config import ModelConfig, served_families
 from omnivox.models.vision import Qwen2VLEncoder, VisionEncoder

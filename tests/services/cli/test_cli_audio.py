@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from audio_checkpoints import chirp, encode, make_qwen2_audio, noise
-from service_harness import ServerThread
+from support.audio_checkpoints import chirp, encode, make_qwen2_audio, noise
+from support.service_harness import ServerThread
 
 from omnivox.codecs.audio_format import float_to_int16
 from omnivox.services.loading import EngineOptions, ModelSpec

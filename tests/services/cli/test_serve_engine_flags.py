@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from checkpoints import make_checkpoint
-from service_harness import ServerThread, user_request
-from whisper_checkpoints import make_whisper
+from support.checkpoints import make_checkpoint
+from support.service_harness import ServerThread, user_request
+from support.whisper_checkpoints import make_whisper
 
 from omnivox.engine import Engine, SamplingParams
 from omnivox.engine.speculative import NgramProposer

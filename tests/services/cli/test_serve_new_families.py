@@ -10,11 +10,11 @@ import subprocess
 import sys
 
 import pytest
-from checkpoints import make_checkpoint
-from gemma3_checkpoint import make_gemma3
 from PIL import Image
-from test_cli import OMNIVOX, ServeProcess, assert_one_line_error, omnivox
-from whisper_checkpoints import make_whisper
+from support.checkpoints import make_checkpoint
+from support.gemma3_checkpoint import make_gemma3
+from support.serve_process import OMNIVOX, ServeProcess, assert_one_line_error, omnivox
+from support.whisper_checkpoints import make_whisper
 
 ALICE, BOB = "alice-key-0123456789", "bob-key-0123456789"
 

@@ -14,8 +14,17 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from audio_checkpoints import QWEN2_AUDIO_TOKENS, _save, chirp, encode, make_qwen3_asr, noise, tokenizer_with, tone
-from service_harness import ServerThread
+from support.audio_checkpoints import (
+    QWEN2_AUDIO_TOKENS,
+    _save,
+    chirp,
+    encode,
+    make_qwen3_asr,
+    noise,
+    tokenizer_with,
+    tone,
+)
+from support.service_harness import ServerThread
 
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2

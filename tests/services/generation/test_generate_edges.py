@@ -13,9 +13,9 @@ import grpc
 import jsonschema
 import pytest
 import torch
-from audit_generate import run, tiny_server, violations
-from checkpoints import load_reference
-from service_harness import ServerThread, user_request
+from support.checkpoints import load_reference
+from support.service_harness import ServerThread, user_request
+from support.tiny_chat_server import run, tiny_server, violations
 
 from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2
 

@@ -13,9 +13,9 @@ import re
 import grpc
 import pytest
 import transformers
-from checkpoints import make_checkpoint
-from service_harness import ServerThread, user_request
-from test_tool_calls import SCHEMAS, TOOLS, feed, run, violations
+from support.checkpoints import make_checkpoint
+from support.service_harness import ServerThread, user_request
+from support.tool_calls import SCHEMAS, TOOLS, feed, run, violations
 
 from omnivox.services import tool_grammar, tool_parser, tools
 from omnivox.services.loading import EngineOptions, ModelSpec

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import transformers
-from checkpoints import make_checkpoint, make_tokenizer
-from service_harness import ServerThread, user_request
-from test_tool_calls import SCHEMAS, TOOLS, feed, run
-from voxtral_checkpoint import write_tekken
+from support.checkpoints import make_checkpoint, make_tokenizer
+from support.service_harness import ServerThread, user_request
+from support.tool_calls import SCHEMAS, TOOLS, feed, run
+from support.voxtral_checkpoint import write_tekken
 
 from omnivox.services import reasoning, tool_grammar, tool_parser, tools
 from omnivox.services.loading import EngineOptions, ModelSpec

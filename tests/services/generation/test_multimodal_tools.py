@@ -20,13 +20,13 @@ import jsonschema
 import numpy as np
 import pytest
 import transformers
-from audio_checkpoints import encode, make_qwen2_audio, tone
-from checkpoints import make_checkpoint
 from google.rpc import error_details_pb2
-from service_harness import ServerThread
-from vision_checkpoints import chat_template, make_llava, make_qwen2_5_vl, png_bytes, sample_image
-from voxtral_checkpoint import make_voxtral_bundle
-from whisper_checkpoints import make_whisper
+from support.audio_checkpoints import encode, make_qwen2_audio, tone
+from support.checkpoints import make_checkpoint
+from support.service_harness import ServerThread
+from support.vision_checkpoints import chat_template, make_llava, make_qwen2_5_vl, png_bytes, sample_image
+from support.voxtral_checkpoint import make_voxtral_bundle
+from support.whisper_checkpoints import make_whisper
 
 from omnivox.services.errors import status_details
 from omnivox.services.loading import EngineOptions, ModelSpec

@@ -13,9 +13,9 @@ import json
 import grpc
 import pytest
 import transformers
-from checkpoints import make_checkpoint
-from service_harness import ServerThread, user_request
-from test_tool_calls import TOOLS, run, violations
+from support.checkpoints import make_checkpoint
+from support.service_harness import ServerThread, user_request
+from support.tool_calls import TOOLS, run, violations
 
 from omnivox.services import reasoning, tool_parser, tools
 from omnivox.services.loading import EngineOptions, ModelSpec

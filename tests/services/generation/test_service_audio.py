@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from audio_checkpoints import chirp, encode, make_qwen2_audio, make_qwen3_asr, noise, tone
-from checkpoints import make_checkpoint
 from google.rpc import error_details_pb2
-from service_harness import ServerThread
+from support.audio_checkpoints import chirp, encode, make_qwen2_audio, make_qwen3_asr, noise, tone
+from support.checkpoints import make_checkpoint
+from support.service_harness import ServerThread
 
 from omnivox.codecs.audio_format import float_to_int16
 from omnivox.codecs.audio_input import decode_audio

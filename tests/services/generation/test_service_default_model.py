@@ -12,7 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from service_harness import ServerThread, user_request
+from support.service_harness import ServerThread, user_request
 
 from omnivox.engine import SamplingParams
 from omnivox.services.defaults import DEFAULT_MODEL_NAME

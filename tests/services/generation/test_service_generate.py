@@ -9,10 +9,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from checkpoints import make_checkpoint
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from service_harness import ServerThread, user_request
+from support.checkpoints import make_checkpoint
+from support.service_harness import ServerThread, user_request
 
 from omnivox.engine import SamplingParams
 from omnivox.services.errors import status_details

@@ -11,9 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from checkpoints import make_checkpoint
 from google.rpc import error_details_pb2
-from service_harness import ServerThread, user_request
+from support.checkpoints import make_checkpoint
+from support.service_harness import ServerThread, user_request
 
 from omnivox.services import structured
 from omnivox.services.errors import status_details

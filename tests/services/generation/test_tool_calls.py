@@ -9,12 +9,11 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import transformers
-from checkpoints import make_checkpoint
-from google.rpc import error_details_pb2
-from service_harness import ServerThread, user_request
+from support.checkpoints import make_checkpoint
+from support.service_harness import ServerThread, user_request
+from support.tool_calls import SCHEMAS, TIME, TOOLS, feed, run, violations
 
-from omnivox.services import tool_grammar, tool_parser, tools
-from omnivox.services.errors import status_details
+from omnivox.services import tool_grammar, tools
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2
 
@@ -30,25 +29,6 @@ HERMES_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-WEATHER = {
-    "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
-TIME = {
-    "type": "object",
-    "properties": {"zone": {"type": "integer"}},
-    "required": ["zone"],
-    "additionalProperties": False,
-}
-TOOLS = [
-    generation_pb2.Tool(
-        name="get_weather", description="Weather now", parameters_json_schema=json.dumps(WEATHER), strict=True
-    ),
-    generation_pb2.Tool(name="get_time", description="Time now", parameters_json_schema=json.dumps(TIME), strict=True),
-]
-SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 
 CANNED_HERMES = (
     'Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris {x}", "unit": "c"}}\n</tool_call>\n'
@@ -57,24 +37,6 @@ CANNED_HERMES = (
 CANNED_LLAMA = (
     '{"name": "get_weather", "parameters": {"city": "a; b}", "unit": "f"}}; {"name": "get_time", "parameters": {}}'
 )
-
-
-def feed(fmt: tool_parser.ToolFormat, text: str, chunk: int) -> tuple[str, dict[int, tuple[str, str]], list]:
-    stream = tool_parser.ToolCallStream(fmt)
-    content, calls = "", {}
-    for end in [*range(chunk, len(text), chunk), len(text)]:
-        c, deltas = stream.update(text[:end])
-        content += c
-        for d in deltas:
-            name, args = calls.get(d.index, ("", ""))
-            calls[d.index] = (name + d.name, args + d.arguments)
-    c, deltas = stream.update(text, final=True)
-    content += c
-    for d in deltas:
-        name, args = calls.get(d.index, ("", ""))
-        calls[d.index] = (name + d.name, args + d.arguments)
-    done = [(c.name, c.arguments) for c in stream.complete_calls(text)]
-    return content, calls, done
 
 
 @pytest.mark.parametrize(("fmt", "text"), [(tools.HERMES, CANNED_HERMES), (tools.LLAMA3, CANNED_LLAMA)])
@@ -191,22 +153,6 @@ def stub(server: ServerThread) -> generation_pb2_grpc.GenerationServiceStub:
     return generation_pb2_grpc.GenerationServiceStub(server.channel())
 
 
-def run(stub, request) -> tuple[str, dict[int, list[str]], generation_pb2.GenerateSummary]:
-    text, calls, summary = "", {}, None
-    for response in stub.Generate(request):
-        if response.WhichOneof("response") == "delta":
-            text += response.delta.text
-            for d in response.delta.tool_calls:
-                entry = calls.setdefault(d.index, ["", "", ""])
-                entry[0] += d.id
-                entry[1] += d.name
-                entry[2] += d.arguments
-        else:
-            summary = response.summary
-    assert summary is not None
-    return text, calls, summary
-
-
 def tool_request(seed: int, choice: generation_pb2.ToolChoice, **fields) -> generation_pb2.GenerateRequest:
     return user_request(
         "What is the weather in Paris?",
@@ -303,14 +249,6 @@ def test_tool_round_trip_renders(stub, server: ServerThread) -> None:
     rendered = tok.apply_chat_template(messages, tools=specs, tokenize=False, add_generation_prompt=True)
     assert '<tool_response>\n{"temp": 21}' in rendered and '"city": "Paris"' in rendered
     assert summary.usage.prompt_tokens == len(tok.encode(rendered, add_special_tokens=False))
-
-
-def violations(err: grpc.RpcError) -> dict[str, str]:
-    out = {}
-    for detail in status_details(err):
-        if isinstance(detail, error_details_pb2.BadRequest):
-            out.update({v.field: v.description for v in detail.field_violations})
-    return out
 
 
 def test_bad_tools_are_invalid_argument(stub) -> None:

@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import pytest
-from audit_generate import run, tiny_server, violations
-from service_harness import ServerThread, user_request
+from support.service_harness import ServerThread, user_request
+from support.tiny_chat_server import run, tiny_server, violations
 
 from omnivox.services import tool_parser
 from omnivox.services.tools import plan, prompt_ids

@@ -24,10 +24,10 @@ import pytest
 import torch
 import transformers
 from PIL import Image, ImageOps
-from service_harness import ServerThread
-from test_service_images import ask, run
-from vision_checkpoints import make_qwen2_vl, png_bytes, sample_image
-from vision_variants import (
+from support.image_service import ask, run
+from support.service_harness import ServerThread
+from support.vision_checkpoints import make_qwen2_vl, png_bytes, sample_image
+from support.vision_variants import (
     LLAVA_HF_TEMPLATE,
     make_idefics3_variant,
     make_llava_variant,

@@ -13,9 +13,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from gemma3_checkpoint import make_gemma3
-from vision_checkpoints import make_qwen2_vl
-from vision_variants import make_idefics3_variant, make_llava_variant, make_qwen2_5_vl_variant
+from support.gemma3_checkpoint import make_gemma3
+from support.vision_checkpoints import make_qwen2_vl
+from support.vision_variants import make_idefics3_variant, make_llava_variant, make_qwen2_5_vl_variant
 
 from omnivox.models.vision import VisionEncoder
 
@@ -80,7 +80,7 @@ def test_processor_disagreeing_with_the_model_is_refused_at_load(bases, tmp_path
 
 def test_llava_next_siglip_default_is_refused_naming_the_strategy_over_the_api(tmp_path):
     """Through the server's loading path: the model fails to load with the reason, naming the config key."""
-    from service_harness import ServerThread
+    from support.service_harness import ServerThread
 
     from omnivox.services.loading import EngineOptions, ModelLoadError, ModelSpec
 

@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from service_harness import ServerThread
+from support.service_harness import ServerThread
 
 from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
 from omnivox.services.defaults import save_random_speech_model

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from service_harness import ServerThread
+from support.service_harness import ServerThread
 
 from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
 from omnivox.models.orpheus import ORPHEUS_LAYOUT, SpeechLayout

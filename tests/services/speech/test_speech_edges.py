@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 from google.rpc import error_details_pb2
-from service_harness import ServerThread
+from support.service_harness import ServerThread
 
 from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
 from omnivox.services.defaults import save_random_speech_model

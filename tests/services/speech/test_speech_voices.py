@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 import pytest
 import soundfile as sf
-from service_harness import ServerThread
+from support.service_harness import ServerThread
 
 from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
 from omnivox.models.orpheus import ORPHEUS_LAYOUT

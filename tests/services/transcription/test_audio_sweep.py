@@ -22,11 +22,11 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from audio_checkpoints import chirp, encode, noise, tone
 from google.rpc import error_details_pb2
-from service_harness import ServerThread
+from support.audio_checkpoints import chirp, encode, noise, tone
+from support.service_harness import ServerThread
+from support.whisper_checkpoints import N_MELS, SPECIALS, make_whisper, whisper_tokenizer
 from transformers import GenerationMixin, WhisperFeatureExtractor, WhisperForConditionalGeneration
-from whisper_checkpoints import N_MELS, SPECIALS, make_whisper, whisper_tokenizer
 
 from omnivox.codecs.audio_input import content_key, decode_audio
 from omnivox.codecs.downmix import mono_weights

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from audio_checkpoints import (
+from google.rpc import error_details_pb2
+from support.audio_checkpoints import (
     QWEN3_ASR_TOKENS,
     chirp,
     encode,
@@ -21,9 +22,8 @@ from audio_checkpoints import (
     tokenizer_with,
     tone,
 )
-from checkpoints import make_checkpoint
-from google.rpc import error_details_pb2
-from service_harness import ServerThread
+from support.checkpoints import make_checkpoint
+from support.service_harness import ServerThread
 
 from omnivox.codecs.audio_format import float_to_int16
 from omnivox.models.audio.transcription import transcription_messages

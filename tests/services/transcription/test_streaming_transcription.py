@@ -12,12 +12,12 @@ import time
 import grpc
 import numpy as np
 import pytest
-from audio_checkpoints import chirp, encode, espeak_wav, noise, tone
-from checkpoints import make_checkpoint
 from google.rpc import error_details_pb2
-from service_harness import ServerThread
-from test_whisper_default import word_error_rate
-from whisper_checkpoints import make_whisper
+from support.audio_checkpoints import chirp, encode, espeak_wav, noise, tone
+from support.checkpoints import make_checkpoint
+from support.service_harness import ServerThread
+from support.transcripts import word_error_rate
+from support.whisper_checkpoints import make_whisper
 
 from omnivox.codecs.audio_format import AudioEncoding, float_to_int16, int16_to_mulaw
 from omnivox.codecs.audio_input import AudioInputError, decode_audio, resample

@@ -11,11 +11,11 @@ import time
 import grpc
 import numpy as np
 import pytest
-from audio_checkpoints import encode, noise, tone
 from google.rpc import error_details_pb2
-from service_harness import ServerThread
-from test_whisper_default import word_error_rate
-from whisper_checkpoints import make_whisper
+from support.audio_checkpoints import encode, noise, tone
+from support.service_harness import ServerThread
+from support.transcripts import word_error_rate
+from support.whisper_checkpoints import make_whisper
 
 from omnivox.codecs.audio_format import float_to_int16, int16_to_mulaw
 from omnivox.codecs.audio_input import (

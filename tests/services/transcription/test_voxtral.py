@@ -16,11 +16,11 @@ import pytest
 import soundfile
 import torch
 import transformers
-from audio_checkpoints import chirp, encode, noise, tone
-from checkpoints import make_checkpoint
 from google.rpc import error_details_pb2
-from service_harness import ServerThread
-from voxtral_checkpoint import AUDIO_SECTION, make_voxtral_bundle, write_tekken
+from support.audio_checkpoints import chirp, encode, noise, tone
+from support.checkpoints import make_checkpoint
+from support.service_harness import ServerThread
+from support.voxtral_checkpoint import AUDIO_SECTION, make_voxtral_bundle, write_tekken
 
 from omnivox.codecs.audio_format import float_to_int16
 from omnivox.services.audio_prompt import load_audio_part

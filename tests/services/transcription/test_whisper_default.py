@@ -12,8 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from audio_checkpoints import espeak_wav
-from service_harness import ServerThread
+from support.audio_checkpoints import espeak_wav
+from support.service_harness import ServerThread
+from support.transcripts import word_error_rate
 
 from omnivox.services.defaults import DEFAULT_ASR_MODEL_NAME, ensure_default_whisper
 from omnivox.services.loading import EngineOptions, ModelSpec
@@ -35,21 +36,6 @@ PARAGRAPH = (
     "The boy was there when the sun rose. A rod is used to catch pink salmon. "
     "The source of the huge river is the clear spring. Kick the ball straight and follow through."
 )
-
-
-def words(text: str) -> list[str]:
-    return re.sub(r"[^a-z0-9' ]", " ", text.lower()).split()
-
-
-def word_error_rate(reference: str, hypothesis: str) -> float:
-    """Word-level edit distance (substitutions + insertions + deletions) over the reference's word count."""
-    ref, hyp = words(reference), words(hypothesis)
-    row = list(range(len(hyp) + 1))
-    for i, r in enumerate(ref, 1):
-        prev, row[0] = row[0], i
-        for j, h in enumerate(hyp, 1):
-            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (r != h))
-    return row[-1] / max(len(ref), 1)
 
 
 def test_word_error_rate():

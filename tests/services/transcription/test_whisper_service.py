@@ -13,12 +13,12 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from audio_checkpoints import chirp, encode, noise, tone
-from checkpoints import make_checkpoint
 from google.rpc import error_details_pb2
-from service_harness import ServerThread
+from support.audio_checkpoints import chirp, encode, noise, tone
+from support.checkpoints import make_checkpoint
+from support.service_harness import ServerThread
+from support.whisper_checkpoints import make_whisper
 from transformers import GenerationMixin, WhisperFeatureExtractor, WhisperForConditionalGeneration
-from whisper_checkpoints import make_whisper
 
 from omnivox.codecs.audio_split import split_at_quiet
 from omnivox.services.bundle import probe
@@ -327,7 +327,7 @@ def test_timestamp_segments_split_at_pairs_and_stay_inside_the_audio():
 
 
 def test_adjust_logits_hook_applies_per_request_and_a_failing_one_fails_only_its_request(tmp_path):
-    from engines import tiny_engine
+    from support.engines import tiny_engine
 
     from omnivox.engine import SamplingParams
 
