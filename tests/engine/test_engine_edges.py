@@ -10,7 +10,7 @@ import llguidance
 import pytest
 from support.engines import tiny_checkpoint, tiny_engine
 from support.service_harness import ServerThread, user_request
-from support.tiny_chat_server import run, violations
+from support.tiny_chat_server import invalid_argument, run
 
 from omnivox.engine import InvalidRequest, SamplingParams, shared
 from omnivox.engine.speculative import NgramProposer
@@ -101,7 +101,7 @@ def test_over_grpc_it_is_invalid_argument_and_the_server_keeps_serving(server, t
         "x", response_format=generation_pb2.ResponseFormat(regex="xy|xz"), sampling=sampling, max_output_tokens=8
     )
     stub = generation_pb2_grpc.GenerationServiceStub(server.channel())
-    found = violations(stub, request)
+    found = invalid_argument(stub, request)
     assert "output position 1" in found["sampling.logit_bias"], found
     assert server.wait_kv_free()[0] == server.wait_kv_free()[1]
     _, _, summary = run(stub, user_request("x", max_output_tokens=3))
@@ -116,7 +116,7 @@ def test_a_seed_past_32_bits_is_refused_naming_it(server, engines, seed):
     assert info.value.field == "seed"
     stub = generation_pb2_grpc.GenerationServiceStub(server.channel())
     sampling = sampling_pb2.SamplingConfig(temperature=1.0, seed=seed)
-    found = violations(stub, user_request("x", sampling=sampling, max_output_tokens=2))
+    found = invalid_argument(stub, user_request("x", sampling=sampling, max_output_tokens=2))
     assert "[0, 4294967295]" in found["sampling.seed"], found
 
 

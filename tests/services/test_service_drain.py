@@ -11,6 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support.checkpoints import make_checkpoint
 from support.service_harness import ServerThread, user_request
+from support.waiting import wait_until
 
 from omnivox.services import loading
 from omnivox.services.loading import EngineOptions, ModelSpec
@@ -25,13 +26,6 @@ LONG = dict(max_output_tokens=4000, ignore_eos=True)
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", family="llama", max_position_embeddings=4096)
-
-
-def wait_until(condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
 
 
 def health(srv: ServerThread) -> int:
@@ -88,7 +82,7 @@ def test_model_finishing_its_load_during_a_drain_is_not_served(checkpoint: Path,
         stream = stub.Generate(user_request("Talk for a long time.", model="a", **LONG))
         assert next(stream).HasField("delta")
         stopped = srv.run_async(srv.server.stop(60.0))
-        wait_until(lambda: srv.registry.draining)
+        wait_until(lambda: srv.registry.draining, timeout=30.0)
 
         release_b.set()
         loaded.result(timeout=120)

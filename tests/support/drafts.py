@@ -1,4 +1,5 @@
-"""TODO docstring."""
+"""A draft model for speculative decoding that proposes tokens from any distribution (not the target's), so the
+rejection sampler's exactness is tested where drafts are often wrong."""
 
 from __future__ import annotations
 

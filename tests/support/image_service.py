@@ -1,16 +1,12 @@
-"""TODO docstring."""
+"""Image requests over gRPC against transformers: request builders (`ask`, `part_of`), a greedy `run` with logprobs,
+and the `reference` prompt and tokens that transformers' processor + `generate` give."""
 
 from __future__ import annotations
 
-import time
-
-import grpc
 import torch
 import transformers
-from google.rpc import error_details_pb2
 from PIL import Image
 
-from omnivox.services.errors import status_details
 from omnivox.v1 import content_pb2, generation_pb2, sampling_pb2
 from support.vision_checkpoints import png_bytes
 
@@ -74,20 +70,3 @@ def reference(s, family: str, turns: list[tuple[str, list]]) -> tuple[int, list[
         out = model.generate(**batch, max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False)
     n = batch["input_ids"].shape[1]
     return n, out[0, n:].tolist()
-
-
-def baseline(s, family: str = "llava") -> None:
-    """Every KV block free again and no encoder-cache reference held."""
-    free, total = s["server"].wait_kv_free(family)
-    assert free == total
-    cache = s["server"].registry.lookup(family).bundle.vision.cache
-    deadline = time.monotonic() + 2.0
-    while cache.total_refs() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert cache.total_refs() == 0
-
-
-def _violations(err: grpc.RpcError) -> list[str]:
-    return [
-        v.field for d in status_details(err) if isinstance(d, error_details_pb2.BadRequest) for v in d.field_violations
-    ]

@@ -1,4 +1,4 @@
-"""TODO docstring."""
+"""Skip helpers for tests of the C kernels: they need a C compiler on the host."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""TODO docstring."""
+"""The sampler's distribution against an independent computation: a tiny model with spread-out logits, the expected
+probabilities after temperature / top-k / top-p / min-p, and a chi-square check of drawn counts."""
 
 from __future__ import annotations
 

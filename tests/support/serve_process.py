@@ -1,4 +1,5 @@
-"""TODO docstring."""
+"""`omnivox` run as a user runs it: the CLI in a child process (`omnivox`), `omnivox serve` as a child process on a
+free port (`ServeProcess`), its log, and the one-line error check of refused flags."""
 
 from __future__ import annotations
 

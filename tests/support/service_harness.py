@@ -104,6 +104,29 @@ class ServerThread:
             time.sleep(0.01)
 
 
+def nothing_left(server: ServerThread, model: str, timeout: float = 5.0) -> None:
+    """No engine request, KV block, encoder-cache reference or admission slot left behind by the calls so far.
+
+    A handler's `finally` runs just after its client saw the status, so each count gets `timeout` seconds to settle.
+    """
+    free, total = server.wait_kv_free(model, timeout=timeout)
+    assert free == total, f"{total - free} of {total} KV blocks still held"
+    engine, served = server.engine(model), server.registry.lookup(model)
+    bundle = served.bundle
+    caches = [part.cache for part in (bundle.vision, bundle.audio, bundle.whisper) if part is not None]
+
+    def settled() -> bool:
+        return engine.num_unfinished() == 0 and served.in_flight == 0 and all(c.total_refs() == 0 for c in caches)
+
+    deadline = time.monotonic() + timeout
+    while not settled() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.num_unfinished() == 0, f"{engine.num_unfinished()} engine requests unfinished"
+    assert served.in_flight == 0, f"{served.in_flight} admission slots held"
+    assert [c.total_refs() for c in caches] == [0] * len(caches), "encoder-cache references held"
+    engine.check_integrity()
+
+
 def user_request(text: str, **fields: Any) -> generation_pb2.GenerateRequest:
     """A GenerateRequest with one user turn; keyword arguments set further request fields."""
     return generation_pb2.GenerateRequest(

@@ -1,4 +1,4 @@
-"""TODO docstring."""
+"""Two tensor-parallel ranks (gloo on CPU) against one process: the same greedy tokens, and each rank's peak KV use."""
 
 from __future__ import annotations
 

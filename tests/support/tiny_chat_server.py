@@ -9,12 +9,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from google.rpc import error_details_pb2
 
-from omnivox.services.errors import status_details
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.v1 import generation_pb2
 from support.checkpoints import make_checkpoint
+from support.grpc_errors import violation_descriptions
 from support.service_harness import ServerThread
 
 
@@ -40,12 +39,8 @@ def run(stub, request: generation_pb2.GenerateRequest) -> tuple[str, list, gener
     return text, deltas, summary
 
 
-def violations(stub, request: generation_pb2.GenerateRequest) -> dict[str, str]:
+def invalid_argument(stub, request: generation_pb2.GenerateRequest) -> dict[str, str]:
+    """Send a request the server must refuse; return the INVALID_ARGUMENT's field -> description."""
     with pytest.raises(grpc.RpcError) as info:
         run(stub, request)
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
-    out = {}
-    for detail in status_details(info.value):
-        if isinstance(detail, error_details_pb2.BadRequest):
-            out.update({v.field: v.description for v in detail.field_violations})
-    return out
+    return violation_descriptions(info.value)

@@ -1,14 +1,11 @@
-"""TODO docstring."""
+"""Tool-call fixtures shared by the tool, Mistral and reasoning tests: the weather / time tools and their schemas,
+`feed` (the parser fed a text in chunks of any size), `run` (a Generate stream gathered into text, calls and summary)."""
 
 from __future__ import annotations
 
 import json
 
-import grpc
-from google.rpc import error_details_pb2
-
 from omnivox.services import tool_parser
-from omnivox.services.errors import status_details
 from omnivox.v1 import generation_pb2
 
 WEATHER = {
@@ -70,11 +67,3 @@ def run(stub, request) -> tuple[str, dict[int, list[str]], generation_pb2.Genera
             summary = response.summary
     assert summary is not None
     return text, calls, summary
-
-
-def violations(err: grpc.RpcError) -> dict[str, str]:
-    out = {}
-    for detail in status_details(err):
-        if isinstance(detail, error_details_pb2.BadRequest):
-            out.update({v.field: v.description for v in detail.field_violations})
-    return out

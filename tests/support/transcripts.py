@@ -1,4 +1,4 @@
-"""TODO docstring."""
+"""Word error rate between a reference text and a transcript (words lower-cased, punctuation dropped)."""
 
 from __future__ import annotations
 

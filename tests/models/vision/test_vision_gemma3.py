@@ -14,8 +14,9 @@ import torch
 import transformers
 from PIL import Image
 from support.gemma3_checkpoint import BOI, EOI, IMAGE, make_gemma3
-from support.image_service import STEPS, _violations, ask, baseline, reference, run
-from support.service_harness import ServerThread
+from support.grpc_errors import violated_fields
+from support.image_service import STEPS, ask, reference, run
+from support.service_harness import ServerThread, nothing_left
 from support.vision_checkpoints import png_bytes, relayout, sample_image
 from support.vision_parity import check_batch_isolation, check_features_and_placeholders, check_hub_layout, check_keys
 
@@ -67,7 +68,7 @@ def test_one_and_two_images_equal_transformers(served):
         n, want = reference(served, "gemma3", turns)
         assert got == want
         assert summary.usage.prompt_tokens == n
-    baseline(served, "gemma3")
+    nothing_left(served["server"], "gemma3")
 
 
 def test_an_image_longer_than_a_step_is_computed_in_one_chunk(served):
@@ -76,7 +77,7 @@ def test_an_image_longer_than_a_step_is_computed_in_one_chunk(served):
     for turns in ([("user", [A, "What is in this picture?"])], [("user", ["Compare", A, "with", B])]):
         got, _, _ = run(served["stub"], ask("wide", turns))
         assert got == reference(served, "wide", turns)[1]
-    baseline(served, "wide")
+    nothing_left(served["server"], "wide")
 
 
 def test_pan_and_scan_crops_equal_transformers(served):
@@ -100,7 +101,7 @@ def test_pan_and_scan_crops_equal_transformers(served):
         n = batch["input_ids"].shape[1]
         assert summary.usage.prompt_tokens == n
         assert got == out[0, n:].tolist()
-    baseline(served, "pas")
+    nothing_left(served["server"], "pas")
 
 
 def _part(x) -> dict:
@@ -127,7 +128,7 @@ def test_prefix_hit_inside_an_image(served):
     got, _, summary = run(served["stub"], ask("gemma3", second))
     assert summary.usage.cached_prompt_tokens == hit
     assert got == reference(served, "gemma3", second)[1]
-    baseline(served, "gemma3")
+    nothing_left(served["server"], "gemma3")
 
 
 def test_image_tokens_in_user_text_are_invalid_argument(served):
@@ -136,14 +137,14 @@ def test_image_tokens_in_user_text_are_invalid_argument(served):
         with pytest.raises(grpc.RpcError) as info:
             run(served["stub"], ask("gemma3", [("user", [A, f"what is {token}?"])]))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, token
-        assert _violations(info.value) == ["contents[0].parts[1].text"], token
+        assert violated_fields(info.value) == ["contents[0].parts[1].text"], token
     with pytest.raises(grpc.RpcError) as info:
         run(served["stub"], ask("gemma3", [("user", ["Look:", content_pb2.ImagePart(data=b"not an image")])]))
-    assert _violations(info.value) == ["contents[0].parts[1].image"]
+    assert violated_fields(info.value) == ["contents[0].parts[1].image"]
     assert served["server"].wait_kv_free("gemma3") == kv_before
     got, _, _ = run(served["stub"], ask("gemma3", [("user", [A, "Still there?"])]))
     assert got == reference(served, "gemma3", [("user", [A, "Still there?"])])[1]
-    baseline(served, "gemma3")
+    nothing_left(served["server"], "gemma3")
 
 
 def test_max_pixels_refused_where_the_token_count_is_fixed(served):
@@ -156,13 +157,13 @@ def test_max_pixels_refused_where_the_token_count_is_fixed(served):
         with pytest.raises(grpc.RpcError) as info:
             run(served["stub"], ask(name, [("user", ["Look:", small])]))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert _violations(info.value) == ["contents[0].parts[1].image.max_pixels"]
+        assert violated_fields(info.value) == ["contents[0].parts[1].image.max_pixels"]
         assert "only blurred" in info.value.details()
     full = run(served["stub"], ask("pas", [("user", [A, "Size?"])]))[2]
     fewer = content_pb2.ImagePart(data=png_bytes(A), max_pixels=120)
     less = run(served["stub"], ask("pas", [("user", [fewer, "Size?"])]))[2]
     assert less.usage.prompt_tokens < full.usage.prompt_tokens
-    baseline(served, "gemma3")
+    nothing_left(served["server"], "gemma3")
 
 
 def test_a_chunk_never_ends_inside_a_bidirectional_segment():

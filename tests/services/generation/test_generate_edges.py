@@ -15,7 +15,7 @@ import pytest
 import torch
 from support.checkpoints import load_reference
 from support.service_harness import ServerThread, user_request
-from support.tiny_chat_server import run, tiny_server, violations
+from support.tiny_chat_server import invalid_argument, run, tiny_server
 
 from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2
 
@@ -207,7 +207,7 @@ def test_schema_features_always_validate(stub) -> None:
 def test_what_cannot_be_enforced_is_refused_naming_it(stub, schema: dict, keyword: str) -> None:
     """A keyword the grammar cannot enforce is refused, naming it (a silently ignored `not` or `uniqueItems` would
     give output that fails the client's own validation), as vLLM's guidance backend and OpenAI's strict mode do."""
-    found = violations(stub, schema_request(schema, 0))
+    found = invalid_argument(stub, schema_request(schema, 0))
     assert keyword in found["response_format.json_schema"], found
 
 
@@ -231,7 +231,7 @@ def _deep(n: int) -> str:
 )
 def test_json_nested_too_deeply_is_invalid_argument(stub, server: ServerThread, fields: dict, field: str) -> None:
     """json.loads raises RecursionError (not JSONDecodeError) past ~1,000 levels: these were INTERNAL errors."""
-    found = violations(stub, user_request("x", max_output_tokens=4, **fields))
+    found = invalid_argument(stub, user_request("x", max_output_tokens=4, **fields))
     assert "nested too deeply" in found[field], found
     assert run(stub, user_request("still serving", max_output_tokens=2))[2].usage.output_tokens == 2
     assert server.wait_kv_free()[0] == server.wait_kv_free()[1]
@@ -247,7 +247,7 @@ def test_tool_call_arguments_nested_too_deeply_is_invalid_argument(stub) -> None
         tools=[generation_pb2.Tool(name="f")],
         max_output_tokens=4,
     )
-    found = violations(stub, request)
+    found = invalid_argument(stub, request)
     assert "nested too deeply" in found["contents[1].tool_calls[0].arguments"], found
 
 
@@ -279,7 +279,7 @@ def test_top_k_minus_one_is_off(stub) -> None:
         return run(stub, user_request("Hello there", sampling=sampling, max_output_tokens=24))[0]
 
     assert sample(-1) == sample(0)
-    assert "sampling.top_k" in violations(stub, user_request("x", sampling=sampling_pb2.SamplingConfig(top_k=-2)))
+    assert "sampling.top_k" in invalid_argument(stub, user_request("x", sampling=sampling_pb2.SamplingConfig(top_k=-2)))
 
 
 def test_logprobs_are_of_the_processed_logits(stub, server: ServerThread) -> None:
@@ -332,7 +332,7 @@ def test_logprobs_are_of_the_processed_logits(stub, server: ServerThread) -> Non
 def test_a_long_refusal_still_arrives(stub, fields: dict, field: str) -> None:
     """Errors that echo a long input are cut to fit the trailers: a client drops trailers past 8 KiB and saw
     RESOURCE_EXHAUSTED "Stream removed" instead of INVALID_ARGUMENT (a 5,000-character regex's error was 30 KB)."""
-    found = violations(stub, user_request("x", max_output_tokens=2, **fields))
+    found = invalid_argument(stub, user_request("x", max_output_tokens=2, **fields))
     assert field in found and len(found) <= 16, found.keys()
 
 
@@ -352,7 +352,7 @@ def test_a_long_unknown_model_name_is_not_found(stub) -> None:
 )
 def test_a_grammar_that_admits_nothing_is_invalid_argument(stub, server: ServerThread, fmt, field: str) -> None:
     """An empty language compiled, and failed at its first mask inside the engine: INTERNAL."""
-    found = violations(stub, user_request("x", response_format=fmt, max_output_tokens=4))
+    found = invalid_argument(stub, user_request("x", response_format=fmt, max_output_tokens=4))
     assert "admits no output" in found[field], found
     assert server.wait_kv_free()[0] == server.wait_kv_free()[1]
 
@@ -367,7 +367,7 @@ def test_openais_json_schema_wrapper_is_refused(stub) -> None:
         "additionalProperties": False,
     }
     wrapper = {"name": "thing", "strict": True, "schema": inner}
-    found = violations(stub, schema_request(wrapper, 0))
+    found = invalid_argument(stub, schema_request(wrapper, 0))
     assert '"schema" member' in found["response_format.json_schema"], found
     text = run(stub, schema_request(inner, 0, max_output_tokens=40))[0]
     jsonschema.validate(json.loads(text), inner)

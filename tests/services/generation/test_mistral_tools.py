@@ -14,8 +14,9 @@ import grpc
 import pytest
 import transformers
 from support.checkpoints import make_checkpoint
+from support.grpc_errors import violation_descriptions
 from support.service_harness import ServerThread, user_request
-from support.tool_calls import SCHEMAS, TOOLS, feed, run, violations
+from support.tool_calls import SCHEMAS, TOOLS, feed, run
 
 from omnivox.services import tool_grammar, tool_parser, tools
 from omnivox.services.loading import EngineOptions, ModelSpec
@@ -158,7 +159,7 @@ def test_ids_the_template_refuses_are_invalid_argument(stub) -> None:
     with pytest.raises(grpc.RpcError) as info:
         run(stub, request)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert {"contents[1].tool_calls[0].id", "contents[2].tool_call_id"} <= violations(info.value).keys()
+    assert {"contents[1].tool_calls[0].id", "contents[2].tool_call_id"} <= violation_descriptions(info.value).keys()
     assert run(stub, user_request("hi", max_output_tokens=2))[2].usage.output_tokens >= 1
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import json
-import time
 from pathlib import Path
 
 import grpc
@@ -23,7 +22,7 @@ import transformers
 from google.rpc import error_details_pb2
 from support.audio_checkpoints import encode, make_qwen2_audio, tone
 from support.checkpoints import make_checkpoint
-from support.service_harness import ServerThread
+from support.service_harness import ServerThread, nothing_left
 from support.vision_checkpoints import chat_template, make_llava, make_qwen2_5_vl, png_bytes, sample_image
 from support.voxtral_checkpoint import make_voxtral_bundle
 from support.whisper_checkpoints import make_whisper
@@ -213,19 +212,7 @@ def test_media_question_with_tools_calls_and_the_prompt_is_the_processors(served
             assert prompt.token_ids == want  # markers expanded as the processor expands them
         finally:
             prompt.release()
-    _baseline(served, model)
-
-
-def _baseline(s, model: str) -> None:
-    """Every KV block free again and no encoder-cache reference held."""
-    free, total = s["server"].wait_kv_free(model)
-    assert free == total
-    bundle = s["server"].registry.lookup(model).bundle
-    cache = (bundle.vision or bundle.audio).cache
-    deadline = time.monotonic() + 2.0
-    while cache.total_refs() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert cache.total_refs() == 0
+    nothing_left(served["server"], model)
 
 
 @pytest.mark.parametrize("model", ["voxtral", "voxtral13"])
@@ -245,7 +232,7 @@ def test_voxtral_audio_question_with_tools_round_trip(served, model):
             assert prompt.token_ids == list(want)
         finally:
             prompt.release()
-    _baseline(served, model)
+    nothing_left(served["server"], model)
 
 
 def test_spoken_question_to_a_text_model_with_tools(served):
@@ -294,7 +281,7 @@ def test_template_without_tools_refuses_them_naming_tools(served, model, kind):
         generation_pb2.GenerateRequest(model=model, contents=contents, max_output_tokens=2, tool_choice=none),
     )
     assert summary.usage.output_tokens == 2  # still serving
-    _baseline(served, model)
+    nothing_left(served["server"], model)
 
 
 def test_grammar_on_a_model_without_end_of_sequence_is_invalid_argument(served):

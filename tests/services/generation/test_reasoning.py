@@ -14,8 +14,9 @@ import grpc
 import pytest
 import transformers
 from support.checkpoints import make_checkpoint
+from support.grpc_errors import violation_descriptions
 from support.service_harness import ServerThread, user_request
-from support.tool_calls import TOOLS, run, violations
+from support.tool_calls import TOOLS, run
 
 from omnivox.services import reasoning, tool_parser, tools
 from omnivox.services.loading import EngineOptions, ModelSpec
@@ -192,7 +193,9 @@ def test_enable_thinking_false(stub, server: ServerThread) -> None:
     assert thought == "" and summary.usage.reasoning_tokens == 0 and json.loads(answer)["answer"] in ("yes", "no")
     with pytest.raises(grpc.RpcError) as info:
         generate(stub, user_request("hi", model="r1", enable_thinking=False))
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "enable_thinking" in violations(info.value)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "enable_thinking" in violation_descriptions(
+        info.value
+    )
     assert generate(stub, user_request("hi", model="r1", enable_thinking=True, max_output_tokens=2))[3].usage
 
 

@@ -10,15 +10,14 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from google.rpc import error_details_pb2
 from support.audio_checkpoints import chirp, encode, make_qwen2_audio, make_qwen3_asr, noise, tone
 from support.checkpoints import make_checkpoint
-from support.service_harness import ServerThread
+from support.grpc_errors import violated_fields
+from support.service_harness import ServerThread, nothing_left
 
 from omnivox.codecs.audio_format import float_to_int16
 from omnivox.codecs.audio_input import decode_audio
 from omnivox.services.bundle import probe
-from omnivox.services.errors import status_details
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, model_pb2, model_pb2_grpc, sampling_pb2
 
@@ -87,14 +86,6 @@ def reference(s, samples: np.ndarray, question: str) -> tuple[int, list[int]]:
     return n, out[0, n:].tolist()
 
 
-def baseline(s) -> None:
-    """Every KV block free again and no encoder-cache reference held."""
-    server = s["server"]
-    free, total = server.wait_kv_free(s["family"])
-    assert free == total
-    assert s["audio"].cache.total_refs() == 0
-
-
 def test_wav_flac_linear16_over_grpc_equal_transformers_and_share_one_cache_entry(served):
     pcm = float_to_int16(chirp(2.3) + noise(2.3, amp=0.05))
     question = "What is this sound?"
@@ -111,7 +102,7 @@ def test_wav_flac_linear16_over_grpc_equal_transformers_and_share_one_cache_entr
         assert summary.usage.prompt_tokens == prompt_len
     assert served["audio"].cache.misses == misses + 1  # WAV, FLAC and LINEAR16: one encoder-cache entry
     assert results[1][1].usage.cached_prompt_tokens > 0  # the repeat hits the prefix cache (audio key in the hash)
-    baseline(served)
+    nothing_left(served["server"], served["family"])
 
 
 def test_44k_stereo_is_resampled_and_mixed(served):
@@ -121,13 +112,7 @@ def test_44k_stereo_is_resampled_and_mixed(served):
     got, _ = tokens(served["stub"], ask(content_pb2.AudioPart(data=data), "Describe it.", served["family"]))
     samples = decode_audio(data, target_rate=16000).samples
     assert got == reference(served, samples, "Describe it.")[1]
-    baseline(served)
-
-
-def _field_violations(err: grpc.RpcError) -> list[str]:
-    return [
-        v.field for d in status_details(err) if isinstance(d, error_details_pb2.BadRequest) for v in d.field_violations
-    ]
+    nothing_left(served["server"], served["family"])
 
 
 BAD = {
@@ -156,7 +141,7 @@ def test_bad_audio_is_invalid_argument_naming_the_part_and_the_server_keeps_serv
         with pytest.raises(grpc.RpcError) as info:
             tokens(stub, ask(part, "hi", served["family"]))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
-        fields = _field_violations(info.value)
+        fields = violated_fields(info.value)
         assert len(fields) == 1 and fields[0].startswith("contents[0].parts[0].audio") and fields[0].endswith(field), (
             name,
             fields,
@@ -166,16 +151,16 @@ def test_bad_audio_is_invalid_argument_naming_the_part_and_the_server_keeps_serv
     good = content_pb2.AudioPart(data=encode(tone(0.5), 16000, "WAV"))
     with pytest.raises(grpc.RpcError) as info:
         tokens(stub, ask(good, f"what is {marker}?", served["family"]))
-    assert _field_violations(info.value) == ["contents[0].parts[1].text"]
+    assert violated_fields(info.value) == ["contents[0].parts[1].text"]
     # Audio to a text-only model.
     with pytest.raises(grpc.RpcError) as info:
         tokens(stub, ask(good, "hi", "text"))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert _field_violations(info.value) == ["contents[0].parts[0].audio"]
-    baseline(served)
+    assert violated_fields(info.value) == ["contents[0].parts[0].audio"]
+    nothing_left(served["server"], served["family"])
     got, summary = tokens(stub, ask(good, "still there?", served["family"]))  # still serving
     assert len(got) == STEPS and summary.finish_reason == generation_pb2.FINISH_REASON_LENGTH
-    baseline(served)
+    nothing_left(served["server"], served["family"])
 
 
 def test_list_models_shows_audio_input(served):
@@ -195,7 +180,7 @@ def test_cancelled_audio_stream_frees_kv_and_cache_references(served):
     first = next(call)
     assert first.HasField("delta")
     call.cancel()
-    baseline(served)
+    nothing_left(served["server"], served["family"])
 
 
 def test_a_request_over_the_grpc_message_limit_is_resource_exhausted(tmp_path):
@@ -220,4 +205,4 @@ def test_concurrent_audio_requests_each_equal_transformers(served):
         results = list(pool.map(lambda r: tokens(served["stub"], r)[0], requests))
     wants = [reference(served, c.astype(np.float32) / 32768.0, "Which one?")[1] for c in clips]
     assert results == wants
-    baseline(served)
+    nothing_left(served["server"], served["family"])

@@ -12,6 +12,7 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support.checkpoints import make_checkpoint
+from support.grpc_errors import field_violations
 from support.service_harness import ServerThread, user_request
 
 from omnivox.engine import SamplingParams
@@ -51,14 +52,6 @@ def collect(responses) -> tuple[list[generation_pb2.GenerateDelta], generation_p
         (deltas if kind == "delta" else summaries).append(getattr(response, kind))
     assert summaries and kinds[-1] == "summary" and kinds.count("summary") == 1, kinds
     return deltas, summaries[0]
-
-
-def violations(err: grpc.RpcError) -> list[error_details_pb2.BadRequest.FieldViolation]:
-    out = []
-    for detail in status_details(err):
-        if isinstance(detail, error_details_pb2.BadRequest):
-            out.extend(detail.field_violations)
-    return out
 
 
 def prompt_ids(server: ServerThread, text: str) -> list[int]:
@@ -204,9 +197,9 @@ def test_invalid_argument_names_the_field(server: ServerThread, stub, request_, 
     with pytest.raises(grpc.RpcError) as info:
         list(stub.Generate(request_))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
-    fields = [v.field for v in violations(info.value)]
+    fields = [v.field for v in field_violations(info.value)]
     assert field in fields, (fields, info.value.details())
-    assert all(v.description for v in violations(info.value))
+    assert all(v.description for v in field_violations(info.value))
     # ... and the server keeps serving.
     _, summary = collect(stub.Generate(user_request("Still there?", max_output_tokens=2)))
     assert summary.usage.output_tokens >= 1
@@ -216,7 +209,7 @@ def test_every_violation_reported_at_once(stub) -> None:
     request = user_request("Hi", sampling=sampling_pb2.SamplingConfig(temperature=-1, top_p=2, top_k=-3))
     with pytest.raises(grpc.RpcError) as info:
         list(stub.Generate(request))
-    fields = {v.field for v in violations(info.value)}
+    fields = {v.field for v in field_violations(info.value)}
     assert {"sampling.temperature", "sampling.top_p", "sampling.top_k"} <= fields
 
 
@@ -313,7 +306,7 @@ def test_chat_template_refusal_is_invalid_argument(tmp_path: Path) -> None:
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Generate(request))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert [v.field for v in violations(info.value)] == ["contents"]
+        assert [v.field for v in field_violations(info.value)] == ["contents"]
         assert "no system turns" in info.value.details()
         *_, last = stub.Generate(user_request("Hi", max_output_tokens=2))  # without the system turn: served
         assert last.HasField("summary")
@@ -372,7 +365,7 @@ def _refusal(stub, request: generation_pb2.GenerateRequest) -> list[tuple[str, s
         collect(stub.Generate(request, timeout=60))
     except grpc.RpcError as err:
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
-        return [(v.field, v.description) for v in violations(err)]
+        return [(v.field, v.description) for v in field_violations(err)]
     return None
 
 

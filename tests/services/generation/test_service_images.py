@@ -16,8 +16,9 @@ import pytest
 import torch
 from PIL import Image
 from support.checkpoints import make_checkpoint
-from support.image_service import STEPS, _violations, ask, baseline, reference, run
-from support.service_harness import ServerThread
+from support.grpc_errors import violated_fields
+from support.image_service import STEPS, ask, reference, run
+from support.service_harness import ServerThread, nothing_left
 from support.vision_checkpoints import (
     make_idefics3,
     make_llava,
@@ -72,7 +73,7 @@ def test_one_and_two_images_equal_transformers(served, family):
         assert any(
             s.num_tokens > CHUNK or (s.start % CHUNK and s.num_tokens > 1) for s in segments
         )  # a chunk boundary inside an image
-    baseline(served, family)
+    nothing_left(served["server"], family)
 
 
 def _prompt(s, family, turns):
@@ -107,7 +108,7 @@ def test_prefix_hit_covering_part_of_an_image(served, family):
     got, _, summary = run(served["stub"], ask(family, second))
     assert summary.usage.cached_prompt_tokens == hit
     assert got == reference(served, family, second)[1]
-    baseline(served, family)
+    nothing_left(served["server"], family)
 
 
 def test_batch_isolation_different_images_same_text(served):
@@ -128,7 +129,7 @@ def test_batch_isolation_different_images_same_text(served):
         together = list(pool.map(lambda q: run(served["stub"], ask(family, [("user", [q, shared])]))[0], questions))
     assert worker.num_encoded == encoded + 1
     assert together == [reference(served, family, [("user", [q, shared])])[1] for q in questions]
-    baseline(served, family)
+    nothing_left(served["server"], family)
 
 
 def test_repeat_eviction_and_re_encode_give_identical_tokens_and_logprobs(served):
@@ -172,7 +173,7 @@ def test_repeat_eviction_and_re_encode_give_identical_tokens_and_logprobs(served
     small = content_pb2.ImagePart(data=png_bytes(C), max_pixels=900)
     keys |= {s.key.split(":")[0] for s in _segments(served, family, [("user", [small])])}
     assert len(keys) == 3
-    baseline(served, family)
+    nothing_left(served["server"], family)
 
 
 def _encode(im: Image.Image, fmt: str, **kwargs) -> bytes:
@@ -219,36 +220,36 @@ def test_bad_images_are_invalid_argument_and_the_server_keeps_serving(served):
         with pytest.raises(grpc.RpcError) as info:
             run(stub, ask(family, [("user", ["Look:", content_pb2.ImagePart(data=data)])]))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
-        fields = _violations(info.value)
+        fields = violated_fields(info.value)
         assert len(fields) == 1 and fields[0].startswith("contents[0].parts[1].image"), (name, fields)
     # Every problem of a request at once; the good image in it takes no cache reference.
     with pytest.raises(grpc.RpcError) as info:
         run(stub, ask(family, [("user", [A, content_pb2.ImagePart(data=bad["tiff"]), bad_max_pixels()])]))
-    assert _violations(info.value) == ["contents[0].parts[1].image", "contents[0].parts[2].image.max_pixels"]
+    assert violated_fields(info.value) == ["contents[0].parts[1].image", "contents[0].parts[2].image.max_pixels"]
     # Too many images, features above the cache budget, user text spelling the image token, a text-only model.
     with pytest.raises(grpc.RpcError) as info:
         run(stub, ask(family, [("user", [A] * 17)]))
-    assert _violations(info.value) == ["contents"]
+    assert violated_fields(info.value) == ["contents"]
     cache = served["server"].registry.lookup(family).bundle.vision.cache
     budget, cache.budget_bytes = cache.budget_bytes, 100
     try:
         with pytest.raises(grpc.RpcError) as info:
             run(stub, ask(family, [("user", [A, "hi"])]))
-        assert _violations(info.value) == ["contents[0].parts[0].image"]
+        assert violated_fields(info.value) == ["contents[0].parts[0].image"]
     finally:
         cache.budget_bytes = budget
     with pytest.raises(grpc.RpcError) as info:
         run(stub, ask(family, [("user", [A, "what is <image>?"])]))
-    assert _violations(info.value) == ["contents[0].parts[1].text"]
+    assert violated_fields(info.value) == ["contents[0].parts[1].text"]
     with pytest.raises(grpc.RpcError) as info:
         run(stub, ask("text", [("user", [A, "hi"])]))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert _violations(info.value) == ["contents[0].parts[0].image"]
+    assert violated_fields(info.value) == ["contents[0].parts[0].image"]
     assert served["server"].wait_kv_free(family) == kv_before
-    baseline(served, family)
+    nothing_left(served["server"], family)
     got, _, summary = run(stub, ask(family, [("user", [A, "Still there?"])]))
     assert len(got) == STEPS and summary.finish_reason == generation_pb2.FINISH_REASON_LENGTH
-    baseline(served, family)
+    nothing_left(served["server"], family)
 
 
 def test_images_past_the_context_are_refused_before_the_rest_are_processed(served):
@@ -266,13 +267,13 @@ def test_images_past_the_context_are_refused_before_the_rest_are_processed(serve
         with pytest.raises(grpc.RpcError) as info:
             run(served["stub"], ask(family, [("user", ["Compare:", *[A, B] * 8])]))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert _violations(info.value) == ["contents[0].parts[3].image"]
+        assert violated_fields(info.value) == ["contents[0].parts[3].image"]
         assert f"{3 * per_image} prompt tokens" in info.value.details()
         assert calls == [1, 1, 1]
     finally:
         builder.context_tokens = context
         del vision.encoder.preprocess
-    baseline(served, family)
+    nothing_left(served["server"], family)
 
 
 def test_a_request_past_its_pixel_budget_is_refused_before_the_rest_are_decoded(served):
@@ -290,16 +291,16 @@ def test_a_request_past_its_pixel_budget_is_refused_before_the_rest_are_decoded(
         with pytest.raises(grpc.RpcError) as info:  # A and B: 3000 pixels; C (40x40) takes the request to 4600
             run(served["stub"], ask(family, [("user", ["Compare:", A, tiff, B, C, garbage])]))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert _violations(info.value) == ["contents[0].parts[2].image", "contents[0].parts[4].image"]
+        assert violated_fields(info.value) == ["contents[0].parts[2].image", "contents[0].parts[4].image"]
         assert "are 4600 pixels; the limit is 4000 per request" in info.value.details()
         assert calls == [1, 1]
-        baseline(served, family)
+        nothing_left(served["server"], family)
         got, _, _ = run(served["stub"], ask(family, [("user", [A, B, "Still there?"])]))  # 3000: within it
         assert len(got) == STEPS
     finally:
         vision.limits = limits
         del vision.encoder.preprocess
-    baseline(served, family)
+    nothing_left(served["server"], family)
 
 
 def bad_max_pixels() -> content_pb2.ImagePart:
@@ -332,7 +333,7 @@ def test_cancelling_during_encoding_releases_cache_references(served):
     finally:
         release.set()
         vision.worker.encode_batch = encode
-    baseline(served, family)
+    nothing_left(served["server"], family)
 
 
 def test_list_models_shows_image_input(served):
@@ -376,7 +377,7 @@ def test_max_pixels_gives_fewer_image_tokens(served, family):
     less = run(served["stub"], ask(family, [("user", [small, "Size?"])]))
     assert less[2].usage.prompt_tokens < full.usage.prompt_tokens
     assert len(less[0]) == STEPS
-    baseline(served, family)
+    nothing_left(served["server"], family)
 
 
 def test_max_pixels_refused_where_every_image_is_one_size(served):
@@ -386,9 +387,9 @@ def test_max_pixels_refused_where_every_image_is_one_size(served):
     with pytest.raises(grpc.RpcError) as info:
         run(served["stub"], ask("llava", [("user", [small, "Size?"])]))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert _violations(info.value) == ["contents[0].parts[0].image.max_pixels"]
+    assert violated_fields(info.value) == ["contents[0].parts[0].image.max_pixels"]
     assert "LLaVA 1.5 resizes every image" in info.value.details()
-    baseline(served, "llava")
+    nothing_left(served["server"], "llava")
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
@@ -409,6 +410,6 @@ def test_qwen_edge_images_and_bad_input(served, family):
         with pytest.raises(grpc.RpcError) as info:
             run(served["stub"], ask(family, [("user", parts)]))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert _violations(info.value) == [field]
+        assert violated_fields(info.value) == [field]
     assert served["server"].wait_kv_free(family) == kv_before
-    baseline(served, family)
+    nothing_left(served["server"], family)

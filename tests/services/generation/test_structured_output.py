@@ -11,12 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from google.rpc import error_details_pb2
 from support.checkpoints import make_checkpoint
+from support.grpc_errors import violation_descriptions
 from support.service_harness import ServerThread, user_request
 
 from omnivox.services import structured
-from omnivox.services.errors import status_details
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
 
@@ -153,14 +152,6 @@ def test_min_and_max_tokens(stub) -> None:
     assert text.startswith("{")
 
 
-def violations(err: grpc.RpcError) -> dict[str, str]:
-    out = {}
-    for detail in status_details(err):
-        if isinstance(detail, error_details_pb2.BadRequest):
-            out.update({v.field: v.description for v in detail.field_violations})
-    return out
-
-
 @pytest.mark.parametrize(
     ("fmt", "field", "reason"),
     [
@@ -179,7 +170,7 @@ def test_bad_grammar_is_invalid_argument(stub, fmt, field: str, reason: str) -> 
     with pytest.raises(grpc.RpcError) as info:
         run(stub, sampled(fmt, 0))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    found = violations(info.value)
+    found = violation_descriptions(info.value)
     assert field in found and reason in found[field], found
 
 
@@ -218,7 +209,7 @@ def test_compile_timeout_is_invalid_argument(stub, server: ServerThread, monkeyp
     with pytest.raises(grpc.RpcError) as info:
         run(stub, sampled(generation_pb2.ResponseFormat(regex="too slow [a-z]+"), 0))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "did not compile within 0.3 s" in violations(info.value)["response_format.regex"]
+    assert "did not compile within 0.3 s" in violation_descriptions(info.value)["response_format.regex"]
 
 
 def test_a_burst_of_distinct_grammars_all_compile(stub, server: ServerThread, monkeypatch) -> None:
@@ -239,4 +230,4 @@ def test_ignore_eos_with_response_format_is_invalid_argument(stub) -> None:
     with pytest.raises(grpc.RpcError) as info:
         run(stub, sampled(generation_pb2.ResponseFormat(regex="a+"), 0, ignore_eos=True))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "response_format" in violations(info.value)["ignore_eos"]
+    assert "response_format" in violation_descriptions(info.value)["ignore_eos"]

@@ -10,8 +10,9 @@ import grpc
 import pytest
 import transformers
 from support.checkpoints import make_checkpoint
+from support.grpc_errors import violation_descriptions
 from support.service_harness import ServerThread, user_request
-from support.tool_calls import SCHEMAS, TIME, TOOLS, feed, run, violations
+from support.tool_calls import SCHEMAS, TIME, TOOLS, feed, run
 
 from omnivox.services import tool_grammar, tools
 from omnivox.services.loading import EngineOptions, ModelSpec
@@ -265,7 +266,7 @@ def test_bad_tools_are_invalid_argument(stub) -> None:
     with pytest.raises(grpc.RpcError) as info:
         run(stub, request)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    found = violations(info.value)
+    found = violation_descriptions(info.value)
     assert {
         "tools[0].name",
         "tools[1].parameters_json_schema",

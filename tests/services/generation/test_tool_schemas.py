@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jsonschema
 import pytest
 from support.service_harness import ServerThread, user_request
-from support.tiny_chat_server import run, tiny_server, violations
+from support.tiny_chat_server import invalid_argument, run, tiny_server
 
 from omnivox.services import tool_parser
 from omnivox.services.tools import plan, prompt_ids
@@ -114,7 +114,7 @@ def test_a_tool_schema_nested_too_deeply_names_the_tool(stub) -> None:
     for _ in range(300):  # parses (json.loads goes to ~1,000), but deeper than the grammar compiler takes
         deep = {"type": "object", "properties": {"a": deep}}
     tools = [generation_pb2.Tool(name="ok"), generation_pb2.Tool(name="deep", parameters_json_schema=json.dumps(deep))]
-    found = violations(stub, tool_calls_request(tools, 0))
+    found = invalid_argument(stub, tool_calls_request(tools, 0))
     assert "nested deeper" in found["tools[1].parameters_json_schema"], found
 
 
@@ -138,7 +138,7 @@ def test_an_unenforceable_tool_schema_names_the_tool(stub) -> None:
         generation_pb2.Tool(name="ok", strict=True),
         generation_pb2.Tool(name="bad", strict=True, parameters_json_schema=bad),
     ]
-    found = violations(stub, tool_calls_request(tools, 0))
+    found = invalid_argument(stub, tool_calls_request(tools, 0))
     assert "uniqueItems" in found["tools[1].parameters_json_schema"], found
     tools[1].strict = False
     assert run(stub, tool_calls_request(tools, 0, max_output_tokens=4))[2].usage.output_tokens == 4
@@ -179,7 +179,7 @@ def test_ignore_eos_with_tool_calls_is_invalid_argument(stub) -> None:
     """As with response_format: a finished call admits only end-of-sequence, so with ignore_eos the output was the
     call and then end-of-sequence tokens until max_output_tokens (LENGTH). With tool_choice NONE it is plain text."""
     tools = [generation_pb2.Tool(name="weather", strict=True, parameters_json_schema=json.dumps(WEATHER))]
-    found = violations(stub, tool_calls_request(tools, 0, ignore_eos=True))
+    found = invalid_argument(stub, tool_calls_request(tools, 0, ignore_eos=True))
     assert "ignore_eos" in found, found
     none = generation_pb2.ToolChoice(mode=generation_pb2.TOOL_CHOICE_MODE_NONE)
     summary = run(stub, tool_calls_request(tools, 0, ignore_eos=True, tool_choice=none, max_output_tokens=8))[2]
@@ -235,5 +235,5 @@ def test_openais_function_object_as_the_schema_is_refused(stub) -> None:
     arguments could be any JSON value (a number, a list) and the real schema went unused."""
     function = {"name": "weather", "description": "d", "parameters": WEATHER}
     tools = [generation_pb2.Tool(name="weather", strict=True, parameters_json_schema=json.dumps(function))]
-    found = violations(stub, tool_calls_request(tools, 0))
+    found = invalid_argument(stub, tool_calls_request(tools, 0))
     assert '"parameters" member' in found["tools[0].parameters_json_schema"], found

@@ -9,6 +9,7 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2
 from support.service_harness import ServerThread
+from support.waiting import wait_until
 
 from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
 from omnivox.services.defaults import save_random_speech_model
@@ -39,13 +40,6 @@ def request(text: str = "Hello there.", **fields) -> speech_pb2.SynthesizeSpeech
 
 def synthesize(server: ServerThread, req: speech_pb2.SynthesizeSpeechRequest, timeout: float = 120) -> list:
     return list(speech_pb2_grpc.SpeechServiceStub(server.channel()).SynthesizeSpeech(req, timeout=timeout))
-
-
-def wait_until(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 def contains(sequence: list[int], part: list[int]) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import time
 import wave
 from concurrent.futures import ThreadPoolExecutor
 
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 from support.service_harness import ServerThread
+from support.waiting import wait_until
 
 from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
 from omnivox.services.defaults import save_random_speech_model
@@ -44,15 +44,6 @@ def synthesize(server, text="Hello there.", encoding=ENC.AUDIO_ENCODING_WAV, rat
         text=text, audio_config=speech_pb2.AudioConfig(encoding=encoding, sample_rate_hertz=rate), **fields
     )
     return list(stub.SynthesizeSpeech(request, timeout=timeout))
-
-
-def wait_until(condition, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def split_responses(responses):

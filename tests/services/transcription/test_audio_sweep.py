@@ -22,8 +22,8 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from google.rpc import error_details_pb2
 from support.audio_checkpoints import chirp, encode, noise, tone
+from support.grpc_errors import violated_fields
 from support.service_harness import ServerThread
 from support.whisper_checkpoints import N_MELS, SPECIALS, make_whisper, whisper_tokenizer
 from transformers import GenerationMixin, WhisperFeatureExtractor, WhisperForConditionalGeneration
@@ -31,7 +31,6 @@ from transformers import GenerationMixin, WhisperFeatureExtractor, WhisperForCon
 from omnivox.codecs.audio_input import content_key, decode_audio
 from omnivox.codecs.downmix import mono_weights
 from omnivox.services.bundle import load_bundle
-from omnivox.services.errors import status_details
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.v1 import content_pb2, transcription_pb2, transcription_pb2_grpc
 
@@ -125,12 +124,6 @@ def _transcribe(served, model: str, data: bytes, **fields) -> transcription_pb2.
     return responses[-1].summary
 
 
-def _violations(err: grpc.RpcError) -> list[str]:
-    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
-    [bad] = [d for d in status_details(err) if isinstance(d, error_details_pb2.BadRequest)]
-    return [v.field for v in bad.field_violations]
-
-
 def _wav(clip: np.ndarray) -> bytes:
     return encode(clip, 16000, "WAV", "FLOAT")
 
@@ -203,7 +196,7 @@ def test_english_only_checkpoint_equals_transformers(served):
     assert _transcribe(served, "en", _wav(clip), language="English").text == summary.text
     with pytest.raises(grpc.RpcError) as info:
         _transcribe(served, "en", _wav(clip), language="de")
-    assert _violations(info.value) == ["language"]
+    assert violated_fields(info.value) == ["language"]
 
 
 @pytest.mark.parametrize(("bcp47", "whisper"), [("jv", "jw"), ("nb-NO", "no"), ("iw", "he"), ("<|jw|>", "jw")])
@@ -229,7 +222,7 @@ def test_prompt_with_a_special_token_is_refused(served):
     for prompt in ("<|de|>", "names: <|endoftext|> Zoë"):
         with pytest.raises(grpc.RpcError) as info:
             _transcribe(served, "short", _wav(clip), language="en", prompt=prompt)
-        assert _violations(info.value) == ["prompt"]
+        assert violated_fields(info.value) == ["prompt"]
     summary = _transcribe(served, "short", _wav(clip), language="en", prompt="Zürich, 東京, Ελλάδα")
     assert summary.language == "en"  # non-ASCII text is a prompt like any other
 
@@ -241,7 +234,7 @@ def test_streaming_prompt_with_a_special_token_is_refused(served):
     requests = iter([transcription_pb2.StreamingTranscribeRequest(config=config)])
     with pytest.raises(grpc.RpcError) as info:
         list(served["stub"].StreamingTranscribe(requests, timeout=60))
-    assert "config.prompt" in _violations(info.value)
+    assert "config.prompt" in violated_fields(info.value)
 
 
 # --- decoding inputs -------------------------------------------------------------------------------------------------

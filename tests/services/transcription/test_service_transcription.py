@@ -23,7 +23,7 @@ from support.audio_checkpoints import (
     tone,
 )
 from support.checkpoints import make_checkpoint
-from support.service_harness import ServerThread
+from support.service_harness import ServerThread, nothing_left
 
 from omnivox.codecs.audio_format import float_to_int16
 from omnivox.models.audio.transcription import transcription_messages
@@ -86,12 +86,6 @@ def reference_text(s, samples: np.ndarray, language: str | None) -> str:
     return s["processor"].tokenizer.decode(out[0, n:], skip_special_tokens=True).strip()
 
 
-def baseline(s) -> None:
-    free, total = s["server"].wait_kv_free(s["family"])
-    assert free == total
-    assert s["audio"].cache.total_refs() == 0
-
-
 @pytest.mark.parametrize("language", ["", "en"])
 def test_transcript_equals_transformers_with_language_and_rtf(served, language):
     pcm = float_to_int16(chirp(2.1) + noise(2.1, amp=0.05, seed=3))
@@ -108,7 +102,7 @@ def test_transcript_equals_transformers_with_language_and_rtf(served, language):
     [segment] = summary.segments
     assert segment.text == summary.text and segment.start_offset.ToNanoseconds() == 0
     assert segment.end_offset.ToNanoseconds() / 1e9 == pytest.approx(2.1, abs=1e-3)
-    baseline(served)
+    nothing_left(served["server"], served["family"])
 
 
 def test_long_audio_is_split_at_quiet_points_with_offsets(served):
@@ -128,7 +122,7 @@ def test_long_audio_is_split_at_quiet_points_with_offsets(served):
     assert summary.text == " ".join(s.text for s in summary.segments if s.text)
     assert "".join(d.text for d in deltas) == summary.text
     assert sorted({d.segment_index for d in deltas}) == [i for i, s in enumerate(summary.segments) if s.text]
-    baseline(served)
+    nothing_left(served["server"], served["family"])
 
 
 def _fields(err: grpc.RpcError) -> list[str]:
@@ -153,10 +147,10 @@ def test_bad_requests_are_invalid_argument_and_the_server_keeps_serving(served):
             transcribe(stub, **{"model": family, **fields})
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, fields
         assert _fields(info.value) == want
-    baseline(served)
+    nothing_left(served["server"], served["family"])
     _, summary = transcribe(stub, audio=good)  # no model: the first that takes audio
     assert summary.model == family and len(summary.segments) == 1
-    baseline(served)
+    nothing_left(served["server"], served["family"])
 
 
 def test_prompt_spelling_a_template_token_is_tokenized_as_the_processor_does(served):
@@ -183,7 +177,7 @@ def test_prompt_spelling_a_template_token_is_tokenized_as_the_processor_does(ser
     ref = processor(text=[text], audio=[samples], sampling_rate=16000, return_tensors="pt")["input_ids"][0].tolist()
     assert ours == ref
     assert ours.count(end_id) == text.count("<|im_end|>") >= 2  # the template's own and the user's
-    baseline(served)
+    nothing_left(served["server"], served["family"])
 
 
 def test_segment_transcript_holds_the_language_header_back():

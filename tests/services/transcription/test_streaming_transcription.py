@@ -12,10 +12,10 @@ import time
 import grpc
 import numpy as np
 import pytest
-from google.rpc import error_details_pb2
 from support.audio_checkpoints import chirp, encode, espeak_wav, noise, tone
 from support.checkpoints import make_checkpoint
-from support.service_harness import ServerThread
+from support.grpc_errors import violated_fields
+from support.service_harness import ServerThread, nothing_left
 from support.transcripts import word_error_rate
 from support.whisper_checkpoints import make_whisper
 
@@ -23,7 +23,6 @@ from omnivox.codecs.audio_format import AudioEncoding, float_to_int16, int16_to_
 from omnivox.codecs.audio_input import AudioInputError, decode_audio, resample
 from omnivox.codecs.audio_stream_input import StreamingAudioDecoder, StreamingResampler
 from omnivox.services.defaults import ensure_default_whisper
-from omnivox.services.errors import status_details
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.services.streaming_transcription import _stability
 from omnivox.v1 import content_pb2, transcription_pb2, transcription_pb2_grpc
@@ -115,12 +114,6 @@ def served(tmp_path_factory):
         }
 
 
-def baseline(s) -> None:
-    free, total = s["server"].wait_kv_free("whisper", timeout=5.0)
-    assert free == total
-    assert s["part"].cache.total_refs() == 0
-
-
 def transcribe_span(s, samples: np.ndarray, result, language: str = "") -> str:
     a, b = round(seconds(result.start_offset) * RATE), round(seconds(result.end_offset) * RATE)
     audio = content_pb2.AudioPart(
@@ -155,7 +148,7 @@ def test_finals_equal_transcribe_of_their_spans_with_events(served, language):
     assert summary.text == " ".join(f.text for f in finals if f.text)
     assert summary.utterances == 2 and abs(summary.audio_seconds - len(samples) / RATE) < 1e-6
     assert summary.model == "whisper" and summary.real_time_factor > 0
-    baseline(served)
+    nothing_left(served["server"], "whisper")
 
 
 def test_interim_results_and_finalize(served):
@@ -192,7 +185,7 @@ def test_interim_results_and_finalize(served):
     # Results go out in utterance order: no interim of utterance 1 before the final of utterance 0.
     order = [(r.utterance_index, r.is_final) for r in results]
     assert order.index((0, True)) < min((i for i, (u, _) in enumerate(order) if u == 1), default=len(order))
-    baseline(served)
+    nothing_left(served["server"], "whisper")
 
 
 def test_result_end_offsets_never_go_back(served):
@@ -228,7 +221,7 @@ def test_result_end_offsets_never_go_back(served):
     assert ends == sorted(ends), [(r.utterance_index, r.is_final, seconds(r.end_offset)) for r in results]
     for r in results:
         assert seconds(r.end_offset) <= seconds(finals[r.utterance_index].end_offset)
-    baseline(served)
+    nothing_left(served["server"], "whisper")
 
 
 def test_stability_is_the_shared_prefix():
@@ -265,16 +258,11 @@ def test_cancel_mid_stream_frees_kv_and_cross_state(served):
     assert engine.kv_usage().free_blocks < engine.kv_usage().total_blocks
     call.cancel()
     try:
-        baseline(served)
+        nothing_left(served["server"], "whisper")
         assert added[-1] in aborted, "the pass running at the cancel was not aborted"
         engine.check_integrity()
     finally:
         del engine.add_request, engine.abort
-
-
-def _violations(err: grpc.RpcError) -> list[str]:
-    return [v.field for d in status_details(err) if isinstance(d, error_details_pb2.BadRequest)
-            for v in d.field_violations]  # fmt: skip
 
 
 def test_bad_streams_are_refused_and_the_server_keeps_serving(served):
@@ -299,15 +287,15 @@ def test_bad_streams_are_refused_and_the_server_keeps_serving(served):
             list(stub.StreamingTranscribe(stream, timeout=60))
         assert err.value.code() == code, err.value.details()
         if fields:
-            assert _violations(err.value) == fields
+            assert violated_fields(err.value) == fields
     second_config = [next(requests(quiet(0.1)))] * 2
     with pytest.raises(grpc.RpcError) as err:
         list(stub.StreamingTranscribe(iter(second_config), timeout=60))
-    assert _violations(err.value) == ["config"]
+    assert violated_fields(err.value) == ["config"]
     # Still serving: a quiet stream gives no utterance and one summary.
     [only] = list(stub.StreamingTranscribe(requests(quiet(1.0)), timeout=60))
     assert only.summary.utterances == 0 and only.summary.text == ""
-    baseline(served)
+    nothing_left(served["server"], "whisper")
 
 
 def test_cli_stream_prints_a_line_per_utterance(served, tmp_path):

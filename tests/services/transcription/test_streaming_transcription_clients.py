@@ -11,9 +11,8 @@ import time
 import grpc
 import numpy as np
 import pytest
-from google.rpc import error_details_pb2
 from support.audio_checkpoints import encode, noise, tone
-from support.service_harness import ServerThread
+from support.service_harness import ServerThread, nothing_left
 from support.transcripts import word_error_rate
 from support.whisper_checkpoints import make_whisper
 
@@ -29,7 +28,6 @@ from omnivox.codecs.audio_input import (
 )
 from omnivox.codecs.audio_stream_input import StreamingResampler
 from omnivox.services.defaults import ensure_default_whisper
-from omnivox.services.errors import status_details
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.services.streaming_transcription import MAX_PENDING_FINALS, _Stream, _validate, next_item
 from omnivox.v1 import content_pb2, transcription_pb2, transcription_pb2_grpc
@@ -111,24 +109,6 @@ def served(tmp_path_factory):
         }
 
 
-def baseline(s) -> None:
-    """No engine request, KV block, encoder-cache reference or admission slot left behind."""
-    free, total = s["server"].wait_kv_free("whisper", timeout=5.0)
-    assert free == total
-    engine, model = s["server"].engine("whisper"), s["server"].registry.lookup("whisper")
-    deadline = time.monotonic() + 5.0
-    while (engine.num_unfinished() or model._in_flight) and time.monotonic() < deadline:
-        time.sleep(0.01)  # the handler's finally runs just after the client saw the status
-    assert engine.num_unfinished() == 0 and model._in_flight == 0
-    assert s["part"].cache.total_refs() == 0
-    s["server"].engine("whisper").check_integrity()
-
-
-def _violations(err: grpc.RpcError) -> list[str]:
-    return [v.field for d in status_details(err) if isinstance(d, error_details_pb2.BadRequest)
-            for v in d.field_violations]  # fmt: skip
-
-
 def stream(s, messages, timeout: float = 120):
     return list(s["stub"].StreamingTranscribe(iter(messages), timeout=timeout))
 
@@ -163,7 +143,7 @@ def test_results_do_not_depend_on_chunking(served):
     # The cut utterance's span ends where the next one's begins (no audio twice, none lost).
     assert results[0][4] == results[1][3] == events[1][3]
     assert results[2][3] == pytest.approx(36.5 - 0.2, abs=0.07) and results[2][4] == pytest.approx(39.5 + 0.2, abs=0.07)
-    baseline(served)
+    nothing_left(served["server"], "whisper")
 
 
 # --- encodings, rates and file headers -----------------------------------------------------------------------------
@@ -223,7 +203,7 @@ def test_wav_header_in_small_or_late_chunks(served, reference):
     assert events_of(got) == events_of(ref)
     assert [f.text for f in finals(got)] == [f.text for f in finals(ref)]
     assert got[-1].summary.audio_seconds == len(x) / RATE
-    baseline(served)
+    nothing_left(served["server"], "whisper")
 
 
 def test_finalize_and_empty_chunk_edges(served, reference):
@@ -255,7 +235,7 @@ def test_finalize_and_empty_chunk_edges(served, reference):
     for messages in ([config()], [config(), Request(finalize=True)], [config(), Request(audio=b"")] * 1):
         [only] = stream(served, messages)
         assert only.summary.utterances == 0 and only.summary.audio_seconds == 0
-    baseline(served)
+    nothing_left(served["server"], "whisper")
 
 
 def test_a_rate_without_common_factor_is_resampled_as_its_nearest_rate(served):
@@ -284,7 +264,7 @@ def test_a_rate_without_common_factor_is_resampled_as_its_nearest_rate(served):
     with pytest.raises(AudioInputError) as err:
         check_resample(4001, 1_000_003, "sample_rate_hertz")  # a prime target: no rate near 4001 fits
     assert err.value.field == "sample_rate_hertz"
-    baseline(served)
+    nothing_left(served["server"], "whisper")
 
 
 # --- robustness ----------------------------------------------------------------------------------------------------
@@ -305,7 +285,7 @@ def test_deadline_mid_utterance_frees_everything(served):
             got.append(response)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert any(r.HasField("speech_event") for r in got) and not any(r.HasField("summary") for r in got)
-    baseline(served)
+    nothing_left(served["server"], "whisper")
 
 
 # --- the embedded whisper-base on espeak-ng speech and noise ---------------------------------------------------------
@@ -378,4 +358,4 @@ def test_a_client_faster_than_the_passes_is_held_back(served):
     # Taken: the utterances that held the reader back, and one more once the first final freed a place (was: all).
     assert taken <= MAX_PENDING_FINALS + 2, taken
     assert len(texts) == MAX_PENDING_FINALS + 3  # and every one was transcribed in the end
-    baseline(served)
+    nothing_left(served["server"], "whisper")

@@ -19,7 +19,7 @@ import transformers
 from google.rpc import error_details_pb2
 from support.audio_checkpoints import chirp, encode, noise, tone
 from support.checkpoints import make_checkpoint
-from support.service_harness import ServerThread
+from support.service_harness import ServerThread, nothing_left
 from support.voxtral_checkpoint import AUDIO_SECTION, make_voxtral_bundle, write_tekken
 
 from omnivox.codecs.audio_format import float_to_int16
@@ -65,12 +65,6 @@ def pcm_clip(seconds: float, seed: int = 0) -> np.ndarray:
 
 def wav(samples: np.ndarray) -> bytes:
     return encode(samples, 16000, "WAV")
-
-
-def baseline(s) -> None:
-    free, total = s["server"].wait_kv_free(NAME)
-    assert free == total
-    assert s["audio"].cache.total_refs() == 0
 
 
 def generate(s, contents: list[content_pb2.Content], steps: int = STEPS):
@@ -136,7 +130,7 @@ def test_generate_audio_and_question_equals_transformers(served):
         {"role": "user", "content": [{"type": "text", "text": "what is it?"}]},
     ])  # fmt: skip
     assert got == want and summary.usage.prompt_tokens == n > 375 * 3
-    baseline(served)
+    nothing_left(served["server"], NAME)
 
 
 @pytest.mark.parametrize(
@@ -209,7 +203,7 @@ def test_transcribe_equals_apply_transcription_request(served, language):
     assert summary.text == want and want
     assert "".join(d.text for d in deltas) == summary.text
     assert summary.language == (code or "") and summary.output_tokens == len(out[0]) - n
-    baseline(served)
+    nothing_left(served["server"], NAME)
 
 
 def _fields(err: grpc.RpcError) -> list[str]:
@@ -241,10 +235,10 @@ def test_bad_audio_and_requests_are_invalid_argument_and_the_server_keeps_servin
         with pytest.raises(grpc.RpcError) as info:
             transcribe(served, audio=good, model=NAME, **fields)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and _fields(info.value) == [field]
-    baseline(served)
+    nothing_left(served["server"], NAME)
     got, summary = generate(served, [content_pb2.Content(role="user", parts=[content_pb2.Part(audio=good)])])
     assert len(got) == STEPS and summary.finish_reason == generation_pb2.FINISH_REASON_LENGTH  # still serving
-    baseline(served)
+    nothing_left(served["server"], NAME)
 
 
 def test_structured_output_over_the_tekken_vocabulary(served):
@@ -266,7 +260,7 @@ def test_structured_output_over_the_tekken_vocabulary(served):
         text = "".join(r.delta.text for r in responses if r.HasField("delta"))
         assert check(text), (fmt, text)
         assert responses[-1].summary.finish_reason == generation_pb2.FINISH_REASON_STOP
-    baseline(served)
+    nothing_left(served["server"], NAME)
 
 
 def test_list_models_shows_audio_input(served):

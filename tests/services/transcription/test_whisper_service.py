@@ -13,16 +13,15 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from google.rpc import error_details_pb2
 from support.audio_checkpoints import chirp, encode, noise, tone
 from support.checkpoints import make_checkpoint
+from support.grpc_errors import violated_fields
 from support.service_harness import ServerThread
 from support.whisper_checkpoints import make_whisper
 from transformers import GenerationMixin, WhisperFeatureExtractor, WhisperForConditionalGeneration
 
 from omnivox.codecs.audio_split import split_at_quiet
 from omnivox.services.bundle import probe
-from omnivox.services.errors import status_details
 from omnivox.services.loading import EngineOptions, ModelLoadError, ModelSpec
 from omnivox.services.server import OmnivoxServer, ServerOptions
 from omnivox.services.whisper import transcribe
@@ -186,11 +185,6 @@ def test_cancel_frees_kv_blocks_and_cross_state(served):
     engine.core.check_integrity()
 
 
-def violations(err: grpc.RpcError) -> set[str]:
-    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
-    return {v.field for d in status_details(err) if isinstance(d, error_details_pb2.BadRequest) for v in d.field_violations}  # fmt: skip
-
-
 @pytest.mark.parametrize(
     ("model", "fields", "field"),
     [
@@ -205,13 +199,13 @@ def test_bad_requests_name_the_field(served, model, fields, field):
     request = transcription_pb2.TranscribeRequest(model=model, audio=audio_part(tone(0.5)), **fields)
     with pytest.raises(grpc.RpcError) as info:
         list(served["stub"].Transcribe(request, timeout=60))
-    assert violations(info.value) == {field}
+    assert set(violated_fields(info.value)) == {field}
 
 
 def test_bad_audio_and_english_only_model(served):
     with pytest.raises(grpc.RpcError) as info:
         list(served["stub"].Transcribe(transcription_pb2.TranscribeRequest(model="tiny-whisper"), timeout=60))
-    assert violations(info.value) == {"audio.data"}
+    assert set(violated_fields(info.value)) == {"audio.data"}
     request = transcription_pb2.TranscribeRequest(model="tiny-whisper-en", audio=audio_part(tone(0.5)))
     summary = list(served["stub"].Transcribe(request, timeout=60))[-1].summary
     assert summary.language == "en" and summary.output_tokens > 0  # as openai-whisper reports an English-only model
@@ -248,7 +242,7 @@ def test_cascade_answers_a_spoken_question_with_a_text_model(served):
     try:
         with pytest.raises(grpc.RpcError) as info:
             ask(question, content_pb2.Part(audio=audio_part(clip)))
-        assert violations(info.value) == {"contents[0].parts[1].audio"}
+        assert set(violated_fields(info.value)) == {"contents[0].parts[1].audio"}
     finally:
         server.registry.set_asr_model("tiny-whisper")
     with pytest.raises(ModelLoadError, match="not a served Whisper model"):
