@@ -73,7 +73,7 @@ def test_workload_is_reproducible_and_within_ranges(tokenizer):
     assert all(7 <= len(w) <= 13 for w in words)
     assert len({tuple(w[:4]) for w in words}) == 1  # the shared prefix
     # The ids are what a chat server feeds the model: the chat template applied to the text (the tiny tokenizer's
-    # ChatML template, tests/checkpoints.py, written out here rather than rendered by the call the workload makes).
+    # ChatML template, tests/support/checkpoints.py, written out here rather than rendered by the call the workload makes).
     templated = f"<|im_start|>user\n{a[0].prompt_text}<|im_end|>\n<|im_start|>assistant\n"
     assert a[0].templated_text == templated
     assert a[0].prompt_token_ids == tokenizer.encode(templated, add_special_tokens=False)

@@ -98,7 +98,7 @@ def test_gpu_check_dry_run_and_every_named_test_exists(tmp_path):
     GPU run). Stage 2 is left out here only to save its ~15 s of imports; `--dry-run` runs it too."""
     import re
 
-    named = set(re.findall(r"tests/test_\w+\.py", (ROOT / "benchmarks" / "gpu_check.sh").read_text()))
+    named = set(re.findall(r"tests/[\w/]*test_\w+\.py", (ROOT / "benchmarks" / "gpu_check.sh").read_text()))
     assert len(named) >= 10 and all((ROOT / t).is_file() for t in named), sorted(named)
     proc = _gpu_check(tmp_path, sys.executable, stages="1 3 4")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]

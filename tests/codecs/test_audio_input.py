@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import io
+
 import numpy as np
 import pytest
+import soundfile as sf
 import torch
 import torchaudio.functional as AF
 from support.audio_checkpoints import chirp, encode, espeak_wav, noise, tone
@@ -169,3 +172,44 @@ def test_proto_enum_names_are_accepted():
     ]:
         decoded = decode_audio(data, content_pb2.AudioEncoding.Name(value), rate)
         np.testing.assert_array_equal(decoded.samples, pcm / np.float32(32768.0))
+
+
+def test_float_audio_far_outside_its_range_is_refused():
+    """A float WAV whose samples reach 1e20 (a broken writer) decoded "fine", then the log-mel power overflowed
+    float32: Whisper answered "!!!!..." (token 0) and audio-LLMs token 0, for any such file. Integer PCM written as
+    float unscaled (up to 2**31) still decodes: the features are level-invariant enough."""
+    t = np.arange(1600) / 16000
+    tone = np.sin(2 * np.pi * 440 * t)
+    for scale, ok in ((32768.0, True), (2.0**31, True), (1e20, False), (3e38, False)):
+        buf = io.BytesIO()
+        sf.write(buf, (scale * tone).astype(np.float32), 16000, format="WAV", subtype="FLOAT")
+        if ok:
+            assert decode_audio(buf.getvalue()).samples.shape == (1600,)
+            continue
+        with pytest.raises(AudioInputError, match=r"samples reach .*; float audio is expected within \[-1, 1\]") as e:
+            decode_audio(buf.getvalue())
+        assert e.value.field == "data"
+
+
+def test_a_file_declared_headerless_is_read_by_its_header_or_refused():
+    """encoding LINEAR16 (or MULAW) on a file's bytes decoded the container as samples: FLAC, Ogg and MP3 became
+    noise and a confident wrong transcript; a WAV's header became a click and its own rate was ignored. A WAV is now
+    read by its header (as Google's API takes LINEAR16 WAVs; a different sample_rate_hertz is refused), the
+    compressed containers are refused naming `encoding`. Raw samples that open like an MPEG frame sync still
+    decode as samples."""
+    t = np.arange(4410) / 44100
+    stereo = np.stack([np.sin(2 * np.pi * 440 * t)] * 2, axis=1).astype(np.float32) * 0.5
+    buf = io.BytesIO()
+    sf.write(buf, stereo, 44100, format="WAV")
+    wav = decode_audio(buf.getvalue(), "LINEAR16", 0)
+    assert (wav.source_format, wav.source_rate, wav.source_channels, len(wav.samples)) == ("WAV", 44100, 2, 1600)
+    with pytest.raises(AudioInputError, match="sample_rate_hertz=16000 but the WAV header says 44100 Hz"):
+        decode_audio(buf.getvalue(), "LINEAR16", 16000)
+    for fmt, name in (("FLAC", "FLAC"), ("OGG", "OGG")):
+        buf = io.BytesIO()
+        sf.write(buf, stereo, 44100, format=fmt)
+        with pytest.raises(AudioInputError, match=f"encoding is MULAW .* but the bytes hold {name} audio") as err:
+            decode_audio(buf.getvalue(), "MULAW", 8000)
+        assert err.value.field == "encoding"
+    raw = np.full(800, -1, "<i2").tobytes()  # b"\xff\xff...": an MPEG sync pattern, but declared raw: samples
+    assert decode_audio(raw, "LINEAR16", 16000).source_format == "LINEAR16"

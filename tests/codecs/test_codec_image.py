@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import base64
 import io
 import struct
 import time
 import zlib
 
+import numpy as np
 import pytest
+import soundfile as sf
 from PIL import Image, ImageFile
 
+from omnivox.codecs.audio_input import AudioInputError, decode_audio
 from omnivox.codecs.image import (
     ImageDecodeError,
     ImageLimits,
@@ -191,3 +195,72 @@ def test_content_key():
     assert k == image_content_key(a, "m", dict(reversed(list(settings.items()))))  # key order does not matter
     assert len({k, image_content_key(b, "m", settings), image_content_key(a, "m2", settings)}) == 3
     assert k != image_content_key(a, "m", {**settings, "max_pixels": 2000})
+
+
+def _png(im: Image.Image, **kwargs) -> bytes:
+    buf = io.BytesIO()
+    im.save(buf, "PNG", **kwargs)
+    return buf.getvalue()
+
+
+def test_a_16_bit_grayscale_png_keeps_its_shades():
+    """A 16-bit grayscale PNG (scans, medical and scientific images) opens as mode I;16, and Pillow's convert("RGB")
+    clips at 255: every pixel above 255 of 65535 came out white. Now its high byte, as Pillow reads 16-bit RGB."""
+    values = (np.arange(32 * 48).reshape(32, 48) * 40).astype(np.uint16)  # 0 .. 61400
+    out = np.asarray(decode_image(_png(Image.fromarray(values))).image)
+    assert out.shape == (32, 48, 3)
+    assert (out == (values >> 8)[..., None]).all()  # was 255 wherever values > 255 (all but 7 pixels)
+    # A tRNS gray value is transparency at full depth: composited on white, its neighbours (same high byte) kept.
+    keyed = int(values[0, 5])  # 200: high byte 0, as its neighbours 160 and 240
+    out = np.asarray(decode_image(_png(Image.fromarray(values), transparency=keyed)).image)
+    assert out[0, 5].tolist() == [255, 255, 255] and out[0, 4].tolist() == out[0, 6].tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize(
+    ("data", "name"),
+    [
+        (b'<?xml version="1.0"?>\n<svg xmlns="http://www.w3.org/2000/svg" width="9" height="9"/>', "SVG"),
+        (b"\xef\xbb\xbf  <svg xmlns='http://www.w3.org/2000/svg'></svg>", "SVG"),
+        (b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic" + bytes(64), "HEIC/HEIF"),
+        (b"\x00\x00\x00\x1cftypavif\x00\x00\x00\x00avifmif1miaf" + bytes(64), "AVIF"),
+        (b"\xff\x0a\xfa\x7f" + bytes(64), "JPEG XL"),
+    ],
+    ids=["svg-xml", "svg-bom", "heic", "avif", "jxl"],
+)
+def test_formats_phones_and_web_pages_send_are_refused_by_name(data, name):
+    """An iPhone's HEIC or a web page's SVG got "the bytes are not an image in a known format": now named."""
+    with pytest.raises(ImageDecodeError, match=rf"^{name} images are not accepted; send BMP, GIF, JPEG, PNG, WEBP$"):
+        decode_image(data, mime_type="image/heic")
+    with pytest.raises(ImageDecodeError, match="not an image in a known format"):
+        decode_image(b"<html><body>not an image</body></html>")  # XML-ish but no <svg: not named
+
+
+@pytest.mark.parametrize("fmt", ["GIF", "PNG", "WEBP"])  # PNG: an APNG
+def test_a_long_animation_is_refused_as_long_not_as_corrupt(fmt):
+    """More than 100 frames was refused as "the GIF data is truncated or corrupt: the animation has more than 100
+    frames" (the refusal, a ValueError, went through the corrupt-data handler). APNG and WebP animations too."""
+    frames = [Image.new("RGB", (8, 8), (i * 37 % 256, i * 11 % 256, 0)) for i in range(102)]
+    buf = io.BytesIO()
+    frames[0].save(buf, fmt, save_all=True, append_images=frames[1:], lossless=True)  # lossy WebP merges frames
+    with pytest.raises(ImageDecodeError) as err:
+        decode_image(buf.getvalue())
+    assert err.value.reason == "the animation has more than 100 frames; send one image"
+    buf = io.BytesIO()
+    frames[0].save(buf, fmt, save_all=True, append_images=frames[1:3], lossless=True)
+    assert decode_image(buf.getvalue()).image.getpixel((0, 0)) == (0, 0, 0)  # the first frame of a short one
+
+
+def test_media_sent_as_base64_text_says_so():
+    """`ImagePart(data=base64.b64encode(raw))` (or a web page's data: URL) sends the text, not the file: the answer
+    was "not an image in a known format" / "unrecognised audio". Now the part names what it holds."""
+    png = _png(Image.new("RGB", (4, 4), (1, 2, 3)))
+    for data, what in ((base64.b64encode(png), "base64 text"), (b"data:image/png;base64," + base64.b64encode(png), "a data: URL")):  # fmt: skip
+        with pytest.raises(ImageDecodeError, match=f"^the bytes are {what} of a PNG image, not the image: send"):
+            decode_image(data)
+    buf = io.BytesIO()
+    sf.write(buf, np.zeros(160, np.float32), 16000, format="WAV")
+    with pytest.raises(AudioInputError, match="^data: the bytes are base64 text of WAV audio, not the audio") as err:
+        decode_audio(base64.b64encode(buf.getvalue()))
+    assert err.value.field == "data"
+    with pytest.raises(ImageDecodeError, match="not an image in a known format"):  # text that is not base64 media
+        decode_image(b"QUJDREVGR0hJSktMTU5PUFFSU1RVVldY")

@@ -132,7 +132,7 @@ def test_prefix_hit_never_encodes_and_eviction_re_encodes_identically(ckpt):
     # Same tokens, same log-probabilities within float32 rounding, not bit for bit: the two runs cut their prefill
     # differently (one waits for the encoder, one finds the image cached), and MKL's AVX2 sgemm gives a row a result
     # that depends on how many rows share the call (7th significant digit; its AVX-512 kernels happen not to). The
-    # engine does not promise batch- or chunk-invariant floats (tests/test_engine.py states the bound).
+    # engine does not promise batch- or chunk-invariant floats (tests/engine/test_engine.py states the bound).
     assert [x.logprob for x in a.logprobs] == pytest.approx([x.logprob for x in b.logprobs], rel=1e-5, abs=1e-5)
     assert cache.total_refs() == 0
     worker.shutdown()

@@ -1,4 +1,4 @@
-"""The test helpers of tests/host_reads.py themselves, on the CPU: the sync recorder keeps only torch's sync-debug
+"""The test helpers of tests/support/host_reads.py themselves, on the CPU: the sync recorder keeps only torch's sync-debug
 warnings, leaves the debug mode at "default" even when the block raises, and the read counter counts what it should."""
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ def checkpoints(tmp_path_factory):
     out = {}
     for family in ("llama", "qwen2", "qwen3"):
         path = make_checkpoint(tmp_path_factory.mktemp(family) / "tiny", family=family, seed=3)
-        head_dim = 32 if family == "qwen3" else 16  # tests/checkpoints.py: 2 layers, 2 KV heads, float32
+        head_dim = 32 if family == "qwen3" else 16  # tests/support/checkpoints.py: 2 layers, 2 KV heads, float32
         out[family] = (path, 12 * 16 * (2 * 2 * 2 * head_dim * 4) / 2**30)
     return out
 

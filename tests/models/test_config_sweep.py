@@ -177,7 +177,7 @@ def test_generation_config_eos_list_stops_on_any(root):
     assert theirs[0, len(SHORT) :].tolist() == out.token_ids
 
 
-# One variant per family through the gRPC server: the prompt the service builds (ChatML, tests/checkpoints.py).
+# One variant per family through the gRPC server: the prompt the service builds (ChatML, tests/support/checkpoints.py).
 GRPC = {
     "llama": "llama-rope-yarn-factors",
     "qwen2": "qwen2-sliding-window-layers",

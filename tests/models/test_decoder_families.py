@@ -193,7 +193,7 @@ def test_unsupported_config_is_refused_at_load_naming_the_key(case):
 
 def test_gemma3_vision_language_config_unwraps_to_this_decoder():
     """Gemma 3 4B+ (Gemma3ForConditionalGeneration) holds this text decoder plus a SigLIP tower, served together
-    (models/vision/gemma3.py, tests/test_vision_gemma3.py): its config gives the text decoder's."""
+    (models/vision/gemma3.py, tests/models/vision/test_vision_gemma3.py): its config gives the text decoder's."""
     hf = transformers.Gemma3Config(architectures=["Gemma3ForConditionalGeneration"])
     cfg = ModelConfig.from_hf(hf)
     assert (cfg.family, cfg.hidden_size, cfg.sandwich_norms) == ("gemma3", hf.text_config.hidden_size, True)

@@ -4,7 +4,7 @@ within 1e-5 and the same 32 greedy tokens, on tiny random Llama (untied, and tie
 holds half the KV heads. `load_shard` (each tensor sliced as it is read) gives the same shard as `shard_decoder`.
 
 The model is driven directly (prefill chunks over the paged cache, one token per request per step); the engine over
-tensor-parallel ranks is tested in tests/test_tensor_parallel_engine.py.
+tensor-parallel ranks is tested in tests/engine/test_tensor_parallel_engine.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Tensor parallelism (2 ranks over gloo on CPU) on configurations beyond the plain ones of
-tests/test_tensor_parallel_engine.py: each equals one process, or is refused at load naming the reason."""
+tests/engine/test_tensor_parallel_engine.py: each equals one process, or is refused at load naming the reason."""
 
 from __future__ import annotations
 

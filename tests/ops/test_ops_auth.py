@@ -23,7 +23,7 @@ from omnivox.services.auth import Quota, QuotaBook, load_api_keys
 from omnivox.services.cli.bearer import BearerKey
 from omnivox.services.errors import ServiceError, status_details
 from omnivox.services.loading import EngineOptions, ModelSpec
-from omnivox.v1 import generation_pb2_grpc, model_pb2, model_pb2_grpc
+from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, model_pb2, model_pb2_grpc
 
 KEY = "sk-test-0123456789"
 
@@ -179,3 +179,67 @@ def test_mtls_requires_a_client_certificate_and_names_the_caller(
         bare.close()
     callers = [json.loads(r.getMessage())["caller"] for r in caplog.records if r.name == "omnivox.requests"]
     assert callers == ["carol"]
+
+
+ALICE_KEY = "alice-key-0123456789"
+
+
+@pytest.fixture(scope="module")
+def alice_served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("audit2")
+    spec = ModelSpec(path=make_checkpoint(root / "text"), name="text")
+    (root / "keys").write_text(f"alice:{ALICE_KEY}\n")
+    with ServerThread([spec], EngineOptions(kv_cache_gib=0.01), api_keys=root / "keys") as server:
+        yield server
+
+
+def _generate(server: ServerThread, metadata: tuple) -> list:
+    stub = generation_pb2_grpc.GenerationServiceStub(server.channel())
+    request = generation_pb2.GenerateRequest(
+        max_output_tokens=2, contents=[content_pb2.Content(parts=[content_pb2.Part(text="Hi")])]
+    )
+    return list(stub.Generate(request, metadata=metadata, timeout=30))
+
+
+@pytest.mark.parametrize("scheme", ["bearer", "BEARER", "Bearer "])
+def test_the_bearer_scheme_is_case_insensitive(alice_served, scheme):
+    """RFC 7235: the auth scheme is case-insensitive, and clients do send `authorization: bearer ALICE_KEY`; it was refused
+    as "missing API key"."""
+    assert _generate(alice_served, (("authorization", f"{scheme} {ALICE_KEY}"),))[-1].HasField("summary")
+
+
+@pytest.mark.parametrize(
+    ("metadata", "message"),
+    [
+        ((), "missing API key"),
+        (
+            (("authorization", ALICE_KEY),),
+            "the authorization header is not 'Bearer ALICE_KEY'",
+        ),  # was "missing API key"
+        ((("authorization", "Basic YWxpY2U6eA=="),), "the authorization header is not 'Bearer ALICE_KEY'"),
+        ((("authorization", "Bearer wrong"),), "invalid API key"),
+    ],
+    ids=["none", "no-scheme", "basic", "wrong"],
+)
+def test_a_refused_key_says_what_was_wrong(alice_served, metadata, message):
+    with pytest.raises(grpc.RpcError) as err:
+        _generate(alice_served, metadata)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert err.value.details() == f"{message}: send 'authorization: Bearer ALICE_KEY'"
+
+
+def test_health_list_answers_every_service(alice_served, caplog):
+    """grpc.health.v1 Health/List (in health.proto since 2024; grpcurl and Kubernetes tooling call it) answered
+    UNIMPLEMENTED "Unexpected <class 'NotImplementedError'>" and logged a traceback per call."""
+    stub = health_pb2_grpc.HealthStub(alice_served.channel())
+    statuses = stub.List(health_pb2.HealthListRequest(), timeout=10).statuses
+    serving = health_pb2.HealthCheckResponse.SERVING
+    assert statuses[""].status == serving
+    assert statuses["omnivox.v1.GenerationService"].status == serving
+    assert statuses["model/text"].status == serving
+    for name, status in statuses.items():  # List says what Check says
+        assert stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=10).status == status.status
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "Traceback" not in caplog.text

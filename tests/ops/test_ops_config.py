@@ -408,7 +408,7 @@ def test_health_watch_follows_load_serve_and_drain_per_service(checkpoint: Path)
 
 # ---- Deploy: the values the manifests and the image pass are ones `omnivox serve` accepts ----------------------------
 def test_manifest_and_image_flag_values_pass_the_serve_checks() -> None:
-    """tests/test_deploy.py parses the flags; this checks their values as `omnivox serve` would at start (a
+    """tests/deploy/test_deploy.py parses the flags; this checks their values as `omnivox serve` would at start (a
     --max-connection-age or --grace-period out of range is caught here, not by a pod in CrashLoopBackOff)."""
     kubectl = shutil.which("kubectl")
     if kubectl is None:

@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from support.checkpoints import make_checkpoint
 from support.service_harness import ServerThread, user_request
+from support.whisper_checkpoints import make_whisper
 
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.v1 import generation_pb2_grpc, model_pb2, model_pb2_grpc
@@ -231,3 +232,15 @@ def test_message_size_limit(checkpoints) -> None:
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         *_, last = stub.Generate(user_request("Hi", max_output_tokens=2))
         assert last.HasField("summary")
+
+
+def test_start_up_does_not_list_a_model_that_failed_to_load(tmp_path):
+    """`omnivox serve` with a model that failed to load (here Whisper asked for int8) logged the error, then
+    "serving text, whisper on ..." as if both alice_served. Now the failed one is named as not serving."""
+    specs = [
+        ModelSpec(path=make_checkpoint(tmp_path / "text"), name="text"),
+        ModelSpec(path=make_whisper(tmp_path / "whisper"), name="whisper", engine_overrides={"quantization": "int8"}),
+    ]
+    with ServerThread(specs, EngineOptions(kv_cache_gib=0.01)) as server:
+        line = server.server.serving_line()
+    assert line == f"serving text on {server.address}; not serving whisper (failed to load)"

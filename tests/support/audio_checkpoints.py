@@ -136,7 +136,7 @@ def _audio_that_matters(model) -> None:
 def make_voxtral(out: Path, seed: int = 0, vocab_size: int = 512) -> Path:
     """Voxtral: 128 mel bins, the real 30 s chunk (1500 positions), d_model 32 (4 frames per embedding), Llama text.
 
-    The feature extractor alone is saved (preprocessor_config.json); tests/voxtral_checkpoint.py adds the Tekken
+    The feature extractor alone is saved (preprocessor_config.json); tests/support/voxtral_checkpoint.py adds the Tekken
     tokenizer and processor that serving needs."""
     config = transformers.VoxtralConfig(
         audio_config=dict(

@@ -1,6 +1,6 @@
 """What every test GGUF writer puts in a file the same way: the decoder's shape keys and the test BPE tokenizer.
 
-tests/test_checkpoint.py (dense), tests/test_decoder_families_gguf.py (Phi-3, Gemma) and tests/test_gguf_moe.py (MoE)
+tests/models/test_checkpoint.py (dense), tests/models/test_decoder_families_gguf.py (Phi-3, Gemma) and tests/models/test_gguf_moe.py (MoE)
 each add their family's own keys and tensors around these, as llama.cpp's convert_hf_to_gguf.py does.
 """
 

@@ -1,6 +1,6 @@
 """Tiny random vision-language checkpoints with any config knob overridden, for the vision sweep.
 
-Each builder takes the family's tiny defaults (tests/vision_checkpoints.py) and dicts of overrides for the vision
+Each builder takes the family's tiny defaults (tests/support/vision_checkpoints.py) and dicts of overrides for the vision
 config, the text config, the top-level config and the image processor, then saves model + processor with
 save_pretrained, so the sweep can try the knobs real checkpoints set without a builder per variant.
 """

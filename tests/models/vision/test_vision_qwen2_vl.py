@@ -1,6 +1,6 @@
 """Qwen2-VL: its tower (LayerNorm, fc1/fc2 MLP, full attention, PatchMerger to vision hidden_size), M-RoPE positions and
 our decoder with 3-D positions against transformers; the released config layout (text keys at the top level) reads
-the same as the nested one. Load refusals: tests/test_vision_sweep_refusals.py."""
+the same as the nested one. Load refusals: tests/services/generation/test_vision_sweep_refusals.py."""
 
 from __future__ import annotations
 

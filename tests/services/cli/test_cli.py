@@ -8,6 +8,8 @@ import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -171,6 +173,23 @@ def test_chat_keeps_the_conversation(serve: ServeProcess) -> None:
     first = answer([("user", "Hello")])
     second = answer([("user", "Hello"), ("assistant", first), ("user", "How are you?")])
     assert result.stdout == f"{first}\n{second}\n"  # the blank input line is skipped
+
+
+def test_cli_output_into_a_closed_pipe_exits_quietly(serve: ServeProcess) -> None:
+    """`omnivox ... | head -1`: the reader leaves, the next write raises BrokenPipeError: a traceback (and another at
+    exit's flush). Now exit status 141 (128 + SIGPIPE, as a shell reports it) and nothing on stderr."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first write
+    cli = [sys.executable, "-m", "omnivox.services.cli", "generate", "Hi", "--max-tokens", "4"]
+    done = subprocess.run(
+        [*cli, "--server", serve.address, "--quiet"],
+        stdout=write_end,
+        stderr=subprocess.PIPE,
+        timeout=120,
+        text=True,
+    )
+    os.close(write_end)
+    assert (done.returncode, done.stderr) == (141, "")
 
 
 def test_sigterm_lets_the_stream_finish_then_exits_0(serve: ServeProcess) -> None:

@@ -3,17 +3,21 @@ tiny random Qwen2-Audio checkpoint."""
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import soundfile as sf
 from support.audio_checkpoints import chirp, encode, make_qwen2_audio, noise
 from support.service_harness import ServerThread
 
 from omnivox.codecs.audio_format import float_to_int16
+from omnivox.services.cli.transcribe_stream import _to_linear16, _wav_header, audio_source
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.v1 import (
     content_pb2,
@@ -85,3 +89,35 @@ def test_transcribe_text_srt_vtt_json(server, clip, tmp_path):
     assert doc["text"] == want and doc["segments"] == [{"start": 0.0, "end": 1.4, "text": want}]
     bad = omnivox(server, "transcribe", str(wav), "--language", "klingon")
     assert bad.returncode == 1 and re.search(r"INVALID_ARGUMENT: language: 'klingon'", bad.stderr), bad.stderr
+
+
+@pytest.mark.parametrize("subtype", ["FLOAT", "DOUBLE", "PCM_24", "PCM_U8", "PCM_16"])
+def test_transcribe_stream_sends_a_float_wav_as_its_samples(tmp_path, subtype):
+    """`omnivox transcribe --stream take.wav` of a 32-bit float WAV (Audacity's and most DAWs' export) streamed
+    silence: libsndfile reads float samples as int16 unscaled, so 0.84 became 0. The utterance was never heard."""
+    t = np.arange(8000) / 16000
+    x = (0.8 * np.sin(2 * np.pi * 300 * t)).astype(np.float32)
+    path = tmp_path / "take.wav"
+    sf.write(path, np.stack([x, x], axis=1), 16000, subtype=subtype)  # stereo: mixed to mono by the CLI
+    encoding, rate, chunks, paced = audio_source(path, 0)
+    pcm = np.frombuffer(b"".join(chunks), "<i2")
+    assert (encoding, rate, paced, len(pcm)) == ("LINEAR16", 16000, True, 8000)
+    tolerance = {"PCM_U8": 256, "PCM_16": 1}.get(subtype, 1)
+    assert np.abs(pcm.astype(np.int32) - np.round(x * 32768)).max() <= tolerance  # was max |pcm| = 0 for FLOAT
+
+
+@pytest.mark.parametrize("subtype", ["PCM_U8", "PCM_16", "PCM_24", "PCM_32", "FLOAT", "DOUBLE"])
+@pytest.mark.parametrize("fmt", ["WAV", "WAVEX"])
+def test_transcribe_stream_reads_any_pcm_or_float_wav_on_stdin(subtype, fmt):
+    """`sox talk.flac -t wav - | omnivox transcribe --stream -` (the README's line) keeps the FLAC's bit depth: a
+    24-bit FLAC arrived as 24-bit PCM and was refused ("16-bit PCM only"), as were float, 8- and 32-bit WAVs."""
+    t = np.arange(2400) / 48000
+    x = np.stack([0.7 * np.sin(2 * np.pi * 300 * t), -0.2 * np.sin(2 * np.pi * 300 * t)], axis=1)
+    buf = io.BytesIO()
+    sf.write(buf, x, 48000, format=fmt, subtype=subtype)
+    buf.seek(0)
+    rate, channels, layout = _wav_header(buf)
+    assert (rate, channels) == (48000, 2)
+    got = np.frombuffer(_to_linear16(buf.read(), channels, layout), "<i2").astype(np.int32)
+    want = np.round(sf.read(io.BytesIO(buf.getvalue()), dtype="float64")[0].mean(axis=1) * 32768)
+    assert len(got) == 2400 and np.abs(got - want).max() <= 1

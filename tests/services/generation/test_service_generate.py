@@ -56,7 +56,7 @@ def collect(responses) -> tuple[list[generation_pb2.GenerateDelta], generation_p
 
 def prompt_ids(server: ServerThread, text: str) -> list[int]:
     """The prompt the service must build for one user turn, written out by hand from the tiny checkpoint's ChatML
-    template (tests/checkpoints.py), not rendered by the same apply_chat_template call the service makes."""
+    template (tests/support/checkpoints.py), not rendered by the same apply_chat_template call the service makes."""
     tok = server.engine().tokenizer
     rendered = f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
     return tok.encode(rendered, add_special_tokens=False)

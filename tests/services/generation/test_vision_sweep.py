@@ -10,7 +10,7 @@ SigLIP towers under both strategies, projector_hidden_act silu; NeXT at 1x1, 2x2
 on-pinpoint sizes; Idefics3 scale_factor 4 and images below one tile; Qwen2.5-VL sizes off the 8-px grid, 3x5 / 9x9
 (below min_pixels), window_size 8 without full-attention blocks, spatial_merge_size 1, temporal_patch_size 1, and a
 processor config in the released preprocessor_config.json form (min_pixels / max_pixels keys). The load-time
-refusals are in tests/test_vision_sweep_refusals.py.
+refusals are in tests/services/generation/test_vision_sweep_refusals.py.
 """
 
 from __future__ import annotations

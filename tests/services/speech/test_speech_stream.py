@@ -88,7 +88,7 @@ def test_config_must_come_first(server):
 
 
 def test_clause_joins_have_no_seam(server):
-    """The seam test of tests/test_codec_streaming.py applied where clauses meet in StreamingSynthesizeSpeech's audio:
+    """The seam test of tests/codecs/test_codec_streaming.py applied where clauses meet in StreamingSynthesizeSpeech's audio:
     the served audio equals the one-shot decode of every clause's frames together (to LINEAR16 rounding), and the step
     across each clause join is no larger than the signal's own steps just before it."""
     import numpy as np

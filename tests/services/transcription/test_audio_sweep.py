@@ -1,5 +1,5 @@
 """Audio input on configs and inputs users bring, against transformers (WhisperForConditionalGeneration.generate) and
-ffmpeg's conventions, through a real gRPC server on tiny random Whispers (tests/whisper_checkpoints.py):
+ffmpeg's conventions, through a real gRPC server on tiny random Whispers (tests/support/whisper_checkpoints.py):
 - a Whisper whose encoder window is shorter than 30 s (max_source_positions 100, chunk_length 2: tiny configs);
   a window that disagrees with its feature extractor is refused at load naming max_source_positions;
 - a fine-tuned checkpoint's forced language (generation_config forced_decoder_ids, no lang_to_id) is its default,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import queue
 import subprocess
@@ -12,6 +13,7 @@ import time
 import grpc
 import numpy as np
 import pytest
+import soundfile as sf
 from support.audio_checkpoints import chirp, encode, espeak_wav, noise, tone
 from support.checkpoints import make_checkpoint
 from support.grpc_errors import violated_fields
@@ -357,3 +359,42 @@ def test_whisper_base_streams_espeak_sentences(default_served):
             ),
         )
         assert final.text == list(stub.Transcribe(request, timeout=300))[-1].summary.text
+
+
+@pytest.fixture(scope="module")
+def whisper_served(tmp_path_factory):
+    spec = ModelSpec(path=make_whisper(tmp_path_factory.mktemp("audit2-whisper") / "whisper"), name="whisper")
+    with ServerThread([spec], EngineOptions(kv_cache_gib=0.01)) as server:
+        yield server
+
+
+def _stream_file(server: ServerThread, data: bytes, rate: int) -> list:
+    stub = transcription_pb2_grpc.TranscriptionServiceStub(server.channel())
+    config = transcription_pb2.StreamingTranscriptionConfig(model="whisper", sample_rate_hertz=rate, language="en")
+    requests = [transcription_pb2.StreamingTranscribeRequest(config=config)]
+    requests += [transcription_pb2.StreamingTranscribeRequest(audio=data[i : i + 4000]) for i in range(0, len(data), 4000)]  # fmt: skip
+    return list(stub.StreamingTranscribe(iter(requests), timeout=60))
+
+
+def test_a_wav_file_streamed_as_it_is(whisper_served):
+    """Clients stream a WAV file's bytes as they are. Its header was decoded as 22 samples (a click); a 44.1 kHz
+    stereo file under a 16 kHz config streamed garbled audio for the whole call, FLAC bytes noise. Now a matching
+    header is skipped, a contradicting one or another container is INVALID_ARGUMENT naming what to change."""
+    x = (0.3 * np.sin(2 * np.pi * 300 * np.arange(8000) / 16000)).astype(np.float32)
+    buf = io.BytesIO()
+    sf.write(buf, x, 16000, format="WAV")
+    summary = _stream_file(whisper_served, buf.getvalue(), 16000)[-1].summary
+    assert summary.audio_seconds == 0.5  # 8000 samples: the 44 header bytes are not audio (was 0.501375)
+    for (channels, rate, fmt, config_rate), (field, message) in [
+        ((2, 44100, "WAV", 44100), ("audio", "WAV file of 2-channel 16-bit audio")),
+        ((1, 44100, "WAV", 16000), ("config.sample_rate_hertz", "WAV file at 44100 Hz; the config says 16000")),
+        ((1, 16000, "FLAC", 16000), ("audio", "the stream holds FLAC audio")),
+    ]:
+        buf = io.BytesIO()
+        sf.write(buf, np.stack([x] * channels, axis=1), rate, format=fmt)
+        with pytest.raises(grpc.RpcError) as err:
+            _stream_file(whisper_served, buf.getvalue(), config_rate)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
+        assert err.value.details().startswith(f"{field}: ")
+    free, total = whisper_served.wait_kv_free("whisper", timeout=5.0)
+    assert free == total

@@ -1,5 +1,5 @@
 """Voxtral served end to end: a tiny random checkpoint as the hub ships one (config + safetensors + tekken.json +
-processor, tests/voxtral_checkpoint.py) behind a real gRPC server. Generate with audio parts and Transcribe equal
+processor, tests/support/voxtral_checkpoint.py) behind a real gRPC server. Generate with audio parts and Transcribe equal
 transformers' VoxtralProcessor (its `apply_chat_template` / `apply_transcription_request`, written by mistral_common)
 + VoxtralForConditionalGeneration.generate, greedy."""
 

@@ -1,5 +1,5 @@
 """Whisper in the service, over a real gRPC server, on a tiny random Whisper saved with its tokenizer and feature
-extractor (tests/whisper_checkpoints.py): Transcribe equals transformers' `generate` on the same prompt (greedy, alone
+extractor (tests/support/whisper_checkpoints.py): Transcribe equals transformers' `generate` on the same prompt (greedy, alone
 and batched), language detection equals transformers' `detect_language` and encodes the audio once, long audio is
 conditioned on the previous window's text, timestamps give ordered segments, cancelling frees the KV blocks and the
 cross-attention state, bad requests are INVALID_ARGUMENT naming the field, and the cascade (`--asr-model`) answers a
