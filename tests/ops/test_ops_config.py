@@ -43,7 +43,7 @@ from omnivox.v1 import generation_pb2, generation_pb2_grpc, model_pb2, model_pb2
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("audit") / "tiny", family="llama", max_position_embeddings=4096)
+    return make_checkpoint(tmp_path_factory.mktemp("ops-config") / "tiny", family="llama", max_position_embeddings=4096)
 
 
 # ---- CLI: every flag's value is checked, in one line naming the flag ---------------------------------------------

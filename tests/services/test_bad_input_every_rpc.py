@@ -24,7 +24,7 @@ WAV = encode(tone(0.5), 16000, "WAV")
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    root = tmp_path_factory.mktemp("audit")
+    root = tmp_path_factory.mktemp("bad-input")
     specs = [
         ModelSpec(path=make_checkpoint(root / "text", family="llama", max_position_embeddings=4096), name="text"),
         ModelSpec(path=make_qwen2_audio(root / "qwen2-audio"), name="audio-llm"),

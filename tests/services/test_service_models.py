@@ -236,7 +236,7 @@ def test_message_size_limit(checkpoints) -> None:
 
 def test_start_up_does_not_list_a_model_that_failed_to_load(tmp_path):
     """`omnivox serve` with a model that failed to load (here Whisper asked for int8) logged the error, then
-    "serving text, whisper on ..." as if both alice_served. Now the failed one is named as not serving."""
+    "serving text, whisper on ..." as if both served. Now the failed one is named as not serving."""
     specs = [
         ModelSpec(path=make_checkpoint(tmp_path / "text"), name="text"),
         ModelSpec(path=make_whisper(tmp_path / "whisper"), name="whisper", engine_overrides={"quantization": "int8"}),

@@ -1,4 +1,4 @@
-"""What the audit tests (test_structured_audit.py, test_tool_audit.py) share: a tiny random Llama behind a real
+"""What test_generate_edges.py and test_tool_schemas.py (and the engine edges) share: a tiny random Llama behind a real
 gRPC server (ChatML template without tools, so tools go into the text as Qwen2.5 writes them), and two calls."""
 
 from __future__ import annotations

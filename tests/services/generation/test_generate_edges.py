@@ -2,7 +2,7 @@
 beyond the first few ($ref, recursion, anyOf/oneOf/allOf, enum/const of mixed types, formats, bounds, nullable types,
 unicode names), what llguidance cannot enforce (refused, naming the keyword, as vLLM's guidance backend and OpenAI's
 strict mode refuse), hostile nesting, and the sampler's edge values. One tiny random model behind a real gRPC server;
-every output is checked with the `jsonschema` package. Tool calls: test_tool_audit.py."""
+every output is checked with the `jsonschema` package. Tool calls: test_tool_schemas.py."""
 
 from __future__ import annotations
 

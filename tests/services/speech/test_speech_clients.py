@@ -27,7 +27,7 @@ SEEDED = sampling_pb2.SamplingConfig(seed=7)
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("speech-audit")
+    root = tmp_path_factory.mktemp("speech-clients")
     path = save_random_speech_model(root / "orpheus-random", snac_config=SMALL_SNAC)
     with ServerThread([ModelSpec(path=path, name="speech")], EngineOptions(kv_cache_gib=0.02), data_dir=root) as srv:
         servicer = next(b.servicer for b in srv.server.services if isinstance(b.servicer, SpeechServicer))

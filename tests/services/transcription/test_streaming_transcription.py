@@ -363,7 +363,7 @@ def test_whisper_base_streams_espeak_sentences(default_served):
 
 @pytest.fixture(scope="module")
 def whisper_served(tmp_path_factory):
-    spec = ModelSpec(path=make_whisper(tmp_path_factory.mktemp("audit2-whisper") / "whisper"), name="whisper")
+    spec = ModelSpec(path=make_whisper(tmp_path_factory.mktemp("whisper-wav-stream") / "whisper"), name="whisper")
     with ServerThread([spec], EngineOptions(kv_cache_gib=0.01)) as server:
         yield server
 
