@@ -13,7 +13,6 @@ each streamed variant's largest difference from the float32 one-shot decode is r
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from omnivox.benchmarks.host import write_results
 from omnivox.codecs.snac import SnacDecoder, save_random_snac
 from omnivox.codecs.streaming import BatchedStreamDecoder, StreamingOptions
 
@@ -103,7 +103,7 @@ def main() -> None:
     }
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        write_results(args.out, report)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import grpc
 
+from omnivox.benchmarks.host import write_results
+
 QUESTION = "What is in this picture? Describe it."
 TEXT_PROMPT = "Tell me a long story about a lighthouse keeper and the sea."
 
@@ -240,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {**meta, "encoder_s": enc, **result}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
+        write_results(args.out, result)
     print(json.dumps(result, indent=2))
     return 0
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import grpc
 
+from omnivox.benchmarks.host import write_results
 from omnivox.benchmarks.load_fault import ResourceSampler, cancels, overload, slow_readers, soak
 from omnivox.v1 import generation_pb2_grpc
 
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     text = json.dumps(report, indent=1)
     print(text)
     if args.out:
-        args.out.write_text(text)
+        write_results(args.out, report, indent=1)
     return 0 if report["pass"] else 1
 
 

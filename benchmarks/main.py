@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import sys
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from omnivox.benchmarks import report
+from omnivox.benchmarks.host import write_results
 from omnivox.benchmarks.metrics import summarize
 from omnivox.benchmarks.systems.base import SystemUnavailable
 from omnivox.benchmarks.workload import WorkloadSpec, describe, make_workload
@@ -356,7 +356,7 @@ def write_partial(result: dict, out_dir: Path) -> None:
     """results.json as it stands (marked partial); the final write_all replaces it."""
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / "results.json.tmp"
-    tmp.write_text(json.dumps(result | {"partial": True}, indent=2))
+    write_results(tmp, result | {"partial": True})
     tmp.replace(out_dir / "results.json")
 
 

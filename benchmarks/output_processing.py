@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from omnivox.benchmarks.host import write_results
+
 CORPUS = (
     "The capital of France is Paris. The capital of Italy is Rome. Speech synthesis turns text into audio; "
     "vision models read images. Hello there! How are you today? I am fine, thank you. "
@@ -135,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     print(json.dumps(result, indent=2))
     if args.out is not None:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_results(args.out, result)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from omnivox.benchmarks.host import write_results
 from omnivox.models.attention import AttentionMetadata, PrefillChunk
 from omnivox.models.decoder import DecoderModel
 
@@ -256,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
         model = str(ensure_default_model())
     results = run(model, args.modes.split(","), args.threads, not args.no_speed, not args.no_quality, args.passes)
     if args.output:
-        Path(args.output).write_text(json.dumps(results, indent=2) + "\n")
+        write_results(args.output, results)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
+
+from omnivox.benchmarks.host import write_results
 
 COLUMNS = [  # (header, key, format)
     ("system", "system", "{}"),
@@ -120,7 +121,7 @@ def plot(levels: list[dict], path: Path, title: str) -> None:
 def write_all(result: dict, out_dir: Path) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / "results.json", "markdown": out_dir / "results.md", "png": out_dir / "results.png"}
-    paths["json"].write_text(json.dumps(result, indent=2, default=str) + "\n")
+    write_results(paths["json"], result)
     paths["markdown"].write_text(markdown_report(result) + "\n")
     plot(result["levels"], paths["png"], f"{Path(result['model']).name} ({result['dtype']}), {result['machine']}")
     return paths

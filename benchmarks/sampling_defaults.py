@@ -11,9 +11,10 @@ scores when it holds one of its prompt's words (case-insensitive); a reply that 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import dataclass
+
+from omnivox.benchmarks.host import write_results
 
 # (prompt, words of which a correct reply holds one). Factual first, then chat-style asks with a checkable core.
 PROMPTS: list[tuple[str, tuple[str, ...]]] = [
@@ -135,19 +136,8 @@ def main() -> None:
         )
     engine.shutdown()
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(
-                {
-                    "model": path.name,
-                    "seeds": args.seeds,
-                    "max_tokens": args.max_tokens,
-                    "prompts": PROMPTS,
-                    "results": results,
-                },
-                f,
-                indent=1,
-                ensure_ascii=False,
-            )
+        result = {"model": path.name, "seeds": args.seeds, "max_tokens": args.max_tokens, "prompts": PROMPTS}
+        write_results(args.out, result | {"results": results}, indent=1)
 
 
 if __name__ == "__main__":

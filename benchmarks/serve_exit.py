@@ -20,6 +20,8 @@ import threading
 import time
 from pathlib import Path
 
+from omnivox.benchmarks.host import write_results
+
 BOOT = {
     "frozen": "import sys\nfrom omnivox.services.cli import main\nsys.exit(main())",
     "not_frozen": "import gc, sys\ngc.freeze = lambda: None\nfrom omnivox.services.cli import main\nsys.exit(main())",
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(json.dumps(result, indent=2))
     if args.out is not None:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_results(args.out, result)
     return 0 if all(r["rc"] == 0 for r in runs) else 1
 
 

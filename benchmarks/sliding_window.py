@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from omnivox.benchmarks.host import write_results
+
 
 def main(argv: list[str] | None = None) -> None:
     import torch
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:
-        args.out.write_text(text + "\n")
+        write_results(args.out, report)
 
 
 if __name__ == "__main__":

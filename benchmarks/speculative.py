@@ -15,7 +15,6 @@ embedded SmolLM2-135M-Instruct, float32 as served by default.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from omnivox.benchmarks.host import write_results
 from omnivox.engine import Engine, SamplingParams
 from omnivox.engine.speculative import NgramProposer
 
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             results["total_tps"].setdefault(str(n), {})[mode] = total_tps(engine, prompts, 48)
             print("total", n, mode, results["total_tps"][str(n)][mode], flush=True)
     if args.output:
-        args.output.write_text(json.dumps(results, indent=2) + "\n")
+        write_results(args.output, results)
     return 0
 
 

@@ -24,7 +24,6 @@ one run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -35,6 +34,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import grpc
+
+from omnivox.benchmarks.host import write_results
 
 DEFAULT_TEXT = "Hello there! This is a quick test of streaming speech synthesis. How does it sound?"
 BYTES_PER_SECOND = 24000 * 2  # LINEAR16 at 24 kHz
@@ -238,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             server.close()
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({**meta, **result}, indent=2))
+        write_results(args.out, {**meta, **result})
     print(format_table(result))
     return 0
 

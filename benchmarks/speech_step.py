@@ -17,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from omnivox.benchmarks.host import write_results
+
 
 def main(argv: list[str] | None = None) -> None:
     import torch
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     print(json.dumps(result, indent=2))
     if args.out is not None:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_results(args.out, result)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from omnivox.benchmarks.host import write_results
+
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -166,7 +168,7 @@ def main() -> None:
     result.update(started=started, commit=commit, load_average_at_start=load, cpus=os.cpu_count())
     print(format_table(result))
     if args.out is not None:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_results(args.out, result)
 
 
 def format_table(result: dict) -> str:

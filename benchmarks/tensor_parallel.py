@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from omnivox.benchmarks.host import with_host
 from omnivox.engine import Engine, SamplingParams
 
 MID = dict(
@@ -119,7 +120,7 @@ def main() -> None:
                 f"shard_of_{args.world}": load_peak_mib(model, args.world),
             },
         }
-    print(json.dumps(result))
+    print(json.dumps(with_host(result)))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from omnivox.benchmarks.host import write_results
 from omnivox.models.attention import AttentionMetadata
 from omnivox.models.tensor_parallel_worker import _INLINE_BYTES, Forward, dumps, receive, send
 
@@ -151,8 +152,7 @@ def main() -> None:
     }
     print(json.dumps(out))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+        write_results(args.out, out, indent=1)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
 import re
 import statistics
@@ -34,6 +33,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from omnivox.benchmarks.host import write_results
 
 RATE = 16000
 SENTENCES = (
@@ -291,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {**meta, "load_average_at_end": list(os.getloadavg()), "rows": rows, "stream": stream}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_results(args.out, result)
     return 0
 
 

@@ -19,52 +19,32 @@ flush-to-zero for the whole process when it loads. Without a compiler, or off CP
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from omnivox.models.cache import build_cached, omnivox_cache_dir
-from omnivox.models.cpu_kernels import compiler, cpu_id
+from omnivox.models.kernel_build import BuildError, build_library, compiler
 
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("codec_kernels.c")
-_COMPILE = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fPIC", "-c"]
+_COMPILE = ["-O3", "-ffast-math", "-fopenmp-simd", "-fPIC"]  # -march=native: build_library's default target
 _LINK = ["-shared", "-lm"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
 
 
-class _BuildError(Exception):
-    pass
-
-
 def _build() -> ctypes.CDLL | None:
-    cc = compiler()  # found as for the model kernels (models/cpu_kernels.py), keyed by the same CPU line
-    if cc is None:
+    if compiler() is None:  # found as for the model kernels, keyed by the same CPU flags (models/kernel_build.py)
         log.info("no C compiler: the SNAC decoder runs in torch alone")
         return None
-    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join([cc, *_COMPILE, *_LINK, cpu_id()]).encode()).hexdigest()[:16]
-    target = omnivox_cache_dir() / "kernels" / f"codec_kernels-{key}.so"
-
-    def compile_to(staged: Path) -> None:
-        with tempfile.TemporaryDirectory() as tmp:
-            obj = Path(tmp) / "codec_kernels.o"
-            for cmd in ([cc, *_COMPILE, str(_SOURCE), "-o", str(obj)], [cc, str(obj), *_LINK, "-o", str(staged)]):
-                proc = subprocess.run(cmd, capture_output=True)
-                if proc.returncode != 0:
-                    raise _BuildError(f"{cc} failed: {proc.stderr.decode()[-500:]}")
-
     try:
-        build_cached(target, compile_to, Path.exists)
-    except _BuildError as err:
+        target = build_library("codec_kernels", [_SOURCE], _COMPILE, _LINK)
+    except BuildError as err:
         log.warning("building the codec kernels failed (torch serves): %s", err)
         return None
     lib = ctypes.CDLL(str(target))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -22,8 +23,10 @@ from pathlib import Path
 
 import torch
 
+from omnivox.engine.arbiter import StepArbiter
 from omnivox.engine.block_pool import KVUsage
 from omnivox.engine.core import EngineCore, Proposer, StepResult
+from omnivox.engine.engine_config import EngineConfig
 from omnivox.engine.errors import InvalidRequest
 from omnivox.engine.intake import Prompt, RequestIntake
 from omnivox.engine.loading import default_device, load_model, resolve_dtype, size_kv_cache
@@ -93,55 +96,48 @@ class Engine:
         self.step_observers: list[Callable[[StepResult], None]] = []
         self.failure: Exception | None = None  # what a failed step raised; the engine then stops (crash-only)
         self.failure_observers: list[Callable[[Exception], None]] = []
+        self.arbiter: StepArbiter | None = None  # shared with the process's other engines (engine/arbiter.py)
 
     # ---- construction -------------------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(
-        cls,
-        path: str | Path,
-        device: str | torch.device | None = None,
-        dtype: str | torch.dtype | None = None,
-        kv_cache_gib: float | None = None,
-        block_size: int = 16,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int | None = None,
-        max_model_len: int | None = None,
-        enable_prefix_caching: bool = True,
-        static_decode: bool | None = None,
-        progress: bool = False,
-        proposer: Proposer | None = None,
-        speculative: str | None = None,
-        num_speculative_tokens: int = 4,
-        quantization: str | None = None,
-        quantize_lm_head: bool | None = None,
-        tensor_parallel: int = 1,
-        activation_bits: int = 16,
+        cls, path: str | Path, config: EngineConfig | None = None, *, proposer: Proposer | None = None, **fields
     ) -> Engine:
-        """Load a Hugging Face checkpoint folder (safetensors) or a .gguf file (engine/loading.py load_model).
-        speculative: `ngram` or `draft:PATH` builds the proposer (engine/draft.py build_proposer).
-        quantization: None / "none" float, "auto" the checkpoint's own (GGUF blocks on CPU), "int8", "int4"."""
+        """Load a Hugging Face checkpoint folder (safetensors) or a .gguf file (engine/loading.py load_model) under
+        `config` (engine/engine_config.py), with `fields` replacing some of its values (a TypeError names an unknown
+        one). config.speculative builds the proposer (engine/draft.py build_proposer) unless one is given."""
         from omnivox.models.checkpoint import load_tokenizer
 
-        device = torch.device(device) if device is not None else default_device()
-        dtype = resolve_dtype(dtype, device)
-        tp = tensor_parallel  # N > 1: the decoder split over N processes (engine/tensor_parallel.py)
+        config = dataclasses.replace(config or EngineConfig(), **fields)
+        device = torch.device(config.device) if config.device is not None else default_device()
+        dtype = resolve_dtype(config.dtype, device)
+        tp = config.tensor_parallel  # N > 1: the decoder split over N processes (engine/tensor_parallel.py)
         model = load_model(
-            path, device, dtype, max_model_len, progress, quantization, quantize_lm_head, tp, activation_bits
+            path,
+            device,
+            dtype,
+            config.max_model_len,
+            config.progress,
+            config.quantization,
+            config.quantize_lm_head,
+            tp,
+            config.activation_bits,
         )
-        if speculative is not None:
+        if config.speculative is not None:
             from omnivox.engine.draft import build_proposer
 
             vocab = model.config.vocab_size
-            proposer = build_proposer(speculative, num_speculative_tokens, vocab, device, dtype)
+            proposer = build_proposer(config.speculative, config.num_speculative_tokens, vocab, device, dtype)
         return cls(
             model,
             load_tokenizer(path),
-            kv_cache_gib=kv_cache_gib,
-            block_size=block_size,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching,
-            static_decode=static_decode if tp == 1 else False,  # replayed CUDA graphs would not tell the workers
+            kv_cache_gib=config.kv_cache_gib,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_prefix_caching=config.enable_prefix_caching,
+            # replayed CUDA graphs would not tell the tensor-parallel workers
+            static_decode=config.static_decode if tp == 1 else False,
             proposer=proposer,
         )
 
@@ -326,6 +322,8 @@ class Engine:
                 if self._stopping:
                     return
             try:
+                if self.arbiter is not None:  # another engine's audio behind its playback deadline steps first
+                    self.arbiter.wait_turn(self)
                 self.step()
                 getattr(self.model, "raise_if_broken", lambda: None)()  # a tensor-parallel rank lost: stop too
                 if self.last_step is not None and self.last_step.plan.is_empty:  # all wait on encoders: no spinning

@@ -5,6 +5,8 @@ verify, an unfinished prefill a chunk), then waiting requests are admitted in ar
 budget, the sequence limit and the KV pool allow. When a running request cannot grow, the newest running request is
 preempted (its blocks freed, it goes back to the front of the queue and is recomputed later, its prefix likely still
 cached). A step that preempted admits nothing: the blocks it freed are for the requests already running.
+When decodes are running, the prompt tokens of the step (running prefills and admissions) are bounded by
+`StepBudget.prefill_tokens` (engine/step_budget.py), so a mixed step costs about a target ITL.
 A prefill chunk stops before an embedding segment whose encoder is still running, and never ends inside a
 bidirectional one (a Gemma 3 image, `whole_blocks`).
 """
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 
 from omnivox.engine.kv_manager import KVCacheManager
 from omnivox.engine.request import Request, Status
+from omnivox.engine.step_budget import StepBudget
 
 
 @dataclass
@@ -61,6 +64,11 @@ class SchedulePlan:
         return not self.decodes and not self.prefills
 
 
+def is_decoding(req: Request) -> bool:
+    """Past its prompt: the step computes its last token (plus drafts), not a prompt chunk."""
+    return bool(req.num_output_tokens) and req.num_computed_tokens == req.num_tokens - 1
+
+
 def computable(req: Request, start: int, n: int) -> int:
     """How many of the n tokens from `start` can be computed now: a chunk stops before an embedding segment whose
     encoder has not finished (its positions need the embeddings); an encoder-decoder request computes nothing until
@@ -86,10 +94,13 @@ def whole_blocks(req: Request, start: int, n: int) -> int:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, budget: StepBudget | None = None
+    ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.budget = budget or StepBudget(max_num_batched_tokens)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -103,12 +114,16 @@ class Scheduler:
     def schedule(self) -> SchedulePlan:
         plan = SchedulePlan()
         budget = self.max_num_batched_tokens
+        decode_tokens = sum(1 + len(r.draft_token_ids) for r in self.running if is_decoding(r))
+        prefill_budget = self.budget.prefill_tokens(decode_tokens)  # the policy: decodes first, prompts fill the rest
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if req.draft_token_ids:  # drafts that do not fit this step's budget are dropped, never half-verified
                 del req.draft_token_ids[max(0, budget - (req.num_tokens - req.num_computed_tokens)) :]
+            decoding = is_decoding(req)
             n = min(req.num_tokens + len(req.draft_token_ids) - req.num_computed_tokens, budget)
+            n = n if decoding else min(n, prefill_budget)
             n = computable(req, req.num_computed_tokens, n)
             if n == 0:  # waiting for an encoder: it keeps its place, the others run
                 i += 1
@@ -120,13 +135,12 @@ class Scheduler:
                     break
             if req.status != Status.RUNNING:  # preempted itself: nothing newer to free
                 break
-            chunk = _chunk(req, n)
-            is_decode = req.num_output_tokens and req.num_computed_tokens == req.num_tokens - 1
-            (plan.decodes if is_decode else plan.prefills).append(chunk)
+            (plan.decodes if decoding else plan.prefills).append(_chunk(req, n))
             budget -= n
+            prefill_budget -= 0 if decoding else n
             i += 1
         if not plan.preempted:
-            self._admit(plan, budget)
+            self._admit(plan, min(budget, prefill_budget))
         return plan
 
     def _admit(self, plan: SchedulePlan, budget: int) -> None:

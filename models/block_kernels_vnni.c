@@ -15,13 +15,16 @@
 // Q8_1) is ~1.5x as fast but costs quality (BENCHMARKS.md); 15 bits are within ~3e-5 of float activations.
 // Q8_0 weights enter `vpdpbusd` as unsigned (q + 128); the 128 * sum(xq) this adds is subtracted per group.
 // Built only where the compiler targets AVX-512 VNNI + VL; elsewhere `vnni_available()` says 0 and the int16 / float
-// paths serve.
+// paths serve. With -DOMNIVOX_SCALAR_INTRINSICS it builds against intrinsics_scalar.h instead (tests on every host).
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__) && defined(__F16C__)
+#if defined(OMNIVOX_SCALAR_INTRINSICS)  // the same kernel on scalar intrinsics, for tests on any host
+#include "intrinsics_scalar.h"
+#define OMNIVOX_VNNI 1
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__) && defined(__F16C__)
 #include <immintrin.h>
 #define OMNIVOX_VNNI 1
 #endif

@@ -28,7 +28,7 @@ from omnivox.models.audio import AudioEncoder
 from omnivox.models.audio.transcription import TranscriptionRequestError, language_name, transcription_messages
 from omnivox.services import errors
 from omnivox.services.errors import FieldViolation
-from omnivox.services.prompt import Prompt, role_of
+from omnivox.services.prompt import MediaPromptBuilder, Prompt, role_of
 from omnivox.services.tool_parser import ToolFormat
 from omnivox.services.tools import format_of, media_template, tool_turn_content, turn_fields
 from omnivox.services.voxtral_prompt import VoxtralPrompts, voxtral_language
@@ -173,7 +173,7 @@ def load_audio_part(folder: Path, device: Any, dtype: Any, model_key: str) -> Au
     return AudioInputPart(family, encoder, worker, processor, model_key, mistral)
 
 
-class AudioPromptBuilder:
+class AudioPromptBuilder(MediaPromptBuilder):
     """Turns of text and audio parts -> the chat template's prompt, markers expanded, one segment per clip."""
 
     def __init__(self, audio: AudioInputPart) -> None:

@@ -1,18 +1,8 @@
-"""What a served model is: a ModelBundle (engine, prompt builder, generation defaults, optional parts).
+"""What a served model is: a ModelBundle (engine, prompt builder, generation defaults, the parts it holds).
 
-A bundle's parts are declared by its checkpoint and decide what it accepts and produces:
-- every bundle: a text decoder (the engine) and a prompt builder (its chat template);
-- speech out: `speech_layout.json` + a SNAC codec folder (models/orpheus.py) -> a SpeechPart (services/speech_part.py:
-  layout, codec, decode worker, token constraint), output modality audio instead of text;
-- audio in: an audio-LLM checkpoint (Qwen2-Audio, Qwen3-ASR, Voxtral: `models.audio.audio_family`) -> an
-  AudioInputPart (services/audio_prompt.py: encoder, encoder worker + cache, the processor's chat template or, for
-  Voxtral, mistral_common's prompts), input modality audio;
-- speech recognition: a Whisper checkpoint (config model_type "whisper"; a CTranslate2 folder is converted into the
-  cache first) -> a WhisperPart (services/whisper.py: special tokens, mel extractor, encoder worker + cache), input
-  modality audio only (TranscriptionService, and Generate's cascade), output text;
-- image in: a vision-language checkpoint (LLaVA 1.5/NeXT, SmolVLM/Idefics3, Qwen2-VL, Qwen2.5-VL:
-  `models.vision.FAMILIES`) -> an ImageInputPart (services/image_prompt.py: vision encoder + the checkpoint's
-  processor, encoder worker + cache), input modality image.
+A bundle's parts are declared by its checkpoint and decide what it accepts and produces: every bundle has a text
+decoder (the engine) and a prompt builder; the other parts (speech out, Whisper, audio in, image in) are the rows of
+services/parts.py PARTS, which says how each is found, loaded, closed and what it adds.
 
 `probe(spec)` reads what a spec declares without loading anything (the server lists models while they load);
 `load_bundle(spec, options)` builds the whole bundle (blocking: run it in a worker thread).
@@ -27,34 +17,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from omnivox.services import parts as part_table
 from omnivox.services.defaults import UNTRAINED_FILE, EmbeddedDefault, embedded_default
-from omnivox.services.speech_part import SpeechPart, is_speech_checkpoint, load_speech_part
+from omnivox.services.parts import AUDIO, IMAGE, TEXT, modalities
 
 if TYPE_CHECKING:
     from omnivox.engine import Engine
     from omnivox.services.audio_prompt import AudioInputPart
     from omnivox.services.image_prompt import ImageInputPart
-    from omnivox.services.loading import EngineOptions, ModelSpec
+    from omnivox.services.model_spec import EngineOptions, ModelSpec
     from omnivox.services.prompt import PromptBuilder
+    from omnivox.services.speech_part import SpeechPart
     from omnivox.services.structured import GrammarCompiler
+    from omnivox.services.voice_part import VoicePart
     from omnivox.services.whisper_part import WhisperPart
 
 log = logging.getLogger(__name__)
 
-TEXT, IMAGE, AUDIO = "text", "image", "audio"
+__all__ = ["AUDIO", "IMAGE", "TEXT", "BundleManifest", "ModelBundle", "load_bundle", "modalities", "probe"]
 
 # Sampling defaults a Hugging Face generation_config.json may carry, as SamplingParams fields.
 GENERATION_CONFIG_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
-
-
-def modalities(
-    speech: bool, vision: bool = False, audio: bool = False, whisper: bool = False
-) -> tuple[frozenset[str], frozenset[str]]:
-    """(input, output) modalities of a bundle holding these parts: the one rule, for probes and loaded bundles."""
-    if whisper:  # speech recognition: audio in, text out
-        return frozenset({AUDIO}), frozenset({TEXT})
-    inputs = {TEXT} | ({IMAGE} if vision else set()) | ({AUDIO} if audio else set())
-    return frozenset(inputs), frozenset({AUDIO} if speech else {TEXT})
 
 
 def read_generation_config(file: Path | None) -> dict[str, float | int]:
@@ -89,7 +72,7 @@ class BundleManifest:
 
     source: Path | None  # a checkpoint folder or .gguf; None until an embedded default is fetched
     embedded: EmbeddedDefault | None = None
-    speech: bool = False
+    parts: frozenset[str] = frozenset()  # names of services/parts.py PARTS rows the checkpoint declares
     untrained_components: tuple[str, ...] = ()
     file_defaults: dict[str, Any] = field(default_factory=dict)  # from generation_config.json (or the shipped one)
     # Weights of parts no bundle builds (a tower or projector of a family without an encoder here), left unloaded.
@@ -97,17 +80,14 @@ class BundleManifest:
     overrides: dict[str, Any] = field(default_factory=dict)  # the operator's `--sampling-default`s
     engine_overrides: dict[str, Any] = field(default_factory=dict)  # EngineOptions for this model alone
     lenient_fields: frozenset[str] = frozenset()  # of engine_overrides: dropped where they do not apply
-    audio: bool = False  # an audio-LLM checkpoint (models.audio.audio_family): audio input
-    vision: bool = False  # a vision-language checkpoint (services.image_prompt.vision_family): image input
-    whisper: bool = False  # a Whisper checkpoint (services/whisper.py): audio in, text out
 
     @property
     def input_modalities(self) -> frozenset[str]:
-        return modalities(self.speech, vision=self.vision, audio=self.audio, whisper=self.whisper)[0]
+        return modalities(self.parts)[0]
 
     @property
     def output_modalities(self) -> frozenset[str]:
-        return modalities(self.speech)[1]
+        return modalities(self.parts)[1]
 
     @property
     def sampling_defaults(self) -> dict[str, Any]:
@@ -117,59 +97,36 @@ class BundleManifest:
 
 def probe(spec: ModelSpec) -> BundleManifest:
     """The manifest of a spec whose path was checked (services/loading.check_model_path); reads small files only."""
-    overrides = dict(spec.sampling_overrides)
-    if spec.path is None:
-        default = embedded_default(spec.speech, spec.asr)
-        return BundleManifest(
-            source=None,
-            embedded=default,
-            speech=default.speech,
-            whisper=default.asr,
-            untrained_components=default.untrained_components,
-            file_defaults=read_generation_config(default.generation_config()),
-            overrides=overrides,
-            engine_overrides=dict(spec.engine_overrides),
-            lenient_fields=frozenset(spec.lenient_fields),
-        )
-    path = Path(spec.path)
-    folder = path if path.is_dir() else None
-    audio = folder is not None and _audio_family(folder) is not None
-    planned = _planned_parts(path) if folder else ()
-    if audio:  # the audio tower and projector are built (services/audio_prompt.py)
-        planned = tuple(p for p in planned if p not in ("audio", "projector"))
-    vision = folder is not None and _vision_family(folder) is not None
-    if vision:  # the vision tower and projector are built (services/image_prompt.py)
-        planned = tuple(p for p in planned if p not in ("vision", "projector"))
-    from omnivox.services.whisper_part import is_whisper_folder
-
-    return BundleManifest(
-        source=path,
-        speech=is_speech_checkpoint(path),
-        whisper=folder is not None and is_whisper_folder(folder),
-        audio=audio,
-        vision=vision,
-        planned_parts=planned,
-        untrained_components=_read_untrained(folder),
-        file_defaults=read_generation_config(folder / "generation_config.json" if folder else None),
-        overrides=overrides,
+    common = dict(
+        overrides=dict(spec.sampling_overrides),
         engine_overrides=dict(spec.engine_overrides),
         lenient_fields=frozenset(spec.lenient_fields),
     )
-
-
-def _audio_family(folder: Path) -> str | None:
-    from omnivox.models.audio import audio_family
-
-    try:
-        return audio_family(folder)
-    except (OSError, ValueError):  # an unreadable config.json: loading says why
-        return None
-
-
-def _vision_family(folder: Path) -> str | None:
-    from omnivox.services.image_prompt import vision_family
-
-    return vision_family(folder)
+    if spec.path is None:
+        default = embedded_default(spec.speech, spec.asr, spec.voice)
+        return BundleManifest(
+            source=None,
+            embedded=default,
+            parts=frozenset({part_table.SPEECH} if default.speech else ())
+            | ({part_table.WHISPER} if default.asr else set())
+            | ({part_table.VOICE} if default.voice else set()),
+            untrained_components=default.untrained_components,
+            file_defaults=read_generation_config(default.generation_config()),
+            **common,
+        )
+    path = Path(spec.path)
+    folder = path if path.is_dir() else None
+    parts = part_table.detect(path)
+    built = {group for kind in part_table.rows(parts) for group in kind.builds}  # weights the parts' loaders build
+    planned = tuple(p for p in _planned_parts(path) if p not in built) if folder else ()
+    return BundleManifest(
+        source=path,
+        parts=parts,
+        planned_parts=planned,
+        untrained_components=_read_untrained(folder),
+        file_defaults=read_generation_config(folder / "generation_config.json" if folder else None),
+        **common,
+    )
 
 
 def _planned_parts(folder: Path) -> tuple[str, ...]:
@@ -189,28 +146,47 @@ class ModelBundle:
 
     manifest: BundleManifest
     source: Path  # where it was loaded from (an embedded default's cache path once fetched)
-    engine: Engine
-    prompt_builder: PromptBuilder
-    speech: SpeechPart | None = None
-    vision: ImageInputPart | None = None  # image input: encoder + worker + cache (services/image_prompt.py)
-    audio: AudioInputPart | None = None  # audio input: encoder + worker + chat template (services/audio_prompt.py)
-    whisper: WhisperPart | None = None  # speech recognition (services/whisper.py)
+    engine: Engine | None  # None when a part is the whole model (a voice: services/voice_part.py)
+    prompt_builder: PromptBuilder | None
+    parts: dict[str, Any] = field(default_factory=dict)  # by services/parts.py row name
     # response_format and tool grammars, compiled off the loop and cached per cache salt (services/structured.py)
     grammars: GrammarCompiler = field(init=False)
 
     def __post_init__(self) -> None:
         from omnivox.services.structured import GrammarCompiler
 
-        self.grammars = GrammarCompiler.for_engine(self.engine)
+        self.grammars = GrammarCompiler.for_engine(self.engine) if self.engine is not None else None  # type: ignore
+
+    # The parts each servicer reads, typed.
+    @property
+    def speech(self) -> SpeechPart | None:
+        return self.parts.get(part_table.SPEECH)  # speech out: layout, codec, decode worker (services/speech_part.py)
+
+    @property
+    def whisper(self) -> WhisperPart | None:
+        return self.parts.get(part_table.WHISPER)  # speech recognition (services/whisper_part.py)
+
+    @property
+    def audio(self) -> AudioInputPart | None:
+        return self.parts.get(
+            part_table.AUDIO_IN
+        )  # audio input: encoder + worker + template (services/audio_prompt.py)
+
+    @property
+    def voice(self) -> VoicePart | None:
+        return self.parts.get(part_table.VOICE)  # a non-autoregressive voice, no engine (services/voice_part.py)
+
+    @property
+    def vision(self) -> ImageInputPart | None:
+        return self.parts.get(part_table.VISION)  # image input: encoder + worker + cache (services/image_prompt.py)
 
     @property
     def input_modalities(self) -> frozenset[str]:
-        return modalities(self.speech is not None, self.vision is not None, self.audio is not None,
-                          self.whisper is not None)[0]  # fmt: skip
+        return modalities(self.parts)[0]
 
     @property
     def output_modalities(self) -> frozenset[str]:
-        return modalities(self.speech is not None, self.vision is not None, self.audio is not None)[1]
+        return modalities(self.parts)[1]
 
     @property
     def untrained_components(self) -> tuple[str, ...]:
@@ -223,16 +199,12 @@ class ModelBundle:
         return {**self.manifest.file_defaults, **layout, **self.manifest.overrides}
 
     async def aclose(self) -> None:
-        """Stop the parts with background work (the codec worker), then the engine."""
-        self.grammars.close()
-        if self.speech is not None:
-            await self.speech.worker.shutdown()
-        for part in (self.audio, self.whisper):
-            if part is not None:
-                await asyncio.to_thread(part.close)  # joins the encoder thread
-        if self.vision is not None:
-            await asyncio.to_thread(self.vision.close)  # joins the encoder thread
-        await asyncio.to_thread(self.engine.shutdown)  # joins the engine thread: off the event loop
+        """Stop the parts with background work (the codec worker, encoder threads), then the engine."""
+        if self.grammars is not None:
+            self.grammars.close()
+        await part_table.close(self.parts)
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.shutdown)  # joins the engine thread: off the event loop
 
 
 def load_bundle(spec: ModelSpec, options: EngineOptions) -> ModelBundle:
@@ -246,57 +218,17 @@ def load_manifest(manifest: BundleManifest, options: EngineOptions) -> ModelBund
     Raises ValueError with a one-line reason when the checkpoint cannot be served; the engine is shut down again if
     a later part fails.
     """
-    import dataclasses
-
-    from omnivox.services.prompt import ChatPromptBuilder
-
     source = manifest.source or manifest.embedded.ensure()  # type: ignore[union-attr]
-    if manifest.whisper:
-        from omnivox.services.whisper_part import whisper_checkpoint, whisper_kv_gib
-
-        source = whisper_checkpoint(source)  # a CTranslate2 folder: its converted copy in the cache
-        if options.kv_cache_gib is None:  # a 448-token context: a KV cache sized for it, not the engine's default
-            options = dataclasses.replace(options, kv_cache_gib=whisper_kv_gib(source, options.max_num_seqs))
+    source, options = part_table.prepare(manifest.parts, source, options)
+    if not part_table.needs_engine(manifest.parts):  # a voice: its part is the whole model
+        parts = part_table.load(manifest.parts, source, None, options)  # type: ignore[arg-type]
+        return ModelBundle(manifest=manifest, source=source, engine=None, prompt_builder=None, parts=parts)
     engine = _build_engine(source, options, manifest)
-    audio: AudioInputPart | None = None
-    vision: ImageInputPart | None = None
-    whisper: WhisperPart | None = None
     try:
         if engine.tokenizer is None:
             raise ValueError(f"{source} has no tokenizer; the text API needs one")
-        speech = None
-        if manifest.speech or is_speech_checkpoint(source):
-            speech = load_speech_part(
-                source,
-                engine.model_config.vocab_size,
-                device=str(engine.device),
-                options=options.speech_streaming,
-                tokenizer=engine.tokenizer,
-            )
-        if manifest.whisper:
-            from omnivox.services.whisper_part import load_whisper_part
-
-            whisper = load_whisper_part(source, engine, model_key=str(source))
-        if manifest.audio:
-            from omnivox.services.audio_prompt import load_audio_part
-
-            audio = load_audio_part(source, engine.device, engine.dtype, model_key=str(source))
-        if manifest.vision:
-            from omnivox.codecs.image import ImageLimits
-            from omnivox.services.image_prompt import load_image_part
-
-            vision = load_image_part(
-                source,
-                engine.device,
-                engine.dtype,
-                model_key=str(source),
-                cache_bytes=options.image_cache_mib << 20,
-                limits=ImageLimits(max_request_pixels=max(1, round(options.max_request_megapixels * 1e6))),
-            )
+        parts = part_table.load(manifest.parts, source, engine, options)
     except BaseException:
-        for part in (audio, whisper):
-            if part is not None:
-                part.close()
         engine.shutdown()
         raise
     if manifest.planned_parts:
@@ -305,29 +237,19 @@ def load_manifest(manifest: BundleManifest, options: EngineOptions) -> ModelBund
             source,
             " and ".join(manifest.planned_parts),
         )
-    prompt_builder: PromptBuilder = ChatPromptBuilder(engine.tokenizer)
-    if whisper is not None:
-        from omnivox.services.whisper_part import WhisperPromptBuilder
+    builder = part_table.prompt_builder(parts, engine)
+    return ModelBundle(manifest=manifest, source=source, engine=engine, prompt_builder=builder, parts=parts)
 
-        prompt_builder = WhisperPromptBuilder()
-    if audio is not None:
-        from omnivox.services.audio_prompt import AudioPromptBuilder
 
-        prompt_builder = AudioPromptBuilder(audio)
-    if vision is not None:
-        from omnivox.services.image_prompt import ImagePromptBuilder
+def _hold_step_budget(engine, options: EngineOptions):
+    """`serve --max-step-tokens` / `--max-step-ms`: the mixed-step budget (engine/step_budget.py), measured here."""
+    from omnivox.engine.step_budget import hold_step_ms, hold_step_tokens
 
-        prompt_builder = ImagePromptBuilder(vision, engine.model_config.max_model_len)
-    return ModelBundle(
-        manifest=manifest,
-        source=source,
-        engine=engine,
-        prompt_builder=prompt_builder,
-        speech=speech,
-        audio=audio,
-        vision=vision,
-        whisper=whisper,
-    )
+    if options.max_step_tokens is not None:
+        hold_step_tokens(engine, options.max_step_tokens)
+    elif options.max_step_ms is not None:
+        hold_step_ms(engine, options.max_step_ms)
+    return engine
 
 
 def _build_engine(source: Path, base: EngineOptions, manifest: BundleManifest):
@@ -342,22 +264,8 @@ def _build_engine(source: Path, base: EngineOptions, manifest: BundleManifest):
     options = dataclasses.replace(base, **manifest.engine_overrides)
     while True:
         try:
-            return Engine.from_pretrained(
-                str(source),
-                device=options.device,
-                dtype=options.dtype,
-                kv_cache_gib=options.kv_cache_gib,
-                max_num_seqs=options.max_num_seqs,
-                max_num_batched_tokens=options.max_num_batched_tokens,
-                max_model_len=options.max_model_len,
-                progress=options.progress,
-                quantization=options.quantization,
-                quantize_lm_head=options.quantize_lm_head,
-                activation_bits=options.activation_bits,
-                speculative=options.speculative,
-                num_speculative_tokens=options.num_speculative_tokens,
-                tensor_parallel=options.tensor_parallel,
-            )
+            engine = Engine.from_pretrained(str(source), options)  # an EngineOptions is an EngineConfig
+            return _hold_step_budget(engine, options)
         except NotApplicable as e:
             if e.field not in manifest.lenient_fields or getattr(options, e.field) == getattr(base, e.field):
                 raise

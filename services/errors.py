@@ -25,6 +25,10 @@ log = logging.getLogger(__name__)
 DOMAIN = "omnivox"
 
 
+class ModelLoadError(Exception):
+    """A model that cannot be served, with a one-line reason for the person who asked for it."""
+
+
 @dataclass(frozen=True)
 class FieldViolation:
     """One rejected request value. `field` is a path into the request message, e.g. ``contents[0].role``."""

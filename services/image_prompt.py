@@ -31,7 +31,7 @@ from omnivox.engine import EmbeddingSegment
 from omnivox.engine.encoder_cache import EncodeHandle, EncoderCache, EncoderWorker
 from omnivox.services import errors
 from omnivox.services.errors import FieldViolation
-from omnivox.services.prompt import Prompt, role_of
+from omnivox.services.prompt import MediaPromptBuilder, Prompt, role_of
 from omnivox.services.tool_parser import ToolFormat
 from omnivox.services.tools import format_of, media_template, tool_turn_content, turn_fields
 from omnivox.v1 import content_pb2
@@ -252,7 +252,7 @@ def load_image_part(
     return ImageInputPart(encoder, worker, model_key, limits or ImageLimits())
 
 
-class ImagePromptBuilder:
+class ImagePromptBuilder(MediaPromptBuilder):
     """Turns of text and image parts (in any turn, several per turn) -> the chat template's prompt, markers expanded,
     one segment per feature run, and M-RoPE positions for Qwen2-VL / 2.5-VL."""
 

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily
 
 from omnivox.engine import Engine, RequestOutput
+from omnivox.engine.arbiter import PlaybackDeadline, StepArbiter
 from omnivox.engine.core import StepResult
 from omnivox.engine.request import Request
 
@@ -121,6 +122,15 @@ class Metrics:
             "Seconds a streamed-text client's buffer was dry waiting for the text, not for the server",
             m, registry=r,
         )  # fmt: skip
+        # The step arbiter (engine/arbiter.py): steps this model's engine yielded to another's audio stream behind its
+        # playback deadline, the seconds they waited, and this model's streams behind now.
+        self.arbiter_yields = Counter("omnivox_arbiter_yields", "Engine steps yielded to audio behind", m, registry=r)
+        self.arbiter_yield_seconds = Counter(
+            "omnivox_arbiter_yield_seconds", "Seconds engine steps waited for audio behind", m, registry=r
+        )
+        self.audio_streams_behind = Gauge(
+            "omnivox_audio_streams_behind", "Speech streams behind their playback deadline", m, registry=r
+        )
         # Audio in.
         self.transcription_rtf = Histogram(
             "omnivox_transcription_real_time_factor", "Compute seconds / audio seconds", m, buckets=_RTF, registry=r
@@ -153,6 +163,15 @@ class Metrics:
     def watch_codec(self, model: str, worker: Any) -> None:
         if not any(w is worker for _, w in self.codecs):
             self.codecs.append((model, worker))
+
+    def watch_arbiter(self, model: str, engine: Engine, arbiter: StepArbiter) -> None:
+        """The arbiter's decisions about `engine` (idempotent per engine): its yields, and its streams behind."""
+        if any(getattr(o, "engine", None) is engine for o in arbiter.yield_observers):
+            return
+        arbiter.yield_observers.append(ArbiterObserver(self, model, engine))
+        self.arbiter_yields.labels(model)
+        self.arbiter_yield_seconds.labels(model)
+        self.audio_streams_behind.labels(model).set_function(lambda: sum(d.owner is engine for d in arbiter.behind()))
 
     def watch_encoder_cache(self, model: str, modality: str, cache: Any) -> None:
         if not any(c is cache for _, _, c in self.encoder_caches):
@@ -279,6 +298,18 @@ class StepObserver:
             m.generation_tokens.labels(model).inc(tokens)
 
 
+@dataclass
+class ArbiterObserver:
+    metrics: Metrics
+    model: str
+    engine: Engine
+
+    def __call__(self, engine: Any, waited_s: float) -> None:
+        if engine is self.engine and waited_s > 0:
+            self.metrics.arbiter_yields.labels(self.model).inc()
+            self.metrics.arbiter_yield_seconds.labels(self.model).inc(waited_s)
+
+
 class UnderrunMeter:
     """When would a client playing the stream run dry? A model of the client: it starts playing once it holds
     `buffer_s` seconds of audio (or at the end), plays in real time, and when its buffer runs dry it stalls until the
@@ -318,8 +349,17 @@ class UnderrunMeter:
 class SpeechStreamMetrics:
     """One speech stream's audio SLOs: `chunk()` per chunk sent, `finish()` at the end (or never, if it failed)."""
 
-    def __init__(self, metrics: Metrics, model: str, received: float, buffer_s: float = 0.2) -> None:
-        self.m, self.model, self.received = metrics, model, received
+    def __init__(
+        self,
+        metrics: Metrics,
+        model: str,
+        received: float,
+        buffer_s: float = 0.2,
+        deadline: PlaybackDeadline | None = None,
+    ) -> None:
+        """deadline: the stream's playback deadline the step arbiter reads (engine/arbiter.py), moved on each chunk
+        to when the modelled client runs dry and closed at the end."""
+        self.m, self.model, self.received, self.deadline = metrics, model, received, deadline
         self.meter = UnderrunMeter(buffer_s)
         self.first_audio: float | None = None
         self.last_audio: float | None = None
@@ -330,6 +370,8 @@ class SpeechStreamMetrics:
 
     def __exit__(self, *exc: object) -> None:
         self.m.speech_streams.labels(self.model).dec()
+        if self.deadline is not None:
+            self.deadline.close()
 
     def chunk(self, seconds: float, now: float | None = None, ready: float | None = None) -> None:
         """`seconds` of audio sent at `now`; `ready`: when its text was complete (text streamed in), else None."""
@@ -346,6 +388,8 @@ class SpeechStreamMetrics:
         if self.meter.text_wait_s > waited:
             self.m.text_wait_seconds.labels(self.model).inc(self.meter.text_wait_s - waited)
         self.m.audio_seconds.labels(self.model).inc(seconds)
+        if self.deadline is not None and self.meter.play_start is not None:
+            self.deadline.update(self.meter.play_start + self.meter.sent_s)
 
     def finish(self, audio_seconds: float, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now

@@ -1,7 +1,9 @@
 """From a request's validated `contents` to what the engine takes: prompt token ids (+ embedding segments).
 
-A model bundle with a vision or audio encoder supplies its own PromptBuilder that turns image and audio parts into
-placeholder tokens plus EmbeddingSegments; text-only models use ChatPromptBuilder.
+A model's parts choose its PromptBuilder (services/parts.py): a part with a vision or audio encoder supplies a
+MediaPromptBuilder that turns image and audio parts into placeholder tokens plus EmbeddingSegments through its own
+template; text-only models use ChatPromptBuilder. Generate's processing (services/generate_request.py) calls the three
+methods every builder has, never asking which kind it holds.
 """
 
 from __future__ import annotations
@@ -10,8 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from omnivox.services import reasoning, tools
 from omnivox.services.tool_formats import is_mistral_common
-from omnivox.v1 import content_pb2
+from omnivox.v1 import content_pb2, generation_pb2
 
 if TYPE_CHECKING:
     import torch
@@ -40,11 +43,51 @@ class Prompt:
 
 
 class PromptBuilder(Protocol):
-    def build(self, contents: Sequence[content_pb2.Content]) -> Prompt:
-        """`contents` already passed validation: roles are known, every part is of a kind the model accepts.
-        A builder of images or audio (every one but ChatPromptBuilder) also takes `tools` and `cache_salt` (the
-        share of the encoder cache its inputs use: engine/encoder_cache.py `EncoderWorker.handle`)."""
+    """What Generate asks of a model's prompt builder. `contents` already passed validation: roles are known, every
+    part is of a kind the model accepts."""
+
+    def media_tool_format(self, request: generation_pb2.GenerateRequest) -> tools.ToolFormat | None:
+        """The call format the builder's own template writes (services/tools.py media_format); None for a builder
+        whose tools the tokenizer's chat template renders (tools.plan reads it there)."""
         ...
+
+    def template_kwargs(self, request: generation_pb2.GenerateRequest, tokenizer: Any) -> dict[str, Any]:
+        """The chat-template arguments the request sets (services/reasoning.py template_kwargs)."""
+        ...
+
+    def build_request_prompt(
+        self,
+        contents: Sequence[content_pb2.Content],
+        tool_plan: tools.ToolPlan | None,
+        template_kwargs: dict[str, Any],
+        cache_salt: str,
+    ) -> Prompt:
+        """The prompt (blocking: run it in a worker thread). `cache_salt`: the share of the encoder cache its images
+        and audio use (engine/encoder_cache.py `EncoderWorker.handle`)."""
+        ...
+
+
+class MediaPromptBuilder:
+    """A builder whose own template renders the turns with their images or audio, and tools where it can
+    (`tool_format`, when a subclass has one). Subclasses define `build(contents, tools, cache_salt=...)`."""
+
+    def build(self, contents: Sequence[content_pb2.Content], tools: list[dict] | None = None, cache_salt: str = ""):
+        raise NotImplementedError
+
+    def media_tool_format(self, request: generation_pb2.GenerateRequest) -> tools.ToolFormat | None:
+        return tools.media_format(request, self)
+
+    def template_kwargs(self, request: generation_pb2.GenerateRequest, tokenizer: Any) -> dict[str, Any]:
+        return reasoning.template_kwargs(request, tokenizer, text_prompt=False)
+
+    def build_request_prompt(
+        self,
+        contents: Sequence[content_pb2.Content],
+        tool_plan: tools.ToolPlan | None,
+        template_kwargs: dict[str, Any],
+        cache_salt: str,
+    ) -> Prompt:
+        return self.build(contents, tool_plan.tools if tool_plan is not None else None, cache_salt=cache_salt)
 
 
 def role_of(content: content_pb2.Content) -> str:
@@ -83,3 +126,20 @@ class ChatPromptBuilder:
         else:
             ids = self.tokenizer.encode("\n".join(m["content"] for m in messages), add_special_tokens=True)
         return Prompt(token_ids=list(ids))
+
+    def media_tool_format(self, request: generation_pb2.GenerateRequest) -> tools.ToolFormat | None:
+        return None  # the tokenizer's chat template renders the tools (tools.plan)
+
+    def template_kwargs(self, request: generation_pb2.GenerateRequest, tokenizer: Any) -> dict[str, Any]:
+        return reasoning.template_kwargs(request, tokenizer, text_prompt=True)
+
+    def build_request_prompt(
+        self,
+        contents: Sequence[content_pb2.Content],
+        tool_plan: tools.ToolPlan | None,
+        template_kwargs: dict[str, Any],
+        cache_salt: str,
+    ) -> Prompt:
+        if tool_plan is not None:  # tools and tool turns through the tokenizer's chat template (text turns)
+            return Prompt(token_ids=tools.prompt_ids(self.tokenizer, contents, tool_plan, template_kwargs))
+        return self.build(contents, template_kwargs or None)

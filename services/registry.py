@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from omnivox.engine.arbiter import StepArbiter
 from omnivox.services import errors
 from omnivox.services.bundle import AUDIO, IMAGE, TEXT, BundleManifest, ModelBundle
 from omnivox.services.stream_idle import DEFAULT_STREAM_IDLE_S
@@ -126,6 +127,7 @@ class ModelRegistry:
         # `serve --stream-idle-timeout`: a bidirectional stream receiving nothing this long (with nothing of its
         # client's in hand) ends OUT_OF_RANGE, freeing its slot (services/stream_idle.py); None = no bound.
         self.stream_idle_s: float | None = DEFAULT_STREAM_IDLE_S
+        self.arbiter = StepArbiter()  # one across the process's engines: audio behind its deadline steps first
 
     def add(self, model: ServedModel) -> None:
         if model.name in self._models:
@@ -149,11 +151,9 @@ class ModelRegistry:
 
     def set_asr_model(self, name: str | None) -> None:
         """`serve --asr-model`: ModelLoadError unless `name` is None or a served Whisper model (known before loading)."""
-        from omnivox.services.loading import ModelLoadError
-
         model = self._models.get(name) if name is not None else None
-        if name is not None and (model is None or not model.manifest.whisper):
-            raise ModelLoadError(
+        if name is not None and (model is None or "whisper" not in model.manifest.parts):
+            raise errors.ModelLoadError(
                 f"--asr-model {name!r} is not a served Whisper model (served: {', '.join(self._models)})"
             )
         self.asr_model = name

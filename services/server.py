@@ -179,12 +179,14 @@ class OmnivoxServer:
         """Load every LOADING model in a worker thread, one after another; SERVING once all are ready.
 
         A model that fails to load, when others are served, leaves them serving: ListModels reports it not ready,
-        health says NOT_SERVING for `model/NAME`, and its requests get FAILED_PRECONDITION. When every model fails
-        (a single one, say) the first ModelLoadError is raised.
+        health says NOT_SERVING for `model/NAME`, and its requests get FAILED_PRECONDITION. Health "" (the whole
+        server, what orchestrators probe) stays NOT_SERVING while any configured model is not loaded, so a replica
+        short of a model gets no traffic and its startup probe restarts it; the omnivox services' names say SERVING
+        for the models that are. When every model fails (a single one, say) the first ModelLoadError is raised.
         """
         failures: list[ModelLoadError] = []
         for model in self.registry:
-            if model.engine is None and model.state is not ModelState.FAILED:
+            if model.bundle is None and model.state is not ModelState.FAILED:
                 log.info("loading %s from %s", model.name, model.source or "the embedded default")
                 try:
                     await asyncio.to_thread(loading.load, model, options)  # the whole bundle, speech codec included
@@ -197,11 +199,15 @@ class OmnivoxServer:
                 log_message_limit(model, self.options.max_receive_message_bytes)
             if model.engine is not None:
                 self._watch_engine(model)
+            if model.bundle is not None:  # a voice has no engine to watch (services/voice_part.py)
                 await self.health.set(f"model/{model.name}", health_pb2.HealthCheckResponse.SERVING)
         if failures and len(failures) == len(self.registry):
             raise failures[0]
         if not self.registry.draining:
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+            if failures:
+                await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+                log.error('health "" NOT_SERVING: %d of %d models failed to load', len(failures), len(self.registry))
 
     def _watch_engine(self, model: ServedModel) -> None:
         """Metrics from every step; and crash-only: a failed step loop makes health NOT_SERVING and ends the server
@@ -209,6 +215,8 @@ class OmnivoxServer:
         engine = model.engine
         assert engine is not None
         self.metrics.attach(model.name, engine)
+        engine.arbiter = self.registry.arbiter
+        self.metrics.watch_arbiter(model.name, engine, self.registry.arbiter)
         for modality, part in (("audio", model.bundle.audio), ("image", model.bundle.vision)) if model.bundle else ():
             if part is not None:
                 self.metrics.watch_encoder_cache(model.name, modality, part.worker.cache)

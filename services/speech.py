@@ -29,10 +29,9 @@ from omnivox.codecs.decode_worker import END, AudioStream
 from omnivox.engine import InvalidRequest, SamplingParams, shared
 from omnivox.engine.params import MAX_SEED
 from omnivox.models.orpheus import SpeechLayout
-from omnivox.services import errors
+from omnivox.services import errors, voice_speech
 from omnivox.services.cache_salt import request_salt
 from omnivox.services.errors import FieldViolation, rpc_method
-from omnivox.services.generation import seconds_to_duration
 from omnivox.services.logs import current_call
 from omnivox.services.metrics import Metrics, SpeechStreamMetrics
 from omnivox.services.registry import AUDIO, ModelRegistry, ServedModel
@@ -40,6 +39,7 @@ from omnivox.services.speech_part import SpeechPart
 from omnivox.services.speech_stream import streaming_synthesize
 from omnivox.services.speech_text import MAX_SEGMENT_CHARS, split_text
 from omnivox.services.speech_validation import SpeechPlan, invalid, language_matches, validate_speech
+from omnivox.services.summaries import seconds_to_duration
 from omnivox.services.voices import VoiceStore
 from omnivox.v1 import content_pb2, generation_pb2, speech_pb2, speech_pb2_grpc
 
@@ -115,7 +115,7 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
         """The model's speech layout: its bundle's once loaded, read from its folder while it loads."""
         if model.bundle is not None:
             return model.bundle.speech.layout if model.bundle.speech is not None else None
-        if model.manifest.speech and model.source is not None:
+        if "speech" in model.manifest.parts and model.source is not None:
             return SpeechLayout.load(model.source)
         return None
 
@@ -127,6 +127,9 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
         models = [self.registry.lookup(request.model)] if request.model else list(self.registry)
         voices = []
         for model in models:
+            if "voice" in model.manifest.parts:  # a non-autoregressive voice (services/voice_speech.py)
+                voices += voice_speech.list_voices(model, request.language_code)
+                continue
             layout = self._layout_of(model)
             if layout is None:
                 if request.model:
@@ -148,7 +151,10 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
     @rpc_method
     async def CreateVoice(self, request: speech_pb2.CreateVoiceRequest, context: grpc.aio.ServicerContext):
         model = self._speech_model(request.model)
-        assert model.bundle is not None and model.bundle.speech is not None
+        assert model.bundle is not None
+        if model.bundle.voice is not None:
+            raise voice_speech.cannot_clone(model, model.bundle.voice)
+        assert model.bundle.speech is not None
         layout = model.bundle.speech.layout
         voice = await self.voices.create(model.name, layout, model.bundle.source / layout.codec_folder, request)
         return speech_pb2.CreateVoiceResponse(voice=voice.to_proto(model.name, layout.language_code))
@@ -156,6 +162,8 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
     @rpc_method
     async def DeleteVoice(self, request: speech_pb2.DeleteVoiceRequest, context: grpc.aio.ServicerContext):
         model = self._speech_model(request.model)
+        if model.bundle is not None and model.bundle.voice is not None:
+            raise voice_speech.cannot_clone(model, model.bundle.voice)
         if request.name in self._layout_of(model).voices:
             raise errors.failed_precondition(
                 f"voice {request.name!r} is built into model {model.name!r}: only created voices can be deleted"
@@ -170,6 +178,8 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
         received = time.monotonic()
         salt = request_salt(request.cache_salt)  # this caller's (and cache_salt's) share of the prefix cache
         model = self._speech_model(request.model)
+        if model.bundle is not None and model.bundle.voice is not None:  # no engine: services/voice_speech.py
+            return await voice_speech.synthesize_voice(self, request, context, model, received)
         assert model.bundle is not None and model.bundle.speech is not None  # a ready speech model
         bundle = model.bundle.speech
         layout, engine = bundle.layout, model.engine
@@ -186,7 +196,10 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
         params = [self._params(plan, model, layout, bundle, text, prompt, i) for i, (text, prompt) in
                   enumerate(zip(plan.segments, prompts, strict=True))]  # fmt: skip
 
-        with model.admit(), SpeechStreamMetrics(self.metrics, model.name, received) as slo:
+        # Opened once admitted (a `with` enters each manager before building the next): the step arbiter puts the
+        # stream first when it falls behind its playback, and the metrics close it however the stream ends.
+        deadline = self.registry.arbiter.open
+        with model.admit(), SpeechStreamMetrics(self.metrics, model.name, received, deadline=deadline(engine)) as slo:
             encoder = AudioStreamEncoder(plan.encoding, plan.sample_rate, source_rate=bundle.worker.sample_rate)
             segments = [
                 _Segment(i, p, sp, bundle.worker.open()) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))

@@ -39,11 +39,11 @@ from omnivox.engine import InvalidRequest
 from omnivox.services import errors
 from omnivox.services.cache_salt import request_salt
 from omnivox.services.errors import FieldViolation
-from omnivox.services.generation import seconds_to_duration
 from omnivox.services.metrics import SpeechStreamMetrics
 from omnivox.services.speech_validation import invalid, validate_speech
 from omnivox.services.stream_idle import idle_bounded
 from omnivox.services.streaming_transcription import next_item
+from omnivox.services.summaries import seconds_to_duration
 from omnivox.v1 import content_pb2, generation_pb2, speech_pb2
 
 if TYPE_CHECKING:
@@ -120,6 +120,10 @@ async def streaming_synthesize(
         )
     try:  # the checks of SynthesizeSpeech, their fields named as this request has them: `config.<field>`
         model = servicer._speech_model(cfg.model)
+        if model.bundle is not None and model.bundle.voice is not None:  # no engine: services/voice_speech.py
+            from omnivox.services.voice_speech import stream_voice
+
+            return await stream_voice(servicer, cfg, requests, context, model, received)
         assert model.bundle is not None and model.bundle.speech is not None and model.engine is not None
         created = {v.name: v for v in servicer.voices.list(model.name)}
         probe = speech_pb2.SynthesizeSpeechRequest(
@@ -248,7 +252,8 @@ async def streaming_synthesize(
     tasks: list[asyncio.Task] = []
     first_audio: float | None = None
     m = servicer.metrics
-    with model.admit(), SpeechStreamMetrics(m, model.name, received) as slo:
+    deadline = servicer.registry.arbiter.open  # called once admitted: the arbiter puts it first when behind
+    with model.admit(), SpeechStreamMetrics(m, model.name, received, deadline=deadline(engine)) as slo:
         try:
             await context.write(
                 speech_pb2.StreamingSynthesizeSpeechResponse(

@@ -43,9 +43,9 @@ from omnivox.models.audio.transcription import TranscriptionRequestError
 from omnivox.services import errors
 from omnivox.services.cache_salt import request_salt
 from omnivox.services.errors import FieldViolation
-from omnivox.services.generation import seconds_to_duration
 from omnivox.services.registry import ServedModel
 from omnivox.services.stream_idle import idle_bounded
+from omnivox.services.summaries import seconds_to_duration
 from omnivox.services.whisper import transcribe
 from omnivox.services.whisper_part import SAMPLE_RATE, WhisperPart
 from omnivox.v1 import content_pb2, transcription_pb2
@@ -74,7 +74,7 @@ def _whisper_model(servicer: TranscriptionServicer, name: str) -> ServedModel:
     if name:
         model = registry.get_ready(registry.lookup(name).name)
     else:
-        found = [m for m in registry if m.manifest.whisper]
+        found = [m for m in registry if "whisper" in m.manifest.parts]
         if not found:
             raise errors.not_found("model", "", "this server serves no Whisper model (StreamingTranscribe needs one)")
         model = registry.get_ready(found[0].name)

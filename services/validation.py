@@ -166,6 +166,8 @@ def validate_generate(request: generation_pb2.GenerateRequest, model: ServedMode
     if TEXT not in model.output_modalities:
         outputs = ", ".join(sorted(model.output_modalities))
         v.add("model", f"model {model.name!r} does not generate text (it generates: {outputs})")
+        if model.engine is None:  # a voice (services/voice_part.py): no engine to check sampling against
+            v.raise_if_any()
     check_contents(request, model, v)
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
         v.add("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, got {len(request.request_id)}")

@@ -26,6 +26,7 @@ from omnivox.models.audio.transcription import TranscriptionRequestError
 from omnivox.services import errors
 from omnivox.services.audio_prompt import encoding_name
 from omnivox.services.errors import FieldViolation
+from omnivox.services.prompt import MediaPromptBuilder
 from omnivox.services.whisper_rules import WhisperRules, WhisperVocab
 from omnivox.v1 import content_pb2
 
@@ -66,7 +67,7 @@ def whisper_kv_gib(folder: Path, max_num_seqs: int) -> float:
     return max_num_seqs * config.get("max_target_positions", 448) * per_token / (1 << 30)
 
 
-class WhisperPromptBuilder:
+class WhisperPromptBuilder(MediaPromptBuilder):
     """Generate on a Whisper model: refused with a pointer (it transcribes; it does not chat)."""
 
     def build(self, contents: Sequence[content_pb2.Content], tools: list[dict] | None = None, cache_salt: str = ""):

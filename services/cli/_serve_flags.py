@@ -132,6 +132,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "higher gives faster time to first token (default: 128 on CPU, 2048 on CUDA)",
     )
     p.add_argument(
+        "--max-step-ms",
+        type=float,
+        help="while decodes run, a step carries only as many prompt tokens as keep it near this many milliseconds, "
+        "by this machine's step times measured at start-up (default: off, the whole --max-batched-tokens)",
+    )
+    p.add_argument(
+        "--max-step-tokens",
+        type=int,
+        help="while decodes run, a step carries at most this many tokens (decodes + prompt chunks; prompts keep "
+        "at least 16 a step); instead of measuring --max-step-ms",
+    )
+    p.add_argument(
         "--quantization",
         metavar="[NAME=]MODE",
         action="append",
@@ -270,15 +282,22 @@ def model_specs(
     activation_bits: list[str] = (),
 ) -> list[ModelSpec]:
     """One ModelSpec per --model (the embedded defaults without any), each with its --sampling-default overrides."""
-    from omnivox.services.defaults import DEFAULT_ASR_MODEL_NAME, DEFAULT_MODEL_NAME, DEFAULT_SPEECH_MODEL_NAME
+    from omnivox.services.defaults import (
+        DEFAULT_ASR_MODEL_NAME,
+        DEFAULT_MODEL_NAME,
+        DEFAULT_SPEECH_MODEL_NAME,
+        DEFAULT_VOICE_MODEL_NAME,
+    )
     from omnivox.services.loading import ModelSpec, model_name_for
 
     if len(names) > max(len(models), 1):
         raise CliError(f"{len(names)} --name given for {len(models)} --model")
-    if not models:  # the embedded defaults: the text model, the random speech model, whisper-base
-        specs = [ModelSpec(path=None, name=names[0] if names else None), ModelSpec(path=None, speech=True)]
-        specs.append(ModelSpec(path=None, asr=True))
-        served = [specs[0].name or DEFAULT_MODEL_NAME, DEFAULT_SPEECH_MODEL_NAME, DEFAULT_ASR_MODEL_NAME]
+    if not models:  # the embedded defaults: the text model, the hibari voice (the first speech model: the default
+        # speech model), the random Orpheus-layout model, whisper-base
+        specs = [ModelSpec(path=None, name=names[0] if names else None), ModelSpec(path=None, voice=True)]
+        specs += [ModelSpec(path=None, speech=True), ModelSpec(path=None, asr=True)]
+        served = [specs[0].name or DEFAULT_MODEL_NAME, DEFAULT_VOICE_MODEL_NAME, DEFAULT_SPEECH_MODEL_NAME]
+        served.append(DEFAULT_ASR_MODEL_NAME)
     else:
         specs = [ModelSpec(path=path, name=names[i] if i < len(names) else None) for i, path in enumerate(models)]
         served = [spec.name or model_name_for(path.expanduser()) for spec, path in zip(specs, models, strict=True)]
@@ -292,7 +311,9 @@ def model_specs(
         overrides[served.index(target) if target is not None else 0][key] = value
     engine = engine_overrides(served, list(quantization), list(speculative), list(activation_bits))
     return [
-        ModelSpec(s.path, s.name, s.speech, s.asr, sampling_overrides=o, engine_overrides=e, lenient_fields=loose)
+        ModelSpec(
+            s.path, s.name, s.speech, s.asr, s.voice, sampling_overrides=o, engine_overrides=e, lenient_fields=loose
+        )  # fmt: skip
         for s, o, (e, loose) in zip(specs, overrides, engine, strict=True)
     ]
 

@@ -69,6 +69,10 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--max-queue must be at least 1")
     if args.max_batched_tokens is not None and args.max_batched_tokens < 1:
         raise CliError("--max-batched-tokens must be at least 1")
+    if (args.max_step_tokens is not None and args.max_step_tokens < 1) or (
+        args.max_step_ms is not None and args.max_step_ms <= 0
+    ):
+        raise CliError("--max-step-tokens must be at least 1 and --max-step-ms positive")
     if args.num_speculative_tokens < 1:
         raise CliError("--num-speculative-tokens must be at least 1")
     if args.max_connection_age <= 0:
@@ -103,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
         kv_cache_gib=args.kv_cache_gib,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_batched_tokens,
+        max_step_tokens=args.max_step_tokens,
+        max_step_ms=args.max_step_ms,
         image_cache_mib=args.image_cache_mib,
         max_request_megapixels=args.max_request_megapixels,
         quantize_lm_head=args.quantize_lm_head,

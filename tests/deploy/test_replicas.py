@@ -69,7 +69,19 @@ def test_round_robin_over_two_servers_and_a_draining_one_gets_no_new_calls(check
             while health.Check(health_pb2.HealthCheckRequest()).status != health_pb2.HealthCheckResponse.NOT_SERVING:
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
-            time.sleep(0.5)  # the client's health Watch on A sees NOT_SERVING (pushed, not polled)
+            # The client learns of NOT_SERVING from its health Watch on A (pushed, not polled), a moment later: wait
+            # for that event, seen as 4 calls in a row served (round robin over two ready subchannels would send every
+            # other one to A, which answers UNAVAILABLE while draining), not for a fixed time.
+            in_a_row = 0
+            while in_a_row < 4:
+                assert time.monotonic() < deadline, "the client kept routing calls to the draining server"
+                try:
+                    generate(stub)
+                    in_a_row += 1
+                except grpc.RpcError as err:
+                    assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+                    in_a_row = 0
+            served_a, served_b = calls_served(a), calls_served(b)
             for _ in range(8):
                 generate(stub)  # every call succeeds: none went to A (it would answer UNAVAILABLE)
             assert calls_served(a) == served_a

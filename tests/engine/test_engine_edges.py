@@ -1,6 +1,7 @@
 """Engine edges: a request whose own -inf biases leave nothing to sample (INVALID_ARGUMENT naming
 `sampling.logit_bias`, not INTERNAL), speculative decoding combined with the other sampling features (output equal
-to plain decoding), and seeds (distinct seeds, distinct streams)."""
+to plain decoding), seeds (distinct seeds, distinct streams), what min_tokens bans (EOS only where it would stop), and a
+preempted request's cache-hit count (its first admission's)."""
 
 from __future__ import annotations
 
@@ -163,3 +164,48 @@ def test_a_bias_near_float32s_max_at_a_low_temperature_is_followed(engines, serv
     )
     text, _, _ = run(generation_pb2_grpc.GenerationServiceStub(server.channel()), request)
     assert text in ("xy", "xz")
+
+
+def test_min_tokens_bans_eos_only_when_eos_would_stop(engines):
+    """Under min_tokens the sampler bans what would end the request: EOS (unless ignore_eos, where EOS ends nothing
+    and stays a token like any other) and the stop ids (always)."""
+    engine = engines["plain"]
+    [eos] = engine.model_config.eos_token_ids[:1]
+    likely = {eos: 100.0}  # EOS the greedy choice wherever it is allowed
+    kept = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=6, min_tokens=6, ignore_eos=True,
+                                                    logit_bias=likely))[0]  # fmt: skip
+    assert kept.token_ids == [eos] * 6
+    stopped = engine.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12, min_tokens=4,
+                                                       logit_bias=likely))[0]  # fmt: skip
+    assert stopped.finish_reason == "stop" and len(stopped.token_ids) == 5 and eos not in stopped.token_ids[:4]
+    stop_id = 200
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=3, ignore_eos=True, stop_token_ids=[stop_id],
+                            logit_bias={stop_id: 100.0})  # fmt: skip
+    by_id = engine.generate([PROMPT], params)[0]
+    assert by_id.finish_reason == "stop" and len(by_id.token_ids) == 4 and stop_id not in by_id.token_ids[:3]
+
+
+def test_preempted_request_reports_the_cache_hits_of_its_first_admission(ckpt):
+    """A preempted request is readmitted over its own prompt blocks, still in the prefix cache: that is recompute,
+    not a cache hit the caller earned, so its num_cached_tokens stays what its first admission found (0 here: every
+    prompt starts with its own token)."""
+    probe = tiny_engine(ckpt)
+    block_bytes = probe.model_config.kv_bytes_per_token(4) * 16
+    # 8 blocks of 16 tokens for two requests of 32 + 40 tokens (5 blocks each): the newer one is preempted once the
+    # older grows, and its two prompt blocks are still cached when it comes back.
+    small = tiny_engine(ckpt, kv_cache_gib=8 * block_bytes / 2**30)
+    prompts = [list(range(10, 42)), list(range(100, 132))]
+    kv, readmitted_hits = small.scheduler.kv, []
+    match_prefix = kv.match_prefix
+
+    def watched(req):  # what the cache offers a request coming back after a preemption
+        cached = match_prefix(req)
+        if req.num_preemptions:
+            readmitted_hits.append(cached)
+        return cached
+
+    kv.match_prefix = watched
+    outs = small.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    assert small.scheduler.num_preemptions > 0 and max(readmitted_hits, default=0) > 0, readmitted_hits
+    assert [o.num_cached_tokens for o in outs] == [0] * len(prompts)
+    small.check_integrity()

@@ -8,14 +8,15 @@ from omnivox.engine.kv_manager import KVCacheManager
 from omnivox.engine.params import SamplingParams
 from omnivox.engine.request import EmbeddingSegment, Request, Status
 from omnivox.engine.scheduler import SchedulePlan, Scheduler
+from omnivox.engine.step_budget import StepBudget
 
 BS = 4
 
 
-def make(num_blocks: int = 8, max_seqs: int = 4, budget: int = 8, prefix: bool = True):
+def make(num_blocks: int = 8, max_seqs: int = 4, budget: int = 8, prefix: bool = True, mixed: StepBudget | None = None):
     pool = BlockPool(num_blocks, BS, prefix)
     kv = KVCacheManager(pool)
-    return pool, kv, Scheduler(kv, max_seqs, budget)
+    return pool, kv, Scheduler(kv, max_seqs, budget, mixed)
 
 
 def req(rid: str, n: int, first: int = 10, max_tokens: int = 100, segments=()) -> Request:
@@ -186,3 +187,54 @@ def test_allocation_failure_changes_nothing():
     assert kv.allocate(r, 8) and r.block_table == [0, 1]
     kv.free(r)
     assert pool.num_free == 2 and list(pool.free) == [1, 0]  # tail first: the last block is evicted first
+
+
+def test_mixed_step_budget_bounds_prefill_while_decodes_run():
+    """Two decodes running: a step carries at most 6 tokens (2 decodes + 4 prompt tokens); the prompt still progresses
+    every step; a step with no decode in it takes the whole 16."""
+    _, kv, sched = make(num_blocks=32, max_seqs=8, budget=16, mixed=StepBudget(16, 6, min_prefill_tokens=1))
+    sched.add(req("d1", 2))
+    sched.add(req("d2", 2, first=40))
+    plan = sched.schedule()
+    assert shape(plan) == ([], [("d1", 0, 2), ("d2", 0, 2)], [])
+    run_plan(kv, plan)
+    sched.add(req("p", 12, first=60))
+    plans = []
+    for _ in range(3):
+        plans.append(shape(plan := sched.schedule()))
+        run_plan(kv, plan)
+    assert plans == [
+        ([("d1", 2, 1), ("d2", 2, 1)], [("p", 0, 4)], []),
+        ([("d1", 3, 1), ("d2", 3, 1)], [("p", 4, 4)], []),
+        ([("d1", 4, 1), ("d2", 4, 1)], [("p", 8, 4)], []),
+    ]
+    alone = make(num_blocks=32, max_seqs=8, budget=16, mixed=StepBudget(16, 6, min_prefill_tokens=1))[2]
+    alone.add(req("p", 12, first=60))
+    assert shape(alone.schedule()) == ([], [("p", 0, 12)], [])  # no decode waiting: the whole prompt in one step
+
+
+def test_mixed_step_budget_keeps_a_minimum_of_prefill_and_admissions_share_it():
+    """Four decodes fill a 4-token mixed budget: prompts still get min_prefill_tokens (3) a step, the running
+    prefill first, then an admission takes what is left of those 3."""
+    _, kv, sched = make(num_blocks=32, max_seqs=8, budget=16, mixed=StepBudget(16, 4, min_prefill_tokens=3))
+    for i in range(4):
+        sched.add(req(f"d{i}", 1, first=10 * (i + 1)))
+    run_plan(kv, sched.schedule())
+    sched.add(req("p", 2, first=70))
+    sched.add(req("q", 5, first=80))
+    plan = sched.schedule()
+    decodes = [(f"d{i}", 1, 1) for i in range(4)]
+    assert shape(plan) == (decodes, [("p", 0, 2), ("q", 0, 1)], [])
+    assert [r.request_id for r in plan.admitted] == ["p", "q"]
+    run_plan(kv, plan)
+    plan = sched.schedule()  # p decodes now (5 decode tokens): q alone gets the 3
+    assert shape(plan) == ([(f"d{i}", 2, 1) for i in range(4)] + [("p", 2, 1)], [("q", 1, 3)], [])
+
+
+def test_without_a_mixed_budget_the_plan_is_todays():
+    """StepBudget(max) alone (the default) changes nothing: decodes and a prompt share max_num_batched_tokens."""
+    _, kv, sched = make(num_blocks=32, max_seqs=8, budget=16)
+    sched.add(req("d", 2))
+    run_plan(kv, sched.schedule())
+    sched.add(req("p", 30, first=60))
+    assert shape(sched.schedule()) == ([("d", 2, 1)], [("p", 0, 15)], [])

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 from support.checkpoints import make_checkpoint
-from support.kernels import require_kernels
+from support.kernel_support import kernel_target as kernel_target  # noqa: F401  (fixture)
+from support.kernel_support import require_kernels
 
 from omnivox.models import cpu_kernels, fused_decode, quant
 from omnivox.models.attention import AttentionMetadata, PrefillChunk
@@ -88,7 +89,7 @@ def _step(model, batch: Batch, rows: list[int], tokens: list[int], fused: bool, 
         ("int4", [4, 0, 3, 1, 2], 5e-4),
     ],
 )
-def test_fused_step_equals_torch_layers(checkpoint, mode, rows, tolerance, monkeypatch):
+def test_fused_step_equals_torch_layers(checkpoint, mode, rows, tolerance, kernel_target, monkeypatch):
     require_kernels()
     model = load_decoder(checkpoint, quantization=mode).eval()
     tokens = [20 + i for i in rows]
@@ -125,7 +126,7 @@ def test_fused_table_follows_replaced_layers(checkpoint, monkeypatch):
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("chunk", [5, 9])  # 2 + 9 rows: the many-row VNNI kernel (where built) for both block kinds
-def test_fused_step_with_a_verify_chunk_equals_torch_layers(checkpoint, mode, chunk, monkeypatch):
+def test_fused_step_with_a_verify_chunk_equals_torch_layers(checkpoint, mode, chunk, kernel_target, monkeypatch):
     """Decode rows plus a prefill chunk on a cached context (speculative verify rows: 1 + 4 tokens; a short prompt),
     as the runner lays them out: the chunk's rows attend causally through the decode kernel, equal to the torch
     path's SDPA."""

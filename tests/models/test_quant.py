@@ -3,10 +3,12 @@ stated error of float32 `F.linear` on odd shapes, at one row and many."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 import torch.nn.functional as F
-from support.kernels import require_kernels
+from support.kernel_support import KERNEL_TARGETS, require_kernels, target_library
 
 from omnivox.models import cpu_kernels, quant
 
@@ -31,33 +33,46 @@ LAYERS = {"q8": quant.Int8Linear, "q4": quant.Int4Linear}
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 @pytest.mark.parametrize("m", ROWS[:5])
 @pytest.mark.parametrize("kind", ["q8", "q4"])
-def test_block_kernels_equal_portable_path(kind, n, k, m):
-    require_kernels()
+@pytest.mark.parametrize("target", KERNEL_TARGETS)
+def test_block_kernels_equal_portable_path(target, kind, n, k, m):
+    lib = target_library(target)
     torch.manual_seed(n * k + m)
     layer = LAYERS[kind].from_float(torch.randn(n, k), torch.randn(n))
     x = F.pad(torch.randn(m, k), (0, layer.padded_in - k))
-    ours = cpu_kernels.block_matmul(kind, x, layer.blocks, n, layer.bias)
+    ours = cpu_kernels.block_matmul(kind, x, layer.blocks, n, layer.bias, lib=lib)
     portable = quant.block_matmul_portable(kind, x, layer.blocks, layer.bias)
     # Same integer group dots and scales; only the float summation order differs.
     torch.testing.assert_close(ours, portable, rtol=1e-4, atol=1e-4)
 
 
-def require_vnni() -> None:
-    require_kernels()
-    if not cpu_kernels.vnni_available():
+def vnni_library(build: str) -> ctypes.CDLL:
+    """The many-row VNNI kernel: the native build where this CPU has AVX-512 VNNI, or on every host the same source
+    built against scalar versions of its intrinsics (models/intrinsics_scalar.h)."""
+    if build == "emulation":
+        lib = cpu_kernels.vnni_emulation()
+        if lib is None:
+            require_kernels()  # skips without a compiler
+            pytest.fail(
+                f"a C compiler exists but the emulated VNNI kernel did not build: {cpu_kernels.build_failure('emulation')}"
+            )
+        return lib
+    lib = target_library("native")
+    if not cpu_kernels.vnni_available(lib):
         pytest.skip("this CPU or compiler has no AVX-512 VNNI: the int16 kernels and float GEMM serve")
+    return lib
 
 
-@pytest.mark.parametrize(("n", "k"), [(1, 32), (7, 40), (33, 100), (130, 576)])  # partial 8-row tiles, odd K
+@pytest.mark.parametrize(("n", "k"), [(1, 32), (7, 40), (33, 100), (130, 576)])  # partial and full 16-row tiles, odd K
 @pytest.mark.parametrize("m", [1, 5, 17, 35])
 @pytest.mark.parametrize("act_bits", quant.ACT_BITS)
 @pytest.mark.parametrize("kind", ["q8", "q4"])
-def test_vnni_kernel_equals_portable_path(kind, act_bits, n, k, m):
-    require_vnni()
+@pytest.mark.parametrize("build", ["native", "emulation"])
+def test_vnni_kernel_equals_portable_path(build, kind, act_bits, n, k, m):
+    lib = vnni_library(build)
     torch.manual_seed(n * k + m + act_bits)
     layer = LAYERS[kind].from_float(torch.randn(n, k), torch.randn(n))
     x = F.pad(torch.randn(m, k) * 3, (0, layer.padded_in - k))
-    ours = cpu_kernels.block_matmul_vnni(kind, x, layer.blocks, n, layer.bias, act_bits)
+    ours = cpu_kernels.block_matmul_vnni(kind, x, layer.blocks, n, layer.bias, act_bits, lib=lib)
     portable = quant.block_matmul_portable(kind, x, layer.blocks, layer.bias, act_bits)
     # The same integer group dots and scales (15 bits: two int8 passes recombined exactly); only the float summation
     # order differs.
@@ -68,10 +83,11 @@ def test_vnni_kernel_equals_portable_path(kind, act_bits, n, k, m):
 
 
 @pytest.mark.parametrize("kind", ["q8", "q4"])
-def test_dequantize_kernels_equal_torch(kind):
-    require_kernels()
+@pytest.mark.parametrize("target", KERNEL_TARGETS)
+def test_dequantize_kernels_equal_torch(target, kind):
+    lib = target_library(target)
     layer = LAYERS[kind].from_float(torch.randn(37, 96))
-    assert torch.equal(cpu_kernels.block_dequantize(kind, layer.blocks, 37, 96), layer.dequantize())
+    assert torch.equal(cpu_kernels.block_dequantize(kind, layer.blocks, 37, 96, lib=lib), layer.dequantize())
 
 
 def test_q4_round_trip_is_within_half_a_level():

@@ -47,6 +47,15 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # ---- CLI: every flag's value is checked, in one line naming the flag ---------------------------------------------
+def _free_port() -> int:
+    """A port nothing listens on now (bound to 0 and released): the flag checks below refuse it before any bind, and
+    a fixed number (50999 was) could be in use by anything on a shared machine, changing the error."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+PORT = str(_free_port())
 BAD_FLAGS = [
     (["--max-connection-age", "nan"], "--max-connection-age"),  # was a ValueError traceback
     (["--max-connection-age", "inf"], "--max-connection-age"),  # OverflowError traceback
@@ -64,13 +73,13 @@ BAD_FLAGS = [
     (["--name", ""], "--name"),  # served a model named ''
     (["--device", "foo"], "--device"),  # torch's list of 20 device types, no flag named
     (["--data-dir", __file__], "--data-dir"),  # served; creating a voice failed later
-    (["--port", "50999", "--metrics-port", "50999"], "--metrics-port"),  # 'Address already in use' + a traceback
+    (["--port", PORT, "--metrics-port", PORT], "--metrics-port"),  # 'Address already in use' + a traceback
     (["--health-port", "70000"], "--health-port"),
-    (["--port", "50999", "--health-port", "50999"], "--health-port"),
+    (["--port", PORT, "--health-port", PORT], "--health-port"),
 ]
 
 
-@pytest.mark.parametrize(("flags", "named"), BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
+@pytest.mark.parametrize(("flags", "named"), BAD_FLAGS, ids=[" ".join(f).replace(PORT, "PORT") for f, _ in BAD_FLAGS])
 def test_serve_flag_out_of_range_is_one_line_naming_it(
     flags: list[str], named: str, checkpoint: Path, capsys: pytest.CaptureFixture
 ) -> None:

@@ -3,15 +3,14 @@ children in order; off unless an exporter is configured."""
 
 from __future__ import annotations
 
-import pytest
+# A plain import, not importorskip: opentelemetry is in the dev extra, so a missing SDK fails here instead of
+# skipping the only test of services/tracing.py unseen.
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from support.checkpoints import make_checkpoint
 from support.service_harness import ServerThread, user_request
 
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.v1 import generation_pb2_grpc
-
-pytest.importorskip("opentelemetry.sdk")
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"

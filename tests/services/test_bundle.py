@@ -18,14 +18,15 @@ OPTIONS = EngineOptions(kv_cache_gib=0.01, device="cpu")
 
 
 def test_modalities_follow_the_parts() -> None:
-    assert modalities(speech=False) == (frozenset({TEXT}), frozenset({TEXT}))
-    assert modalities(speech=True) == (frozenset({TEXT}), frozenset({AUDIO}))
-    assert modalities(speech=False, vision=True, audio=True)[0] == {"text", "image", "audio"}
+    assert modalities(()) == (frozenset({TEXT}), frozenset({TEXT}))
+    assert modalities({"speech"}) == (frozenset({TEXT}), frozenset({AUDIO}))
+    assert modalities({"vision", "audio"})[0] == {"text", "image", "audio"}
+    assert modalities({"whisper"}) == (frozenset({AUDIO}), frozenset({TEXT}))  # speech recognition: no text in
 
 
 def test_probe_reads_declarations_without_loading(tmp_path: Path) -> None:
     text_default = probe(ModelSpec(path=None))
-    assert text_default.source is None and not text_default.speech
+    assert text_default.source is None and text_default.parts == frozenset()
     assert text_default.file_defaults == read_generation_config(DEFAULT_GENERATION_CONFIG)
     speech_default = probe(ModelSpec(path=None, speech=True, sampling_overrides={"temperature": 0.9}))
     assert speech_default.output_modalities == {AUDIO}

@@ -90,16 +90,21 @@ class ServerThread:
         assert model.engine is not None
         return model.engine
 
-    def wait_kv_free(self, name: str = "", timeout: float = 1.0) -> tuple[int, int]:
+    def wait_kv_free(self, name: str = "", timeout: float = 60.0) -> tuple[int, int]:
         """Wait until the model's KV pool has every block free again; return (free, total) as last seen.
 
-        The default timeout is short on purpose: an aborted request frees its blocks within one engine step.
+        Waits on the engine, not on the clock: it returns as soon as every block is free, or as soon as the engine
+        holds no request (then nothing is left that could free the rest: a leak, returned at once). The timeout only
+        bounds a wedged engine; the old fixed 1 s failed on a loaded 2-core machine where one step took longer.
         """
         engine = self.engine(name)
         deadline = time.monotonic() + timeout
         while True:
             usage = engine.kv_usage()
             if usage.free_blocks == usage.total_blocks or time.monotonic() > deadline:
+                return usage.free_blocks, usage.total_blocks
+            if not engine.has_unfinished():  # blocks are freed before the request leaves (engine.py _finish)
+                usage = engine.kv_usage()
                 return usage.free_blocks, usage.total_blocks
             time.sleep(0.01)
 
@@ -136,7 +141,7 @@ def user_request(text: str, **fields: Any) -> generation_pb2.GenerateRequest:
 
 def served_greedy_equals_generate(paths: dict[str, Any], max_tokens: int = 6, min_prompt: int = 0) -> None:
     """Serve every checkpoint of `paths` (name -> folder with a chat template) in one real server and check that one
-    greedy Generate each streams the tokens transformers' generate gives for the ChatML prompt the service builds.
+    greedy Generate each streams the tokens transformers' generate gives for the ChatML prompt written out here.
     `min_prompt`: the prompt must be longer than this (to pass a model's windows)."""
     import transformers
 
@@ -152,11 +157,10 @@ def served_greedy_equals_generate(paths: dict[str, Any], max_tokens: int = 6, mi
             request.sampling.temperature = 0.0
             ours = [t for r in stub.Generate(request, timeout=60) if r.WhichOneof("response") == "delta"
                     for t in r.delta.token_ids]  # fmt: skip
-            tok = transformers.AutoTokenizer.from_pretrained(path)
-            chat = tok.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-            )
-            prompt = tok.encode(chat, add_special_tokens=False)
+            # The ChatML template of tests/support/checkpoints.py written out by hand, not rendered by the same
+            # apply_chat_template call the service makes (a bug shared by both would pass).
+            rendered = f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+            prompt = transformers.AutoTokenizer.from_pretrained(path).encode(rendered, add_special_tokens=False)
             assert len(prompt) > min_prompt, (name, len(prompt))
             ref = load_reference(path)
             ref.generation_config.eos_token_id = None

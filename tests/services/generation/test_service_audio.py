@@ -170,7 +170,7 @@ def test_list_models_shows_audio_input(served):
     assert model_pb2.MODALITY_AUDIO not in models["text"].input_modalities
     # Known before loading too (ListModels while the model loads): the manifest reads the family from config.json.
     manifest = probe(ModelSpec(path=served["path"]))
-    assert "audio" in manifest.input_modalities and manifest.audio and manifest.planned_parts == ()
+    assert "audio" in manifest.input_modalities and "audio" in manifest.parts and manifest.planned_parts == ()
 
 
 def test_cancelled_audio_stream_frees_kv_and_cache_references(served):

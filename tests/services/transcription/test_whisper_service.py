@@ -259,9 +259,12 @@ def test_probe_recognises_whisper_folders(served, tmp_path):
     (ct2 / "config.json").write_text("{}")
     for spec in (ModelSpec(path=ct2), ModelSpec(path=served["server"].registry.lookup("tiny-whisper").source)):
         manifest = probe(spec)
-        assert manifest.whisper and manifest.input_modalities == {"audio"} and manifest.output_modalities == {"text"}
+        assert "whisper" in manifest.parts
+        assert manifest.input_modalities == {"audio"} and manifest.output_modalities == {"text"}
     embedded = probe(ModelSpec(path=None, asr=True))
-    assert embedded.whisper and embedded.embedded.name == "whisper-base" and not embedded.untrained_components
+    assert (
+        "whisper" in embedded.parts and embedded.embedded.name == "whisper-base" and not embedded.untrained_components
+    )
 
 
 def test_timestamp_rules_equal_transformers_processor():
