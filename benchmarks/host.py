@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from omnivox.models.kernel_build import cpu_flags, read_cpuinfo
+from omnivox.native.kernel_build import cpu_flags, read_cpuinfo
 
 # The flags that decide which kernel paths run (x86 vector extensions, FMA, half floats, bit manipulation, AMX; ARM).
 _ISA_PREFIXES = ("sse", "ssse", "avx", "fma", "f16c", "bmi", "amx", "vnni", "neon", "asimd", "sve")

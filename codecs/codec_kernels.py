@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from omnivox.models.kernel_build import BuildError, build_library, compiler
+from omnivox.native.kernel_build import BuildError, build_library, compiler
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ _tried = False
 
 
 def _build() -> ctypes.CDLL | None:
-    if compiler() is None:  # found as for the model kernels, keyed by the same CPU flags (models/kernel_build.py)
+    if compiler() is None:  # found as for the model kernels, keyed by the same CPU flags (native/kernel_build.py)
         log.info("no C compiler: the SNAC decoder runs in torch alone")
         return None
     try:

@@ -33,13 +33,18 @@ MIMI_STREAMING = StreamingOptions(
 class MimiStreamDecoder:
     """Decodes the ready windows of many Mimi streams together (the decode worker's decoder for a Mimi codec)."""
 
-    def __init__(self, codec: MimiDecoder, options: StreamingOptions | None = None) -> None:
+    def __init__(
+        self, codec: MimiDecoder, options: StreamingOptions | None = None, num_codebooks: int | None = None
+    ) -> None:
+        """num_codebooks: codes per frame (the first ones of the codec's; default all of them)."""
         self.codec = codec
         self.options = options or MIMI_STREAMING
         if self.options.left_context_frames or self.options.lookahead_frames or self.options.crossfade_samples:
             raise ValueError("Mimi streams decode exactly: no left context, lookahead or crossfade")
         self.options.validate(codec.frame_samples)
-        self.codes_per_frame = codec.num_codebooks
+        self.codes_per_frame = num_codebooks or codec.num_codebooks
+        if not codec.num_semantic <= self.codes_per_frame <= codec.num_codebooks:
+            raise ValueError(f"{self.codes_per_frame} codes per frame for a Mimi codec of {codec.num_codebooks}")
         self._states: weakref.WeakKeyDictionary[StreamDecoderState, tuple[MimiDecodeState, int]] = (
             weakref.WeakKeyDictionary()
         )  # stream -> (its codec state, frames decoded)

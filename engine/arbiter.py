@@ -58,7 +58,7 @@ class StepArbiter:
         poll_s: float = 0.005,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """margin_s: a stream whose buffer runs dry sooner than this is behind (a speech engine's next chunk takes
+        """margin_s: a stream whose buffer runs dry sooner than this is behind (0: the arbiter is off) (a speech engine's next chunk takes
         several steps plus a codec pass). max_wait_s: the longest one step of another engine waits."""
         self.margin_s, self.max_wait_s, self.poll_s, self.clock = margin_s, max_wait_s, poll_s, clock
         self.cond = threading.Condition()
@@ -82,6 +82,8 @@ class StepArbiter:
 
     def behind(self, now: float | None = None) -> list[PlaybackDeadline]:
         """The streams behind their deadline now whose engine still has work for them."""
+        if self.margin_s <= 0:  # off
+            return []
         now = self.clock() if now is None else now
         with self.cond:
             return [d for d in self.deadlines if d.dry_at - now < self.margin_s and d.owner.has_unfinished()]

@@ -21,6 +21,7 @@ import torch
 
 from omnivox.engine.block_pool import BlockPool
 from omnivox.engine.errors import InvalidRequest
+from omnivox.engine.frame_step import FrameStep
 from omnivox.engine.kv_manager import KVCacheManager
 from omnivox.engine.outputs import TokenLogprob
 from omnivox.engine.request import Request
@@ -84,6 +85,13 @@ class EngineCore:
         max_model_len: int | None = None,
     ) -> None:
         param = next(model.parameters())
+        # A frame model's step ends with its depth decoder (engine/frame_step.py); its next inputs are embedding
+        # segments, which the fixed-shape decode path does not read, and a draft's frames would have no codes.
+        self.frame_step = FrameStep(model) if getattr(model, "emits_frames", False) else None
+        if self.frame_step is not None:
+            static_decode = False
+            if proposer is not None:
+                raise ValueError("speculative decoding does not apply to models that emit frames")
         self.pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
         # Blocks behind the window are released only when every layer slides (a full-attention layer reads them all).
         self.kv = KVCacheManager(self.pool, model.config.window_everywhere)
@@ -196,6 +204,25 @@ class EngineCore:
         if spec:
             verify = self._draw_verify(logits, spec, result)
         self._read_back(sample, verify, result)
+        if self.frame_step is not None:
+            self._complete_frames(sampling, result)
+
+    def _complete_frames(self, sampling: list[ScheduledChunk], result: StepResult) -> None:
+        """A frame model: codebooks 1..N-1 of every accepted request's frame, in one depth-decoder batch."""
+        assert self.frame_step is not None
+        rows = {id(c.request): i for i, c in enumerate(sampling)}  # one row each: frame models take no drafts
+        accepted = [a for a in result.accepted if id(a.request) in rows]
+        if not accepted or self.runner.sampled_hidden is None:
+            return
+        try:
+            index = torch.tensor([rows[id(a.request)] for a in accepted], device=self.runner.device)
+            hidden = self.runner.sampled_hidden.index_select(0, index)
+            self.frame_step.complete([a.request for a in accepted], [a.token_ids[-1] for a in accepted], hidden)
+        except Exception:
+            log.exception("the depth decoder failed; failing the %d requests of its frame", len(accepted))
+            for a in accepted:
+                result.accepted.remove(a)
+                result.failed.append(a.request)
 
     def _logit_window(self, plan: SchedulePlan) -> tuple[int, int] | None:
         """The vocabulary rows this step's samples need (None: all); a step with drafts to verify needs them all."""

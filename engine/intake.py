@@ -29,7 +29,7 @@ class RequestIntake:
         self._ids = itertools.count()
 
     def tokenize(self, prompt: Prompt) -> list[int]:
-        vocab = self.config.vocab_size
+        vocab = self.config.input_vocab_size or self.config.vocab_size
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequest("prompt", "this model has no tokenizer: send token ids")

@@ -100,6 +100,17 @@ def load_model(
         model = build_whisper(hf_config, device, dtype, max_model_len)
         model.load_weights(iter_checkpoint_tensors(path))
         return model
+    if getattr(hf_config, "model_type", "") == "csm":  # a backbone plus a depth decoder: frames, not tokens
+        from omnivox.engine.frame_step import DepthSampling
+        from omnivox.models.csm import build_csm
+
+        if quantization not in (None, "none", "auto"):
+            raise NotApplicable("quantization", f"quantization {quantization!r} is not supported for CSM (float only)")
+        check_activation_bits(activation_bits, "CSM models are float only")
+        model = build_csm(hf_config, device, dtype, max_model_len)
+        model.load_weights(iter_checkpoint_tensors(path, part=None))
+        model.depth_sampling = DepthSampling.from_folder(path)  # codebooks 1..N-1: the checkpoint's own settings
+        return model
     if quantization == "auto" and not (Path(path).suffix == ".gguf" and device.type == "cpu"):
         quantization = None  # "auto" (the served default) is float but for a GGUF on CPU: the usual loader below
         check_activation_bits(activation_bits, "quantization auto is float for a checkpoint folder or off CPU")

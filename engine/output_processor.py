@@ -67,6 +67,7 @@ class OutputProcessor:
                 (not p.ignore_eos and token in req.eos_token_ids)
                 or (p.stop_token_ids and token in p.stop_token_ids)
                 or (detok is not None and detok.add(token))
+                or req.frames_ended  # a frame model's end frame (engine/frame_step.py)
             ):
                 reason = "stop"
             elif num_out >= req.max_tokens or len(req.prompt_token_ids) + num_out >= self.max_model_len:
@@ -91,7 +92,10 @@ class OutputProcessor:
         new_text = detok.take(final=finished) if detok is not None else ""
         if not new_tokens and not new_text and not finished:
             return None
+        emitted = len(history.token_ids)
         history.token_ids += new_tokens
+        new_frames = req.output_frames[emitted : emitted + len(new_tokens)]
+        history.frames += new_frames
         if new_text:
             history.text_parts.append(new_text)
         new_lp = None
@@ -108,6 +112,7 @@ class OutputProcessor:
             new_token_ids=new_tokens,
             new_text=new_text,
             new_logprobs=new_lp,
+            new_frames=new_frames,
             finish_reason=req.finish_reason if finished else None,
             error=req.error if finished else None,
             num_cached_tokens=max(req.num_cached_tokens, 0),

@@ -21,6 +21,7 @@ class OutputHistory:
 
     def __init__(self, logprobs: bool) -> None:
         self.token_ids: list[int] = []
+        self.frames: list[tuple[int, ...]] = []  # frame models: each output token's whole frame
         self.text_parts: list[str] = []  # released text, one part per output that released some
         self.logprobs: list[TokenLogprob] | None = [] if logprobs else None
         self._joined, self._joined_parts = "", 0  # text of the first _joined_parts parts, joined once
@@ -44,6 +45,7 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)  # since the previous output of this request
     new_text: str = ""  # since the previous output of this request
     new_logprobs: list[TokenLogprob] | None = None  # one per new token when logprobs were asked for
+    new_frames: list[tuple[int, ...]] = field(default_factory=list)  # frame models: each new token's whole frame
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (engine failure) | None while running
     error: InvalidRequest | None = None  # with "error": the request's own values caused it (INVALID_ARGUMENT)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
@@ -55,6 +57,11 @@ class RequestOutput:
     def token_ids(self) -> list[int]:
         """Every output token so far (a new list on each read: O(length), unlike the new_* fields)."""
         return self.history.token_ids[: self.num_tokens]
+
+    @property
+    def frames(self) -> list[tuple[int, ...]]:
+        """Frame models: every output frame so far (codebook 0 first), one per output token."""
+        return self.history.frames[: self.num_tokens]
 
     @property
     def text(self) -> str:

@@ -209,6 +209,9 @@ class Request:
     # Proposed tokens after the committed ones, computed by the next step and verified by it; never hashed into the
     # prefix cache. Empty unless a proposer (speculative decoding) set them.
     draft_token_ids: list[int] = field(default_factory=list)
+    # Frame models (engine/frame_step.py): each output token's whole frame of codes, and whether a frame ended it.
+    output_frames: list[tuple[int, ...]] = field(default_factory=list)
+    frames_ended: bool = False
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # of this request's full committed blocks, in order
     num_registered_blocks: int = 0  # leading blocks of block_table already offered to the prefix cache

@@ -52,6 +52,7 @@ class ModelRunner:
         if decode_attention not in ("flex", "native"):
             raise ValueError(f"decode_attention must be 'flex' or 'native', got {decode_attention!r}")
         self.use_flex = decode_attention == "flex"
+        self.sampled_hidden: torch.Tensor | None = None  # [R, hidden] of the last dynamic step's sampled rows
         self.staging = DeviceStaging(self.device)  # the dynamic path's int64 inputs: one host-to-device copy a step
         # One block past the pool's: the scratch block that padded rows of static decode steps write to.
         shape = ((num_blocks + 1) * block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -258,5 +259,6 @@ class ModelRunner:
         logits = None
         if sampling:
             last = hidden.index_select(0, logit_index)
+            self.sampled_hidden = last  # the rows a frame model's depth decoder starts from (engine/frame_step.py)
             logits = self.model.compute_logits(last) if window is None else self.model.compute_logits(last, window)
         return logits, sampling

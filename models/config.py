@@ -144,6 +144,8 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None  # attention scores likewise, before the mask (Gemma 2)
     local_rope_layers: tuple[int, ...] = ()  # Gemma 3: layers on the local rope ("sliding_attention" parameters)
     moe: MoeConfig | None = None  # the sparse MLP of the mixture-of-experts families
+    # Prompt token ids range over this when the input vocabulary is not the output one (CSM: text in, codes out).
+    input_vocab_size: int | None = None
 
     @classmethod
     def from_hf(cls, hf_config: Any, max_model_len: int | None = None) -> ModelConfig:

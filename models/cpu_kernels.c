@@ -430,11 +430,14 @@ typedef struct {
     const void *w;      // float32 [n, k] (kind 0), Q8_0 blocks (kind 1) or Q4_1 blocks (kind 2), rows of k inputs
     const float *bias;  // [n] or NULL
     int64_t kind, n, k;  // k % 32 == 0 for blocks; kind 0 only with one row (the GEMV kernel)
-    int64_t vnni_passes, vnni_min_rows;  // block layers: from vnni_min_rows rows, block_matmul_vnni (0: never)
+    int64_t many_passes, many_min_rows;  // block layers: from many_min_rows rows, the many-row kernel (0: never)
 } fused_linear;
 
+int vnni_available(void);  // block_kernels_vnni.c
 void block_matmul_vnni(const uint8_t *W, int is_q4, const float *x, const float *b, float *y, int M, int N, int K,
-                       int passes, int num_threads);  // block_kernels_vnni.c
+                       int passes, int num_threads);
+void block_matmul_avx2(const uint8_t *W, int is_q4, const float *x, const float *b, float *y, int M, int N, int K,
+                       int passes, int num_threads);  // block_kernels_avx2.c
 
 typedef struct {
     fused_linear qkv, o, gate_up, down;
@@ -460,9 +463,13 @@ static inline float gelu_tanh(float x) {
 static void fused_apply(const fused_linear *l, const float *x, float *y, int M, int num_threads) {
     if (l->kind == 0) {
         gemv_f32((const float *)l->w, x, l->bias, y, (int)l->n, (int)l->k);
-    } else if (l->vnni_passes && M >= l->vnni_min_rows) {
-        block_matmul_vnni((const uint8_t *)l->w, l->kind == 2, x, l->bias, y, M, (int)l->n, (int)l->k,
-                          (int)l->vnni_passes, num_threads);
+    } else if (l->many_passes && M >= l->many_min_rows) {  // set only where a many-row kernel is built
+        if (vnni_available())
+            block_matmul_vnni((const uint8_t *)l->w, l->kind == 2, x, l->bias, y, M, (int)l->n, (int)l->k,
+                              (int)l->many_passes, num_threads);
+        else
+            block_matmul_avx2((const uint8_t *)l->w, l->kind == 2, x, l->bias, y, M, (int)l->n, (int)l->k,
+                              (int)l->many_passes, num_threads);
     } else {
         block_matmul_f32((const uint8_t *)l->w, l->kind == 2, x, l->bias, y, M, (int)l->n, (int)l->k, num_threads);
     }

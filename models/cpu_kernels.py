@@ -5,7 +5,7 @@ in one call (models/fused_decode.py).
 torch has no paged attention on CPU: the portable path gathers each request's KV blocks into a contiguous copy before
 attending, which at large batch moves the KV cache through memory three times per step. The kernel reads the cache
 in place, once. It is compiled with `cc -O3 -march=native -fopenmp` into the omnivox cache (keyed by source, compiler
-flags and the CPU's instruction-set flags: models/kernel_build.py), loaded with ctypes (which releases the GIL during
+flags and the CPU's instruction-set flags: native/kernel_build.py), loaded with ctypes (which releases the GIL during
 the call), and used for float32 CPU decode. `library(target)` builds for a named instruction set instead
 (`x86-64-v3`: AVX2 + FMA), and `use_target` makes the engine run on it (tests force the AVX2 kernels that way).
 Without a compiler, or when the build fails, the portable path serves and a warning says so once.
@@ -20,19 +20,22 @@ from pathlib import Path
 
 import torch
 
-from .kernel_build import TARGETS, BuildError, build_library, compiler, cpu_flags, runnable_targets
+from omnivox.native.kernel_build import TARGETS, BuildError, build_library, compiler, cpu_flags, runnable_targets
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.c", "block_kernels_vnni.c")]
+_SOURCES = [
+    Path(__file__).with_name(name) for name in ("cpu_kernels.c", "block_kernels_vnni.c", "block_kernels_avx2.c")
+]
 _HEADER = Path(__file__).with_name("intrinsics_scalar.h")
-_COMPILE = ["-O3", "-fno-math-errno", "-fopenmp", "-fPIC"]  # -march comes from the target (models/kernel_build.py)
+_COMPILE = ["-O3", "-fno-math-errno", "-fopenmp", "-fPIC"]  # -march comes from the target (native/kernel_build.py)
 _LINK = ["-shared", "-fopenmp", "-lm"]
 _lock = threading.Lock()
 _libraries: dict[str, ctypes.CDLL | None] = {}  # per target, built and loaded once per process (None: unavailable)
 _failures: dict[str, str] = {}  # per target: why it is unavailable although a compiler exists (a build or load error)
 _target = "native"  # the build the engine's kernels run on (use_target)
 _lib: ctypes.CDLL | None = None  # the loaded library of _target, once kernel_available() said True
+_many: dict[str, str | None] = {}  # per target: its many-row kernel (many_row_kernel)
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -52,9 +55,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         deq.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
     lib.vnni_available.restype = ctypes.c_int
     lib.vnni_available.argtypes = []
-    vnni = lib.block_matmul_vnni
-    vnni.restype = None
-    vnni.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5
+    lib.avx2_rows_available.restype = ctypes.c_int
+    lib.avx2_rows_available.argtypes = []
+    for name in ("block_matmul_vnni", "block_matmul_avx2"):
+        many = getattr(lib, name)
+        many.restype = None
+        many.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5
     layers = lib.decoder_layers_f32
     layers.restype = None
     layers.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 4
@@ -63,7 +69,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def library(target: str = "native") -> ctypes.CDLL | None:
-    """The kernels built for `target` (models/kernel_build.py TARGETS), built and loaded once per process; None
+    """The kernels built for `target` (native/kernel_build.py TARGETS), built and loaded once per process; None
     without a compiler, when the build failed (build_failure says why) or when this CPU cannot run the target."""
     with _lock:
         if target not in _libraries:
@@ -237,7 +243,21 @@ def vnni_available(lib: ctypes.CDLL | None = None) -> bool:
     return lib is not None and bool(lib.vnni_available())
 
 
-def block_matmul_vnni(
+def many_row_kernel(lib: ctypes.CDLL | None = None) -> str | None:
+    """The many-row integer block kernel in `lib` (default: the active build): "vnni" (block_kernels_vnni.c, AVX-512
+    VNNI), else "avx2" (block_kernels_avx2.c, AVX2 + FMA), else None (the int16 kernels and float GEMM serve)."""
+    if lib is None:
+        if _target not in _many:  # asked per layer call: looked up once per target
+            _many[_target] = many_row_kernel(library(_target)) if library(_target) is not None else None
+        return _many[_target]
+    if lib.vnni_available():
+        return "vnni"
+    if getattr(lib, "avx2_rows_available", None) is not None and lib.avx2_rows_available():  # the emulation has none
+        return "avx2"
+    return None
+
+
+def block_matmul_many(
     kind: str,
     x: torch.Tensor,
     blocks: torch.Tensor,
@@ -245,18 +265,24 @@ def block_matmul_vnni(
     bias: torch.Tensor | None,
     act_bits: int = 15,
     lib: ctypes.CDLL | None = None,
+    kernel: str | None = None,
 ) -> torch.Tensor:
-    """As block_matmul, through the many-row VNNI kernel (block_kernels_vnni.c); vnni_available() only.
+    """As block_matmul, through the many-row kernel `kernel` ("vnni" / "avx2"; default many_row_kernel(lib)).
 
     act_bits: activations per group of 32 as 15 bits (two int8 passes) or 8 (one pass, llama.cpp's Q8_1)."""
     if act_bits not in (8, 15):
         raise ValueError(f"act_bits must be 8 or 15, got {act_bits}")
     lib = lib or _active()
+    kernel = kernel or many_row_kernel(lib)
+    if kernel not in ("vnni", "avx2"):
+        raise ValueError(f"no many-row kernel {kernel!r} in this build")
     x = x.contiguous()
     m, k = x.shape
     out = torch.empty(m, n, dtype=torch.float32)
     bias_ptr = None if bias is None else bias.data_ptr()
-    lib.block_matmul_vnni(
+    fn = lib.block_matmul_vnni if kernel == "vnni" else lib.block_matmul_avx2
+    passes = 1 if act_bits == 8 else 2
+    fn(
         blocks.data_ptr(),
         int(kind == "q4"),
         x.data_ptr(),
@@ -265,7 +291,7 @@ def block_matmul_vnni(
         m,
         n,
         k,
-        1 if act_bits == 8 else 2,
+        passes,
         torch.get_num_threads(),
     )
     return out

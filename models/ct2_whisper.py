@@ -292,11 +292,11 @@ CONVERTED_VERSION = 1  # bump when the converted folder's contents change: old c
 
 def cached_ct2_whisper_folder(src_dir: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
     """The transformers folder converted from the CTranslate2 Whisper at `src_dir`, built once into the omnivox
-    cache (under a lock, atomically: models/cache.py) and keyed by model.bin's size and mtime and the transformers
+    cache (under a lock, atomically: native/cache.py) and keyed by model.bin's size and mtime and the transformers
     version; later calls only look. whisper-base: 2.4 s to convert, 290 MB (float32)."""
     import transformers
 
-    from omnivox.models.cache import build_cached, omnivox_cache_dir
+    from omnivox.native.cache import build_cached, omnivox_cache_dir
 
     src = Path(src_dir).resolve()
     if not is_ct2_whisper_folder(src):

@@ -50,8 +50,8 @@ class _FusedLinear(ctypes.Structure):
         ("kind", ctypes.c_int64),
         ("n", ctypes.c_int64),
         ("k", ctypes.c_int64),
-        ("vnni_passes", ctypes.c_int64),
-        ("vnni_min_rows", ctypes.c_int64),
+        ("many_passes", ctypes.c_int64),
+        ("many_min_rows", ctypes.c_int64),
     ]
 
 
@@ -86,9 +86,11 @@ def _linear(module: nn.Module) -> tuple[_FusedLinear, bool] | None:
         if module.padded_in != module.in_features or module.blocks.device.type != "cpu":
             return None
         kind = _Q8 if module.kind == "q8" else _Q4
-        passes = (1 if module.act_bits == 8 else 2) if cpu_kernels.vnni_available() else 0
+        many = cpu_kernels.many_row_kernel()  # the C step picks VNNI where built, else the AVX2 kernel
+        start = quant.MANY_MIN_ROWS[many][module.kind] if many else None
         entry = _FusedLinear(module.blocks.data_ptr(), _ptr(module.bias), kind, module.out_features, module.in_features)
-        entry.vnni_passes, entry.vnni_min_rows = passes, quant.VNNI_MIN_ROWS[module.kind]
+        entry.many_passes = 0 if start is None else (1 if module.act_bits == 8 else 2)
+        entry.many_min_rows = start or 0
         return entry, True
     if type(module) in (Linear, PackedLinear):
         w = module.weight

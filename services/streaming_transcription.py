@@ -45,9 +45,11 @@ from omnivox.services.cache_salt import request_salt
 from omnivox.services.errors import FieldViolation
 from omnivox.services.registry import ServedModel
 from omnivox.services.stream_idle import idle_bounded
+from omnivox.services.streams import first_config, next_item
 from omnivox.services.summaries import seconds_to_duration
 from omnivox.services.whisper import transcribe
 from omnivox.services.whisper_part import SAMPLE_RATE, WhisperPart
+from omnivox.services.wire_checks import request_id_violation
 from omnivox.v1 import content_pb2, transcription_pb2
 
 if TYPE_CHECKING:
@@ -64,7 +66,6 @@ IDLE_KEEP_S = 1.0  # audio kept while no one speaks: an utterance starts up to S
 # client was still sending at 4.9 s (gRPC's windows still take a few MB of its bytes ahead).
 MAX_PENDING_FINALS = 4
 ENDPOINT_SILENCE_MS = (100, 10_000)  # accepted range of config.endpoint_silence_ms
-MAX_REQUEST_ID_CHARS = 256
 Response = transcription_pb2.StreamingTranscribeResponse
 
 
@@ -97,8 +98,8 @@ def _validate(part: WhisperPart, cfg: transcription_pb2.StreamingTranscriptionCo
     lo, hi = ENDPOINT_SILENCE_MS
     if cfg.endpoint_silence_ms and not lo <= cfg.endpoint_silence_ms <= hi:
         bad.append(FieldViolation("config.endpoint_silence_ms", f"must be 0 (the default) or in [{lo}, {hi}]"))
-    if len(cfg.request_id) > MAX_REQUEST_ID_CHARS:
-        bad.append(FieldViolation("config.request_id", f"at most {MAX_REQUEST_ID_CHARS} characters"))
+    if (too_long := request_id_violation(cfg.request_id, "config.request_id")) is not None:
+        bad.append(too_long)
     decoder = None
     if not cfg.sample_rate_hertz:
         bad.append(FieldViolation("config.sample_rate_hertz", "required: the stream's audio has no header"))
@@ -328,15 +329,7 @@ async def streaming_transcribe(
     requests: AsyncIterator[transcription_pb2.StreamingTranscribeRequest],
     context: grpc.aio.ServicerContext,
 ) -> None:
-    try:
-        first = await anext(aiter(requests))
-    except StopAsyncIteration:
-        raise errors.invalid_argument(
-            [FieldViolation("config", "the stream ended before the config message")]
-        ) from None
-    if first.WhichOneof("request") != "config":
-        raise errors.invalid_argument([FieldViolation("config", "the first message must be the config")])
-    cfg = first.config
+    cfg = await first_config(requests)
     salt = request_salt(cfg.cache_salt, "config.cache_salt")
     model = _whisper_model(servicer, cfg.model)
     assert model.bundle is not None and model.bundle.whisper is not None
@@ -370,21 +363,3 @@ async def streaming_transcribe(
     if seconds > 0:
         servicer.metrics.transcription_rtf.labels(model.name).observe(summary.real_time_factor)
     await context.write(Response(summary=summary))
-
-
-async def next_item(queue: asyncio.Queue, tasks: list[asyncio.Task]):
-    """The queue's next item; a failed task (a reader, a producer, a pass) ends the call with its error (both
-    bidirectional streams: StreamingTranscribe and StreamingSynthesizeSpeech)."""
-    getter = asyncio.ensure_future(queue.get())
-    try:
-        while True:
-            pending = [t for t in tasks if not t.done()]
-            await asyncio.wait([getter, *pending], return_when=asyncio.FIRST_COMPLETED)
-            for t in tasks:
-                if t.done() and not t.cancelled() and t.exception() is not None:
-                    raise t.exception()  # type: ignore[misc]
-            if getter.done():
-                return getter.result()
-    finally:
-        if not getter.done():
-            getter.cancel()

@@ -46,6 +46,7 @@ from omnivox.services.streaming_transcription import streaming_transcribe
 from omnivox.services.summaries import seconds_to_duration
 from omnivox.services.transcript_text import SegmentTranscript
 from omnivox.services.whisper import transcribe
+from omnivox.services.wire_checks import request_id_violation
 from omnivox.v1 import transcription_pb2, transcription_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,6 @@ MAX_PARALLEL_WINDOWS = 4  # engine requests in flight per transcription (later w
 # Output budget per window. Speech runs ~3 words (~4-5 tokens) a second; 12 a second leaves room for any language
 # and stops a model that loops (a random test model never says end-of-text) after a bounded number of tokens.
 TOKENS_BASE, TOKENS_PER_SECOND = 32, 12.0
-MAX_REQUEST_ID_CHARS = 256
 
 
 @dataclass
@@ -101,8 +101,8 @@ class TranscriptionServicer(transcription_pb2_grpc.TranscriptionServiceServicer)
         marker = audio.marker_text()
         if marker and marker in request.prompt:
             bad.append(FieldViolation("prompt", f"must not contain the audio marker {marker!r}"))
-        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
-            bad.append(FieldViolation("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters"))
+        if (too_long := request_id_violation(request.request_id)) is not None:
+            bad.append(too_long)
         if request.task not in ("", "transcribe"):
             bad.append(
                 FieldViolation("task", f"{request.task!r}: this model only transcribes (Whisper models translate)")
@@ -209,8 +209,8 @@ class TranscriptionServicer(transcription_pb2_grpc.TranscriptionServiceServicer)
             part.check(request.language or None, task, request.timestamps)
         except TranscriptionRequestError as err:
             bad.append(FieldViolation(err.field, err.description))
-        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
-            bad.append(FieldViolation("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters"))
+        if (too_long := request_id_violation(request.request_id)) is not None:
+            bad.append(too_long)
         if bad:
             raise errors.invalid_argument(bad)
         request_id = request.request_id or uuid.uuid4().hex

@@ -16,11 +16,11 @@ from omnivox.engine.params import SamplingParams
 from omnivox.services import errors
 from omnivox.services.errors import FieldViolation
 from omnivox.services.registry import AUDIO, IMAGE, TEXT, ServedModel
+from omnivox.services.wire_checks import request_id_violation
 from omnivox.v1 import generation_pb2, sampling_pb2
 
 ROLES = ("system", "user", "assistant", "tool")  # tool: a tool call's result (services/tools.py)
 MAX_STOP_SEQUENCES = 16
-MAX_REQUEST_ID_CHARS = 256
 
 # Engine field names (SamplingParams / prompt) -> the request field that carries them.
 ENGINE_TO_REQUEST_FIELD = {
@@ -169,8 +169,8 @@ def validate_generate(request: generation_pb2.GenerateRequest, model: ServedMode
         if model.engine is None:  # a voice (services/voice_part.py): no engine to check sampling against
             v.raise_if_any()
     check_contents(request, model, v)
-    if len(request.request_id) > MAX_REQUEST_ID_CHARS:
-        v.add("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, got {len(request.request_id)}")
+    if (too_long := request_id_violation(request.request_id)) is not None:
+        v.add(too_long.field, too_long.description)
     kwargs = sampling_kwargs(request.sampling, model)
     kwargs.update(check_stopping(request, model, v))
     params = SamplingParams(**kwargs)  # type: ignore[arg-type]

@@ -27,18 +27,21 @@ from omnivox.models.voice import UnknownVoice, VoiceNeedsDownload
 from omnivox.models.voice.voice_model import VoiceSettings
 from omnivox.services import errors, validation
 from omnivox.services.errors import FieldViolation
-from omnivox.services.summaries import seconds_to_duration
 from omnivox.services.metrics import SpeechStreamMetrics
 from omnivox.services.registry import ServedModel
 from omnivox.services.speech_stream import DEFAULT_MAX_CLAUSE_CHARS, SETTLE_S, ClauseCutter
 from omnivox.services.speech_text import split_text
 from omnivox.services.speech_validation import encoding_name, language_matches
 from omnivox.services.stream_idle import idle_bounded
+from omnivox.services.summaries import seconds_to_duration
 from omnivox.services.voice_part import VoicePart
 from omnivox.v1 import content_pb2, generation_pb2, speech_pb2
 
 if TYPE_CHECKING:
     from omnivox.services.speech import SpeechServicer
+
+
+MIN_RATE, MAX_RATE = 0.25, 4.0  # audio_config.speaking_rate: hibari's speed input, Piper's length_scale divisor
 
 
 @dataclass
@@ -74,6 +77,9 @@ def validate_voice(
             encoding, rate = check_output_format(name, audio_config.sample_rate_hertz or voice.sample_rate)
         except AudioFormatError as err:
             v.add(f"{prefix}audio_config.{err.field}", err.description)
+    speed = audio_config.speaking_rate if audio_config.HasField("speaking_rate") else 1.0
+    if not MIN_RATE <= speed <= MAX_RATE:  # NaN fails both
+        v.add(f"{prefix}audio_config.speaking_rate", f"must be in [{MIN_RATE}, {MAX_RATE}], got {speed}")
     for field in validation.SAMPLING_FIELDS:  # no tokens are sampled: only the noise seed means something here
         if field != "seed" and sampling.HasField(field):
             v.add(f"{prefix}sampling.{field}", f"model {model.name!r} is a {voice.family} voice and samples no tokens")
@@ -97,7 +103,7 @@ def validate_voice(
             f"{voice.language_code!r})",
         )
     seed = sampling.seed if sampling.HasField("seed") else None
-    return VoicePlan(stripped, VoiceSettings(name, 1.0, seed), encoding, rate)
+    return VoicePlan(stripped, VoiceSettings(name, speed, seed), encoding, rate)
 
 
 def list_voices(model: ServedModel, language_code: str) -> list[speech_pb2.Voice]:

@@ -33,7 +33,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _force_kernel_target() -> None:
     """`OMNIVOX_TEST_KERNEL_TARGET=x86-64-v3 make test` runs every in-process engine on the AVX2 + FMA kernel build
-    (models/kernel_build.py TARGETS) instead of the host's native one: an AVX-512 host then tests what AVX2-only
+    (native/kernel_build.py TARGETS) instead of the host's native one: an AVX-512 host then tests what AVX2-only
     users run. Read here only, never by the product; servers started as subprocesses keep their native build."""
     import os
 
@@ -41,7 +41,7 @@ def _force_kernel_target() -> None:
     if not target:
         return
     from omnivox.models import cpu_kernels
-    from omnivox.models.kernel_build import TARGETS, runnable_targets
+    from omnivox.native.kernel_build import TARGETS, runnable_targets
 
     if target not in TARGETS or target not in runnable_targets():
         raise pytest.UsageError(f"OMNIVOX_TEST_KERNEL_TARGET={target}: this host runs {runnable_targets()}")

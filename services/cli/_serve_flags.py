@@ -192,6 +192,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "one GPU per rank; gloo on the CPU); N must divide the head counts. Encoders and the codec stay on rank 0",
     )
     p.add_argument(
+        "--audio-first-margin",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="while a speech stream's client would run dry within this many seconds (or its first audio is due), "
+        "the other models' engines wait before their steps, at most 0.1 s each (0 = off)",
+    )
+    p.add_argument(
         "--speech-first-hop",
         type=int,
         metavar="FRAMES",

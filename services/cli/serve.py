@@ -65,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--max-message-mib must be at least 1, --grace-period and --stream-idle-timeout at least 0")
     if args.speech_first_hop is not None and args.speech_first_hop < 1:  # else only a speech model's load failed
         raise CliError("--speech-first-hop must be at least 1")
+    if args.audio_first_margin < 0:
+        raise CliError("--audio-first-margin must be at least 0")
     if args.max_queue < 1:
         raise CliError("--max-queue must be at least 1")
     if args.max_batched_tokens is not None and args.max_batched_tokens < 1:
@@ -100,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         limits=GrpcLimits(max_connection_age_s=args.max_connection_age),
         data_dir=args.data_dir,
         asr_model=args.asr_model,
+        audio_first_margin_s=args.audio_first_margin,
     )
     engine_options = EngineOptions(
         device=args.device,

@@ -42,6 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float)
     p.add_argument("--repetition-penalty", type=float)
     p.add_argument("--seed", type=int)
+    p.add_argument("--speaking-rate", type=float, help="pace: 1 the voice's own, 2 twice as fast (voices only)")
     p.add_argument("--voice-from", type=Path, help="speak in the voice of this reference recording (with --transcript)")
     p.add_argument("--transcript", help="what the --voice-from recording says")
     p.add_argument("--list-voices", action="store_true", help="print the voices the server offers and exit")
@@ -78,6 +79,7 @@ def build_request(args: argparse.Namespace, text: str):
         audio_config=speech_pb2.AudioConfig(
             encoding=content_pb2.AudioEncoding.Value(f"AUDIO_ENCODING_{_encoding(args).upper()}"),
             sample_rate_hertz=args.sample_rate,
+            speaking_rate=args.speaking_rate,
         ),
         sampling=sampling,
         cache_salt=args.cache_salt,

@@ -70,6 +70,9 @@ def test_yielding_is_bounded_and_observed(engines):
         assert arbiter.wait_turn(speech) == 0.0
     assert arbiter.wait_turn(text) == 0.0  # closed: nothing behind
     assert seen == [waited]
+    off = StepArbiter(margin_s=0.0)  # `serve --audio-first-margin 0`: nothing is ever behind
+    with off.open(speech, first_audio_s=-10.0):
+        assert off.behind() == [] and off.wait_turn(text) == 0.0
     while speech.has_unfinished():
         speech.step()
 

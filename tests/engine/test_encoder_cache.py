@@ -11,6 +11,8 @@ from support.engines import tiny_checkpoint, tiny_engine
 from omnivox.engine import EmbeddingSegment, SamplingParams
 from omnivox.engine.encoder_cache import EncoderCache, EncoderWorker
 
+pytestmark = pytest.mark.cpu_paths  # also run on the AVX2 builds: make test's second pass
+
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPT = list(range(10, 60))  # a 20-token "image" at positions 8..28
 

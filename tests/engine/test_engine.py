@@ -10,6 +10,8 @@ from support.engines import tiny_checkpoint, tiny_engine
 
 from omnivox.engine import EmbeddingSegment, InvalidRequest, SamplingParams, shared
 
+pytestmark = pytest.mark.cpu_paths  # also run on the AVX2 builds: make test's second pass
+
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 PROMPTS = [list(range(5, 5 + n)) for n in (3, 17, 40, 9, 64, 1)]
 

@@ -18,6 +18,8 @@ from omnivox.services.cli._serve_flags import model_specs
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.v1 import generation_pb2_grpc, sampling_pb2
 
+pytestmark = pytest.mark.cpu_paths  # also run on the AVX2 builds: make test's second pass
+
 PROMPT = "Hello there! How are you today? I am fine, thank you. The quick brown fox jumps over the lazy dog."
 
 

@@ -1,4 +1,4 @@
-"""models/cache.py: the one locked, atomic way anything is built into the omnivox cache."""
+"""native/cache.py: the one locked, atomic way anything is built into the omnivox cache."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from omnivox.models.cache import build_cached, omnivox_cache_dir
+from omnivox.native.cache import build_cached, omnivox_cache_dir
 
 
 def _complete(path: Path) -> bool:
@@ -64,7 +64,7 @@ def test_a_failed_build_leaves_nothing_and_a_leftover_is_replaced(tmp_path):
 _RACE = """
 import sys, time
 from pathlib import Path
-from omnivox.models.cache import build_cached
+from omnivox.native.cache import build_cached
 target, log, ready, other = map(Path, sys.argv[1:5])
 def build(staged):
     with open(log, "a") as f:

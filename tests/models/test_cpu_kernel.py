@@ -9,6 +9,8 @@ from support.paths import REPO_ROOT
 
 from omnivox.models import attention, cpu_kernels
 
+pytestmark = pytest.mark.cpu_paths  # also run on the AVX2 builds: make test's second pass
+
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel():

@@ -193,9 +193,10 @@ BLOCKS = {
 }
 
 
+@pytest.mark.cpu_paths
 @pytest.mark.parametrize("family", list(BLOCKS))
-def test_sparse_block_equals_transformers_bitwise_in_float32_and_bf16(family):
-    """Our SparseMoeBlock against transformers' own on 37 rows and on 1, bit for bit, in float32 and bf16: the routing weights'
+def test_sparse_block_equals_transformers_float32_within_rounding_bf16_bitwise(family):
+    """Our SparseMoeBlock against transformers' own on 37 rows and on 1, in float32 (within 1e-5) and bf16 (bit for bit): the routing weights'
     dtype differs by family (Mixtral scales expert outputs by float32 weights, Qwen by model-dtype ones; red in
     bf16 with Mixtral's weights rounded first)."""
     import importlib
@@ -231,8 +232,12 @@ def test_sparse_block_equals_transformers_bitwise_in_float32_and_bf16(family):
             with torch.no_grad():
                 want = ref.to(dtype)(x.to(dtype))
                 got = ours.to(dtype)(x[0].to(dtype))
-            if rows == 1 and dtype == torch.float32:  # one float32 row: our C matrix-vector kernel sums in its order
-                torch.testing.assert_close(got, want.reshape(rows, 64), atol=1e-6, rtol=1e-5)
+            if dtype == torch.float32:
+                # One row: our C matrix-vector kernel sums in its own order. 37 rows: each expert's matmul gets the
+                # rows routed to it, transformers' gets them in another grouping, and MKL's AVX2 sgemm gives a row a
+                # result that depends on how many rows share the call (bit-equal on AVX-512 hosts, 1 ulp off on AVX2:
+                # issue 26). bfloat16 rounds those differences away and stays exact.
+                torch.testing.assert_close(got, want.reshape(rows, 64), atol=1e-5, rtol=1e-5)
             else:
                 assert torch.equal(got, want.reshape(rows, 64)), (rows, dtype)
 

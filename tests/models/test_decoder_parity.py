@@ -9,6 +9,8 @@ from support.engines import tiny_checkpoint, tiny_engine
 
 from omnivox.engine import SamplingParams
 
+pytestmark = pytest.mark.cpu_paths  # also run on the AVX2 builds: make test's second pass
+
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "factor": 8.0,

@@ -15,6 +15,8 @@ from omnivox.models import cpu_kernels, fused_decode, quant
 from omnivox.models.attention import AttentionMetadata, PrefillChunk
 from omnivox.models.loading import load_decoder
 
+pytestmark = pytest.mark.cpu_paths  # also run on the AVX2 builds: make test's second pass
+
 BLOCK = 4
 PROMPTS = [[5, 17, 33, 9, 44], [100, 4, 250], [3, 8, 9, 10, 11, 12, 13, 14, 15, 16], [7], [61, 62]]
 

@@ -1,4 +1,4 @@
-"""models/kernel_build.py: a kernel build is keyed by the instruction-set features it targets, so a -march=native
+"""native/kernel_build.py: a kernel build is keyed by the instruction-set features it targets, so a -march=native
 build from an AVX-512 host is never reused on an AVX2 host that reports the same model name (issue 28: SIGILL)."""
 
 from __future__ import annotations
@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from omnivox.models import kernel_build
+from omnivox.native import kernel_build
+
+pytestmark = pytest.mark.cpu_paths  # also run on the AVX2 builds: make test's second pass
 
 MODEL = "model name\t: AMD EPYC Processor\n"
 AVX2 = "fpu sse2 avx avx2 fma f16c bmi1 bmi2 movbe abm"

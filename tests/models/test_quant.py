@@ -12,6 +12,8 @@ from support.kernel_support import KERNEL_TARGETS, require_kernels, target_libra
 
 from omnivox.models import cpu_kernels, quant
 
+pytestmark = pytest.mark.cpu_paths  # also run on the AVX2 builds: make test's second pass
+
 SHAPES = [(1, 32), (7, 40), (33, 100), (96, 64), (130, 576)]  # (out, in): odd sizes, K not a multiple of 32
 ROWS = [
     1,
@@ -45,34 +47,40 @@ def test_block_kernels_equal_portable_path(target, kind, n, k, m):
     torch.testing.assert_close(ours, portable, rtol=1e-4, atol=1e-4)
 
 
-def vnni_library(build: str) -> ctypes.CDLL:
-    """The many-row VNNI kernel: the native build where this CPU has AVX-512 VNNI, or on every host the same source
-    built against scalar versions of its intrinsics (models/intrinsics_scalar.h)."""
-    if build == "emulation":
+def many_row_library(build: str) -> ctypes.CDLL:
+    """A build holding the many-row kernel `build` names: "vnni-native" where this CPU has AVX-512 VNNI;
+    "vnni-emulation", the same source against scalar versions of its intrinsics (models/intrinsics_scalar.h), on every
+    host; "avx2-TARGET", the AVX2 kernel in each build this host runs."""
+    kernel, _, target = build.partition("-")
+    if target == "emulation":
         lib = cpu_kernels.vnni_emulation()
         if lib is None:
             require_kernels()  # skips without a compiler
-            pytest.fail(
-                f"a C compiler exists but the emulated VNNI kernel did not build: {cpu_kernels.build_failure('emulation')}"
-            )
+            failure = cpu_kernels.build_failure("emulation")
+            pytest.fail(f"a C compiler exists but the emulated VNNI kernel did not build: {failure}")
         return lib
-    lib = target_library("native")
-    if not cpu_kernels.vnni_available(lib):
-        pytest.skip("this CPU or compiler has no AVX-512 VNNI: the int16 kernels and float GEMM serve")
+    lib = target_library(target)
+    if kernel == "vnni" and not cpu_kernels.vnni_available(lib):
+        pytest.skip("this CPU or compiler has no AVX-512 VNNI: the AVX2 kernel serves (tested on its emulation too)")
+    if kernel == "avx2" and not lib.avx2_rows_available():
+        pytest.skip(f"the {target} build has no AVX2")
     return lib
 
 
-@pytest.mark.parametrize(("n", "k"), [(1, 32), (7, 40), (33, 100), (130, 576)])  # partial and full 16-row tiles, odd K
+MANY_ROW_BUILDS = ["vnni-native", "vnni-emulation", *(f"avx2-{t}" for t in KERNEL_TARGETS)]
+
+
+@pytest.mark.parametrize(("n", "k"), [(1, 32), (7, 40), (33, 100), (130, 576)])  # partial and full tiles, odd K
 @pytest.mark.parametrize("m", [1, 5, 17, 35])
 @pytest.mark.parametrize("act_bits", quant.ACT_BITS)
 @pytest.mark.parametrize("kind", ["q8", "q4"])
-@pytest.mark.parametrize("build", ["native", "emulation"])
-def test_vnni_kernel_equals_portable_path(build, kind, act_bits, n, k, m):
-    lib = vnni_library(build)
+@pytest.mark.parametrize("build", MANY_ROW_BUILDS)
+def test_many_row_kernel_equals_portable_path(build, kind, act_bits, n, k, m):
+    lib = many_row_library(build)
     torch.manual_seed(n * k + m + act_bits)
     layer = LAYERS[kind].from_float(torch.randn(n, k), torch.randn(n))
     x = F.pad(torch.randn(m, k) * 3, (0, layer.padded_in - k))
-    ours = cpu_kernels.block_matmul_vnni(kind, x, layer.blocks, n, layer.bias, act_bits, lib=lib)
+    ours = cpu_kernels.block_matmul_many(kind, x, layer.blocks, n, layer.bias, act_bits, lib=lib, kernel=build[:4])
     portable = quant.block_matmul_portable(kind, x, layer.blocks, layer.bias, act_bits)
     # The same integer group dots and scales (15 bits: two int8 passes recombined exactly); only the float summation
     # order differs.

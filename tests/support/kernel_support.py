@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from omnivox.models import cpu_kernels
-from omnivox.models.kernel_build import runnable_targets
+from omnivox.native.kernel_build import runnable_targets
 
 # Every instruction set this host can run (an AVX-512 host runs the AVX2 build too), so that each kernel path a
 # user's CPU can take is tested on whatever machine CI has.

@@ -18,12 +18,12 @@ TINY_MIMI_CONFIGS: dict[str, dict] = {
     "mimi-a": dict(
         hidden_size=32, num_filters=4, upsampling_ratios=[4, 3], codebook_size=16, codebook_dim=8, num_quantizers=4,
         vector_quantization_hidden_dimension=8, upsample_groups=32, num_hidden_layers=2, intermediate_size=64,
-        num_attention_heads=4, num_key_value_heads=2, sliding_window=5, sampling_rate=240,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=5, sampling_rate=24000,
     ),
     "mimi-b": dict(
         hidden_size=24, num_filters=2, upsampling_ratios=[3, 2, 2], codebook_size=32, codebook_dim=6, num_quantizers=6,
         num_semantic_quantizers=2, vector_quantization_hidden_dimension=6, upsample_groups=24, num_hidden_layers=1,
-        intermediate_size=48, num_attention_heads=2, num_key_value_heads=2, sliding_window=7, sampling_rate=288,
+        intermediate_size=48, num_attention_heads=2, num_key_value_heads=2, sliding_window=7, sampling_rate=24000,
         num_residual_layers=2, use_conv_shortcut=True, hidden_act="gelu",
     ),
 }  # fmt: skip

@@ -28,15 +28,15 @@ from omnivox.v1 import generation_pb2 as omnivox_dot_v1_dot_generation__pb2
 from omnivox.v1 import sampling_pb2 as omnivox_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17omnivox/v1/speech.proto\x12\nomnivox.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x18omnivox/v1/content.proto\x1a\x1bomnivox/v1/generation.proto\x1a\x19omnivox/v1/sampling.proto\"\xe6\x01\n\x17SynthesizeSpeechRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x05voice\x18\x03 \x01(\x0b\x32\x1a.omnivox.v1.VoiceSelection\x12-\n\x0c\x61udio_config\x18\x04 \x01(\x0b\x32\x17.omnivox.v1.AudioConfig\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.omnivox.v1.SamplingConfig\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x12\n\ncache_salt\x18\x07 \x01(\t\"\x81\x01\n StreamingSynthesizeSpeechRequest\x12\x33\n\x06\x63onfig\x18\x01 \x01(\x0b\x32!.omnivox.v1.StreamingSpeechConfigH\x00\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\r\n\x03\x65nd\x18\x03 \x01(\x08H\x00\x42\t\n\x07request\"\xf0\x01\n\x15StreamingSpeechConfig\x12\r\n\x05model\x18\x01 \x01(\t\x12)\n\x05voice\x18\x02 \x01(\x0b\x32\x1a.omnivox.v1.VoiceSelection\x12-\n\x0c\x61udio_config\x18\x03 \x01(\x0b\x32\x17.omnivox.v1.AudioConfig\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.omnivox.v1.SamplingConfig\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x18\n\x10max_clause_chars\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\t\"5\n\x0eVoiceSelection\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rlanguage_code\x18\x02 \x01(\t\"U\n\x0b\x41udioConfig\x12+\n\x08\x65ncoding\x18\x01 \x01(\x0e\x32\x19.omnivox.v1.AudioEncoding\x12\x19\n\x11sample_rate_hertz\x18\x02 \x01(\x05\"\xa8\x01\n\x18SynthesizeSpeechResponse\x12)\n\x06\x66ormat\x18\x01 \x01(\x0b\x32\x17.omnivox.v1.AudioFormatH\x00\x12\'\n\x05\x61udio\x18\x02 \x01(\x0b\x32\x16.omnivox.v1.AudioChunkH\x00\x12,\n\x07summary\x18\x03 \x01(\x0b\x32\x19.omnivox.v1.SpeechSummaryH\x00\x42\n\n\x08response\"\xb1\x01\n!StreamingSynthesizeSpeechResponse\x12)\n\x06\x66ormat\x18\x01 \x01(\x0b\x32\x17.omnivox.v1.AudioFormatH\x00\x12\'\n\x05\x61udio\x18\x02 \x01(\x0b\x32\x16.omnivox.v1.AudioChunkH\x00\x12,\n\x07summary\x18\x03 \x01(\x0b\x32\x19.omnivox.v1.SpeechSummaryH\x00\x42\n\n\x08response\"7\n\x13\x43reateVoiceResponse\x12 \n\x05voice\x18\x01 \x01(\x0b\x32\x11.omnivox.v1.Voice\"g\n\x0b\x41udioFormat\x12+\n\x08\x65ncoding\x18\x01 \x01(\x0e\x32\x19.omnivox.v1.AudioEncoding\x12\x19\n\x11sample_rate_hertz\x18\x02 \x01(\x05\x12\x10\n\x08\x63hannels\x18\x03 \x01(\x05\"\x1a\n\nAudioChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"\xc1\x02\n\rSpeechSummary\x12\x15\n\raudio_seconds\x18\x01 \x01(\x01\x12\x14\n\x0c\x61udio_tokens\x18\x02 \x01(\x05\x12\x36\n\x13time_to_first_audio\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x18\n\x10real_time_factor\x18\x04 \x01(\x01\x12(\n\x05total\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.omnivox.v1.FinishReason\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\r\n\x05model\x18\x08 \x01(\t\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\t \x01(\x05\x12\x15\n\rprompt_tokens\x18\n \x01(\x05\"9\n\x11ListVoicesRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rlanguage_code\x18\x02 \x01(\t\"7\n\x12ListVoicesResponse\x12!\n\x06voices\x18\x01 \x03(\x0b\x32\x11.omnivox.v1.Voice\"\xa5\x01\n\x05Voice\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0elanguage_codes\x18\x02 \x03(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12#\n\x04kind\x18\x04 \x01(\x0e\x32\x15.omnivox.v1.VoiceKind\x12\x13\n\x0b\x64\x65scription\x18\x05 \x01(\t\x12\x12\n\ntranscript\x18\x06 \x01(\t\x12\x19\n\x11reference_seconds\x18\x07 \x01(\x01\"\x8a\x01\n\x12\x43reateVoiceRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12.\n\x0freference_audio\x18\x03 \x01(\x0b\x32\x15.omnivox.v1.AudioPart\x12\x12\n\ntranscript\x18\x04 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x05 \x01(\t\"1\n\x12\x44\x65leteVoiceRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"\x15\n\x13\x44\x65leteVoiceResponse*X\n\tVoiceKind\x12\x1a\n\x16VOICE_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13VOICE_KIND_BUILT_IN\x10\x01\x12\x16\n\x12VOICE_KIND_CREATED\x10\x02\x32\xdb\x03\n\rSpeechService\x12_\n\x10SynthesizeSpeech\x12#.omnivox.v1.SynthesizeSpeechRequest\x1a$.omnivox.v1.SynthesizeSpeechResponse0\x01\x12|\n\x19StreamingSynthesizeSpeech\x12,.omnivox.v1.StreamingSynthesizeSpeechRequest\x1a-.omnivox.v1.StreamingSynthesizeSpeechResponse(\x01\x30\x01\x12K\n\nListVoices\x12\x1d.omnivox.v1.ListVoicesRequest\x1a\x1e.omnivox.v1.ListVoicesResponse\x12N\n\x0b\x43reateVoice\x12\x1e.omnivox.v1.CreateVoiceRequest\x1a\x1f.omnivox.v1.CreateVoiceResponse\x12N\n\x0b\x44\x65leteVoice\x12\x1e.omnivox.v1.DeleteVoiceRequest\x1a\x1f.omnivox.v1.DeleteVoiceResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17omnivox/v1/speech.proto\x12\nomnivox.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x18omnivox/v1/content.proto\x1a\x1bomnivox/v1/generation.proto\x1a\x19omnivox/v1/sampling.proto\"\xe6\x01\n\x17SynthesizeSpeechRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x05voice\x18\x03 \x01(\x0b\x32\x1a.omnivox.v1.VoiceSelection\x12-\n\x0c\x61udio_config\x18\x04 \x01(\x0b\x32\x17.omnivox.v1.AudioConfig\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.omnivox.v1.SamplingConfig\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x12\n\ncache_salt\x18\x07 \x01(\t\"\x81\x01\n StreamingSynthesizeSpeechRequest\x12\x33\n\x06\x63onfig\x18\x01 \x01(\x0b\x32!.omnivox.v1.StreamingSpeechConfigH\x00\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\r\n\x03\x65nd\x18\x03 \x01(\x08H\x00\x42\t\n\x07request\"\xf0\x01\n\x15StreamingSpeechConfig\x12\r\n\x05model\x18\x01 \x01(\t\x12)\n\x05voice\x18\x02 \x01(\x0b\x32\x1a.omnivox.v1.VoiceSelection\x12-\n\x0c\x61udio_config\x18\x03 \x01(\x0b\x32\x17.omnivox.v1.AudioConfig\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.omnivox.v1.SamplingConfig\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x18\n\x10max_clause_chars\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\t\"5\n\x0eVoiceSelection\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rlanguage_code\x18\x02 \x01(\t\"\x83\x01\n\x0b\x41udioConfig\x12+\n\x08\x65ncoding\x18\x01 \x01(\x0e\x32\x19.omnivox.v1.AudioEncoding\x12\x19\n\x11sample_rate_hertz\x18\x02 \x01(\x05\x12\x1a\n\rspeaking_rate\x18\x03 \x01(\x02H\x00\x88\x01\x01\x42\x10\n\x0e_speaking_rate\"\xa8\x01\n\x18SynthesizeSpeechResponse\x12)\n\x06\x66ormat\x18\x01 \x01(\x0b\x32\x17.omnivox.v1.AudioFormatH\x00\x12\'\n\x05\x61udio\x18\x02 \x01(\x0b\x32\x16.omnivox.v1.AudioChunkH\x00\x12,\n\x07summary\x18\x03 \x01(\x0b\x32\x19.omnivox.v1.SpeechSummaryH\x00\x42\n\n\x08response\"\xb1\x01\n!StreamingSynthesizeSpeechResponse\x12)\n\x06\x66ormat\x18\x01 \x01(\x0b\x32\x17.omnivox.v1.AudioFormatH\x00\x12\'\n\x05\x61udio\x18\x02 \x01(\x0b\x32\x16.omnivox.v1.AudioChunkH\x00\x12,\n\x07summary\x18\x03 \x01(\x0b\x32\x19.omnivox.v1.SpeechSummaryH\x00\x42\n\n\x08response\"7\n\x13\x43reateVoiceResponse\x12 \n\x05voice\x18\x01 \x01(\x0b\x32\x11.omnivox.v1.Voice\"g\n\x0b\x41udioFormat\x12+\n\x08\x65ncoding\x18\x01 \x01(\x0e\x32\x19.omnivox.v1.AudioEncoding\x12\x19\n\x11sample_rate_hertz\x18\x02 \x01(\x05\x12\x10\n\x08\x63hannels\x18\x03 \x01(\x05\"\x1a\n\nAudioChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"\xc1\x02\n\rSpeechSummary\x12\x15\n\raudio_seconds\x18\x01 \x01(\x01\x12\x14\n\x0c\x61udio_tokens\x18\x02 \x01(\x05\x12\x36\n\x13time_to_first_audio\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x18\n\x10real_time_factor\x18\x04 \x01(\x01\x12(\n\x05total\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.omnivox.v1.FinishReason\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\r\n\x05model\x18\x08 \x01(\t\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\t \x01(\x05\x12\x15\n\rprompt_tokens\x18\n \x01(\x05\"9\n\x11ListVoicesRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rlanguage_code\x18\x02 \x01(\t\"7\n\x12ListVoicesResponse\x12!\n\x06voices\x18\x01 \x03(\x0b\x32\x11.omnivox.v1.Voice\"\xa5\x01\n\x05Voice\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0elanguage_codes\x18\x02 \x03(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12#\n\x04kind\x18\x04 \x01(\x0e\x32\x15.omnivox.v1.VoiceKind\x12\x13\n\x0b\x64\x65scription\x18\x05 \x01(\t\x12\x12\n\ntranscript\x18\x06 \x01(\t\x12\x19\n\x11reference_seconds\x18\x07 \x01(\x01\"\x8a\x01\n\x12\x43reateVoiceRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12.\n\x0freference_audio\x18\x03 \x01(\x0b\x32\x15.omnivox.v1.AudioPart\x12\x12\n\ntranscript\x18\x04 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x05 \x01(\t\"1\n\x12\x44\x65leteVoiceRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"\x15\n\x13\x44\x65leteVoiceResponse*X\n\tVoiceKind\x12\x1a\n\x16VOICE_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13VOICE_KIND_BUILT_IN\x10\x01\x12\x16\n\x12VOICE_KIND_CREATED\x10\x02\x32\xdb\x03\n\rSpeechService\x12_\n\x10SynthesizeSpeech\x12#.omnivox.v1.SynthesizeSpeechRequest\x1a$.omnivox.v1.SynthesizeSpeechResponse0\x01\x12|\n\x19StreamingSynthesizeSpeech\x12,.omnivox.v1.StreamingSynthesizeSpeechRequest\x1a-.omnivox.v1.StreamingSynthesizeSpeechResponse(\x01\x30\x01\x12K\n\nListVoices\x12\x1d.omnivox.v1.ListVoicesRequest\x1a\x1e.omnivox.v1.ListVoicesResponse\x12N\n\x0b\x43reateVoice\x12\x1e.omnivox.v1.CreateVoiceRequest\x1a\x1f.omnivox.v1.CreateVoiceResponse\x12N\n\x0b\x44\x65leteVoice\x12\x1e.omnivox.v1.DeleteVoiceRequest\x1a\x1f.omnivox.v1.DeleteVoiceResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'omnivox.v1.speech_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_VOICEKIND']._serialized_start=2267
-  _globals['_VOICEKIND']._serialized_end=2355
+  _globals['_VOICEKIND']._serialized_start=2314
+  _globals['_VOICEKIND']._serialized_end=2402
   _globals['_SYNTHESIZESPEECHREQUEST']._serialized_start=154
   _globals['_SYNTHESIZESPEECHREQUEST']._serialized_end=384
   _globals['_STREAMINGSYNTHESIZESPEECHREQUEST']._serialized_start=387
@@ -45,32 +45,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STREAMINGSPEECHCONFIG']._serialized_end=759
   _globals['_VOICESELECTION']._serialized_start=761
   _globals['_VOICESELECTION']._serialized_end=814
-  _globals['_AUDIOCONFIG']._serialized_start=816
-  _globals['_AUDIOCONFIG']._serialized_end=901
-  _globals['_SYNTHESIZESPEECHRESPONSE']._serialized_start=904
-  _globals['_SYNTHESIZESPEECHRESPONSE']._serialized_end=1072
-  _globals['_STREAMINGSYNTHESIZESPEECHRESPONSE']._serialized_start=1075
-  _globals['_STREAMINGSYNTHESIZESPEECHRESPONSE']._serialized_end=1252
-  _globals['_CREATEVOICERESPONSE']._serialized_start=1254
-  _globals['_CREATEVOICERESPONSE']._serialized_end=1309
-  _globals['_AUDIOFORMAT']._serialized_start=1311
-  _globals['_AUDIOFORMAT']._serialized_end=1414
-  _globals['_AUDIOCHUNK']._serialized_start=1416
-  _globals['_AUDIOCHUNK']._serialized_end=1442
-  _globals['_SPEECHSUMMARY']._serialized_start=1445
-  _globals['_SPEECHSUMMARY']._serialized_end=1766
-  _globals['_LISTVOICESREQUEST']._serialized_start=1768
-  _globals['_LISTVOICESREQUEST']._serialized_end=1825
-  _globals['_LISTVOICESRESPONSE']._serialized_start=1827
-  _globals['_LISTVOICESRESPONSE']._serialized_end=1882
-  _globals['_VOICE']._serialized_start=1885
-  _globals['_VOICE']._serialized_end=2050
-  _globals['_CREATEVOICEREQUEST']._serialized_start=2053
-  _globals['_CREATEVOICEREQUEST']._serialized_end=2191
-  _globals['_DELETEVOICEREQUEST']._serialized_start=2193
-  _globals['_DELETEVOICEREQUEST']._serialized_end=2242
-  _globals['_DELETEVOICERESPONSE']._serialized_start=2244
-  _globals['_DELETEVOICERESPONSE']._serialized_end=2265
-  _globals['_SPEECHSERVICE']._serialized_start=2358
-  _globals['_SPEECHSERVICE']._serialized_end=2833
+  _globals['_AUDIOCONFIG']._serialized_start=817
+  _globals['_AUDIOCONFIG']._serialized_end=948
+  _globals['_SYNTHESIZESPEECHRESPONSE']._serialized_start=951
+  _globals['_SYNTHESIZESPEECHRESPONSE']._serialized_end=1119
+  _globals['_STREAMINGSYNTHESIZESPEECHRESPONSE']._serialized_start=1122
+  _globals['_STREAMINGSYNTHESIZESPEECHRESPONSE']._serialized_end=1299
+  _globals['_CREATEVOICERESPONSE']._serialized_start=1301
+  _globals['_CREATEVOICERESPONSE']._serialized_end=1356
+  _globals['_AUDIOFORMAT']._serialized_start=1358
+  _globals['_AUDIOFORMAT']._serialized_end=1461
+  _globals['_AUDIOCHUNK']._serialized_start=1463
+  _globals['_AUDIOCHUNK']._serialized_end=1489
+  _globals['_SPEECHSUMMARY']._serialized_start=1492
+  _globals['_SPEECHSUMMARY']._serialized_end=1813
+  _globals['_LISTVOICESREQUEST']._serialized_start=1815
+  _globals['_LISTVOICESREQUEST']._serialized_end=1872
+  _globals['_LISTVOICESRESPONSE']._serialized_start=1874
+  _globals['_LISTVOICESRESPONSE']._serialized_end=1929
+  _globals['_VOICE']._serialized_start=1932
+  _globals['_VOICE']._serialized_end=2097
+  _globals['_CREATEVOICEREQUEST']._serialized_start=2100
+  _globals['_CREATEVOICEREQUEST']._serialized_end=2238
+  _globals['_DELETEVOICEREQUEST']._serialized_start=2240
+  _globals['_DELETEVOICEREQUEST']._serialized_end=2289
+  _globals['_DELETEVOICERESPONSE']._serialized_start=2291
+  _globals['_DELETEVOICERESPONSE']._serialized_end=2312
+  _globals['_SPEECHSERVICE']._serialized_start=2405
+  _globals['_SPEECHSERVICE']._serialized_end=2880
 # @@protoc_insertion_point(module_scope)

@@ -77,12 +77,14 @@ class VoiceSelection(_message.Message):
     def __init__(self, name: _Optional[str] = ..., language_code: _Optional[str] = ...) -> None: ...
 
 class AudioConfig(_message.Message):
-    __slots__ = ("encoding", "sample_rate_hertz")
+    __slots__ = ("encoding", "sample_rate_hertz", "speaking_rate")
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_RATE_HERTZ_FIELD_NUMBER: _ClassVar[int]
+    SPEAKING_RATE_FIELD_NUMBER: _ClassVar[int]
     encoding: _content_pb2.AudioEncoding
     sample_rate_hertz: int
-    def __init__(self, encoding: _Optional[_Union[_content_pb2.AudioEncoding, str]] = ..., sample_rate_hertz: _Optional[int] = ...) -> None: ...
+    speaking_rate: float
+    def __init__(self, encoding: _Optional[_Union[_content_pb2.AudioEncoding, str]] = ..., sample_rate_hertz: _Optional[int] = ..., speaking_rate: _Optional[float] = ...) -> None: ...
 
 class SynthesizeSpeechResponse(_message.Message):
     __slots__ = ("format", "audio", "summary")

@@ -192,38 +192,40 @@ def test_cli_output_into_a_closed_pipe_exits_quietly(serve: ServeProcess) -> Non
     assert (done.returncode, done.stderr) == (141, "")
 
 
-def test_sigterm_lets_the_stream_finish_then_exits_0(serve: ServeProcess) -> None:
-    """Runs last in this module: it stops the shared server."""
-    deadline = time.monotonic() + 60  # the --demo request ends first: only the streams below are in flight
-    while "still serving" not in "".join(serve.stdout):
-        assert time.monotonic() < deadline and serve.proc.poll() is None, "".join(serve.stdout + serve.log)
-        time.sleep(0.05)
-    with grpc.insecure_channel(serve.address) as channel:
-        stub = generation_pb2_grpc.GenerationServiceStub(channel)
-        # Several long streams keep the drain open while the late call arrives (one tiny-model stream can finish
-        # within milliseconds of the signal, and a call to a server that has already closed is CANCELLED instead).
-        streams = [
-            stub.Generate(user_request("Talk for a long time.", max_output_tokens=400, ignore_eos=True))
-            for _ in range(16)
-        ]
-        firsts = [next(stream) for stream in streams]  # every stream admitted before the signal
-        assert all(first.HasField("delta") for first in firsts)
-        os.kill(serve.proc.pid, signal.SIGTERM)
-        wait_for_log(serve, "shutting down")
-        # The server itself counted all sixteen still running when the drain began (deltas the client has not read
-        # yet say nothing: hundreds can sit in its buffers after the server has finished).
-        assert in_flight_at_shutdown(serve.log) == len(streams), "".join(serve.log)
-        with pytest.raises(grpc.RpcError) as info:
-            list(stub.Generate(user_request("Late", max_output_tokens=2), timeout=10))
-        # Refused by the drain itself (not a connection error from a server already gone).
-        assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value
-        assert "shutting down" in info.value.details(), info.value
-        for stream in streams:
-            after = list(stream)  # completes normally: no RpcError
-            assert after[-1].HasField("summary") and after[-1].summary.usage.output_tokens == 400
-    assert serve.proc.wait(timeout=60) == 0, "".join(serve.log)
-    log = "".join(serve.log)
-    assert "SIGTERM received" in log and "stopped" in log
+def test_sigterm_lets_the_stream_finish_then_exits_0(long_checkpoint: Path) -> None:
+    """Its own server (it stops that server, so no test order matters: it used to stop the module's shared one and had
+    to run last). 16 streams of 400 tokens are 400 engine steps after the signal (5-8 s measured at load 11 on the
+    shared 2 cores), against a few milliseconds between the streams' first deltas and the signal; the server's own
+    count at `shutting down` proves all sixteen were still running."""
+    process = ServeProcess("--model", str(long_checkpoint), "--kv-cache-gib", "0.02", "--device", "cpu")
+    try:
+        address = process.wait_ready()
+        with grpc.insecure_channel(address) as channel:
+            stub = generation_pb2_grpc.GenerationServiceStub(channel)
+            # Several long streams keep the drain open while the late call arrives (a call to a server that has
+            # already closed is CANCELLED instead).
+            request = user_request("Talk for a long time.", max_output_tokens=400, ignore_eos=True)
+            streams = [stub.Generate(request) for _ in range(16)]
+            firsts = [next(stream) for stream in streams]  # every stream admitted before the signal
+            assert all(first.HasField("delta") for first in firsts)
+            os.kill(process.proc.pid, signal.SIGTERM)
+            wait_for_log(process, "shutting down")
+            # The server itself counted all sixteen still running when the drain began (deltas the client has not
+            # read yet say nothing: hundreds can sit in its buffers after the server has finished).
+            assert in_flight_at_shutdown(process.log) == len(streams), "".join(process.log)
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Generate(user_request("Late", max_output_tokens=2), timeout=10))
+            # Refused by the drain itself (not a connection error from a server already gone).
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value
+            assert "shutting down" in info.value.details(), info.value
+            for stream in streams:
+                after = list(stream)  # completes normally: no RpcError
+                assert after[-1].HasField("summary") and after[-1].summary.usage.output_tokens == 400
+        assert process.proc.wait(timeout=60) == 0, "".join(process.log)
+        log = "".join(process.log)
+        assert "SIGTERM received" in log and "stopped" in log
+    finally:
+        process.stop()
 
 
 def test_every_subpackage_is_packaged() -> None:

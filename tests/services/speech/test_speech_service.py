@@ -161,6 +161,10 @@ def test_bad_requests_leave_the_server_serving(server):
     expect_error(server, INVALID, "text", text="a" * (server.speech.limits.max_text_chars + 1))
     expect_error(server, INVALID, "audio_config.encoding", encoding=99)
     expect_error(server, INVALID, "audio_config.sample_rate_hertz", rate=12345)
+    paced = speech_pb2.SynthesizeSpeechRequest(text="Hi.", audio_config=speech_pb2.AudioConfig(speaking_rate=1.5))
+    with pytest.raises(grpc.RpcError) as info:  # Orpheus speaks at the pace it samples: refused, not ignored
+        list(speech_pb2_grpc.SpeechServiceStub(server.channel()).SynthesizeSpeech(paced, timeout=30))
+    assert info.value.code() == INVALID and "audio_config.speaking_rate" in info.value.details()
     expect_error(server, INVALID, "audio_config.sample_rate_hertz", encoding=ENC.AUDIO_ENCODING_OGG_OPUS, rate=44100)
     expect_error(server, INVALID, "sampling.temperature", sampling={"temperature": -1})
     server.speech.limits.max_segment_chars = 5000  # one segment whose prompt cannot fit the 4096-token context

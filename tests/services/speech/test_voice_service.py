@@ -244,3 +244,25 @@ def test_pcm_is_speech_shaped(server):
     pcm = np.frombuffer(data, np.int16).astype(np.float32) / 32768
     rms = float(np.sqrt(np.mean(pcm**2)))
     assert 0.01 < rms < 0.5 and float(np.mean(np.abs(pcm) > 0.99)) < 0.01
+
+
+def test_speaking_rate_sets_the_pace(server):
+    def seconds(model, rate):
+        config = speech_pb2.AudioConfig(encoding=content_pb2.AUDIO_ENCODING_LINEAR16, speaking_rate=rate)
+        request = speech_pb2.SynthesizeSpeechRequest(model=model, text=TEXT, audio_config=config)
+        return list(speech(server).SynthesizeSpeech(request, timeout=60))[-1].summary.audio_seconds
+
+    for model in (DEFAULT_VOICE_MODEL_NAME, RANDOM):
+        normal, fast = seconds(model, 1.0), seconds(model, 2.0)
+        assert fast < 0.7 * normal, (model, normal, fast)
+    for bad in (0.0, 5.0, float("nan")):
+        err = status(lambda bad=bad: seconds(RANDOM, bad))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "audio_config.speaking_rate" in err.details()
+
+
+def test_speech_metrics_count_voice_requests(server):
+    registry = server.server.metrics.registry
+    before = registry.get_sample_value("omnivox_time_to_first_audio_seconds_count", {"model": RANDOM}) or 0.0
+    synthesize(server, model=RANDOM)
+    assert registry.get_sample_value("omnivox_time_to_first_audio_seconds_count", {"model": RANDOM}) == before + 1
+    assert registry.get_sample_value("omnivox_speech_real_time_factor_count", {"model": RANDOM}) >= 1

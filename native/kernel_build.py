@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from omnivox.models.cache import build_cached, omnivox_cache_dir
+from omnivox.native.cache import build_cached, omnivox_cache_dir
 
 CPUINFO = Path("/proc/cpuinfo")
 
@@ -118,7 +118,7 @@ def build_library(
     depends: Sequence[Path] = (),
 ) -> Path:
     """Compile `sources` (each to an object with `compile_flags` and `-march` of `target`), link them into a shared
-    library with `link_flags`, once per cache key (models/cache.py's locked, atomic build); return its path.
+    library with `link_flags`, once per cache key (native/cache.py's locked, atomic build); return its path.
 
     Raises BuildError when the compiler fails, ValueError for an unknown target or when there is no compiler.
     """

@@ -1,0 +1,99 @@
+"""The embedded default (Q4_1 GGUF) served in-process on each CPU kernel path, side by side in one run: the native
+build, the AVX2 build (x86-64-v3) with its many-row kernel (block_kernels_avx2.c), and the AVX2 build without it (the
+int16 kernels and float GEMM every AVX2 host ran before). Rounds alternate the settings so that a shared machine's
+load falls on all of them; the figures are `omnivox bench`'s (benchmarks/metrics.py), per level and round.
+
+    python -m omnivox.benchmarks.kernel_targets [--concurrency 1,16] [--level-seconds 20] [--rounds 2] [--out F]
+
+Run it with MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 to give torch's float
+GEMM (prefill of Q8_0 layers, the path before) the AVX2 host's instructions too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from omnivox.benchmarks.host import write_results
+from omnivox.benchmarks.main import default_model, git_commit
+from omnivox.benchmarks.metrics import summarize
+from omnivox.benchmarks.systems.hf_loading import load_tokenizer
+from omnivox.benchmarks.systems.omnivox_engine import OmnivoxEngineInProcess
+from omnivox.benchmarks.workload import WorkloadSpec, make_workload
+from omnivox.models import cpu_kernels, quant
+
+# name -> (kernel target, whether the AVX2 many-row kernel serves Q4_1 layers from quant.AVX2_MIN_ROWS rows)
+SETTINGS = {"native": ("native", True), "avx2": ("x86-64-v3", True), "avx2-before": ("x86-64-v3", False)}
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def run(model: str, settings: list[str], levels: list[int], level_seconds: float, rounds: int, spec: WorkloadSpec):
+    requests = make_workload(spec, load_tokenizer(model))
+    avx2_q4 = quant.AVX2_MIN_ROWS["q4"]
+    rows = []
+    for round_index in range(rounds):
+        for name in settings:
+            target, avx2_rows = SETTINGS[name]
+            cpu_kernels.use_target(target)
+            quant.AVX2_MIN_ROWS["q4"] = avx2_q4 if avx2_rows else None
+            system = OmnivoxEngineInProcess(model, "float32", quantization="auto")
+            system.start()  # the fused decode table reads the routing at load
+            try:
+                for c in levels:
+                    reqs = requests[: max(4, 2 * c)]
+                    traces = system.run(reqs, c, lambda n: None, time.perf_counter() + level_seconds)
+                    row = summarize(name, c, traces).to_dict() | {"round": round_index, "kernel_target": target}
+                    rows.append(row)
+                    print(
+                        f"round {round_index} {name:12s} @ {c:3d}: {row['total_tps']:6.1f} tok/s, ITL p50 "
+                        f"{row['itl_p50_ms']:6.1f} ms p99 {row['itl_p99_ms']:7.1f} ms, TTFT p50 {row['ttft_p50_ms']:7.0f} ms",
+                        flush=True,
+                    )
+            finally:
+                system.close()
+    quant.AVX2_MIN_ROWS["q4"] = avx2_q4
+    cpu_kernels.use_target("native")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="a Q4_1 / Q8_0 GGUF (default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--settings", default=",".join(SETTINGS), help=f"subset of {list(SETTINGS)}")
+    ap.add_argument("--concurrency", type=_int_list, default=[1, 16])
+    ap.add_argument("--level-seconds", type=float, default=20.0)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--output-tokens", default="16,48", help="LOW,HIGH output tokens per request")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    low, high = _int_list(args.output_tokens)
+    spec = WorkloadSpec(num_requests=max(4, 2 * max(args.concurrency)), output_tokens=(low, high))
+    model = args.model or default_model()
+    settings = [s for s in args.settings.split(",") if s]
+    start = time.time()
+    rows = run(model, settings, args.concurrency, args.level_seconds, args.rounds, spec)
+    result = {
+        "model": Path(model).name,
+        "commit": git_commit(),
+        "threads": args.threads,
+        "level_seconds": args.level_seconds,
+        "settings": {name: SETTINGS[name] for name in settings},
+        "wall_s": math.ceil(time.time() - start),
+        "levels": rows,
+    }
+    if args.out:
+        write_results(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
