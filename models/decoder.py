@@ -172,6 +172,10 @@ def scale_embeddings(x: torch.Tensor, scale: float | None) -> torch.Tensor:
 class DecoderModel(nn.Module):
     """Token (or embedding) rows in, logits out; attention state lives in the caller's paged KV cache."""
 
+    # (layer, attention, MLP): the exact classes the fused CPU decode step computes (models/fused_decode.py); a layer
+    # of any other class (Gemma 3's SandwichDecoderLayer) takes the torch path.
+    fused_layer_types: tuple[type, type, type] = (DecoderLayer, Attention, MLP)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg

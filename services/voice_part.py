@@ -69,6 +69,14 @@ def check_voice_path(path: Path) -> None:
 
 def load_voice_part(path: Path) -> VoicePart:
     """The voice at `path` in its worker (blocking). ValueError / RuntimeError with a one-line reason."""
-    from omnivox.models.voice.loading import load_voice
+    import numpy as np
 
-    return VoicePart(load_voice(path))
+    from omnivox.models.voice.loading import load_voice
+    from omnivox.models.voice.voice_model import VoiceSettings
+
+    voice = load_voice(path)
+    # One run now: a session's first run is the slowest (hibari, one sentence: 0.24 s, then 0.17 and 0.14 s, on 2
+    # busy cores), which the first request's time to first audio would otherwise pay.
+    for utterance in voice.utterances("Warm up.")[:1]:
+        voice.render(utterance, VoiceSettings(voice.default_voice), np.random.default_rng(0))
+    return VoicePart(voice)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from omnivox.services.cli._common import CliError
+from omnivox.services.cli._node_flags import add_node_arguments, node_group, run_worker_node
 from omnivox.services.cli._serve_flags import add_serve_arguments, check_flag_values, model_specs
 
 if TYPE_CHECKING:
@@ -26,6 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Serve models over gRPC. Without --model, serves the embedded default (fetched on first use).",
     )
     add_serve_arguments(p)
+    add_node_arguments(p)
     p.set_defaults(run=run)
 
 
@@ -39,6 +41,9 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(str(err)) from None
     check_flag_values(args)
     check_tensor_parallel(args)
+    nodes = node_group(args)  # LeaderWorkerSet's variables, or the flags
+    if nodes is not None and nodes.node_rank > 0:  # a worker pod: its ranks only, no gRPC
+        return run_worker_node(args, nodes)
     # Before the server's imports (transformers, grpc: seconds): a wrong --sampling-default or --quantization
     # fails in a blink, as a wrong path does.
     specs = model_specs(
@@ -117,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
         quantize_lm_head=args.quantize_lm_head,
         num_speculative_tokens=args.num_speculative_tokens,
         tensor_parallel=args.tensor_parallel,
+        node_group=nodes,
         progress=True,
         speech_streaming=None
         if args.speech_first_hop is None

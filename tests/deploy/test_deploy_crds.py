@@ -40,6 +40,7 @@ TYPOS = {
     "PodMonitor": (["spec", "podMetricsEndpoints", 0], "prot"),
     "ScaledObject": (["spec"], "maxReplicas"),
     "BackendTrafficPolicy": (["spec", "loadBalancer", "consistentHash"], "header_name"),
+    "LeaderWorkerSet": (["spec", "leaderWorkerTemplate"], "groupSize"),
     "Certificate": (["spec"], "dnsName"),
     "Issuer": (["spec", "ca"], "secret"),
 }
@@ -83,3 +84,13 @@ def test_the_oci_component_renders_and_validates(tmp_path) -> None:
     env = {e["name"]: e["value"] for e in job["containers"][0]["env"]}
     assert env["MODEL_SOURCE"] == "file:///models/.staging" and "/models/.staging" in copy["command"][-1]
     assert env["MODEL_ID"] == copy["image"]
+
+
+def test_a_pod_template_cut_from_the_schema_is_still_checked(custom_resources) -> None:
+    """The LeaderWorkerSet's pod templates (cut from the vendored schema) are validated as core PodTemplates,
+    strictly: a misspelt probe field in the worker template is refused."""
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    lws = next(d for (_, k), d in custom_resources.items() if k == "LeaderWorkerSet")
+    path = ["spec", "leaderWorkerTemplate", "workerTemplate", "spec", "containers", 0]
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate(with_typo(lws, path, "imagePullPolcy"))

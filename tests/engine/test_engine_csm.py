@@ -74,3 +74,22 @@ def test_frames_decode_to_transformers_audio(csm):
         expected = reference.codec_model.decode(codes).audio_values[:, 0]
     assert expected.abs().max() > 0.05
     torch.testing.assert_close(codec.decode(codes), expected, atol=1e-4, rtol=0)
+
+
+def test_an_end_frame_stops_the_request_as_transformers_does(csm):
+    """With every codebook's logits at zero, argmax gives code 0 = codebook_eos everywhere: the first frame is an end
+    frame, and both transformers' generate and the engine stop after it ("stop", the frame kept)."""
+    path, _, _ = csm
+    reference = CsmForConditionalGeneration.from_pretrained(path).eval()
+    engine = Engine.from_pretrained(path, max_num_seqs=2)
+    with torch.no_grad():
+        for model in (reference, engine.model):
+            model.lm_head.weight.zero_()
+        reference.depth_decoder.codebooks_head.weight.zero_()
+        engine.model.depth_decoder.codebooks_head.zero_()
+    ids = prompt_ids(engine, TEXTS[0])
+    out = engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=9))[0]
+    expected = reference_frames(reference, ids, 9)
+    assert expected.shape[0] == 1 and out.finish_reason == "stop"
+    assert torch.equal(torch.tensor(out.frames), expected)
+    engine.check_integrity()

@@ -39,7 +39,7 @@ def test_measured_budget_is_installed_and_leaks_nothing(ckpt):
     assert budget == StepBudget(32, 32, 16)
     engine.check_integrity()
     assert engine.pool.num_free == len(engine.pool.blocks)  # the calibration prompts' blocks came back
-    assert hold_step_ms(engine, step_ms=0.0).mixed_step_tokens == 1  # no time at all: one token, prompts get 1
+    assert hold_step_ms(engine, step_ms=0.0) == StepBudget(32, 32, 16)  # no time at all: still two prompt floors
 
 
 def test_budget_bounds_mixed_steps_and_keeps_greedy_tokens(ckpt):

@@ -35,6 +35,7 @@ CRD_SCHEMAS = {
         ("monitoring.coreos.com", "PodMonitor", "v1"),
         ("keda.sh", "ScaledObject", "v1alpha1"),
         ("gateway.envoyproxy.io", "BackendTrafficPolicy", "v1alpha1"),
+        ("leaderworkerset.x-k8s.io", "LeaderWorkerSet", "v1"),
         ("cert-manager.io", "Certificate", "v1"),
         ("cert-manager.io", "Issuer", "v1"),
     ]
