@@ -20,7 +20,7 @@ from support.voice_checkpoints import save_random_piper_voice
 from omnivox.models.voice.piper_config import PiperConfig
 from omnivox.services.defaults import DEFAULT_VOICE_MODEL_NAME, ensure_default_voice
 from omnivox.services.errors import ModelLoadError
-from omnivox.services.loading import check_model_path
+from omnivox.services.loading import check_model_path, model_name_for
 from omnivox.services.model_spec import ModelSpec
 from omnivox.v1 import (
     content_pb2,
@@ -266,3 +266,13 @@ def test_speech_metrics_count_voice_requests(server):
     synthesize(server, model=RANDOM)
     assert registry.get_sample_value("omnivox_time_to_first_audio_seconds_count", {"model": RANDOM}) == before + 1
     assert registry.get_sample_value("omnivox_speech_real_time_factor_count", {"model": RANDOM}) >= 1
+
+
+def test_a_piper_onnx_file_next_to_its_json_is_a_model_path(server, tmp_path):
+    folder = server.registry.lookup(RANDOM).source
+    onnx = folder / f"{RANDOM}.onnx"
+    assert check_model_path(onnx) == onnx.resolve()
+    assert model_name_for(onnx) == RANDOM == model_name_for(folder)  # not the folder's own name
+    (tmp_path / "lone.onnx").write_bytes(onnx.read_bytes())  # no .onnx.json beside it: not a voice
+    with pytest.raises(ModelLoadError, match="neither a checkpoint folder nor a .gguf file"):
+        check_model_path(tmp_path / "lone.onnx")
