@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from omnivox.engine.block_pool import BlockPool
-from omnivox.engine.errors import InvalidRequest
+from omnivox.engine.errors import InvalidRequest, ModelGroupBroken
 from omnivox.engine.frame_step import FrameStep
 from omnivox.engine.kv_manager import KVCacheManager
 from omnivox.engine.outputs import TokenLogprob
@@ -181,6 +181,8 @@ class EngineCore:
             window = self._logit_window(plan)  # project only the vocabulary rows the samples can be (vocab_window.py)
             with self.grammar_masks.overlap(c.request for c in plan.chunks):
                 logits, sampling = self.runner.execute(plan, window)
+        except ModelGroupBroken:  # no request can run another step: the engine stops (engine.py _fail_all)
+            raise
         except Exception:
             log.exception("engine step failed; failing the %d requests in it", len(plan.chunks))
             result.failed += [c.request for c in plan.chunks]

@@ -122,6 +122,7 @@ class Engine:
             config.quantize_lm_head,
             tp,
             config.activation_bits,
+            config.node_group,
         )
         if config.speculative is not None:
             from omnivox.engine.draft import build_proposer
@@ -137,7 +138,7 @@ class Engine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_caching=config.enable_prefix_caching,
             # replayed CUDA graphs would not tell the tensor-parallel workers
-            static_decode=config.static_decode if tp == 1 else False,
+            static_decode=config.static_decode if tp == 1 and config.node_group is None else False,
             proposer=proposer,
         )
 
@@ -315,12 +316,26 @@ class Engine:
     def _loop(self) -> None:
         if self.device.type == "cuda":  # `--device cuda:1`: this thread's kernels and graphs must run on that device
             torch.cuda.set_device(self.device)
+        # A model spread over processes (engine/tensor_parallel.py) can break while idle (a node of its group lost):
+        # checked every 0.5 s without work, so the server stops within seconds, not at the next request.
+        group_check = getattr(self.model, "raise_if_broken", None)
         while True:
             with self._cond:
                 while not (self._stopping or self._inbox or self._aborts or self.core.has_work()):
-                    self._cond.wait()
+                    self._cond.wait(None if group_check is None else 0.5)
+                    if group_check is not None and not (self._inbox or self._aborts or self.core.has_work()):
+                        break
                 if self._stopping:
                     return
+                idle = not (self._inbox or self._aborts or self.core.has_work())
+            if idle and group_check is not None:
+                try:
+                    group_check()
+                except Exception as exc:  # crash-only, as a failed step
+                    log.exception("the model's process group broke while idle: the engine stops")
+                    self._fail_all(exc)
+                    return
+                continue
             try:
                 if self.arbiter is not None:  # another engine's audio behind its playback deadline steps first
                     self.arbiter.wait_turn(self)

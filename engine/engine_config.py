@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from omnivox.models.pipeline import NodeGroup
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -31,4 +33,7 @@ class EngineConfig:
     quantization: str | None = None
     quantize_lm_head: bool | None = None  # None: as the checkpoint carries it
     tensor_parallel: int = 1  # processes the decoder is split over (engine/tensor_parallel.py)
+    # A model group over several nodes, this process its leader (models/pipeline.py): pipeline stages across nodes,
+    # `tensor_parallel` ranks on each. None: one node.
+    node_group: NodeGroup | None = None
     activation_bits: int = 16  # of quantised weights' kernels: 16, or 8 (models/quant.py apply_activation_bits)

@@ -1,4 +1,4 @@
-"""Errors the engine raises for bad input. The service maps them onto gRPC INVALID_ARGUMENT."""
+"""Errors the engine raises: bad input (the service maps it onto gRPC INVALID_ARGUMENT) and a broken model group."""
 
 
 class InvalidRequest(ValueError):
@@ -8,3 +8,9 @@ class InvalidRequest(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.description = message
+
+
+class ModelGroupBroken(RuntimeError):
+    """A model spread over processes (tensor-parallel ranks, pipeline nodes) lost one: the group cannot run another
+    step and must be restarted whole. The service maps it onto gRPC UNAVAILABLE (another replica can serve the call);
+    an engine's own step failure stays INTERNAL."""

@@ -62,6 +62,7 @@ def load_model(
     quantize_lm_head: bool | None = None,
     tensor_parallel: int = 1,
     activation_bits: int = 16,
+    node_group=None,
 ) -> DecoderModel:
     """The decoder of a checkpoint folder or .gguf with its weights, streamed tensor by tensor.
 
@@ -79,7 +80,7 @@ def load_model(
 
     check_activation_bits(activation_bits, "quantization none is float" if quantization in (None, "none") else None)
 
-    if tensor_parallel > 1:
+    if tensor_parallel > 1 or node_group is not None:  # node_group: several nodes (models/pipeline.py)
         from omnivox.engine.tensor_parallel import start_tensor_parallel
 
         check_activation_bits(activation_bits, "tensor parallelism is float only")
@@ -87,7 +88,7 @@ def load_model(
             raise NotApplicable(
                 "quantization", f"tensor parallelism needs float weights; quantization {quantization!r} is not sharded"
             )
-        return start_tensor_parallel(path, tensor_parallel, device, dtype, max_model_len)
+        return start_tensor_parallel(path, tensor_parallel, device, dtype, max_model_len, nodes=node_group)
     hf_config = load_hf_config(path)
     if getattr(hf_config, "model_type", "") == "whisper":  # encoder-decoder: the encoder rides along (on rank 0)
         from omnivox.models.audio.whisper import build_whisper

@@ -38,8 +38,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from omnivox.models.decoder import DecoderModel
-from omnivox.models.tensor_parallel import check_world, load_shard, local_kv_heads
+from omnivox.engine.errors import ModelGroupBroken
+from omnivox.models.node_worker import NodeWatch
+from omnivox.models.pipeline import NodeGroup, PipelineStage, set_group, stage_groups
+from omnivox.models.tensor_parallel import check_world, local_kv_heads
 from omnivox.models.tensor_parallel_worker import (
     CONTROL_TIMEOUT,
     Caches,
@@ -49,6 +51,7 @@ from omnivox.models.tensor_parallel_worker import (
     Logits,
     ShardSpec,
     Stop,
+    load_rank,
     portable,
     send,
     without_decode_mask,
@@ -65,21 +68,35 @@ class TensorParallelModel(nn.Module):
     `config` is this rank's: its attention heads, KV heads and MLP slice (a `world`-th of each), so the runner sizes
     the cache for the heads a rank holds and `kv_cache_gib` means per rank (per GPU)."""
 
-    def __init__(self, shard: DecoderModel, control: dist.ProcessGroup, workers: list, store: Any) -> None:
+    def __init__(
+        self,
+        shard: nn.Module,
+        control: dist.ProcessGroup,
+        workers: list,
+        store: Any,
+        stage_group: dist.ProcessGroup | None = None,
+        watch: NodeWatch | None = None,
+    ) -> None:
+        """shard: rank 0's DecoderModel shard, or its PipelineStage (several nodes: stage_group is stage 0's)."""
         super().__init__()
         self.shard = shard
-        self.world = dist.get_world_size()
+        self.pipeline = isinstance(shard, PipelineStage)
+        self.world = shard.topology.tp if self.pipeline else dist.get_world_size()  # the tensor-parallel size
         full = shard.config
         self.full_config = full
+        layers = shard.shard.layers if self.pipeline else shard.layers
         self.config = dataclasses.replace(
             full,
             num_heads=full.num_heads // self.world,
             num_kv_heads=local_kv_heads(full, self.world),  # one, replicated, with fewer KV heads than ranks
             intermediate_size=full.intermediate_size // self.world,
+            num_layers=len(layers),  # a stage's: the runner's cache holds stage 0's layers, each stage its own
         )
         self._control = control
+        self._stage_group = stage_group
         self._workers = workers
         self._store = store  # keeps the rendezvous store (and its port) alive as long as the group
+        self._watch = watch  # the other nodes' heartbeats (several nodes)
         self._lock = threading.Lock()
         self._cache_key: tuple | None = None
         self._closed = False
@@ -93,24 +110,26 @@ class TensorParallelModel(nn.Module):
         """Raise when a collective failed or a worker is gone: the group cannot run another step, and the engine's
         own handling (fail the step's requests, serve the rest) would fail every later request too. The engine
         loop calls this after each step and stops (crash-only), so the server goes NOT_SERVING and exits."""
-        if self._broken is None:
+        if self._broken is None and not self._closed:
             dead = [p for p in self._workers if not p.is_alive()]
-            if dead and not self._closed:
+            if dead:
                 self._broken = RuntimeError(f"tensor-parallel worker {dead[0].name} exited ({dead[0].exitcode})")
+            elif self._watch is not None and (lost := self._watch.lost()) is not None:
+                self._broken = RuntimeError(lost)
         if self._broken is not None:
-            raise RuntimeError(f"tensor-parallel group broken: {self._broken}") from self._broken
+            raise ModelGroupBroken(f"tensor-parallel group broken: {self._broken}") from self._broken
 
     @contextlib.contextmanager
     def _step(self):
         """One message and the collectives it starts, atomic; a failure marks the group broken."""
         with self._lock:
             if self._broken is not None:
-                raise RuntimeError(f"tensor-parallel group broken: {self._broken}")
+                raise ModelGroupBroken(f"tensor-parallel group broken: {self._broken}")
             try:
                 yield
             except Exception as exc:
                 self._broken = exc
-                raise
+                raise ModelGroupBroken(f"tensor-parallel group broken: {exc}") from exc
 
     def forward(self, input_ids, positions, kv_caches, meta, *args, **kwargs) -> torch.Tensor:
         with self._step():
@@ -129,7 +148,7 @@ class TensorParallelModel(nn.Module):
         with self._step():
             hidden = hidden.contiguous()
             send(Logits(hidden.shape[0]), self._control)
-            dist.broadcast(hidden, src=0)
+            dist.broadcast(hidden, src=0, group=self._stage_group)
             logits = self.shard.compute_logits(hidden)
             return logits if window is None else logits[:, window[0] : window[1]]
 
@@ -141,6 +160,8 @@ class TensorParallelModel(nn.Module):
     def gather_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, ...]]:
         """Every rank's cache joined along the head axis, on the CPU: [slots, all kv heads, head_dim] per layer and
         K/V — what one process would hold, a replicated head once (tests compare it; it copies the whole cache)."""
+        if self.pipeline:
+            raise NotImplementedError("gather_kv_caches: one node only (a stage holds some layers of the cache)")
         out = []
         with self._step():
             send(GatherKV(), self._control)
@@ -160,6 +181,8 @@ class TensorParallelModel(nn.Module):
             if self._closed:
                 return
             self._closed = True
+            if self._watch is not None:  # the other nodes stop beating once they hear Stop
+                self._watch.stop()
             try:
                 if self._broken is None:
                     send(Stop(), self._control)
@@ -185,16 +208,30 @@ def start_tensor_parallel(
     dtype: torch.dtype,
     max_model_len: int | None = None,
     load_timeout_s: float = 1800.0,
+    nodes: NodeGroup | None = None,
 ) -> TensorParallelModel:
     """Spawn ranks 1..world-1, load rank 0's shard here, join the group; returns rank 0's model for the engine.
 
-    This process becomes rank 0 of the default process group (one tensor-parallel model per process)."""
+    This process becomes rank 0 of the default process group (one tensor-parallel model per process). `nodes`
+    (nnodes > 1, this the leader): the group spans nodes, `world` ranks on each, pipeline stages across them
+    (models/pipeline.py); the rendezvous store listens on nodes.master_port for the other nodes' ranks
+    (models/node_worker.py), which load their own stages meanwhile."""
+    nnodes = nodes.nnodes if nodes is not None else 1
     check_world(path, world, device, max_model_len)
     if dist.is_initialized():
         raise RuntimeError("this process already belongs to a process group: one tensor-parallel model per process")
-    # Port 0: the store picks a free port and keeps it bound (no window in which another process could take it).
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
-    spec = ShardSpec(str(path), world, str(device), dtype, max_model_len, torch.get_num_threads(), store.port)
+    if nnodes == 1:
+        # Port 0: the store picks a free port and keeps it bound (no window in which another process could take it).
+        store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+        host = "127.0.0.1"
+    else:
+        assert nodes is not None and nodes.node_rank == 0, "the leader (node rank 0) serves"
+        store = dist.TCPStore(
+            nodes.master_addr, nodes.master_port, world * nnodes, is_master=True, wait_for_workers=False
+        )
+        host = nodes.master_addr
+    threads = torch.get_num_threads()
+    spec = ShardSpec(str(path), world, str(device), dtype, max_model_len, threads, store.port, nnodes, host)
     ctx = mp.get_context("spawn")
     workers, conns = [], []
     try:
@@ -207,9 +244,13 @@ def start_tensor_parallel(
             theirs.close()
             workers.append(p)
             conns.append(mine)
-        shard = load_shard(path, 0, world, device, dtype, max_model_len).eval()
+        shard = load_rank(spec, 0)
         _wait_loaded(workers, conns, load_timeout_s)
-        dist.init_process_group(spec.backend, store=store, rank=0, world_size=world)
+        dist.init_process_group(spec.backend, store=store, rank=0, world_size=world * nnodes)
+        stage_group = None
+        if nnodes > 1:  # every rank makes every stage's group, then the control group (models/pipeline.py)
+            stage_group = stage_groups(spec.topology)[0]
+            set_group(shard, stage_group)
         control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     except BaseException:
         for p in workers:
@@ -219,7 +260,11 @@ def start_tensor_parallel(
             dist.destroy_process_group()
         raise
     log.info("tensor parallel: %d ranks (%s), workers %s", world, spec.backend, [p.pid for p in workers])
-    return TensorParallelModel(shard, control, workers, store)
+    watch = None
+    if nnodes > 1:
+        log.info("pipeline: %d nodes of %d ranks, rendezvous %s:%d", nnodes, world, host, store.port)
+        watch = NodeWatch(host, store.port, nnodes)
+    return TensorParallelModel(shard, control, workers, store, stage_group, watch)
 
 
 def _wait_loaded(workers: list, conns: list, timeout_s: float) -> None:

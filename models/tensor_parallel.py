@@ -298,11 +298,19 @@ def load_shard(
     dtype: torch.dtype,
     max_model_len: int | None = None,
     group: dist.ProcessGroup | None = None,
+    layers: range | None = None,
+    first: bool = True,
+    last: bool = True,
 ) -> DecoderModel:
     """This rank's shard of the checkpoint at `path` (the model shard_decoder makes from the whole one), allocated at
     the shard's sizes and filled tensor by tensor: peak memory is the shard plus the largest checkpoint tensor.
-    No collective runs here: the process group need not exist yet (it must by the first forward)."""
+    No collective runs here: the process group need not exist yet (it must by the first forward).
+
+    `layers` (a pipeline stage, models/pipeline.py): only those layers, renumbered from 0; the embedding and head
+    only when `first`, the final norm only when `last`; nothing else is ever allocated (built on the meta device)."""
     from omnivox.models.checkpoint import iter_checkpoint_tensors, load_hf_config
+    from omnivox.models.decoder import make_rotaries
+    from omnivox.models.pipeline import keep_stage, stage_tensors
 
     cfg = ModelConfig.from_hf(load_hf_config(path), max_model_len)
     check_divisible(cfg, world)
@@ -317,12 +325,22 @@ def load_shard(
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):  # allocated in place at its dtype: no float32 copy of the shard
-            model = DecoderModel(local)
+        if layers is None:
+            with torch.device(device):  # allocated in place at its dtype: no float32 copy of the shard
+                model = DecoderModel(local)
+        else:  # a stage: built bare, cut to its layers, then given memory; the rotary tables computed again
+            with torch.device("meta"):
+                model = DecoderModel(local)
+            keep_stage(model, layers, first, last)
+            model.to_empty(device=device)
+            with torch.device(device):
+                model.rotary, model.rotary_local = make_rotaries(local)
     finally:
         torch.set_default_dtype(prev)
     model.rotary.to(torch.float32)
     tensors = split_fused_projections(cfg, iter_checkpoint_tensors(path))  # the whole model's rows, before slicing
+    if layers is not None:
+        tensors = stage_tensors(tensors, layers, first, last)
     model.load_weights(_slice_for_rank(tensors, rank, world, cfg.num_kv_heads))
     for layer in model.layers:
         layer.self_attn.o_proj = RowParallelLinear(layer.self_attn.o_proj, group)
@@ -333,5 +351,7 @@ def load_shard(
         if mlp is not None:
             mlp.down_proj = RowParallelLinear(mlp.down_proj, group)
     model.config = cfg  # the whole model's: vocabulary, context, heads as the checkpoint has them
+    if not first:
+        return model
     head = None if model.lm_head is None else model.lm_head.weight
     return _vocab_parallel(model, model.embed_tokens.weight, head, rank, world, group)

@@ -26,9 +26,10 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from omnivox.models.attention import paged_block_mask
-from omnivox.models.decoder import DecoderModel
+from omnivox.models.pipeline import PipelineStage, Topology, set_group, stage_groups, stage_layers
 from omnivox.models.tensor_parallel import load_shard
 
 # A worker waits on the control channel between requests for as long as the server idles: gloo's default 30-minute
@@ -184,20 +185,26 @@ def receive(group: dist.ProcessGroup) -> Any:
 # ---- workers -------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class ShardSpec:
-    """What every rank loads, and how the ranks meet."""
+    """What every rank loads, and how the ranks meet. Ranks are global: node (stage) * world + local rank."""
 
     path: str
-    world: int
-    device: str  # rank 0's device; rank r takes cuda:(index + r) on CUDA, the CPU on the CPU
+    world: int  # ranks per node: the tensor-parallel size
+    device: str  # rank 0's device; local rank r takes cuda:(index + r) on CUDA, the CPU on the CPU
     dtype: torch.dtype
     max_model_len: int | None
     threads: int  # torch threads per rank on the CPU
     store_port: int
+    nnodes: int = 1  # pipeline stages, one per node (models/pipeline.py)
+    store_host: str = "127.0.0.1"  # the rendezvous store: the leader's address
+
+    @property
+    def topology(self) -> Topology:
+        return Topology(self.world, self.nnodes)
 
     def device_of(self, rank: int) -> torch.device:
         dev = torch.device(self.device)
         if dev.type == "cuda":
-            return torch.device("cuda", (dev.index or 0) + rank)
+            return torch.device("cuda", (dev.index or 0) + rank % self.world)
         return dev
 
     @property
@@ -212,11 +219,38 @@ def _exit_with_parent(parent: int) -> None:
         time.sleep(_PARENT_POLL_S)
 
 
-def join_group(spec: ShardSpec, rank: int) -> tuple[Any, dist.ProcessGroup]:
-    store = dist.TCPStore("127.0.0.1", spec.store_port, spec.world, is_master=rank == 0, wait_for_workers=False)
-    dist.init_process_group(spec.backend, store=store, rank=rank, world_size=spec.world)
+def join_group(
+    spec: ShardSpec, rank: int, shard: nn.Module | None = None
+) -> tuple[Any, dist.ProcessGroup, dist.ProcessGroup | None]:
+    """Meet the other ranks: (store, control group, this rank's stage group; None on one node: the default group).
+    A stage's shard gets its collectives pointed at its stage group."""
+    topology = spec.topology
+    store = dist.TCPStore(spec.store_host, spec.store_port, topology.world, is_master=False, wait_for_workers=False)
+    dist.init_process_group(spec.backend, store=store, rank=rank, world_size=topology.world)
+    group = None
+    if spec.nnodes > 1:
+        group = stage_groups(topology)[topology.stage_of(rank)]
+        if shard is not None:
+            set_group(shard, group)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    return store, control
+    return store, control, group
+
+
+def load_rank(spec: ShardSpec, rank: int) -> nn.Module:
+    """Global rank `rank`'s part: its tensor-parallel shard of all layers, or (several nodes) of its stage's."""
+    device, local = spec.device_of(rank), rank % spec.world
+    if spec.nnodes == 1:
+        return load_shard(spec.path, local, spec.world, device, spec.dtype, spec.max_model_len).eval()
+    from omnivox.models.checkpoint import load_hf_config
+    from omnivox.models.config import ModelConfig
+
+    topology = spec.topology
+    stage = topology.stage_of(rank)
+    cfg = ModelConfig.from_hf(load_hf_config(spec.path), spec.max_model_len)
+    layers = stage_layers(cfg.num_layers, stage, spec.nnodes)
+    first, last = stage == 0, stage == spec.nnodes - 1
+    shard = load_shard(spec.path, local, spec.world, device, spec.dtype, spec.max_model_len, None, layers, first, last)
+    return PipelineStage(shard.eval(), topology, rank)
 
 
 def worker_main(rank: int, spec: ShardSpec, parent: int, conn) -> None:
@@ -227,35 +261,42 @@ def worker_main(rank: int, spec: ShardSpec, parent: int, conn) -> None:
         device = spec.device_of(rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        shard = load_shard(spec.path, rank, spec.world, device, spec.dtype, spec.max_model_len).eval()
+        shard = load_rank(spec, rank)
     except BaseException as exc:  # told to rank 0, which raises it as the load error
         conn.send(f"rank {rank}: {type(exc).__name__}: {exc}")
         return
     conn.send("ready")
     conn.close()
-    _store, control = join_group(spec, rank)
+    _store, control, group = join_group(spec, rank, shard)
     try:
-        _serve(shard, control, device)
+        serve_rank(shard, control, device, group)
     finally:
         dist.destroy_process_group()
 
 
+def _num_layers(shard: nn.Module) -> int:
+    return len(shard.shard.layers if isinstance(shard, PipelineStage) else shard.layers)
+
+
 @torch.inference_mode()
-def _serve(shard: DecoderModel, control: dist.ProcessGroup, device: torch.device) -> None:
+def serve_rank(shard: nn.Module, control: dist.ProcessGroup, device: torch.device, group=None) -> None:
+    """Run what rank 0 sends until Stop. `group`: the stage group (several nodes); logits and embedding lookups
+    happen on stage 0 only, where the head and the embedding are."""
     caches: list[tuple[torch.Tensor, torch.Tensor]] = []
     dtype = next(shard.parameters()).dtype
+    on_first_stage = not isinstance(shard, PipelineStage) or shard.first
     while True:
         msg = receive(control)
         if isinstance(msg, Stop):
             return
         if isinstance(msg, Caches):
             caches = []  # the old cache goes first: two would not fit a GPU sized for one
-            caches = [
+            caches = [  # this rank's layers (a stage's), at rank 0's slots
                 (
                     torch.zeros(msg.shape, dtype=msg.dtype, device=device),
                     torch.zeros(msg.shape, dtype=msg.dtype, device=device),
                 )
-                for _ in range(msg.num_layers)
+                for _ in range(_num_layers(shard))
             ]
         elif isinstance(msg, Forward):
             meta, *args = portable(msg.args, device)
@@ -263,11 +304,13 @@ def _serve(shard: DecoderModel, control: dist.ProcessGroup, device: torch.device
             ids, positions = msg.input_ids.to(device), msg.positions.to(device)
             shard(ids, positions, caches, meta, *args, **portable(msg.kwargs, device))
         elif isinstance(msg, Logits):
-            hidden = torch.empty(msg.rows, shard.config.hidden_size, dtype=dtype, device=device)
-            dist.broadcast(hidden, src=0)
-            shard.compute_logits(hidden)
+            if on_first_stage:
+                hidden = torch.empty(msg.rows, shard.config.hidden_size, dtype=dtype, device=device)
+                dist.broadcast(hidden, src=0, group=group)
+                shard.compute_logits(hidden)
         elif isinstance(msg, Embed):
-            shard.embed_tokens(msg.ids.to(device))
+            if on_first_stage:
+                shard.embed_tokens(msg.ids.to(device))
         elif isinstance(msg, GatherKV):
             for layer in caches:
                 for local in layer:

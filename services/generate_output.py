@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from omnivox.engine import RequestOutput
+from omnivox.engine.errors import ModelGroupBroken
 from omnivox.services import errors, validation
 from omnivox.services.generate_request import GenerateJob
 from omnivox.services.metrics import Metrics
@@ -52,6 +53,9 @@ class GenerateOutput:
             raise validation.from_invalid_request(last.error)
         if last.finish_reason == "error":  # the engine failed this request's step and kept serving the others
             self.metrics.request_ended(model.name, "error")
+            failure = model.engine.failure if model.engine is not None else None
+            if isinstance(failure, ModelGroupBroken):  # a lost rank or node: the call can be retried elsewhere
+                raise errors.unavailable(f"{model.name}: {failure}; the server is restarting")
             raise errors.internal("the engine failed while computing this request; see the server log")
         final = self._summary(last)
         answer = last.text
