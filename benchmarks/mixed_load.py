@@ -31,6 +31,7 @@ import grpc
 import numpy as np
 
 from omnivox.benchmarks.cpu_flags import cpu_flags
+from omnivox.benchmarks.host import write_results
 from omnivox.benchmarks.speech import synthesize_one
 from omnivox.benchmarks.systems.omnivox_grpc import _listening_address, omnivox_command, wait_serving
 
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         "modes": {mode: summarize(rounds) for mode, rounds in raw.items()},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_results(args.out, result)
     print(json.dumps(result["modes"], indent=2))
     return 0
 

@@ -16,7 +16,6 @@ The JSON records the CPU, its flags and the load average (the benchmark host is 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import statistics
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import grpc
 
+from omnivox.benchmarks.host import write_results
 from omnivox.benchmarks.transcription import word_error_rate
 
 CORPUS = Path(__file__).parent / "data" / "voice_sentences.txt"
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             server.close()
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
+        write_results(args.out, result)
     print(format_table(result))
     return 0
 
