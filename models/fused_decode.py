@@ -9,7 +9,7 @@ verify rows, each row attending up to its own token; no FlexAttention mask) on C
 layers take the torch path), and only while the rows fit the layers' kernels: quantised block layers below
 `quant.LARGE_BATCH` rows (from there a layer is dequantised for GEMM), float32 layers at one row (the GEMV kernel).
 The MLP gate is SiLU or (Gemma 1) GELU with the tanh approximation; Gemma 2 / 3 (sandwich norms, soft caps, local
-RoPE) take the torch path. The torch path stays the reference: tests/test_fused_decode.py checks both agree.
+RoPE) take the torch path. The torch path stays the reference: tests/models/test_fused_decode.py checks both agree.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ To add a part (a new speech model kind, an encoder): write its module (a loader 
 then add one `PartKind` row below. Rows load in table order; the prompt builder of the LAST row that has one wins
 (vision over audio over whisper; a model with none uses the chat template's ChatPromptBuilder). The loaders import
 their modules inside the function, so a text-only server never imports what an encoder family brings
-(tests/test_import_boundary.py).
+(tests/services/test_import_boundary.py).
 """
 
 from __future__ import annotations

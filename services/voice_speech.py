@@ -198,7 +198,8 @@ async def synthesize_voice(
                           limits.max_text_chars)  # fmt: skip
     request_id = request.request_id or uuid.uuid4().hex
     segments = split_text(plan.text, limits.max_segment_chars)
-    with model.admit(), SpeechStreamMetrics(m, model.name, received) as slo:
+    deadline = servicer.registry.arbiter.open  # the engines wait while this stream is behind (engine/arbiter.py)
+    with model.admit(), SpeechStreamMetrics(m, model.name, received, deadline=deadline(part)) as slo:
         speaker = _Speaker(servicer, model, plan, context, speech_pb2.SynthesizeSpeechResponse)
         speaker.slo = slo
         try:
@@ -281,7 +282,8 @@ async def stream_voice(
             clauses.put_nowait((clause, time.monotonic()))
         clauses.put_nowait(None)
 
-    with model.admit(), SpeechStreamMetrics(m, model.name, received) as slo:
+    deadline = servicer.registry.arbiter.open  # the engines wait while this stream is behind (engine/arbiter.py)
+    with model.admit(), SpeechStreamMetrics(m, model.name, received, deadline=deadline(part)) as slo:
         speaker = _Speaker(servicer, model, plan, context, speech_pb2.StreamingSynthesizeSpeechResponse)
         speaker.slo = slo
         reader = asyncio.create_task(read())
