@@ -6,13 +6,13 @@
 #   2. the service, speech and Whisper service tests with OMNIVOX_TEST_DEVICE=cuda (Whisper: the default speech
 #      recognition model, with its encoder worker thread and cross-attention on the GPU);
 #   3. decoder parity, the static-decode twin, the in-place (flex) decode attention and the codec's CUDA graphs
-#      (tests/test_codec_graphs.py: graph replay == eager, bucket passes == dynamic decode, the decode worker's own
+#      (tests/codecs/test_codec_graphs.py: graph replay == eager, bucket passes == dynamic decode, the decode worker's own
 #      thread on the codec's device and stream) on CUDA in float32, the
-#      sampler's one host copy per step under torch's sync debug mode (tests/test_sampler_transfer.py) and the
-#      Whisper encoder-decoder engine (tests/test_whisper_engine.py), a model capturing its graphs at load while
-#      another serves (tests/test_load_while_serving.py), the dynamic path's one staged copy per step under the sync
-#      debug mode (tests/test_runner_staging.py) and speculative decoding's one host read per step, plain rows and
-#      drafts together (tests/test_speculative.py);
+#      sampler's one host copy per step under torch's sync debug mode (tests/engine/test_sampler_transfer.py) and the
+#      Whisper encoder-decoder engine (tests/engine/test_whisper_engine.py), a model capturing its graphs at load while
+#      another serves (tests/services/test_load_while_serving.py), the dynamic path's one staged copy per step under the sync
+#      debug mode (tests/engine/test_runner_staging.py) and speculative decoding's one host read per step, plain rows and
+#      drafts together (tests/engine/test_speculative.py);
 #   4. bash benchmarks/gpu.sh with what is left of the budget, on a trimmed workload that fits it (omnivox against
 #      transformers' continuous batching at concurrency 1 and 16, 15-s levels; the full workload is
 #      `bash benchmarks/gpu.sh` alone, ~8 minutes), then the server log searched for failed steps.
@@ -24,7 +24,7 @@
 # On the device machine (its image lacks a few of our packages; their wheels travel in .whl, see below):
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=420)
 # Here, first: `bash benchmarks/gpu_check.sh --dry-run` (CPU, ~1 min): the same environment set-up and stage plumbing,
-# each stage only collecting its tests / importing its modules (tests/test_gpu_script.py runs it).
+# each stage only collecting its tests / importing its modules (tests/benchmarks/test_gpu_script.py runs it).
 # The files come back from $OUT (8 at most): summary.txt, smoke.json, smoke.log, tests-service.log, tests-cuda.log,
 # gpu.log, results.json, server.log.
 #
@@ -110,14 +110,14 @@ PYTEST=("$PY" -m pytest -q -p no:cacheprovider --timeout 100 -o "addopts=" -W ig
 [ "$DRY" = 1 ] && PYTEST+=(--collect-only)
 if wanted 2; then
   OMNIVOX_TEST_DEVICE=cuda stage "2 service+speech tests (cuda)" 120 "$OUT/tests-service.log" \
-    "${PYTEST[@]}" tests/test_service_generate.py tests/test_speech_service.py tests/test_whisper_service.py
+    "${PYTEST[@]}" tests/services/generation/test_service_generate.py tests/services/speech/test_speech_service.py tests/services/transcription/test_whisper_service.py
 fi
 if wanted 3; then
   OMNIVOX_TEST_DEVICE=cuda stage "3 parity+twin+flex fp32 (cuda)" 150 "$OUT/tests-cuda.log" \
-    "${PYTEST[@]}" tests/test_static_decode.py tests/test_decoder_parity.py tests/test_paged_flex.py \
-    tests/test_engine.py tests/test_meta_build.py tests/test_codec_graphs.py tests/test_sampler_transfer.py \
-    tests/test_whisper_engine.py tests/test_load_while_serving.py tests/test_runner_staging.py \
-    tests/test_speculative.py
+    "${PYTEST[@]}" tests/engine/test_static_decode.py tests/models/test_decoder_parity.py tests/models/test_paged_flex.py \
+    tests/engine/test_engine.py tests/models/test_meta_build.py tests/codecs/test_codec_graphs.py tests/engine/test_sampler_transfer.py \
+    tests/engine/test_whisper_engine.py tests/services/test_load_while_serving.py tests/engine/test_runner_staging.py \
+    tests/engine/test_speculative.py
 fi
 if wanted 4; then
   budget=$(( $(left) - 15 ))

@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT / "tests"))
-    from checkpoints import make_checkpoint
+    from support.checkpoints import make_checkpoint
 
     from omnivox.engine import Engine, SamplingParams
     from omnivox.engine.loading import build_model

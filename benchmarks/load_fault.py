@@ -8,7 +8,7 @@ Client workloads (each prints one JSON object):
 
 Server-side checks (the test process holds the server): `ResourceSampler` (RSS and open file descriptors over time,
 least-squares slope over the second half, so start-up growth does not count) and `wait_idle` (nothing running or
-waiting, every KV block free, no request state left). tests/test_ops_load_fault.py is the bounded CI version.
+waiting, every KV block free, no request state left). tests/ops/test_ops_load_fault.py is the bounded CI version.
 """
 
 from __future__ import annotations

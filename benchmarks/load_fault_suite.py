@@ -5,7 +5,7 @@ from this one (loopback only), the server's memory and file descriptors sampled 
     python -m omnivox.benchmarks.make_random_checkpoint --shape qwen2.5-0.5b --out /tmp/qwen-random
     python -m omnivox.benchmarks.load_fault_suite --model /tmp/qwen-random --soak-seconds 1800 --out report.json
 
-tests/test_ops_load_fault.py is the bounded CI version of the same checks (a 12 s soak instead of 30 min).
+tests/ops/test_ops_load_fault.py is the bounded CI version of the same checks (a 12 s soak instead of 30 min).
 """
 
 from __future__ import annotations

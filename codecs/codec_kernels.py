@@ -4,7 +4,7 @@ Profile of 2 streams served (BENCHMARKS.md, "Speech start-up"): the Snake activa
 The eager form (codecs/snac.py `_EagerSnake`, bit-identical to snac's) makes five passes over memory and its sin runs
 at scalar rate; the kernel makes one, with glibc's vectorised sinf. Measured on this machine, one thread,
 (2 x 64 x 40960) float32: 22.5 -> 3.7 ms, max difference 1e-6 from the eager form; the whole streamed decode stays
-within the 1e-5 of the float32 one-shot decode that tests/test_codec_snac_fast.py holds.
+within the 1e-5 of the float32 one-shot decode that tests/codecs/test_codec_snac_fast.py holds.
 
 The depthwise 7-tap convolutions (22 % of the codec in the same profile, as snac_fast.ShiftedDepthwise's 7 shifted
 multiply-adds: 7 passes over memory) run as one pass per channel row, the same sums in the same order: bit-identical

@@ -3,7 +3,7 @@
 Our own decoder (codecs/mimi_layers.py) with the weights of a transformers `MimiModel` checkpoint: a Mimi folder
 (`config.json` + safetensors, the flat names kyutai publishes and `save_pretrained` writes) or the `codec_model.`
 part of a CSM folder. transformers supplies the config (`MimiConfig`: frame rate, latent stride, head size), nothing
-else; `MimiModel.decode` is the reference the tests compare against (tests/test_codec_mimi.py: within 1e-4).
+else; `MimiModel.decode` is the reference the tests compare against (tests/codecs/test_codec_mimi.py: within 1e-4).
 
 Decoding is stateful: `new_state(batch)` then `decode_chunk(codes, state)` for each run of frames gives exactly the
 audio of decoding all the frames at once (the model is causal; see codecs/mimi_layers.py), so a stream emits each

@@ -23,7 +23,7 @@ from omnivox.codecs.mimi import MimiDecoder, MimiDecodeState
 from omnivox.codecs.streaming import DecodeWindow, StreamDecoderState, StreamingOptions
 
 # Exact streaming needs no context around a window. Hops of 1, 2, 4, 8 frames (80 ms each): the first audio after one
-# frame; past 8 frames a pass's fixed cost is already small against its frames (tests/test_codec_mimi.py times none
+# frame; past 8 frames a pass's fixed cost is already small against its frames (tests/codecs/test_codec_mimi.py times none
 # of this; benchmarks/csm.py reports the codec time per audio second).
 MIMI_STREAMING = StreamingOptions(
     first_hop_frames=1, hop_frames=8, left_context_frames=0, lookahead_frames=0, crossfade_samples=0

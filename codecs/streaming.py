@@ -9,7 +9,7 @@ about 2.5 frames either side (first conv +-3 latent steps, then each block's tra
 dilations 1, 3, 9: 3 + 5.9 + 0.7 + 0.2 + 0.1 ~ 9.9 latent steps of 4 per frame), but its outermost taps weigh almost
 nothing: with two frames of context a window reproduces the whole-sequence decode to ~5e-8 (tests/test_codec_streaming,
 random weights), with one frame to ~4e-6. The default is one frame each side: on the full-size random 24 kHz decoder
-the streamed audio stays 3.5e-6 from the float32 one-shot decode (tests/test_codec_snac_fast.py holds it under 1e-5)
+the streamed audio stays 3.5e-6 from the float32 one-shot decode (tests/codecs/test_codec_snac_fast.py holds it under 1e-5)
 and windows of 1 + 16 + 1 frames instead of 2 + 16 + 2 took 10-20 % less codec time per audio second at 2 streams
 (/tmp A/B in one process, load ~4.7: best of 3, 0.446 vs 0.559 s); the crossfade hides the small mismatch at joins.
 

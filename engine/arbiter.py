@@ -12,8 +12,9 @@ on every chunk sent); a stream whose engine has no unfinished request (its codec
 has not sent its next text) has nothing to prioritise and is not counted. Yielding is bounded, so text always
 progresses: at worst one step each `max_wait_s`.
 
-The engine knows nothing of gRPC: the arbiter sees engines as things with unfinished requests, and deadlines as
-monotonic times.
+The engine knows nothing of gRPC: the arbiter sees engines as things with unfinished requests (an engine-less voice's
+worker pool, services/voice_part.py, is one too: its streams are behind like any other, and it never steps), and
+deadlines as monotonic times.
 """
 
 from __future__ import annotations

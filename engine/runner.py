@@ -133,6 +133,41 @@ class ModelRunner:
         return slots[start - first * bs : end - first * bs]
 
     @torch.inference_mode()
+    def _static_step(self, singles: list[ScheduledChunk]) -> torch.Tensor | None:
+        """Logits [R, vocab] of a decode-only step through the replayed static graphs (engine/static_decode.py);
+        None when there are none or the step does not fit them. Only for steps with one 1-D token per request and
+        no cross-attention: the static buffers hold 1-D positions that double as KV slots, and no per-request
+        cross-attention state."""
+        if self.static is None or not self.static.fits(len(singles), max(c.end for c in singles)):
+            return None
+        return self.static.run(
+            [c.request.token_id(c.start) for c in singles],
+            [c.start for c in singles],
+            [c.request.block_table for c in singles],
+        )
+
+    def _decode_tables(self, singles: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(each decode token's own KV slot [nd], block tables [nd, max_blocks] padded with block 0, lengths [nd])."""
+        bs = self.block_size
+        lens = [c.end for c in singles]
+        max_blocks = -(-max(lens) // bs)
+        padded = [bt + [0] * (max_blocks - len(bt)) for bt in (c.request.block_table[:max_blocks] for c in singles)]
+        table = torch.tensor(padded, dtype=torch.long)  # [nd, max_blocks]
+        lens_t = torch.tensor(lens, dtype=torch.long)
+        last = lens_t - 1  # each decode token's own slot
+        own = table.gather(1, (last // bs).unsqueeze(1)).squeeze(1) * bs + last % bs
+        return own, table, lens_t
+
+    @staticmethod
+    def _logit_rows(chunks: list[ScheduledChunk]) -> list[int]:
+        """The hidden rows whose logits are computed: each chunk's last num_verify rows, in row order."""
+        rows: list[int] = []
+        row = 0
+        for c in chunks:
+            row += c.num_tokens
+            rows.extend(range(row - c.num_verify, row))
+        return rows
+
     def execute(
         self, plan: SchedulePlan, window: tuple[int, int] | None = None, input_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor | None, list[ScheduledChunk]]:
@@ -145,19 +180,8 @@ class ModelRunner:
         multis = [c for c in plan.decodes if c.num_tokens > 1] + plan.prefills  # chunks over a cached context
         mrope = any(c.request.rope_positions is not None for c in plan.chunks)
         cross_attends = getattr(self.model, "is_encoder_decoder", False)
-        if (
-            self.static is not None
-            and input_ids is None
-            and not cross_attends  # the static buffers carry no per-request cross-attention state
-            and not multis
-            and not mrope  # static buffers hold 1-D positions that double as KV slots
-            and self.static.fits(len(singles), max(c.end for c in singles))
-        ):
-            logits = self.static.run(
-                [c.request.token_id(c.start) for c in singles],
-                [c.start for c in singles],
-                [c.request.block_table for c in singles],
-            )
+        static = input_ids is None and not cross_attends and not multis and not mrope
+        if static and (logits := self._static_step(singles)) is not None:  # replayed decode graphs
             return (logits if window is None else logits[:, window[0] : window[1]]), list(singles)
         dev, bs = self.device, self.block_size
         chunks = singles + multis
@@ -200,22 +224,11 @@ class ModelRunner:
         nd = len(singles)
         decode_parts: list[torch.Tensor] = []
         if nd:
-            lens = [c.end for c in singles]
-            max_blocks = -(-max(lens) // bs)
-            padded = [bt + [0] * (max_blocks - len(bt)) for bt in (c.request.block_table[:max_blocks] for c in singles)]
-            table = torch.tensor(padded, dtype=torch.long)  # [nd, max_blocks]
-            lens_t = torch.tensor(lens, dtype=torch.long)
-            last = lens_t - 1  # each decode token's own slot
-            own = table.gather(1, (last // bs).unsqueeze(1)).squeeze(1) * bs + last % bs
+            own, *decode_parts = self._decode_tables(singles)
             slot_parts.insert(0, own)
-            decode_parts = [table, lens_t]
 
         sampling = [c for c in chunks if c.samples]
-        logit_rows: list[int] = []
-        row = 0
-        for c in chunks:
-            row += c.num_tokens
-            logit_rows.extend(range(row - c.num_verify, row))
+        logit_rows = self._logit_rows(chunks)
         # Every int64 input of the step goes up in one copy (pinned and non-blocking on CUDA).
         staged = iter(
             self.staging(
@@ -252,13 +265,12 @@ class ModelRunner:
             n_rows = max(nd, self.max_num_seqs)  # one compiled shape for every step
             meta.decode_block_mask = paged_block_mask(decode_tables, decode_lens, bs, self.num_cache_blocks, n_rows)
         vals = torch.cat([v.to(dev) for v in embed_vals]) if embed_vals else None
-        if cross_attends:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, rows, vals, cross=cross)
-        else:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, rows, vals)
-        logits = None
-        if sampling:
-            last = hidden.index_select(0, logit_index)
-            self.sampled_hidden = last  # the rows a frame model's depth decoder starts from (engine/frame_step.py)
-            logits = self.model.compute_logits(last) if window is None else self.model.compute_logits(last, window)
-        return logits, sampling
+        cross_kw = {"cross": cross} if cross_attends else {}  # encoder-decoder: each chunk's cross K/V
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, rows, vals, **cross_kw)
+        return (self._logits(hidden, logit_index, window) if sampling else None), sampling
+
+    def _logits(self, hidden: torch.Tensor, logit_index: torch.Tensor, window: tuple[int, int] | None) -> torch.Tensor:
+        """Logits [R, vocab] (or [R, hi - lo] of a vocabulary window) of the hidden rows that sample."""
+        last = hidden.index_select(0, logit_index)
+        self.sampled_hidden = last  # the rows a frame model's depth decoder starts from (engine/frame_step.py)
+        return self.model.compute_logits(last) if window is None else self.model.compute_logits(last, window)

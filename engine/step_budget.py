@@ -96,7 +96,13 @@ def hold_step_ms(engine: Engine, step_ms: float, min_prefill_tokens: int = 16) -
     """Measure this machine's step costs and give the engine's scheduler the budget whose mixed steps cost about
     step_ms; returns it."""
     costs = StepCosts.measure(engine)
-    tokens = min(engine.max_num_batched_tokens, costs.tokens_within(step_ms))
+    # Never under two prompt floors: a machine whose fixed step cost alone passes step_ms (a busy shared host measured
+    # 131 ms + 8.6 ms/token against a 120 ms target) would otherwise get 1 token a step and starve every prompt.
+    floor = min(engine.max_num_batched_tokens, 2 * min_prefill_tokens)
+    tokens = min(engine.max_num_batched_tokens, max(floor, costs.tokens_within(step_ms)))
+    if costs.fixed_ms + costs.per_token_ms * tokens > step_ms:
+        log.warning("a %d-token step costs about %.0f ms here, over the %.0f ms asked for", tokens,
+                    costs.fixed_ms + costs.per_token_ms * tokens, step_ms)  # fmt: skip
     log.info(
         "step costs %.1f ms + %.2f ms/token: a mixed step carries at most %d tokens for %.0f ms",
         costs.fixed_ms,

@@ -1,7 +1,7 @@
 """Our own decoder for the Llama family (Llama incl. SmolLM2 and Llama 3.x rope scaling, Qwen2, Qwen3, Mistral,
 Phi-3, Gemma 2, Gemma 3's text decoder) and its mixture-of-experts kin (Qwen3-MoE, Mixtral, Qwen2-MoE: models/moe.py).
 
-Config knobs followed as transformers does (tests/test_config_sweep.py, tests/test_decoder_families.py): rope types
+Config knobs followed as transformers does (tests/models/test_config_sweep.py, tests/models/test_decoder_families.py): rope types
 of models/config.py, partial rotary, explicit head_dim, MQA / GQA, tied or untied output, attention_bias (q/k/v, and
 o_proj but for Qwen2), mlp_bias, per-layer sliding windows. Phi-3's fused qkv_proj / gate_up_proj are split at load
 (`split_fused_projections`); Gemma 3 adds norms around attention and MLP (`SandwichDecoderLayer`), GELU-tanh, a
@@ -171,6 +171,10 @@ def scale_embeddings(x: torch.Tensor, scale: float | None) -> torch.Tensor:
 
 class DecoderModel(nn.Module):
     """Token (or embedding) rows in, logits out; attention state lives in the caller's paged KV cache."""
+
+    # (layer, attention, MLP): the exact classes the fused CPU decode step computes (models/fused_decode.py); a layer
+    # of any other class (Gemma 3's SandwichDecoderLayer) takes the torch path.
+    fused_layer_types: tuple[type, type, type] = (DecoderLayer, Attention, MLP)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

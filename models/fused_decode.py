@@ -9,7 +9,7 @@ verify rows, each row attending up to its own token; no FlexAttention mask) on C
 layers take the torch path), and only while the rows fit the layers' kernels: quantised block layers below
 `quant.LARGE_BATCH` rows (from there a layer is dequantised for GEMM), float32 layers at one row (the GEMV kernel).
 The MLP gate is SiLU or (Gemma 1) GELU with the tanh approximation; Gemma 2 / 3 (sandwich norms, soft caps, local
-RoPE) take the torch path. The torch path stays the reference: tests/test_fused_decode.py checks both agree.
+RoPE) take the torch path. The torch path stays the reference: tests/models/test_fused_decode.py checks both agree.
 """
 
 from __future__ import annotations
@@ -110,7 +110,10 @@ def _norm(module: nn.Module | None) -> bool:
 class FusedDecode:
     """The C description of a model's layers, with the modules it was built from (to notice when they change)."""
 
-    def __init__(self, layers: nn.ModuleList) -> None:
+    def __init__(self, layers: nn.ModuleList, layer_types: tuple[type, type, type]) -> None:
+        """`layer_types`: the (layer, attention, MLP) classes the C step computes (models/decoder.py
+        DecoderModel.fused_layer_types); a layer of another class makes it not apply."""
+        self.layer_types = layer_types
         self.generation = _generation
         self.modules = self._modules_of(layers)
         self.tensors = [t for m in layers for t in m.parameters()] + [t for m in layers for t in m.buffers()]
@@ -137,9 +140,12 @@ class FusedDecode:
         return tuple(t.data_ptr() for t in self.tensors)
 
     def _describe(self, layer: nn.Module, entry: _FusedLayer) -> bool:
-        from omnivox.models.decoder import MLP, Attention, DecoderLayer  # decoder.py imports this module
-
-        if type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention or type(layer.mlp) is not MLP:
+        layer_type, attention_type, mlp_type = self.layer_types
+        if (
+            type(layer) is not layer_type
+            or type(layer.self_attn) is not attention_type
+            or type(layer.mlp) is not mlp_type
+        ):
             return False  # Gemma 3's SandwichDecoderLayer among them
         attn, mlp = layer.self_attn, layer.mlp
         if attn.partial_rotary or attn.local_rope or attn.softcap or mlp.act not in _ACTS:  # the C step has none
@@ -245,6 +251,6 @@ def fused_decode_for(model: nn.Module) -> FusedDecode | None:
     """The model's FusedDecode (built on first use, rebuilt when its layers were replaced), or None if it has none."""
     fused = getattr(model, "_fused_decode", None)
     if fused is None or not fused.current(model.layers):
-        fused = FusedDecode(model.layers)
+        fused = FusedDecode(model.layers, model.fused_layer_types)
         model._fused_decode = fused  # a plain attribute: not a module, not in the state dict
     return fused if fused.ok else None

@@ -94,7 +94,7 @@ class _GGUFBytes:
 
     Not memory-mapped: pages of a mapped file count in the process's resident memory until it is unmapped, so
     dequantizing an F32 GGUF out of a map of the whole file peaked at 2.04x the weights; read tensor by tensor, under
-    1.5x (tests/test_gguf_loading.py).
+    1.5x (tests/models/test_gguf_loading.py).
     """
 
     def __init__(self, path: Path, offset: int, shape: tuple[int, ...]) -> None:
@@ -228,7 +228,7 @@ def dequantize_gguf_tensors(path, table, name_map, processor, dequantize) -> Ite
 
     A stacked experts tensor [E, rows, cols] is read and dequantized one expert at a time (expert e's rows are one
     contiguous byte range), so the float32 temporary is one expert matrix, not the stack (~0.8 GB per tensor for a
-    Qwen3-30B-A3B in F16; tests/test_gguf_loading.py's MoE peak-memory case)."""
+    Qwen3-30B-A3B in F16; tests/models/test_gguf_loading.py's MoE peak-memory case)."""
     import gguf
 
     for gguf_name, ggml_type, shape, raw in table:

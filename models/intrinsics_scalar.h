@@ -2,7 +2,7 @@
 // (wrapping adds, truncating vpmovdb, unsigned x signed vpdpbusd, round-to-nearest-even conversion, fused multiply-add).
 // block_kernels_vnni.c compiled with -DOMNIVOX_SCALAR_INTRINSICS includes this instead of <immintrin.h>, so its tile
 // layout, transposes, two-pass activations and corrections are tested on every host, AVX-512 VNNI or not
-// (cpu_kernels.vnni_emulation, tests/test_quant.py). Slow; never used to serve.
+// (cpu_kernels.vnni_emulation, tests/models/test_quant.py). Slow; never used to serve.
 #ifndef OMNIVOX_INTRINSICS_SCALAR_H
 #define OMNIVOX_INTRINSICS_SCALAR_H
 

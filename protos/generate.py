@@ -2,7 +2,7 @@
 """Regenerate the Python code for protos/omnivox/v1/*.proto (messages, stubs and .pyi type stubs).
 
 Run from anywhere: `python protos/generate.py` (or `make proto`). The code lands next to the .proto files, with imports
-that read `from omnivox.v1 import x_pb2`, because protoc runs with `-I protos`. tests/test_proto.py runs this into a
+that read `from omnivox.v1 import x_pb2`, because protoc runs with `-I protos`. tests/protos/test_proto.py runs this into a
 temporary folder and fails when the committed files differ.
 """
 

@@ -29,8 +29,9 @@ from omnivox.models.audio.transcription import TranscriptionRequestError, langua
 from omnivox.services import errors
 from omnivox.services.errors import FieldViolation
 from omnivox.services.prompt import MediaPromptBuilder, Prompt, role_of
+from omnivox.services.tool_formats import format_of, media_template
 from omnivox.services.tool_parser import ToolFormat
-from omnivox.services.tools import format_of, media_template, tool_turn_content, turn_fields
+from omnivox.services.tools import tool_turn_content, turn_fields
 from omnivox.services.voxtral_prompt import VoxtralPrompts, voxtral_language
 from omnivox.v1 import content_pb2
 
@@ -82,7 +83,7 @@ class AudioInputPart:
     def render(self, messages: list[dict], continue_final: bool = False, tools: list[dict] | None = None) -> list[int]:
         """Chat messages -> token ids through the checkpoint's template (one marker per clip, not yet expanded);
         `tools` (a list, maybe empty, for a request with tools or tool turns) through the template that renders them
-        (`tools.media_template`). Voxtral continues a final assistant turn (mistral_common has no generation prompt to
+        (`tool_formats.media_template`). Voxtral continues a final assistant turn (mistral_common has no generation prompt to
         add; it refuses a conversation that ends with an answer unless told to continue it)."""
         if self.mistral is not None:
             return self.mistral.chat_ids(messages, continue_final or messages[-1]["role"] == "assistant", tools or None)

@@ -245,6 +245,8 @@ def _hold_step_budget(engine, options: EngineOptions):
     """`serve --max-step-tokens` / `--max-step-ms`: the mixed-step budget (engine/step_budget.py), measured here."""
     from omnivox.engine.step_budget import hold_step_ms, hold_step_tokens
 
+    if getattr(engine.model, "is_encoder_decoder", False):  # Whisper: 448-token decodes, no prompt to bound, and
+        return engine  # its requests need audio, which the step-time calibration has none of
     if options.max_step_tokens is not None:
         hold_step_tokens(engine, options.max_step_tokens)
     elif options.max_step_ms is not None:

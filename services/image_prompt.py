@@ -32,8 +32,9 @@ from omnivox.engine.encoder_cache import EncodeHandle, EncoderCache, EncoderWork
 from omnivox.services import errors
 from omnivox.services.errors import FieldViolation
 from omnivox.services.prompt import MediaPromptBuilder, Prompt, role_of
+from omnivox.services.tool_formats import format_of, media_template
 from omnivox.services.tool_parser import ToolFormat
-from omnivox.services.tools import format_of, media_template, tool_turn_content, turn_fields
+from omnivox.services.tools import tool_turn_content, turn_fields
 from omnivox.v1 import content_pb2
 
 if TYPE_CHECKING:  # models.vision's modules import transformers' processing utilities (~1.5 s): at load, if needed
@@ -140,7 +141,7 @@ class ImageInputPart:
     ) -> list[int]:
         """Chat messages -> token ids through the checkpoint's template (one marker per image, not yet expanded).
         `tools` (a list, maybe empty, for a request with tools or tool turns): through the template that renders them
-        (`tools.media_template`).
+        (`tool_formats.media_template`).
 
         `items`: the images in order, for a family whose processor writes text around each (`expand_text`).
 

@@ -17,7 +17,7 @@ To add a part (a new speech model kind, an encoder): write its module (a loader 
 then add one `PartKind` row below. Rows load in table order; the prompt builder of the LAST row that has one wins
 (vision over audio over whisper; a model with none uses the chat template's ChatPromptBuilder). The loaders import
 their modules inside the function, so a text-only server never imports what an encoder family brings
-(tests/test_import_boundary.py).
+(tests/services/test_import_boundary.py).
 """
 
 from __future__ import annotations
@@ -67,14 +67,19 @@ def _in_thread(part: Any) -> Awaitable[None]:
 
 # --- speech out ---------------------------------------------------------------------------------------------------------
 def _is_speech(path: Path) -> bool:
+    """An Orpheus-layout folder (speech_layout.json + SNAC) or a CSM folder (services/csm_part.py)."""
+    from omnivox.services.csm_part import is_csm_folder
     from omnivox.services.speech_part import is_speech_checkpoint
 
-    return is_speech_checkpoint(path)
+    return is_speech_checkpoint(path) or (path.is_dir() and is_csm_folder(path))
 
 
 def _load_speech(source: Path, engine: Engine, options: EngineOptions) -> Any:
+    from omnivox.services.csm_part import is_csm_folder, load_csm_speech_part
     from omnivox.services.speech_part import load_speech_part
 
+    if is_csm_folder(source):  # frames come whole from the engine: no token layout, no constraint
+        return load_csm_speech_part(source, str(engine.device), options.speech_streaming, engine.tokenizer)
     vocab, device = engine.model_config.vocab_size, str(engine.device)
     return load_speech_part(source, vocab, device=device, options=options.speech_streaming, tokenizer=engine.tokenizer)
 

@@ -17,11 +17,11 @@ if TYPE_CHECKING:
 
 
 def is_speech_checkpoint(path: Path | None) -> bool:
-    """An Orpheus-layout folder (speech_layout.json + SNAC) or a CSM folder (services/csm_part.py)."""
+    """An Orpheus-layout folder (speech_layout.json + SNAC); a CSM folder is services/csm_part.py's (services/parts.py
+    asks both)."""
     from omnivox.models.orpheus import LAYOUT_FILE
-    from omnivox.services.csm_part import is_csm_folder
 
-    return path is not None and path.is_dir() and ((path / LAYOUT_FILE).is_file() or is_csm_folder(path))
+    return path is not None and path.is_dir() and (path / LAYOUT_FILE).is_file()
 
 
 @dataclass
@@ -55,11 +55,8 @@ def load_speech_part(
     options: StreamingOptions | None = None,
     tokenizer: Any = None,
 ) -> SpeechPart:
-    """Layout, codec, decode worker and token constraint of the speech model in `folder` (blocking)."""
-    from omnivox.services.csm_part import is_csm_folder, load_csm_speech_part
-
-    if is_csm_folder(folder):  # frames come whole from the engine: no token layout, no constraint
-        return load_csm_speech_part(folder, device, options, tokenizer)
+    """Layout, codec, decode worker and token constraint of the Orpheus-layout speech model in `folder` (blocking;
+    a CSM folder loads through services/csm_part.py load_csm_speech_part)."""
     from omnivox.codecs.decode_worker import DecodeWorker
     from omnivox.codecs.snac import SnacDecoder
     from omnivox.codecs.streaming import BatchedStreamDecoder

@@ -63,3 +63,13 @@ def mistral_common_format(backend: Any) -> ToolFormat | None:
             fmt = MISTRAL
     _MISTRAL_COMMON_FORMATS[backend] = fmt
     return fmt
+
+
+def media_template(processor: Any) -> str | None:
+    """The chat template that renders tools for a multimodal processor: its own when that renders tools, else its
+    tokenizer's when that does (the hub's Qwen2.5-VL: chat_template.json renders none, tokenizer_config.json's does,
+    and vLLM's chat API takes the tokenizer's for a request with tools); None when neither does."""
+    for template in (getattr(processor, "chat_template", None), getattr(processor.tokenizer, "chat_template", None)):
+        if isinstance(template, str) and "tools" in template:
+            return template
+    return None

@@ -16,7 +16,7 @@ Grammars: services/tool_grammar.py.
 
 Vision and audio models (`media_format`): their own prompt builder renders the tools, calls and results with the
 images and audio (services/image_prompt.py, audio_prompt.py, voxtral_prompt.py), through the processor's template or
-else its tokenizer's (`media_template`); a model whose template renders no tools refuses them on `tools`.
+else its tokenizer's (services/tool_formats.py `media_template`); a model whose template renders no tools refuses them on `tools`.
 
 Parsing (services/tool_parser.py) re-reads the whole text so far on every update, so deltas are the same however the
 text arrived in chunks.
@@ -157,16 +157,6 @@ def media_format(request: generation_pb2.GenerateRequest, builder: Any) -> ToolF
         why = "this model's chat template does not render tools (nor tool calls and results)"
         raise errors.invalid_argument([FieldViolation("tools", why)])
     return fmt
-
-
-def media_template(processor: Any) -> str | None:
-    """The chat template that renders tools for a multimodal processor: its own when that renders tools, else its
-    tokenizer's when that does (the hub's Qwen2.5-VL: chat_template.json renders none, tokenizer_config.json's does,
-    and vLLM's chat API takes the tokenizer's for a request with tools); None when neither does."""
-    for template in (getattr(processor, "chat_template", None), getattr(processor.tokenizer, "chat_template", None)):
-        if isinstance(template, str) and "tools" in template:
-            return template
-    return None
 
 
 def plan(request: generation_pb2.GenerateRequest, tokenizer: Any, media: ToolFormat | None = None) -> ToolPlan | None:

@@ -37,14 +37,24 @@ class VoicePart:
     threads: int = WORKER_THREADS
     executor: ThreadPoolExecutor = field(init=False)
 
+    running: int = field(init=False, default=0)  # calls in flight (the step arbiter reads it from engine threads)
+
     def __post_init__(self) -> None:
         self.executor = ThreadPoolExecutor(self.threads, thread_name_prefix=f"voice-{self.voice.family}")
+
+    def has_unfinished(self) -> bool:
+        """Work in flight: a stream of this voice behind its deadline makes the engines wait (engine/arbiter.py)."""
+        return self.running > 0
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         """fn(*args) in a worker thread. A cancelled caller stops waiting at once; the run in progress (one
         utterance, tens of ms) finishes on its own and its result is dropped."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, functools.partial(fn, *args))
+        self.running += 1  # on the event loop's thread only
+        try:
+            return await loop.run_in_executor(self.executor, functools.partial(fn, *args))
+        finally:
+            self.running -= 1
 
     def close(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)

@@ -4,7 +4,7 @@ real-time factor; every encoding and rate (resampled from the voice's own); metr
 
   SynthesizeSpeech:           text -> segments (speech_text.split_text) -> per segment: phonemes -> one ONNX run per
                               sentence in the worker -> encoded and written before the next sentence is rendered.
-  StreamingSynthesizeSpeech:  text chunks -> clauses (speech_stream.ClauseCutter, the same cuts and settle rule) ->
+  StreamingSynthesizeSpeech:  text chunks -> clauses (clauses.ClauseCutter, the same cuts and settle rule) ->
                               each clause rendered and written as soon as it is complete.
 
 A cancelled or timed-out call stops at once; the one utterance being rendered (tens of ms) ends in its thread.
@@ -26,10 +26,10 @@ from omnivox.codecs.audio_format import AudioFormatError, AudioStreamEncoder, ch
 from omnivox.models.voice import UnknownVoice, VoiceNeedsDownload
 from omnivox.models.voice.voice_model import VoiceSettings
 from omnivox.services import errors, validation
+from omnivox.services.clauses import DEFAULT_MAX_CLAUSE_CHARS, SETTLE_S, ClauseCutter
 from omnivox.services.errors import FieldViolation
 from omnivox.services.metrics import SpeechStreamMetrics
 from omnivox.services.registry import ServedModel
-from omnivox.services.speech_stream import DEFAULT_MAX_CLAUSE_CHARS, SETTLE_S, ClauseCutter
 from omnivox.services.speech_text import split_text
 from omnivox.services.speech_validation import encoding_name, language_matches
 from omnivox.services.stream_idle import idle_bounded
@@ -198,7 +198,8 @@ async def synthesize_voice(
                           limits.max_text_chars)  # fmt: skip
     request_id = request.request_id or uuid.uuid4().hex
     segments = split_text(plan.text, limits.max_segment_chars)
-    with model.admit(), SpeechStreamMetrics(m, model.name, received) as slo:
+    deadline = servicer.registry.arbiter.open  # the engines wait while this stream is behind (engine/arbiter.py)
+    with model.admit(), SpeechStreamMetrics(m, model.name, received, deadline=deadline(part)) as slo:
         speaker = _Speaker(servicer, model, plan, context, speech_pb2.SynthesizeSpeechResponse)
         speaker.slo = slo
         try:
@@ -281,7 +282,8 @@ async def stream_voice(
             clauses.put_nowait((clause, time.monotonic()))
         clauses.put_nowait(None)
 
-    with model.admit(), SpeechStreamMetrics(m, model.name, received) as slo:
+    deadline = servicer.registry.arbiter.open  # the engines wait while this stream is behind (engine/arbiter.py)
+    with model.admit(), SpeechStreamMetrics(m, model.name, received, deadline=deadline(part)) as slo:
         speaker = _Speaker(servicer, model, plan, context, speech_pb2.StreamingSynthesizeSpeechResponse)
         speaker.slo = slo
         reader = asyncio.create_task(read())

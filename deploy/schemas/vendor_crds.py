@@ -8,7 +8,7 @@ writes deploy/schemas/<group>_<kind>_<version>.json with a `$comment` naming the
 
 Two subtrees are cut instead of copied, as kubectl's own validation treats them: a LeaderWorkerSet's pod templates
 (the full core PodTemplateSpec, 0.5 MB) become `{"type": "object", "x-omnivox-pod-template": true}`, and
-tests/test_deploy.py validates them as core/v1 PodTemplates with kubernetes-validate (strict) instead.
+tests/deploy/test_deploy.py validates them as core/v1 PodTemplates with kubernetes-validate (strict) instead.
 """
 
 from __future__ import annotations

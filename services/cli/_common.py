@@ -94,3 +94,12 @@ def rpc_error_line(err: grpc.RpcError, server: str) -> str:
         if detail.DESCRIPTOR.name == "RetryInfo":
             line += f" (retry in {detail.retry_delay.ToTimedelta().total_seconds():g} s)"
     return line
+
+
+def subtitle_clock(seconds: float, separator: str) -> str:
+    """HH:MM:SS<separator>mmm, as SRT (',') and WebVTT ('.') cues write a time."""
+    ms = round(seconds * 1000)
+    h, rest = divmod(ms, 3_600_000)
+    m, rest = divmod(rest, 60_000)
+    s, ms = divmod(rest, 1000)
+    return f"{h:02d}:{m:02d}:{s:02d}{separator}{ms:03d}"

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from omnivox.services.cli._common import CliError
+from omnivox.services.cli._engine_flags import add_engine_arguments
 
 if TYPE_CHECKING:
     from omnivox.services.loading import ModelSpec
@@ -77,6 +78,44 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="a served Whisper model (e.g. whisper-base) that transcribes the audio parts of Generate requests to "
         "text-only models first: a cascade (audio-LLMs read audio themselves)",
     )
+    _add_server_arguments(p)  # --host ... --otlp-endpoint: listening, limits, health, metrics, auth, tracing
+    add_engine_arguments(p)  # --kv-cache-gib ... --dtype (services/cli/_engine_flags.py)
+    p.add_argument(
+        "--threads",
+        type=int,
+        help="CPU threads for model compute (default: all cores but one, which serves gRPC; measured: on 2 busy "
+        "cores, 2 compute threads stall each other and the server for up to 10x slower steps); with "
+        "--tensor-parallel, per rank (default: those cores shared out between the ranks)",
+    )
+    p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the model's decoder over N processes (attention heads, KV heads and MLP per rank; NCCL on CUDA, "
+        "one GPU per rank; gloo on the CPU); N must divide the head counts. Encoders and the codec stay on rank 0",
+    )
+    p.add_argument(
+        "--audio-first-margin",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="while a speech stream's client would run dry within this many seconds (or its first audio is due), "
+        "the other models' engines wait before their steps, at most 0.1 s each (0 = off)",
+    )
+    p.add_argument(
+        "--speech-first-hop",
+        type=int,
+        metavar="FRAMES",
+        help="speech: frames in a stream's first audio chunk, hops doubling from it (default: first chunk and hop "
+        "growth sized from the measured engine and codec rates, so playback started on the first chunk does not run "
+        "dry; 1 = the earliest first audio)",
+    )
+    p.add_argument("--demo", action="store_true", help="once loaded, send one chat request to itself and print it")
+
+
+def _add_server_arguments(p: argparse.ArgumentParser) -> None:
+    """Where and how the server listens, its limits, health and metrics ports, auth and tracing."""
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=50051, help="port to listen on (0 = any free port)")
     p.add_argument("--tls-cert", type=Path, help="PEM certificate chain; with --tls-key, serve TLS")
@@ -110,104 +149,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-rpm-per-key", type=int, default=0, help="calls per minute per caller (0: no limit)")
     p.add_argument("--trace-console", action="store_true", help="OpenTelemetry spans to stdout (omnivox[tracing])")
     p.add_argument("--otlp-endpoint", help="OpenTelemetry spans to this OTLP/gRPC collector (tracing is off without)")
-    p.add_argument("--kv-cache-gib", type=float, help="KV cache size per model (default: the engine decides)")
-    p.add_argument("--max-model-len", type=int, help="cap the context length")
-    p.add_argument(
-        "--image-cache-mib",
-        type=int,
-        default=256,
-        help="encoded images each vision model keeps for reuse; a single image whose features exceed it is refused",
-    )
-    p.add_argument(
-        "--max-request-megapixels",
-        type=float,
-        default=48.0,
-        help="pixels of all the images of one request together (millions); the image that passes it is refused "
-        "from its header, and the images after it are never decoded",
-    )
-    p.add_argument(
-        "--max-batched-tokens",
-        type=int,
-        help="tokens one engine step may compute (decodes + prefill chunks): lower bounds inter-token latency, "
-        "higher gives faster time to first token (default: 128 on CPU, 2048 on CUDA)",
-    )
-    p.add_argument(
-        "--max-step-ms",
-        type=float,
-        help="while decodes run, a step carries only as many prompt tokens as keep it near this many milliseconds, "
-        "by this machine's step times measured at start-up (default: off, the whole --max-batched-tokens)",
-    )
-    p.add_argument(
-        "--max-step-tokens",
-        type=int,
-        help="while decodes run, a step carries at most this many tokens (decodes + prompt chunks; prompts keep "
-        "at least 16 a step); instead of measuring --max-step-ms",
-    )
-    p.add_argument(
-        "--quantization",
-        metavar="[NAME=]MODE",
-        action="append",
-        default=[],
-        help="weights: auto (default: what the checkpoint carries: a GGUF at its own bit widths on CPU, several "
-        "times faster batch-1 steps at float quality; float elsewhere), none (float), int8 or int4 (linear layers "
-        "quantised at load); with NAME= for one model, else for every model",
-    )
-    p.add_argument(
-        "--quantize-lm-head", action="store_true", default=None, help="also quantise the output projection (int8)"
-    )
-    p.add_argument(
-        "--activation-bits",
-        metavar="[NAME=]BITS",
-        action="append",
-        default=[],
-        help="activations in quantised weights' many-row kernel: 16 (default) or 8 (llama.cpp's Q8_1: on the "
-        "embedded model ~1.25x the tokens/s at 16 concurrent, perplexity +1.08 %%, 4 of 20 greedy answers as float); "
-        "AVX-512 VNNI on CPU only, steps of 3+ rows; the lm_head keeps 16; needs quantised weights; with NAME= for "
-        "one model, else for every model",
-    )
-    p.add_argument(
-        "--speculative",
-        metavar="[NAME=]KIND",
-        action="append",
-        default=[],
-        help="speculative decoding: ngram (prompt lookup) or draft:PATH (a small checkpoint with the same "
-        "tokenizer); with NAME= for one model, else for every model",
-    )
-    p.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens proposed per step (default 4)")
-    p.add_argument("--device", help="cpu, cuda, cuda:1, ... (default: cuda when present)")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="weights and activations dtype")
-    p.add_argument(
-        "--threads",
-        type=int,
-        help="CPU threads for model compute (default: all cores but one, which serves gRPC; measured: on 2 busy "
-        "cores, 2 compute threads stall each other and the server for up to 10x slower steps); with "
-        "--tensor-parallel, per rank (default: those cores shared out between the ranks)",
-    )
-    p.add_argument(
-        "--tensor-parallel",
-        type=int,
-        default=1,
-        metavar="N",
-        help="split the model's decoder over N processes (attention heads, KV heads and MLP per rank; NCCL on CUDA, "
-        "one GPU per rank; gloo on the CPU); N must divide the head counts. Encoders and the codec stay on rank 0",
-    )
-    p.add_argument(
-        "--audio-first-margin",
-        type=float,
-        default=1.0,
-        metavar="SECONDS",
-        help="while a speech stream's client would run dry within this many seconds (or its first audio is due), "
-        "the other models' engines wait before their steps, at most 0.1 s each (0 = off)",
-    )
-    p.add_argument(
-        "--speech-first-hop",
-        type=int,
-        metavar="FRAMES",
-        help="speech: frames in a stream's first audio chunk, hops doubling from it (default: first chunk and hop "
-        "growth sized from the measured engine and codec rates, so playback started on the first chunk does not run "
-        "dry; 1 = the earliest first audio)",
-    )
-    p.add_argument("--demo", action="store_true", help="once loaded, send one chat request to itself and print it")
 
 
 # SamplingParams fields `--sampling-default` may set (a default seed would make every unseeded request the same).

@@ -54,38 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from omnivox.services.auth import Quota
     from omnivox.services.limits import GrpcLimits
 
-    if bool(args.tls_cert) != bool(args.tls_key):
-        raise CliError("--tls-cert and --tls-key go together")
-    for path in (args.tls_cert, args.tls_key, args.api_keys, args.tls_client_ca):
-        if path is not None and not path.is_file():
-            raise CliError(f"no such file: {path}")
-    for flag, port in (
-        ("--port", args.port),
-        ("--metrics-port", args.metrics_port),
-        ("--health-port", args.health_port),
-    ):
-        if port is not None and not 0 <= port <= 65535:  # gRPC bound --port 99999 as 34463, saying so only in a log
-            raise CliError(f"{flag} must be in [0, 65535], got {port}")
-    if args.max_message_mib < 1 or args.grace_period < 0 or args.stream_idle_timeout < 0:
-        raise CliError("--max-message-mib must be at least 1, --grace-period and --stream-idle-timeout at least 0")
-    if args.speech_first_hop is not None and args.speech_first_hop < 1:  # else only a speech model's load failed
-        raise CliError("--speech-first-hop must be at least 1")
-    if args.audio_first_margin < 0:
-        raise CliError("--audio-first-margin must be at least 0")
-    if args.max_queue < 1:
-        raise CliError("--max-queue must be at least 1")
-    if args.max_batched_tokens is not None and args.max_batched_tokens < 1:
-        raise CliError("--max-batched-tokens must be at least 1")
-    if (args.max_step_tokens is not None and args.max_step_tokens < 1) or (
-        args.max_step_ms is not None and args.max_step_ms <= 0
-    ):
-        raise CliError("--max-step-tokens must be at least 1 and --max-step-ms positive")
-    if args.num_speculative_tokens < 1:
-        raise CliError("--num-speculative-tokens must be at least 1")
-    if args.max_connection_age <= 0:
-        raise CliError("--max-connection-age must be positive")
-    if args.threads is not None and args.threads < 1:
-        raise CliError("--threads must be at least 1")
+    check_server_flags(args)
     import torch
 
     torch.set_num_threads(args.threads or max(1, ((os.cpu_count() or 2) - 1) // args.tensor_parallel))
@@ -132,6 +101,42 @@ def run(args: argparse.Namespace) -> int:
         return asyncio.run(server.run(specs, options, engine_options, on_ready=demo if args.demo else None))
     except (ModelLoadError, OSError) as err:
         raise CliError(str(err)) from None
+
+
+def check_server_flags(args: argparse.Namespace) -> None:
+    """A one-line CliError for a flag value the server would take badly (before the server's imports)."""
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise CliError("--tls-cert and --tls-key go together")
+    for path in (args.tls_cert, args.tls_key, args.api_keys, args.tls_client_ca):
+        if path is not None and not path.is_file():
+            raise CliError(f"no such file: {path}")
+    for flag, port in (
+        ("--port", args.port),
+        ("--metrics-port", args.metrics_port),
+        ("--health-port", args.health_port),
+    ):
+        if port is not None and not 0 <= port <= 65535:  # gRPC bound --port 99999 as 34463, saying so only in a log
+            raise CliError(f"{flag} must be in [0, 65535], got {port}")
+    if args.max_message_mib < 1 or args.grace_period < 0 or args.stream_idle_timeout < 0:
+        raise CliError("--max-message-mib must be at least 1, --grace-period and --stream-idle-timeout at least 0")
+    if args.speech_first_hop is not None and args.speech_first_hop < 1:  # else only a speech model's load failed
+        raise CliError("--speech-first-hop must be at least 1")
+    if args.audio_first_margin < 0:
+        raise CliError("--audio-first-margin must be at least 0")
+    if args.max_queue < 1:
+        raise CliError("--max-queue must be at least 1")
+    if args.max_batched_tokens is not None and args.max_batched_tokens < 1:
+        raise CliError("--max-batched-tokens must be at least 1")
+    if (args.max_step_tokens is not None and args.max_step_tokens < 1) or (
+        args.max_step_ms is not None and args.max_step_ms <= 0
+    ):
+        raise CliError("--max-step-tokens must be at least 1 and --max-step-ms positive")
+    if args.num_speculative_tokens < 1:
+        raise CliError("--num-speculative-tokens must be at least 1")
+    if args.max_connection_age <= 0:
+        raise CliError("--max-connection-age must be positive")
+    if args.threads is not None and args.threads < 1:
+        raise CliError("--threads must be at least 1")
 
 
 def check_tensor_parallel(args: argparse.Namespace) -> None:

@@ -15,6 +15,7 @@ from omnivox.services.cli._common import (
     connect,
     open_output,
     rpc_error_line,
+    subtitle_clock,
 )
 
 FORMATS = ("text", "srt", "vtt", "json")
@@ -45,14 +46,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def _clock(seconds: float, separator: str) -> str:
-    ms = round(seconds * 1000)
-    h, rest = divmod(ms, 3_600_000)
-    m, rest = divmod(rest, 60_000)
-    s, ms = divmod(rest, 1000)
-    return f"{h:02d}:{m:02d}:{s:02d}{separator}{ms:03d}"
-
-
 def _segments(summary) -> list[tuple[float, float, str]]:
     return [
         (s.start_offset.ToNanoseconds() / 1e9, s.end_offset.ToNanoseconds() / 1e9, s.text) for s in summary.segments
@@ -74,8 +67,11 @@ def render(summary, fmt: str) -> str:
         raise CliError(f"the model gave no timestamps: use --format text (asked for {fmt})")
     cues = [(a, b, t) for a, b, t in segments if t]
     if fmt == "srt":
-        return "".join(f"{i}\n{_clock(a, ',')} --> {_clock(b, ',')}\n{t}\n\n" for i, (a, b, t) in enumerate(cues, 1))
-    return "WEBVTT\n\n" + "".join(f"{_clock(a, '.')} --> {_clock(b, '.')}\n{t}\n\n" for a, b, t in cues)
+        return "".join(
+            f"{i}\n{subtitle_clock(a, ',')} --> {subtitle_clock(b, ',')}\n{t}\n\n"
+            for i, (a, b, t) in enumerate(cues, 1)
+        )
+    return "WEBVTT\n\n" + "".join(f"{subtitle_clock(a, '.')} --> {subtitle_clock(b, '.')}\n{t}\n\n" for a, b, t in cues)
 
 
 def summary_line(summary) -> str:

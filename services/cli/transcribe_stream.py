@@ -171,7 +171,7 @@ def _json(response) -> str:
 def run_stream(args: argparse.Namespace) -> int:
     import grpc
 
-    from omnivox.services.cli.transcribe import _clock
+    from omnivox.services.cli._common import subtitle_clock
     from omnivox.v1 import transcription_pb2_grpc
 
     encoding, rate, chunks, paced = audio_source(args.audio, args.sample_rate)
@@ -209,10 +209,13 @@ def run_stream(args: argparse.Namespace) -> int:
         assert summary is not None, "the stream ended without a summary"
         cues = [(a, b, t) for a, b, t in finals if t]
         if args.format == "srt":
-            out.write("".join(f"{i}\n{_clock(a, ',')} --> {_clock(b, ',')}\n{t}\n\n" for i, (a, b, t) in
+            out.write("".join(f"{i}\n{subtitle_clock(a, ',')} --> {subtitle_clock(b, ',')}\n{t}\n\n" for i, (a, b, t) in
                               enumerate(cues, 1)))  # fmt: skip
         elif args.format == "vtt":
-            out.write("WEBVTT\n\n" + "".join(f"{_clock(a, '.')} --> {_clock(b, '.')}\n{t}\n\n" for a, b, t in cues))
+            out.write(
+                "WEBVTT\n\n"
+                + "".join(f"{subtitle_clock(a, '.')} --> {subtitle_clock(b, '.')}\n{t}\n\n" for a, b, t in cues)
+            )
     finally:
         if out is not sys.stdout:
             out.close()

@@ -1,0 +1,43 @@
+"""Every benchmark results file records the CPU's instruction-set flags (benchmarks/host.py), not only its model
+name: one "AMD EPYC" name covers hosts with and without AVX-512, whose kernels take other paths."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+from support.paths import REPO_ROOT
+
+from omnivox.benchmarks import host
+
+ROOT = REPO_ROOT
+# JSON written by benchmarks/ that is not a results file: a checkpoint's marker, a config copy, the GPU smoke's
+# per-check records (a list, read by benchmarks/gpu_check.sh).
+NOT_RESULTS = {"make_random_checkpoint.py", "gpu_smoke.py"}
+
+
+def test_results_record_the_instruction_sets(tmp_path: Path):
+    info = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx avx2 fma f16c bmi2 hypervisor avx512_vnni\n"
+    record = host.host_record(info)
+    assert record["cpu_model"] == "AMD EPYC"
+    assert record["cpu_flags"] == ["avx", "avx2", "avx512_vnni", "bmi2", "f16c", "fma", "sse2"]
+    assert record["kernel_target"] == "native"
+    host.write_results(tmp_path / "r.json", {"tps": 1.0})
+    written = json.loads((tmp_path / "r.json").read_text())
+    assert written["tps"] == 1.0 and written["host"]["cpu_flags"] == host.instruction_sets()
+
+
+def test_every_benchmark_writes_results_through_write_results():
+    """No benchmark module writes JSON to a file except through host.write_results (which adds the host record)."""
+    offenders = []
+    for path in sorted((ROOT / "benchmarks").rglob("*.py")):
+        if path.name in NOT_RESULTS or path.name == "host.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+                continue
+            writes_json = node.func.attr == "write_text" and "json.dumps" in ast.unparse(node)
+            if writes_json and "config" not in ast.unparse(node) or node.func.attr == "dump":
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not offenders, f"results JSON written without the host record: {offenders}"
