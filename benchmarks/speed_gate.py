@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from omnivox.benchmarks.cpu_flags import cpu_flags
+from omnivox.benchmarks.host import write_results
 
 BASELINES = Path(__file__).parent / "baselines" / "speed-gate.json"
 PROMPT_TOKENS, OUTPUT_TOKENS, CONCURRENT, REPEATS = 16, 12, 8, 3
@@ -146,7 +147,7 @@ def run_gate(path: Path, out: Path | None = None, baselines_path: Path = BASELIN
     }
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        write_results(out, result)
     return result
 
 

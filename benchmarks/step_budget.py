@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from omnivox.benchmarks.cpu_flags import cpu_flags
+from omnivox.benchmarks.host import write_results
 
 CONCURRENT, OUTPUT_TOKENS = 16, 32
 
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         "modes": {mode: summary(r) for mode, r in runs.items()},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_results(args.out, result)
     print(json.dumps({k: result[k] for k in ("step_costs", "mixed_step_tokens", "modes")}, indent=2))
     return 0
 

@@ -132,7 +132,6 @@ class ModelRunner:
         slots = (blocks.unsqueeze(1) * bs + torch.arange(bs)).flatten()
         return slots[start - first * bs : end - first * bs]
 
-    @torch.inference_mode()
     def _static_step(self, singles: list[ScheduledChunk]) -> torch.Tensor | None:
         """Logits [R, vocab] of a decode-only step through the replayed static graphs (engine/static_decode.py);
         None when there are none or the step does not fit them. Only for steps with one 1-D token per request and
@@ -168,6 +167,7 @@ class ModelRunner:
             rows.extend(range(row - c.num_verify, row))
         return rows
 
+    @torch.inference_mode()
     def execute(
         self, plan: SchedulePlan, window: tuple[int, int] | None = None, input_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor | None, list[ScheduledChunk]]:

@@ -14,9 +14,9 @@ From VNNI_MIN_ROWS rows (3: decode steps of several requests, prefill chunks), o
 kernel in models/block_kernels_vnni.c unpacks 16 rows of weights at a time and multiplies them with `vpdpbusd` against
 activations quantised to 15 bits per group (two int8 halves; `act_bits=8`, one half, is llama.cpp's Q8_1, ~1.5x as
 fast and measurably worse, see `set_act_bits`): ~2.2x the int16 kernels at 16 rows and ~1.7x float32 GEMM at 128.
-On AVX2 hosts without VNNI, Q4_1 layers take models/block_kernels_avx2.c from AVX2_MIN_ROWS rows instead (the same
-tiles and activations with `vpmaddubsw` + `vpmaddwd`, as llama.cpp's AVX2 path); Q8_0 layers there, from LARGE_BATCH
-rows (prefill), are dequantised into a transient float32 matrix for torch's float GEMM. The portable torch path does the kernels' arithmetic and is tested
+On AVX2 hosts without VNNI, block layers take models/block_kernels_avx2.c from AVX2_MIN_ROWS rows instead (the same
+tiles and activations with `vpmaddubsw` + `vpmaddwd`, as llama.cpp's AVX2 path). Where no many-row kernel serves,
+from LARGE_BATCH rows (prefill) a layer is dequantised into a transient float32 matrix for torch's float GEMM. The portable torch path does the kernels' arithmetic and is tested
 equal to them. Off CPU (CUDA) a layer is dequantised inside each matmul (correct; not a speed path).
 
 torch's fbgemm dynamic int8 linear (`quantized::linear_dynamic`, per-channel weights) was measured first: 4.4x faster
@@ -52,13 +52,14 @@ LARGE_BATCH = 32  # rows from which a layer is dequantised for float GEMM (measu
 # with the int16 kernels and 13.3 / 14.9 / 16.6 / 20.7 with VNNI; the Q8_0 lm_head 2.0 / 2.8 / 3.5 / 5.2 against
 # 2.3 / 2.4 / 2.7 / 3.3. (Before the kernel prefetched the next tile's rows, it crossed over only at 6 / 8 rows.)
 VNNI_MIN_ROWS = {"q4": 3, "q8": 3}
-# Rows from which the AVX2 many-row kernel (block_kernels_avx2.c; hosts without VNNI) serves, per block kind (None:
-# never). Measured with the x86-64-v3 build on SmolLM2-135M's shapes (one thread, CPU ms, a machine shared by ~10
-# jobs: noisy): its 30 Q4_1 layer sets at 3 / 16 / 32 / 128 rows took 47 / 99 / 189 / 795 with the int16 kernels,
-# 43 / 64 / 122 / 394 with this kernel and 262 / 175 / 207 / 426 dequantised for float GEMM (MKL limited to AVX2);
-# the Q8_0 lm_head 20 / 22 / 36 / 182 int16, 17 / 27 / 50 / 172 here (its signed weights need `vpsignb` and a
-# widening per chunk), so Q8_0 keeps the int16 kernels and float GEMM.
-AVX2_MIN_ROWS: dict[str, int | None] = {"q4": 3, "q8": None}
+# Rows from which the AVX2 many-row kernel (block_kernels_avx2.c; hosts without VNNI) serves, per block kind.
+# Measured with the x86-64-v3 build on SmolLM2-135M's shapes (one thread, CPU ms, a machine shared by ~10 jobs:
+# noisy): its 30 Q4_1 layer sets at 3 / 16 / 32 / 128 rows took 47 / 99 / 189 / 795 with the int16 kernels,
+# 43 / 64 / 122 / 394 with this kernel and 262 / 175 / 207 / 426 dequantised for float GEMM (MKL limited to AVX2).
+# Q8_0 (15-bit activations as int16, one `vpmaddwd` pass): the lm_head at 3 / 8 / 16 / 31 rows 9.1 / 13.2 / 17.3 /
+# 31.9 int16 against 8.6 / 12.1 / 16.9 / 25.7 here; 24 Q8_0 layers at 32 / 128 rows 33.4 / 143 int16, 36.2 / 88.5
+# float GEMM, 27.8 / 89.8 here: even below 16 rows, so from 16.
+AVX2_MIN_ROWS: dict[str, int | None] = {"q4": 3, "q8": 16}
 MANY_MIN_ROWS: dict[str, dict[str, int | None]] = {"vnni": VNNI_MIN_ROWS, "avx2": AVX2_MIN_ROWS}
 
 

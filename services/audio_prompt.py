@@ -25,7 +25,7 @@ from omnivox.codecs.audio_input import AudioInputError, AudioLimits, DecodedAudi
 from omnivox.engine import EmbeddingSegment
 from omnivox.engine.encoder_cache import EncoderCache, EncoderWorker
 from omnivox.models.audio import AudioEncoder
-from omnivox.models.audio.transcription import TranscriptionRequestError, language_name, transcription_messages
+from omnivox.models.audio.transcription import TranscriptionRequestError, language_name
 from omnivox.services import errors
 from omnivox.services.errors import FieldViolation
 from omnivox.services.prompt import MediaPromptBuilder, Prompt, role_of
@@ -107,7 +107,7 @@ class AudioInputPart:
             if context:
                 raise TranscriptionRequestError("prompt", "Voxtral's transcription request takes no context")
             return self.mistral.transcription_ids(voxtral_language(language) if language else None)
-        messages = transcription_messages(self.family, language, context)
+        messages = self.encoder.transcription_messages(language, context)  # the family's own prompt
         return self.render(messages, continue_final=messages[-1]["role"] == "assistant")
 
     def prompt(

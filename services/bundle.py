@@ -180,13 +180,15 @@ class ModelBundle:
     def vision(self) -> ImageInputPart | None:
         return self.parts.get(part_table.VISION)  # image input: encoder + worker + cache (services/image_prompt.py)
 
+    # It holds every part its manifest declares (load_manifest loads them all), so it accepts and produces what the
+    # manifest says.
     @property
     def input_modalities(self) -> frozenset[str]:
-        return modalities(self.parts)[0]
+        return self.manifest.input_modalities
 
     @property
     def output_modalities(self) -> frozenset[str]:
-        return modalities(self.parts)[1]
+        return self.manifest.output_modalities
 
     @property
     def untrained_components(self) -> tuple[str, ...]:

@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from omnivox.engine.detokenizer import IncrementalDetokenizer
-from omnivox.models.audio.transcription import ASR_TEXT, parse_transcription
+from omnivox.models.audio import encoder_class
+from omnivox.models.audio.transcription import ASR_TEXT
 
 # Qwen3-ASR's header ("language English<asr_text>") is a handful of tokens; an answer whose first tokens hold no tag
 # has no header, and all of it is transcript (the search stops here, so it never rescans a long answer).
@@ -81,5 +82,5 @@ class SegmentTranscript:
     def detected_language(self) -> str | None:
         """The BCP-47 code of the forced language, else of the one the header names; None when neither."""
         if self.language is not None:
-            return parse_transcription(self.family, "", self.language)[0]
-        return parse_transcription(self.family, self.header + "x")[0] if self.header else None
+            return encoder_class(self.family).parse_transcription("", self.language)[0]
+        return encoder_class(self.family).parse_transcription(self.header + "x")[0] if self.header else None

@@ -16,12 +16,15 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from omnivox.codecs.audio_input import AudioLimits
 from omnivox.codecs.mel import LogMelExtractor, MelBatch, MelSettings
+from omnivox.models.audio.transcription import TranscriptionRequestError, forced_language_code
 from omnivox.models.checkpoint import AUDIO, PROJECTOR, iter_checkpoint_tensors
 
 
@@ -110,10 +113,53 @@ class AudioEncoder(ABC):
         self.extractor = LogMelExtractor(mel, self.device)
 
     @classmethod
-    @abstractmethod
     def from_folder(
-        cls, path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
-    ) -> AudioEncoder: ...
+        cls, path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, **kwargs
+    ) -> AudioEncoder:
+        """The family's tower and projector of the checkpoint folder (`kwargs`: the family's own, e.g. max_seconds):
+        its config and feature extractor read by transformers, the modules built on the meta device, then loaded."""
+        import transformers
+
+        path = Path(path)
+        config = transformers.AutoConfig.from_pretrained(path)
+        if config.model_type != cls.family:
+            raise ValueError(f"{path}: model_type {config.model_type!r} is not {cls.family}")
+        mel = cls.mel_settings_for(transformers.AutoFeatureExtractor.from_pretrained(path), config)
+        with torch.device("meta"):
+            tower, projector = cls.build_modules(config)
+        tower_state, projector_state = audio_side_tensors(path, dtype)
+        load_module_state(tower, tower_state, "audio_tower")
+        load_module_state(projector, projector_state, "multi_modal_projector")
+        cls.after_load(tower)
+        return cls(config, mel, tower, projector, device, dtype, name=path.name, **kwargs)  # type: ignore[call-arg]
+
+    @classmethod
+    @abstractmethod
+    def mel_settings_for(cls, feature_extractor: Any, config: Any) -> MelSettings:
+        """The log-mel settings of the checkpoint's feature extractor, as this family's processor pads."""
+
+    @classmethod
+    @abstractmethod
+    def build_modules(cls, config: Any) -> tuple[torch.nn.Module, torch.nn.Module]:
+        """(audio tower, projector), transformers' modules of this family (built under the meta device)."""
+
+    @classmethod
+    def after_load(cls, tower: torch.nn.Module) -> None:
+        """What the checkpoint does not hold, computed once its weights are in (nothing by default)."""
+        return None
+
+    # --- transcription (TranscriptionService.Transcribe) ---
+    @classmethod
+    def transcription_messages(cls, language: str | None = None, context: str | None = None) -> list[dict]:
+        """Chat messages asking the model to transcribe one audio clip (the `{"type": "audio"}` part marks where it
+        goes). Render with `processor.apply_chat_template(messages, tokenize=False, continue_final_message=...)`,
+        where `continue_final_message = messages[-1]["role"] == "assistant"` (Qwen3-ASR's prefilled answer)."""
+        raise TranscriptionRequestError("model", f"transcription prompts for {cls.family!r} are not built here")
+
+    @classmethod
+    def parse_transcription(cls, text: str, language: str | None = None) -> tuple[str | None, str]:
+        """(language code or None, transcript) from the generated text. `language`: the one the request forced."""
+        return forced_language_code(language), text.strip()
 
     @property
     def sample_rate(self) -> int:

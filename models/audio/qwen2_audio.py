@@ -13,8 +13,7 @@ The encoder cannot see past its window, so audio over `chunk_length` seconds is 
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -23,8 +22,8 @@ from transformers.models.qwen2_audio import modeling_qwen2_audio as hf
 
 from omnivox.codecs.audio_input import AudioLimits
 from omnivox.codecs.mel import MelSettings
-from omnivox.models.audio.base import AudioEncoder, AudioInputs, audio_side_tensors
-from omnivox.models.audio.base import load_module_state as _load
+from omnivox.models.audio.base import AudioEncoder, AudioInputs
+from omnivox.models.audio.transcription import language_name
 
 
 class Qwen2AudioEncoder(AudioEncoder):
@@ -50,22 +49,23 @@ class Qwen2AudioEncoder(AudioEncoder):
         self._limits = AudioLimits(max_seconds=mel.chunk_length, min_samples=self._min_samples())
 
     @classmethod
-    def from_folder(
-        cls, path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
-    ) -> Qwen2AudioEncoder:
-        path = Path(path)
-        config = transformers.AutoConfig.from_pretrained(path)
-        if config.model_type != "qwen2_audio":
-            raise ValueError(f"{path}: model_type {config.model_type!r} is not qwen2_audio")
-        fe = transformers.AutoFeatureExtractor.from_pretrained(path)
-        mel = MelSettings.from_feature_extractor(fe, padding="max_length")
-        with torch.device("meta"):
-            tower = hf.Qwen2AudioEncoder(config.audio_config)
-            projector = hf.Qwen2AudioMultiModalProjector(config)
-        tower_state, projector_state = audio_side_tensors(path, dtype)
-        _load(tower, tower_state, "audio_tower")
-        _load(projector, projector_state, "multi_modal_projector")
-        return cls(config, mel, tower, projector, device, dtype, name=path.name)
+    def mel_settings_for(cls, feature_extractor: Any, config: Any) -> MelSettings:
+        return MelSettings.from_feature_extractor(feature_extractor, padding="max_length")
+
+    @classmethod
+    def build_modules(cls, config: Any) -> tuple[torch.nn.Module, torch.nn.Module]:
+        return hf.Qwen2AudioEncoder(config.audio_config), hf.Qwen2AudioMultiModalProjector(config)
+
+    @classmethod
+    def transcription_messages(cls, language: str | None = None, context: str | None = None) -> list[dict]:
+        """No transcription recipe of its own in transformers: a plain instruction after the audio, naming the
+        language and the context when the request gives them."""
+        instruction = "Transcribe the speech exactly, word for word, with nothing else."
+        if language:
+            instruction += f" The speech is in {language_name(language)}."
+        if context:
+            instruction += f" Context: {context}"
+        return [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": instruction}]}]
 
     @property
     def placeholder_token_id(self) -> int:

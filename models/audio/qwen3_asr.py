@@ -19,8 +19,7 @@ is our bound on one part, which the transcription service meets by splitting lon
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -28,8 +27,8 @@ from transformers.models.qwen3_asr import modeling_qwen3_asr as hf
 
 from omnivox.codecs.audio_input import AudioLimits
 from omnivox.codecs.mel import MelSettings
-from omnivox.models.audio.base import AudioEncoder, AudioInputs, audio_side_tensors
-from omnivox.models.audio.base import load_module_state as _load
+from omnivox.models.audio.base import AudioEncoder, AudioInputs
+from omnivox.models.audio.transcription import ASR_TEXT, language_name, read_language_header
 
 DEFAULT_MAX_SECONDS = 300.0
 
@@ -61,31 +60,39 @@ class Qwen3ASRAudioEncoder(AudioEncoder):
         self._limits = AudioLimits(max_seconds=max_seconds, min_samples=self._min_samples())
 
     @classmethod
-    def from_folder(
-        cls,
-        path: str | os.PathLike,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-        max_seconds: float = DEFAULT_MAX_SECONDS,
-    ) -> Qwen3ASRAudioEncoder:
-        path = Path(path)
-        config = transformers.AutoConfig.from_pretrained(path)
-        if config.model_type != "qwen3_asr":
-            raise ValueError(f"{path}: model_type {config.model_type!r} is not qwen3_asr")
-        fe = transformers.AutoFeatureExtractor.from_pretrained(path)
-        mel = MelSettings.from_feature_extractor(fe, padding="longest")
+    def mel_settings_for(cls, feature_extractor: Any, config: Any) -> MelSettings:
+        mel = MelSettings.from_feature_extractor(feature_extractor, padding="longest")
         if mel.pad_frames_to_multiple != 2 * config.audio_config.n_window:  # the processor passes n_window itself
             mel = MelSettings(**{**mel.__dict__, "pad_frames_to_multiple": 2 * config.audio_config.n_window})
-        with torch.device("meta"):
-            tower = hf.Qwen3ASREncoder(config.audio_config)
-            projector = hf.Qwen3ASRMultiModalProjector(config)
-        tower_state, projector_state = audio_side_tensors(path, dtype)
-        _load(tower, tower_state, "audio_tower")
-        _load(projector, projector_state, "multi_modal_projector")
+        return mel
+
+    @classmethod
+    def build_modules(cls, config: Any) -> tuple[torch.nn.Module, torch.nn.Module]:
+        return hf.Qwen3ASREncoder(config.audio_config), hf.Qwen3ASRMultiModalProjector(config)
+
+    @classmethod
+    def after_load(cls, tower: torch.nn.Module) -> None:
         # The sinusoidal position table is a non-persistent buffer (not in the checkpoint): compute it.
         positions = tower.positional_embedding
         positions.positional_embedding = positions.compute_default_singular_positional_embedding()
-        return cls(config, mel, tower, projector, device, dtype, name=path.name, max_seconds=max_seconds)
+
+    @classmethod
+    def transcription_messages(cls, language: str | None = None, context: str | None = None) -> list[dict]:
+        """The model's own recipe (transformers' `Qwen3ASRProcessor.apply_transcription_request`): an optional system
+        turn holding the context, the audio in the user turn, the answer prefilled with `language <Name><asr_text>`
+        when the language is given (the model then writes only the text)."""
+        messages: list[dict] = []
+        if context:
+            messages.append({"role": "system", "content": [{"type": "text", "text": context}]})
+        messages.append({"role": "user", "content": [{"type": "audio"}]})
+        prefill = f"language {language_name(language)}{ASR_TEXT}" if language else ""
+        messages.append({"role": "assistant", "content": [{"type": "text", "text": prefill}]})
+        return messages
+
+    @classmethod
+    def parse_transcription(cls, text: str, language: str | None = None) -> tuple[str | None, str]:
+        """Without a forced language it answers `language <Name><asr_text><text>`: the detected language first."""
+        return read_language_header(text, language)
 
     @property
     def placeholder_token_id(self) -> int:

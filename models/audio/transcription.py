@@ -1,4 +1,6 @@
-"""Each audio-LLM family's transcription prompt and how to read its answer (for TranscriptionService.Transcribe).
+"""What every audio-LLM family's transcription prompt and answer share: language names and codes, the request error.
+Each family's own prompt and reading of its answer are methods of its encoder class (`transcription_messages`,
+`parse_transcription`: models/audio/base.py, qwen3_asr.py, qwen2_audio.py, voxtral.py):
 
 - Qwen3-ASR: the model's own recipe, as transformers' `Qwen3ASRProcessor.apply_transcription_request` builds it:
   an optional system turn holding the context (hot words, names), the audio in the user turn, and the assistant
@@ -51,40 +53,18 @@ def language_name(language: str) -> str:
     raise TranscriptionRequestError("language", f"{language!r} is not a language this model knows; known: {known}")
 
 
-def transcription_messages(family: str, language: str | None = None, context: str | None = None) -> list[dict]:
-    """Chat messages asking `family` to transcribe one audio clip (the `{"type": "audio"}` part marks where it goes).
-
-    Render with `processor.apply_chat_template(messages, tokenize=False, continue_final_message=...)`, where
-    `continue_final_message = messages[-1]["role"] == "assistant"` (Qwen3-ASR's prefilled answer).
-    """
-    if family == "qwen3_asr":
-        messages: list[dict] = []
-        if context:
-            messages.append({"role": "system", "content": [{"type": "text", "text": context}]})
-        messages.append({"role": "user", "content": [{"type": "audio"}]})
-        prefill = f"language {language_name(language)}{ASR_TEXT}" if language else ""
-        messages.append({"role": "assistant", "content": [{"type": "text", "text": prefill}]})
-        return messages
-    if family == "qwen2_audio":
-        instruction = "Transcribe the speech exactly, word for word, with nothing else."
-        if language:
-            instruction += f" The speech is in {language_name(language)}."
-        if context:
-            instruction += f" Context: {context}"
-        return [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": instruction}]}]
-    raise TranscriptionRequestError("model", f"transcription prompts for {family!r} are not built here")
+def forced_language_code(language: str | None) -> str | None:
+    """The ISO 639-1 code of a language the request forced (by name or code); None when it forced none."""
+    return _languages()[1].get(language_name(language).lower()) if language else None
 
 
-def parse_transcription(family: str, text: str, language: str | None = None) -> tuple[str | None, str]:
-    """(language code or None, transcript) from the generated text. `language` is the one the request forced."""
-    if family == "voxtral":  # plain text; the forced language is the ISO 639-1 code its request was written with
-        return (language.strip().replace("_", "-").split("-")[0].lower() if language else None), text.strip()
-    name_to_code = _languages()[1]
-    forced = name_to_code.get(language_name(language).lower()) if language else None
-    if family != "qwen3_asr" or ASR_TEXT not in text:
+def read_language_header(text: str, language: str | None) -> tuple[str | None, str]:
+    """Qwen3-ASR's answer `language <Name><asr_text><text>`: (the forced or else the detected code, the text)."""
+    forced = forced_language_code(language)
+    if ASR_TEXT not in text:
         return forced, text.strip()
     head, transcript = text.split(ASR_TEXT, 1)
     head = head.strip()
     name = head[len("language ") :].strip() if head.lower().startswith("language ") else head
-    detected = name_to_code.get(name.lower()) if name and name.lower() != "none" else None
+    detected = _languages()[1].get(name.lower()) if name and name.lower() != "none" else None
     return forced or detected, transcript.strip()

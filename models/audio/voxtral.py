@@ -15,8 +15,7 @@ Prompts are not built here: Voxtral's tokenizer and chat format come from `mistr
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -24,8 +23,7 @@ from transformers.models.voxtral import modeling_voxtral as hf
 
 from omnivox.codecs.audio_input import AudioLimits
 from omnivox.codecs.mel import MelSettings
-from omnivox.models.audio.base import AudioEncoder, AudioInputs, audio_side_tensors
-from omnivox.models.audio.base import load_module_state as _load
+from omnivox.models.audio.base import AudioEncoder, AudioInputs
 
 DEFAULT_MAX_SECONDS = 300.0
 
@@ -60,26 +58,18 @@ class VoxtralAudioEncoder(AudioEncoder):
         self._limits = AudioLimits(max_seconds=max_seconds, min_samples=self._min_samples())
 
     @classmethod
-    def from_folder(
-        cls,
-        path: str | os.PathLike,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-        max_seconds: float = DEFAULT_MAX_SECONDS,
-    ) -> VoxtralAudioEncoder:
-        path = Path(path)
-        config = transformers.AutoConfig.from_pretrained(path)
-        if config.model_type != "voxtral":
-            raise ValueError(f"{path}: model_type {config.model_type!r} is not voxtral")
-        fe = transformers.AutoFeatureExtractor.from_pretrained(path)
-        mel = MelSettings.from_feature_extractor(fe, padding="multiple")
-        with torch.device("meta"):
-            tower = hf.VoxtralEncoder(config.audio_config)
-            projector = hf.VoxtralMultiModalProjector(config)
-        tower_state, projector_state = audio_side_tensors(path, dtype)
-        _load(tower, tower_state, "audio_tower")
-        _load(projector, projector_state, "multi_modal_projector")
-        return cls(config, mel, tower, projector, device, dtype, name=path.name, max_seconds=max_seconds)
+    def mel_settings_for(cls, feature_extractor: Any, config: Any) -> MelSettings:
+        return MelSettings.from_feature_extractor(feature_extractor, padding="multiple")
+
+    @classmethod
+    def build_modules(cls, config: Any) -> tuple[torch.nn.Module, torch.nn.Module]:
+        return hf.VoxtralEncoder(config.audio_config), hf.VoxtralMultiModalProjector(config)
+
+    @classmethod
+    def parse_transcription(cls, text: str, language: str | None = None) -> tuple[str | None, str]:
+        """Plain text (its prompt is mistral_common's TranscriptionRequest, services/voxtral_prompt.py); the forced
+        language is the ISO 639-1 code its request was written with."""
+        return (language.strip().replace("_", "-").split("-")[0].lower() if language else None), text.strip()
 
     @property
     def placeholder_token_id(self) -> int:

@@ -92,8 +92,8 @@ def test_served_engine_holds_the_flagged_budget(ckpt):
 def test_max_step_ms_measures_text_engines_and_leaves_whisper_alone(ckpt, tmp_path):
     """`serve --max-step-ms` beside a Whisper: the text engine gets a measured budget; Whisper (whose requests need
     audio the calibration has none of) loads without one and serves."""
-    from service_harness import ServerThread
-    from whisper_checkpoints import make_whisper
+    from support.service_harness import ServerThread
+    from support.whisper_checkpoints import make_whisper
 
     from omnivox.services.loading import EngineOptions, ModelSpec
 

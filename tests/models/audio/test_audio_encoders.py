@@ -21,13 +21,12 @@ from omnivox.models.audio import (
     Qwen3ASRAudioEncoder,
     VoxtralAudioEncoder,
     audio_family,
+    encoder_class,
     load_audio_encoder,
 )
 from omnivox.models.audio.transcription import (
     TranscriptionRequestError,
     language_name,
-    parse_transcription,
-    transcription_messages,
 )
 from omnivox.models.checkpoint import iter_checkpoint_tensors
 
@@ -252,7 +251,7 @@ def test_voxtral_matches_get_audio_features(tmp_path):
 @pytest.mark.parametrize(("language", "context"), [(None, None), ("en-US", None), ("fr", "Noms : Zoë, Ørsted")])
 def test_qwen3_asr_transcription_prompt_equals_the_processor(language, context, audio_bundles):
     processor = transformers.AutoProcessor.from_pretrained(audio_bundles["qwen3_asr"])
-    messages = transcription_messages("qwen3_asr", language, context)
+    messages = encoder_class("qwen3_asr").transcription_messages(language, context)
     ours = processor.apply_chat_template(messages, tokenize=False, continue_final_message=True)
     ref = processor.apply_transcription_request(
         audio=tone(1.0), language=language.split("-")[0] if language else None, prompt=context, tokenize=False
@@ -265,11 +264,14 @@ def test_transcription_languages_and_parsing():
     with pytest.raises(TranscriptionRequestError) as info:
         language_name("tlh")
     assert info.value.field == "language"
-    assert parse_transcription("qwen3_asr", "language German<asr_text> Guten Tag.") == ("de", "Guten Tag.")
-    assert parse_transcription("qwen3_asr", "language None<asr_text>") == (None, "")
-    assert parse_transcription("qwen3_asr", " Bonjour.", language="fr-FR") == ("fr", "Bonjour.")
-    assert parse_transcription("qwen2_audio", " Hello there. ") == (None, "Hello there.")
-    messages = transcription_messages("qwen2_audio", "de", "Namen: Zoë")
+    assert encoder_class("qwen3_asr").parse_transcription("language German<asr_text> Guten Tag.") == (
+        "de",
+        "Guten Tag.",
+    )
+    assert encoder_class("qwen3_asr").parse_transcription("language None<asr_text>") == (None, "")
+    assert encoder_class("qwen3_asr").parse_transcription(" Bonjour.", language="fr-FR") == ("fr", "Bonjour.")
+    assert encoder_class("qwen2_audio").parse_transcription(" Hello there. ") == (None, "Hello there.")
+    messages = encoder_class("qwen2_audio").transcription_messages("de", "Namen: Zoë")
     assert messages[0]["content"][0] == {"type": "audio"} and "German" in messages[0]["content"][1]["text"]
     with pytest.raises(TranscriptionRequestError):
-        transcription_messages("voxtral")
+        encoder_class("voxtral").transcription_messages()

@@ -26,7 +26,7 @@ from support.checkpoints import make_checkpoint
 from support.service_harness import ServerThread, nothing_left
 
 from omnivox.codecs.audio_format import float_to_int16
-from omnivox.models.audio.transcription import transcription_messages
+from omnivox.models.audio import encoder_class
 from omnivox.services.errors import status_details
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.services.transcript_text import SegmentTranscript
@@ -72,7 +72,7 @@ def transcribe(
 
 def reference_text(s, samples: np.ndarray, language: str | None) -> str:
     """processor + greedy generate on the family's transcription prompt, with the service's token budget."""
-    messages = transcription_messages(s["family"], language)
+    messages = encoder_class(s["family"]).transcription_messages(language)
     prompt = s["processor"].apply_chat_template(
         messages, tokenize=False, continue_final_message=messages[-1]["role"] == "assistant",
         add_generation_prompt=messages[-1]["role"] != "assistant",
@@ -169,7 +169,7 @@ def test_prompt_spelling_a_template_token_is_tokenized_as_the_processor_does(ser
         ours = prompt.token_ids
     finally:
         prompt.release()
-    messages = transcription_messages(family, "en", context)
+    messages = encoder_class(family).transcription_messages("en", context)
     assistant = messages[-1]["role"] == "assistant"
     text = processor.apply_chat_template(
         messages, tokenize=False, continue_final_message=assistant, add_generation_prompt=not assistant
