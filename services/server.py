@@ -169,7 +169,13 @@ class OmnivoxServer:
 
         auth = next((i for i in interceptors if isinstance(i, AuthInterceptor)), None)
         self.http = HttpFront(self.registry, self.metrics, auth, opts.max_receive_message_bytes)
-        ssl = {"ssl_certfile": str(opts.tls_cert), "ssl_keyfile": str(opts.tls_key)} if opts.tls_cert else {}
+        ssl: dict[str, Any] = (
+            {"ssl_certfile": str(opts.tls_cert), "ssl_keyfile": str(opts.tls_key)} if opts.tls_cert else {}
+        )
+        if opts.tls_client_ca:  # mTLS as on the gRPC port: no client certificate, no handshake
+            import ssl as ssl_module
+
+            ssl.update(ssl_ca_certs=str(opts.tls_client_ca), ssl_cert_reqs=ssl_module.CERT_REQUIRED)
         try:
             self.http_port = await self.http.start(opts.host, opts.http_port, ssl)
         except (OSError, SystemExit) as exc:  # uvicorn logs the bind error and exits its startup
