@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import threading
 import time
 import urllib.request
@@ -33,7 +32,7 @@ import numpy as np
 from omnivox.benchmarks.cpu_flags import cpu_flags
 from omnivox.benchmarks.host import write_results
 from omnivox.benchmarks.speech import synthesize_one
-from omnivox.benchmarks.systems.omnivox_grpc import _listening_address, omnivox_command, wait_serving
+from omnivox.benchmarks.systems.omnivox_grpc import ServerProcess
 
 TEXT_PROMPT = "Write a short story about a lighthouse keeper and a storm."
 SPEECH_TEXT = "Hello there! This is a quick test of speech synthesis under load."
@@ -44,17 +43,12 @@ def percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
-class Server:
+class Server(ServerProcess):
     """`omnivox serve` (embedded defaults) on free ports; its gRPC and /metrics addresses read from its log."""
 
     def __init__(self, extra: list[str], log_path: Path) -> None:
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in close()
-        cmd = [*omnivox_command(), "serve", "--port", "0", "--metrics-port", "0", *extra]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=os.environ.copy())
+        super().__init__(None, ["--metrics-port", "0", *extra], log_path, startup_timeout_s=600)
         try:
-            self.address = _listening_address(log_path, 600, self.proc)
-            wait_serving(self.address, 600, self.proc)
             self.metrics_url = re.search(r"metrics on (\S+)", log_path.read_text(errors="replace")).group(1)
         except BaseException:
             self.close()
@@ -73,16 +67,6 @@ class Server:
             for line in text.splitlines()
             if line.startswith(wanted)
         }
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
 
 
 def text_client(address: str, until: float, out: dict) -> None:

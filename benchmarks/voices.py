@@ -19,7 +19,6 @@ import argparse
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -158,34 +157,9 @@ def cpu_description() -> dict:
             "load_average_at_start": list(os.getloadavg())}  # fmt: skip
 
 
-class Server:
-    """`omnivox serve ARGS --port 0` as a child process, ready when health says SERVING."""
-
-    def __init__(self, args: list[str], log_path: Path) -> None:
-        from omnivox.benchmarks.systems.omnivox_grpc import _listening_address, omnivox_command, wait_serving
-
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen([*omnivox_command(), "serve", *args, "--port", "0"], stdout=self._log,
-                                     stderr=subprocess.STDOUT)  # fmt: skip
-        try:
-            self.address = _listening_address(log_path, 600, self.proc)
-            wait_serving(self.address, 600, self.proc)
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self._log.close()
-
-
 def main(argv: list[str] | None = None) -> int:
+    from omnivox.benchmarks.systems.omnivox_grpc import ServerProcess
+
     ap = argparse.ArgumentParser(prog="python -m omnivox.benchmarks.voices", description=__doc__.splitlines()[0])
     ap.add_argument("--address", help="an out-of-the-box omnivox server already running")
     ap.add_argument("--piper", type=Path, help="also measure this Piper voice folder")
@@ -198,11 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": git_commit(),
                     "command": " ".join(["python -m omnivox.benchmarks.voices", *(argv or sys.argv[1:])]),
                     **cpu_description(), "models": {}}  # fmt: skip
-    servers: list[Server] = []
+    servers: list[ServerProcess] = []
     try:
         address = args.address
         if address is None:
-            servers.append(Server([], Path("bench-results") / "voices-server.log"))
+            servers.append(ServerProcess(None, [], Path("bench-results") / "voices-server.log", 600))
             address = servers[-1].address
         with grpc.insecure_channel(address) as channel:
             out_of_box = summarize(round_trips(channel, texts[:5]))
@@ -212,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
             from omnivox.services.defaults import ensure_default_whisper
 
             whisper = ensure_default_whisper(progress=False)
-            servers.append(Server(["--model", str(args.piper), "--model", str(whisper), "--name", "piper", "--name",
-                                   ASR_MODEL], Path("bench-results") / "voices-piper.log"))  # fmt: skip
+            piper_flags = ["--model", str(args.piper), "--model", str(whisper), "--name", "piper", "--name", ASR_MODEL]
+            servers.append(ServerProcess(None, piper_flags, Path("bench-results") / "voices-piper.log", 600))
             with grpc.insecure_channel(servers[-1].address) as channel:
                 result["models"]["piper"] = measure_model(channel, "piper", texts)
     finally:

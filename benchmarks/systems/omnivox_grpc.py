@@ -46,8 +46,11 @@ class ServerProcess:
     here, closed, and handed over could be taken by another process in between (or be another server's).
     """
 
-    def __init__(self, model: str, extra_args: list[str], log_path: Path, startup_timeout_s: float = 300.0) -> None:
-        cmd = [*omnivox_command(), "serve", "--model", str(model), "--port", "0", *extra_args]
+    def __init__(
+        self, model: str | Path | None, extra_args: list[str], log_path: Path, startup_timeout_s: float = 300.0
+    ) -> None:
+        # model None: the embedded defaults (or the --model flags in extra_args)
+        cmd = [*omnivox_command(), "serve", *(["--model", str(model)] if model else []), "--port", "0", *extra_args]
         self.command = cmd
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in close()
