@@ -12,6 +12,7 @@ from support.service_harness import ServerThread
 from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
 from omnivox.codecs.streaming import StreamingOptions
 from omnivox.engine import InvalidRequest, SamplingParams
+from omnivox.services import speech_request
 from omnivox.services.defaults import save_random_speech_model
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.services.speech import SpeechServicer
@@ -73,7 +74,7 @@ def test_speech_audio_is_the_same_with_and_without_detokenizing(tmp_path, monkey
         servicer.limits.audio_seconds_base = 0.5
         servicer.limits.audio_seconds_per_char = 0.02
         made: list[SamplingParams] = []
-        real_params = servicer._params
+        real_params = speech_request.segment_params  # SynthesizeSpeech's plan calls it per segment
 
         def params_seen(*args, **kwargs):
             made.append(real_params(*args, **kwargs))
@@ -89,11 +90,13 @@ def test_speech_audio_is_the_same_with_and_without_detokenizing(tmp_path, monkey
             responses = list(stub.SynthesizeSpeech(request, timeout=120))
             return b"".join(r.audio.data for r in responses if r.WhichOneof("response") == "audio")
 
-        monkeypatch.setattr(servicer, "_params", params_seen)
+        monkeypatch.setattr(speech_request, "segment_params", params_seen)
         skipped = synthesize()
         assert made and all(p.detokenize is False for p in made)  # the speech path asks for ids only
         monkeypatch.setattr(
-            servicer, "_params", lambda *a, **k: dataclasses.replace(real_params(*a, **k), detokenize=True)
+            speech_request,
+            "segment_params",
+            lambda *a, **k: dataclasses.replace(real_params(*a, **k), detokenize=True),
         )
         decoded = synthesize()
     assert len(skipped) > 0 and skipped == decoded
