@@ -52,6 +52,8 @@ def words(text: str) -> list[str]:
 
 
 def word_error_rate(reference: str, hypothesis: str) -> float:
+    """Word-level edit distance (substitutions + insertions + deletions) over the reference's word count (words
+    lower-cased, punctuation dropped); the tests score transcripts with it too."""
     ref, hyp = words(reference), words(hypothesis)
     row = list(range(len(hyp) + 1))
     for i, r in enumerate(ref, 1):

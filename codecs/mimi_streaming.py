@@ -14,13 +14,12 @@ once (the worker sends one window per stream a pass; `decode_ready` here sends t
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from omnivox.codecs.mimi import MimiDecoder, MimiDecodeState
-from omnivox.codecs.streaming import DecodeWindow, StreamDecoderState, StreamingOptions
+from omnivox.codecs.streaming import DecodeWindow, StreamDecoderState, StreamingOptions, WindowedStreamDecoder
 
 # Exact streaming needs no context around a window. Hops of 1, 2, 4, 8 frames (80 ms each): the first audio after one
 # frame; past 8 frames a pass's fixed cost is already small against its frames (tests/codecs/test_codec_mimi.py times none
@@ -30,7 +29,7 @@ MIMI_STREAMING = StreamingOptions(
 )
 
 
-class MimiStreamDecoder:
+class MimiStreamDecoder(WindowedStreamDecoder):
     """Decodes the ready windows of many Mimi streams together (the decode worker's decoder for a Mimi codec)."""
 
     def __init__(
@@ -112,20 +111,3 @@ class MimiStreamDecoder:
             for i, audio in zip(idx, self._decode_round([windows[i] for i in idx]), strict=True):
                 out[i] = audio
         return out  # type: ignore[return-value]
-
-    def decode_ready(self, streams: Iterable[StreamDecoderState]) -> dict[StreamDecoderState, list[np.ndarray]]:
-        """Plan, decode (batched across streams) and apply every ready window; chunks per stream, in order."""
-        windows = [w for s in streams if not s.closed for w in s.plan()]
-        out: dict[StreamDecoderState, list[np.ndarray]] = {}
-        for w, audio in zip(windows, self.decode_windows(windows), strict=True):
-            out.setdefault(w.stream, []).append(w.stream.apply(w, audio))
-        return out
-
-    def decode_all(self, frames: torch.Tensor) -> np.ndarray:
-        """One stream of frames (T x K) through the streaming path, chunks joined (offline use, tests)."""
-        stream = self.open_stream()
-        for row in frames.tolist():
-            stream.push_frame(row)
-        stream.finish()
-        chunks = self.decode_ready([stream]).get(stream, [])
-        return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)

@@ -266,7 +266,38 @@ class StreamDecoderState:
         return chunk.numpy()
 
 
-class BatchedStreamDecoder:
+class WindowedStreamDecoder:
+    """What every stream decoder of the decode worker shares: plan each open stream's ready windows, decode them
+    together (`decode_windows`, the subclass's codec pass) and apply the audio back to its stream."""
+
+    def open_stream(self, options: StreamingOptions | None = None) -> StreamDecoderState:
+        raise NotImplementedError
+
+    def decode_windows(self, windows: Sequence[DecodeWindow]) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def decode_ready(self, streams: Iterable[StreamDecoderState]) -> dict[StreamDecoderState, list[np.ndarray]]:
+        """Plan, decode (batched across streams) and apply every ready window; chunks per stream, in order."""
+        windows = [w for s in streams if not s.closed for w in s.plan()]
+        out: dict[StreamDecoderState, list[np.ndarray]] = {}
+        if not windows:
+            return out
+        for w, audio in zip(windows, self.decode_windows(windows), strict=True):
+            out.setdefault(w.stream, []).append(w.stream.apply(w, audio))
+        return out
+
+    def decode_all(self, frames: torch.Tensor) -> np.ndarray:
+        """Stream a whole frame sequence (T x codes_per_frame) through one stream and join the chunks: a helper for
+        offline use and for tests."""
+        stream = self.open_stream()
+        for row in frames.tolist():
+            stream.push_frame(row)
+        stream.finish()
+        chunks = self.decode_ready([stream]).get(stream, [])
+        return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)
+
+
+class BatchedStreamDecoder(WindowedStreamDecoder):
     """Decodes the ready windows of many streams together: one codec forward pass per distinct window length."""
 
     def __init__(
@@ -357,23 +388,3 @@ class BatchedStreamDecoder:
                     for row, i in zip(static.to_host(list(audio)), part, strict=True):
                         out[i] = row
         return out  # type: ignore[return-value]
-
-    def decode_ready(self, streams: Iterable[StreamDecoderState]) -> dict[StreamDecoderState, list[np.ndarray]]:
-        """Plan, decode (batched across streams) and apply every ready window; chunks per stream, in order."""
-        windows = [w for s in streams if not s.closed for w in s.plan()]
-        out: dict[StreamDecoderState, list[np.ndarray]] = {}
-        if not windows:
-            return out
-        for w, audio in zip(windows, self.decode_windows(windows), strict=True):
-            out.setdefault(w.stream, []).append(w.stream.apply(w, audio))
-        return out
-
-    def decode_all(self, frames: torch.Tensor) -> np.ndarray:
-        """Stream a whole frame sequence (T x codes_per_frame) through one stream and join the chunks: a helper for
-        offline use and for tests."""
-        stream = self.open_stream()
-        for row in frames.tolist():
-            stream.push_frame(row)
-        stream.finish()
-        chunks = self.decode_ready([stream]).get(stream, [])
-        return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.float32)

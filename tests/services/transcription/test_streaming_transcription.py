@@ -18,9 +18,9 @@ from support.audio_checkpoints import chirp, encode, espeak_wav, noise, tone
 from support.checkpoints import make_checkpoint
 from support.grpc_errors import violated_fields
 from support.service_harness import ServerThread, nothing_left
-from support.transcripts import word_error_rate
 from support.whisper_checkpoints import make_whisper
 
+from omnivox.benchmarks.transcription import word_error_rate
 from omnivox.codecs.audio_format import AudioEncoding, float_to_int16, int16_to_mulaw
 from omnivox.codecs.audio_input import AudioInputError, decode_audio, resample
 from omnivox.codecs.audio_stream_input import StreamingAudioDecoder, StreamingResampler

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from support.audio_checkpoints import encode, noise, tone
 from support.service_harness import ServerThread, nothing_left
-from support.transcripts import word_error_rate
 from support.whisper_checkpoints import make_whisper
 
+from omnivox.benchmarks.transcription import word_error_rate
 from omnivox.codecs.audio_format import float_to_int16, int16_to_mulaw
 from omnivox.codecs.audio_input import (
     MAX_RESAMPLE_TABLE_BYTES,

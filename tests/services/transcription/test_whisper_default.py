@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from support.audio_checkpoints import espeak_wav
 from support.service_harness import ServerThread
-from support.transcripts import word_error_rate
 
+from omnivox.benchmarks.transcription import word_error_rate
 from omnivox.services.defaults import DEFAULT_ASR_MODEL_NAME, ensure_default_whisper
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.v1 import content_pb2, model_pb2, model_pb2_grpc, transcription_pb2, transcription_pb2_grpc
