@@ -62,10 +62,13 @@ async def streaming_synthesize(
         )
     with speech_request.config_fields():  # the checks of SynthesizeSpeech, their fields named `config.<field>`
         model = speech_request.speech_model(servicer.registry, cfg.model)
-        if model.bundle is not None and model.bundle.voice is not None:  # no engine: services/voice_speech.py
-            from omnivox.services.voice_speech import stream_voice
+    if model.bundle is not None and model.bundle.voice is not None:  # no engine: services/voice_speech.py
+        from omnivox.services.voice_speech import stream_voice
 
-            return await stream_voice(servicer, cfg, requests, context, model, received)
+        # Outside config_fields: stream_voice names its config fields itself, and its later errors (the text
+        # messages) are not config fields (inside, they came out as `config.config.audio_config...`, `config.text`).
+        return await stream_voice(servicer, cfg, requests, context, model, received)
+    with speech_request.config_fields():
         created = {v.name: v for v in servicer.voices.list(model.name)}
         plan = speech_request.check_stream_config(cfg, model, limits, created)
     assert model.bundle is not None and model.bundle.speech is not None

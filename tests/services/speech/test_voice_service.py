@@ -14,6 +14,7 @@ import grpc
 import numpy as np
 import pytest
 import soundfile as sf
+from support.grpc_errors import violated_fields
 from support.service_harness import ServerThread
 from support.voice_checkpoints import save_random_piper_voice
 
@@ -200,6 +201,10 @@ def test_streaming_speaks_each_clause_before_the_next_text_comes(server):
         speech_pb2.StreamingSynthesizeSpeechRequest(config=speech_pb2.StreamingSpeechConfig(
             voice=speech_pb2.VoiceSelection(name="emma")))]), timeout=30)))  # fmt: skip
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    bad = speech_pb2.StreamingSpeechConfig(audio_config=speech_pb2.AudioConfig(encoding=99))
+    err = status(lambda: list(speech(server).StreamingSynthesizeSpeech(
+        iter([speech_pb2.StreamingSynthesizeSpeechRequest(config=bad)]), timeout=30)))  # fmt: skip
+    assert violated_fields(err) == ["config.audio_config.encoding"]  # was config.config.audio_config.encoding
 
 
 def test_deadline_and_cancel_end_the_call_and_the_server_serves_on(server):
