@@ -35,6 +35,7 @@ _libraries: dict[str, ctypes.CDLL | None] = {}  # per target, built and loaded o
 _failures: dict[str, str] = {}  # per target: why it is unavailable although a compiler exists (a build or load error)
 _target = "native"  # the build the engine's kernels run on (use_target)
 _lib: ctypes.CDLL | None = None  # the loaded library of _target, once kernel_available() said True
+_resolved = False  # whether kernel_available() has asked for _target's library (it is called per layer per step)
 _many: dict[str, str | None] = {}  # per target: its many-row kernel (many_row_kernel)
 
 
@@ -129,11 +130,11 @@ def use_target(target: str) -> None:
     For tests (tests/conftest.py): an AVX-512 host forced to "x86-64-v3" runs the AVX2 kernels every AVX2-only user
     runs. Call it before a model is loaded: a fused decode table (models/fused_decode.py) keeps the routes it chose.
     """
-    global _target, _lib
+    global _target, _lib, _resolved
     if target not in TARGETS:
         raise ValueError(f"unknown kernel target {target!r}: one of {sorted(TARGETS)}")
     with _lock:
-        _target, _lib = target, None
+        _target, _lib, _resolved = target, None, False
 
 
 def active_target() -> str:
@@ -142,9 +143,9 @@ def active_target() -> str:
 
 
 def kernel_available() -> bool:
-    global _lib
-    if _lib is None:
-        _lib = library(_target)
+    global _lib, _resolved
+    if not _resolved:  # without kernels, a plain flag test per call, not the build lock
+        _lib, _resolved = library(_target), True
     return _lib is not None
 
 
