@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from google.rpc import error_details_pb2
 
 from omnivox.services import errors, logs
-from omnivox.services.auth import AuthInterceptor
+from omnivox.services.auth import AuthInterceptor, bearer_token
 from omnivox.services.errors import ServiceError
 from omnivox.services.generate_call import generate_responses
 from omnivox.services.metrics import Metrics
@@ -194,11 +194,7 @@ class HttpFront:
             return None
         caller = ""
         if self.auth.api_keys:
-            header = request.headers.get("authorization")
-            key = None
-            if header:
-                scheme, _, value = header.strip().partition(" ")
-                key = value.strip() if scheme.lower() == "bearer" and value.strip() else None
+            key = bearer_token(request.headers.items())  # the gRPC chain's parsing (starlette lower-cases names)
             key_id = self.auth.caller_of_key(key)
             if key_id is None:
                 message = "invalid API key" if key else "missing API key"
