@@ -103,7 +103,7 @@ class HttpFront:
         self.app.get("/v1/models")(self.models)
         self.app.get("/v1/models/{model_id:path}")(self.model)
         self.app.get("/health")(self.health)
-        self.realtime = RealtimeRoute(self)  # GET /v1/realtime: the WebSocket voice sessions (services/realtime/)
+        self.realtime = RealtimeRoute(self, error_response)  # GET /v1/realtime: voice sessions (services/realtime/)
 
         @self.app.websocket("/v1/realtime")
         async def realtime(websocket: WebSocket) -> None:

@@ -50,6 +50,7 @@ class SessionConfig:
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_choice: Any = "auto"
     max_output_tokens: int | None = None  # None: "inf" (the model's context)
+    temperature: float | None = None  # the beta protocol's field (GA dropped it); None: the model's default
     cache_salt: str = ""  # an omnivox extension: narrows prefix-cache sharing (services/cache_salt.py)
 
     def wire(self, session_id: str) -> dict[str, Any]:
@@ -62,7 +63,7 @@ class SessionConfig:
                           "turn_detection": self.turn_detection.wire() if self.turn_detection else None},
                 "output": {"format": audio_format(self.output_format), "voice": self.voice, "speed": self.speed},
             },
-            "tools": self.tools, "tool_choice": self.tool_choice,
+            "tools": self.tools, "tool_choice": self.tool_choice, "temperature": self.temperature,
             "max_output_tokens": "inf" if self.max_output_tokens is None else self.max_output_tokens,
         }  # fmt: skip
 
@@ -92,6 +93,10 @@ class SessionConfig:
                 raise RealtimeError("output_modalities must be [\"text\"] or [\"audio\"]",
                                     f"{prefix}.output_modalities")  # fmt: skip
             self.output_modalities = list(modalities)
+        if (temp := typed(obj, "temperature", (int, float), "a number", f"{prefix}.temperature")) is not None:
+            if not 0.0 <= temp <= 2.0:
+                raise RealtimeError("temperature must be in [0, 2]", f"{prefix}.temperature")
+            self.temperature = float(temp)
         if (tools := obj.get("tools")) is not None:
             self.tools = _tools(tools, f"{prefix}.tools")
         if (choice := obj.get("tool_choice")) is not None:

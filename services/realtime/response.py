@@ -118,6 +118,8 @@ class ResponseRun:
             choice = cfg.tool_choice
             body["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}} if isinstance(
                 choice, dict) else choice  # fmt: skip
+        if cfg.temperature is not None:
+            body["temperature"] = cfg.temperature
         if cfg.max_output_tokens is not None:
             body["max_tokens"] = cfg.max_output_tokens
         return body

@@ -48,8 +48,9 @@ def session_models(registry: Any, name: str) -> Models:
 class RealtimeRoute:
     """The route's state on the front: its limits and the sessions open (the tests and the drain read them)."""
 
-    def __init__(self, front: Any, limits: RealtimeLimits | None = None) -> None:
-        self.front, self.limits = front, limits or RealtimeLimits()
+    def __init__(self, front: Any, error_response: Any, limits: RealtimeLimits | None = None) -> None:
+        """`front`: the HttpFront (registry, metrics, its auth check); `error_response`: its ServiceError -> JSON."""
+        self.front, self.error_response, self.limits = front, error_response, limits or RealtimeLimits()
         self.sessions: set[RealtimeSession] = set()
 
     async def __call__(self, websocket: WebSocket) -> None:
@@ -63,7 +64,7 @@ class RealtimeRoute:
                 models = session_models(front.registry, websocket.query_params.get("model", ""))
             except ServiceError as err:
                 code = err.code
-                await _deny(websocket, err)
+                await _deny(websocket, self.error_response(err))
                 return
             await websocket.accept()
             record.set(model=models.text.name)
@@ -138,12 +139,9 @@ async def _send(websocket: WebSocket, session: RealtimeSession) -> None:
             await websocket.send_text(text)
 
 
-async def _deny(websocket: WebSocket, err: ServiceError) -> None:
+async def _deny(websocket: WebSocket, response: Any) -> None:
     """An HTTP status with OpenAI's error JSON instead of the upgrade (uvicorn's denial response extension), else a
     policy-violation close before accepting (the client sees a 403)."""
-    from omnivox.services.http_front import error_response
-
-    response = error_response(err)
     if "websocket.http.response" in websocket.scope.get("extensions", {}):
         await websocket.send_denial_response(response)
         return

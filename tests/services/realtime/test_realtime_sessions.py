@@ -25,7 +25,8 @@ from omnivox.services.model_spec import EngineOptions, ModelSpec
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="no espeak-ng")]
 QUESTION = "What is the capital of France?"
-TEXT_ONLY = {"type": "realtime", "output_modalities": ["text"], "instructions": "Answer in one short sentence."}
+BRIEF = "Answer in one short sentence."
+TEXT_ONLY = {"type": "realtime", "output_modalities": ["text"], "instructions": BRIEF, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +96,8 @@ def test_spoken_question_answered_in_text_and_audio(server, question_pcm):
     async def talk():
         session = await RawSession.open(url(server))
         await session.until("session.created")
-        await session.send({"type": "session.update", "session": {"type": "realtime", "instructions":
-                            "Answer in one short sentence."}})  # fmt: skip
+        await session.send({"type": "session.update", "session": {"type": "realtime", "instructions": BRIEF,
+                            "temperature": 0}})  # fmt: skip
         await session.until("session.updated")
         seen: list = []
         sending = asyncio.create_task(session.stream(question_pcm, realtime=False, silence_ms=1200))
