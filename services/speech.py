@@ -25,10 +25,11 @@ from omnivox.engine import InvalidRequest
 from omnivox.models.orpheus import SpeechLayout
 from omnivox.services import errors, speech_request, voice_speech
 from omnivox.services.cache_salt import request_salt
-from omnivox.services.errors import FieldViolation, rpc_method
-from omnivox.services.logs import current_call
+from omnivox.services.call_record import current_call
+from omnivox.services.errors import FieldViolation
 from omnivox.services.metrics import Metrics, SpeechStreamMetrics
 from omnivox.services.registry import ModelRegistry, ServedModel
+from omnivox.services.rpc_errors import rpc_method
 from omnivox.services.speech_request import SpeechLimits
 from omnivox.services.speech_stream import streaming_synthesize
 from omnivox.services.speech_synthesis import SegmentedSynthesis

@@ -36,12 +36,13 @@ from omnivox.models.audio.transcription import TranscriptionRequestError
 from omnivox.services import errors
 from omnivox.services.audio_prompt import AudioInputPart
 from omnivox.services.cache_salt import request_salt
-from omnivox.services.errors import FieldViolation, rpc_method
+from omnivox.services.call_record import current_call
+from omnivox.services.errors import FieldViolation
 from omnivox.services.generate_request import build_in_thread
-from omnivox.services.logs import current_call
 from omnivox.services.metrics import Metrics
 from omnivox.services.prompt import Prompt
 from omnivox.services.registry import AUDIO, ModelRegistry, ServedModel
+from omnivox.services.rpc_errors import rpc_method
 from omnivox.services.streaming_transcription import streaming_transcribe
 from omnivox.services.summaries import seconds_to_duration
 from omnivox.services.transcript_text import SegmentTranscript
