@@ -1,7 +1,7 @@
 """StreamingSynthesizeSpeech's processing and output: text messages -> clauses -> engine -> frames -> audio chunks.
 
 Three tasks share one ClauseSynthesis: `read` takes the client's text messages and cuts complete clauses
-(services/speech_stream.py ClauseCutter, the SETTLE_S rule), `produce` speaks them one after another (each with the
+(services/clause_reader.py, the SETTLE_S rule), `produce` speaks them one after another (each with the
 previous clause's text and last CONTEXT_FRAMES of codes as a prior turn; frames through services/audio_frames.py into
 ONE codec stream, flushed when the next clause's text has not come), and the writer (`audio`) encodes the codec's
 chunks, noting each clause's first-audio latency. `close()` (always) cancels the tasks, which closes the clause's
@@ -22,11 +22,10 @@ from omnivox.codecs.audio_format import AudioStreamEncoder
 from omnivox.codecs.decode_worker import END
 from omnivox.services import errors
 from omnivox.services.audio_frames import AudioFrameAssembler
-from omnivox.services.errors import FieldViolation
+from omnivox.services.clause_reader import read_clauses
 from omnivox.services.registry import ServedModel
 from omnivox.services.speech_request import SpeechLimits, segment_params
 from omnivox.services.speech_validation import SpeechPlan, invalid
-from omnivox.services.stream_idle import idle_bounded
 from omnivox.services.streams import next_item
 from omnivox.services.summaries import SpeechTotals, audio_format
 from omnivox.v1 import speech_pb2
@@ -116,42 +115,9 @@ class ClauseSynthesis:
 
     async def read(self, requests: AsyncIterator[Any], stream_idle_s: float | None) -> None:
         self._idle_s = stream_idle_s
-        total, loop, cutter, clauses = 0, asyncio.get_running_loop(), self.cutter, self.clauses
-        settle: asyncio.TimerHandle | None = None
-
-        def settled(arrived: float) -> None:  # no text came after the clause punctuation: the clause is complete
-            for clause in cutter.flush():
-                clauses.put_nowait((clause, arrived))
-
-        try:
-            async for req in idle_bounded(requests, stream_idle_s, "text", self._busy, lambda r: bool(r.text.strip())):
-                kind = req.WhichOneof("request")
-                if kind == "end":
-                    break
-                if kind == "config":
-                    raise errors.invalid_argument([FieldViolation("config", "only the first message may be a config")])
-                if kind != "text":
-                    raise errors.invalid_argument(
-                        [FieldViolation("request", "a message after the config sets none of text, end")]
-                    )
-                total += len(req.text)
-                if total > self.limits.max_text_chars:
-                    raise errors.invalid_argument(
-                        [FieldViolation("text", f"more than {self.limits.max_text_chars} characters in all")]
-                    )
-                now = time.monotonic()
-                for clause in cutter.feed(req.text):
-                    clauses.put_nowait((clause, now))
-                if settle is not None:
-                    settle.cancel()
-                settle = loop.call_later(self.settle_s, settled, now) if cutter.ends_at_boundary() else None
-        finally:
-            if settle is not None:
-                settle.cancel()
-        self.text_end = time.monotonic()
-        for clause in cutter.flush():
-            clauses.put_nowait((clause, self.text_end))
-        clauses.put_nowait(None)
+        self.text_end = await read_clauses(
+            requests, self.cutter, self.clauses, self.limits.max_text_chars, self.settle_s, stream_idle_s, self._busy
+        )
 
     # --- clauses -> the engine -> frames ---
     async def produce(self) -> None:

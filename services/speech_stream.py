@@ -27,8 +27,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-import grpc
-
 from omnivox.engine import InvalidRequest
 from omnivox.services import errors, speech_request
 from omnivox.services.cache_salt import request_salt
@@ -42,51 +40,52 @@ from omnivox.services.summaries import speech_summary
 from omnivox.v1 import speech_pb2
 
 if TYPE_CHECKING:
-    from omnivox.services.speech import SpeechServicer
+    from omnivox.services.speech_call import SpeechCalls
 
 Response = speech_pb2.StreamingSynthesizeSpeechResponse
 
 
 async def streaming_synthesize(
-    servicer: SpeechServicer,
-    requests: AsyncIterator[speech_pb2.StreamingSynthesizeSpeechRequest],
-    context: grpc.aio.ServicerContext,
-) -> None:
+    calls: SpeechCalls, requests: AsyncIterator[speech_pb2.StreamingSynthesizeSpeechRequest]
+) -> AsyncIterator[Response]:
+    """The format, the audio chunks as each clause is spoken, then the summary."""
     received = time.monotonic()
     cfg = await first_config(requests)
     salt = request_salt(cfg.cache_salt, "config.cache_salt")  # this caller's share of the prefix cache
-    limits = servicer.limits
+    limits = calls.limits
     if cfg.max_clause_chars < 0 or cfg.max_clause_chars > limits.max_segment_chars:
         raise errors.invalid_argument(
             [FieldViolation("config.max_clause_chars", f"must be in [0, {limits.max_segment_chars}]")]
         )
     with speech_request.config_fields():  # the checks of SynthesizeSpeech, their fields named `config.<field>`
-        model = speech_request.speech_model(servicer.registry, cfg.model)
+        model = speech_request.speech_model(calls.registry, cfg.model)
     if model.bundle is not None and model.bundle.voice is not None:  # no engine: services/voice_speech.py
         from omnivox.services.voice_speech import stream_voice
 
         # Outside config_fields: stream_voice names its config fields itself, and its later errors (the text
         # messages) are not config fields (inside, they came out as `config.config.audio_config...`, `config.text`).
-        return await stream_voice(servicer, cfg, requests, context, model, received)
+        async for response in stream_voice(calls, cfg, requests, model, received):
+            yield response
+        return
     with speech_request.config_fields():
-        created = {v.name: v for v in servicer.voices.list(model.name)}
+        created = {v.name: v for v in calls.voices.list(model.name)}
         plan = speech_request.check_stream_config(cfg, model, limits, created)
     assert model.bundle is not None and model.bundle.speech is not None
     ref = created.get(plan.voice) if plan.voice not in model.bundle.speech.layout.voices else None
     cutter = ClauseCutter(cfg.max_clause_chars or DEFAULT_MAX_CLAUSE_CHARS)
     synthesis = ClauseSynthesis(model, plan, cfg, cutter, limits, ref, salt, SETTLE_S)
-    m = servicer.metrics
-    deadline = servicer.registry.arbiter.open  # called once admitted: the arbiter puts it first when behind
+    m = calls.metrics
+    deadline = calls.registry.arbiter.open  # called once admitted: the arbiter puts it first when behind
     with model.admit(), SpeechStreamMetrics(m, model.name, received, deadline=deadline(model.engine)) as slo:
         try:
-            await context.write(Response(format=synthesis.audio_format()))
-            synthesis.start(requests, servicer.registry.stream_idle_s)
+            yield Response(format=synthesis.audio_format())
+            synthesis.start(requests, calls.registry.stream_idle_s)
             async for data in synthesis.audio(m.clause_first_audio.labels(model.name).observe):
                 slo.chunk(synthesis.audio_seconds - slo.meter.sent_s, synthesis.last_out, synthesis.last_clause_ready())
-                await context.write(Response(audio=speech_pb2.AudioChunk(data=data)))
+                yield Response(audio=speech_pb2.AudioChunk(data=data))
         except InvalidRequest as err:
             raise invalid(err) from err
-        except asyncio.CancelledError:  # client cancel, deadline, idle bound, forced stop: counted as vLLM does
+        except (asyncio.CancelledError, GeneratorExit):  # client gone, deadline, idle bound, forced stop: as vLLM
             m.request_ended(model.name, "abort")
             raise
         finally:
@@ -99,5 +98,6 @@ async def streaming_synthesize(
             m.text_end_lag.labels(model.name).observe(max(slo.last_audio - synthesis.text_end, 0.0))
         m.success.labels(model.name, totals.finish).inc()
         m.e2e.labels(model.name).observe(done - received)
-    summary = speech_summary(totals, received, done, synthesis.first_audio, synthesis.request_id, model.name)
-    await context.write(Response(summary=summary))
+    yield Response(
+        summary=speech_summary(totals, received, done, synthesis.first_audio, synthesis.request_id, model.name)
+    )

@@ -65,21 +65,8 @@ def validate_speech(
     """INVALID_ARGUMENT listing every bad field, then NOT_FOUND for an unknown voice (`created`: the model's voices
     created from reference audio, besides the layout's own)."""
     v = validation.Violations()
-    text = request.text.strip()
-    if not any(unicodedata.category(c)[0] not in "ZC" for c in text):
-        # strip() keeps zero-width and other format characters ("\u200b"), which the model would then "speak"
-        v.add("text", "must not be empty (it holds only spaces, control or zero-width characters)")
-    elif len(request.text) > max_text_chars:
-        v.add("text", f"is {len(request.text)} characters; the limit is {max_text_chars}")
-    name = encoding_name(request.audio_config.encoding)
-    encoding, rate = AudioEncoding.WAV, layout.sample_rate
-    if name is None:
-        v.add("audio_config.encoding", f"unknown encoding value {request.audio_config.encoding}")
-    else:
-        try:
-            encoding, rate = check_output_format(name, request.audio_config.sample_rate_hertz or layout.sample_rate)
-        except AudioFormatError as err:
-            v.add(f"audio_config.{err.field}", err.description)
+    text = check_text(v, request.text, max_text_chars)
+    encoding, rate = check_audio_config(v, request.audio_config, layout.sample_rate)
     if request.audio_config.HasField("speaking_rate"):  # Orpheus speaks at the pace it samples
         v.add("audio_config.speaking_rate", f"model {model.name!r} does not take a speaking rate")
     # The model's defaults already hold its layout's sampling values (services/bundle.py); the request's win.
@@ -94,11 +81,42 @@ def validate_speech(
             voice,
             f"model {model.name!r} has no voice {voice!r} (voices: {', '.join([*layout.voices, *created])})",
         )
-    if request.voice.language_code and not language_matches(request.voice.language_code, layout.language_code):
+    check_voice_language(model.name, voice, request.voice.language_code, layout.language_code)
+    return SpeechPlan(text=text, voice=voice, encoding=encoding, sample_rate=rate, sampling=sampling)
+
+
+def check_text(v: validation.Violations, text: str, max_text_chars: int) -> str:
+    """The text to speak, stripped; a violation on `text` when it holds nothing to say or is over the limit."""
+    stripped = text.strip()
+    if not any(unicodedata.category(c)[0] not in "ZC" for c in stripped):
+        # strip() keeps zero-width and other format characters ("\u200b"), which the model would then "speak"
+        v.add("text", "must not be empty (it holds only spaces, control or zero-width characters)")
+    elif len(text) > max_text_chars:
+        v.add("text", f"is {len(text)} characters; the limit is {max_text_chars}")
+    return stripped
+
+
+def check_audio_config(
+    v: validation.Violations, audio_config: speech_pb2.AudioConfig, model_rate: int, prefix: str = ""
+) -> tuple[AudioEncoding, int]:
+    """The output encoding and rate (unset: WAV at the model's own rate); violations on `prefix`audio_config.*."""
+    name = encoding_name(audio_config.encoding)
+    encoding, rate = AudioEncoding.WAV, model_rate
+    if name is None:
+        v.add(f"{prefix}audio_config.encoding", f"unknown encoding value {audio_config.encoding}")
+    else:
+        try:
+            encoding, rate = check_output_format(name, audio_config.sample_rate_hertz or model_rate)
+        except AudioFormatError as err:
+            v.add(f"{prefix}audio_config.{err.field}", err.description)
+    return encoding, rate
+
+
+def check_voice_language(model_name: str, voice: str, language_code: str, spoken: str) -> None:
+    """NOT_FOUND when the requested language is not the one the model speaks."""
+    if language_code and not language_matches(language_code, spoken):
         raise errors.not_found(
             "voice",
-            f"{voice or '*'}@{request.voice.language_code}",
-            f"model {model.name!r} has no voice for language {request.voice.language_code!r} "
-            f"(it speaks {layout.language_code!r})",
+            f"{voice or '*'}@{language_code}",
+            f"model {model_name!r} has no voice for language {language_code!r} (it speaks {spoken!r})",
         )
-    return SpeechPlan(text=text, voice=voice, encoding=encoding, sample_rate=rate, sampling=sampling)
