@@ -19,11 +19,10 @@ import logging
 import time
 from typing import Any
 
-import grpc
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from omnivox.services import errors, logs
-from omnivox.services.errors import ServiceError
+from omnivox.services import call_record, errors
+from omnivox.services.errors import Code, ServiceError
 from omnivox.services.realtime.protocol import RealtimeError, error_event
 from omnivox.services.realtime.session import Models, RealtimeLimits, RealtimeSession
 
@@ -55,9 +54,9 @@ class RealtimeRoute:
 
     async def __call__(self, websocket: WebSocket) -> None:
         front = self.front
-        record = logs.CallRecord("Realtime")
-        token = logs.set_current_call(record)
-        code, taken = grpc.StatusCode.OK, None
+        record = call_record.CallRecord("Realtime")
+        token = call_record.set_current_call(record)
+        code, taken = Code.OK, None
         try:
             try:
                 taken = front._authorize(websocket, record)
@@ -76,11 +75,11 @@ class RealtimeRoute:
                 self.sessions.discard(session)
                 await session.close()
         except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
+            code = Code.CANCELLED
             raise
         finally:
             front._end(record, code, taken)
-            logs.reset_current_call(token)
+            call_record.reset_current_call(token)
 
     async def _serve(self, websocket: WebSocket, session: RealtimeSession) -> None:
         session.start()
