@@ -19,15 +19,14 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import grpc
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from google.rpc import error_details_pb2
 
-from omnivox.services import errors, logs
+from omnivox.services import call_record, errors, logs
 from omnivox.services.auth import AuthInterceptor, bearer_token
-from omnivox.services.errors import ServiceError
+from omnivox.services.errors import Code, ServiceError
 from omnivox.services.generate_call import generate_responses
 from omnivox.services.metrics import Metrics
 from omnivox.services.openai_output import ChatOutput
@@ -37,16 +36,16 @@ from omnivox.services.registry import ModelRegistry, ModelState
 log = logging.getLogger(__name__)
 
 _STATUS = {  # gRPC code -> (HTTP status, OpenAI error type)
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
-    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
-    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
-    grpc.StatusCode.UNIMPLEMENTED: (501, "not_implemented"),
+    Code.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    Code.OUT_OF_RANGE: (400, "invalid_request_error"),
+    Code.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    Code.UNAUTHENTICATED: (401, "authentication_error"),
+    Code.PERMISSION_DENIED: (403, "permission_error"),
+    Code.NOT_FOUND: (404, "not_found_error"),
+    Code.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    Code.UNAVAILABLE: (503, "service_unavailable"),
+    Code.DEADLINE_EXCEEDED: (504, "timeout"),
+    Code.UNIMPLEMENTED: (501, "not_implemented"),
 }
 
 
@@ -82,11 +81,11 @@ class ClosingStreamingResponse(StreamingResponse):
     on_end: Any = None  # called with the gRPC code the stream ended with (the call's log line, quota)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        code = grpc.StatusCode.OK
+        code = Code.OK
         try:
             await super().__call__(scope, receive, send)
         except BaseException:
-            code = grpc.StatusCode.CANCELLED
+            code = Code.CANCELLED
             raise
         finally:
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
@@ -173,9 +172,9 @@ class HttpFront:
         param_of: Callable[[str], str] | None = None,
     ) -> Response:  # fmt: skip
         """`handler(request)` as one logged, authorised call; a ServiceError becomes OpenAI's error JSON."""
-        record = logs.CallRecord(method)
-        token = logs.set_current_call(record)
-        code, taken, deferred = grpc.StatusCode.OK, None, False
+        record = call_record.CallRecord(method)
+        token = call_record.set_current_call(record)
+        code, taken, deferred = Code.OK, None, False
         try:
             taken = self._authorize(request, record)
             response = await handler(request, completion) if handler == self._generate else await handler(request)
@@ -187,18 +186,18 @@ class HttpFront:
             code = err.code
             return error_response(err, completion, param_of)
         except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
+            code = Code.CANCELLED
             raise
         except Exception as exc:  # noqa: BLE001 - reported as one line, the server keeps serving
             log.exception("%s failed", method)
-            code = grpc.StatusCode.INTERNAL
+            code = Code.INTERNAL
             return error_response(errors.internal(f"{type(exc).__name__}: {exc}"), completion)
         finally:
             if not deferred:
                 self._end(record, code, taken)
-            logs.reset_current_call(token)
+            call_record.reset_current_call(token)
 
-    def _authorize(self, request: Request, record: logs.CallRecord) -> str | None:
+    def _authorize(self, request: Request, record: call_record.CallRecord) -> str | None:
         """The caller (its quota taken) when the server has keys or quotas; None when it has neither."""
         if self.auth is None:
             return None
@@ -208,13 +207,13 @@ class HttpFront:
             key_id = self.auth.caller_of_key(key)
             if key_id is None:
                 message = "invalid API key" if key else "missing API key"
-                raise ServiceError(grpc.StatusCode.UNAUTHENTICATED, f"{message}: send 'Authorization: Bearer KEY'")
+                raise ServiceError(Code.UNAUTHENTICATED, f"{message}: send 'Authorization: Bearer KEY'")
             caller = key_id
         record.caller = caller
         self.auth.quotas.take(caller)
         return caller
 
-    def _end(self, record: logs.CallRecord, code: grpc.StatusCode, taken: str | None) -> None:
+    def _end(self, record: call_record.CallRecord, code: Code, taken: str | None) -> None:
         if taken is not None and self.auth is not None:
             self.auth.quotas.give_back(taken)
         self.metrics.grpc_status.labels(f"http:{record.method}", code.name).inc()
@@ -275,7 +274,7 @@ class BodyTooLarge(ServiceError):
 
 
 def _too_large(size: int, limit: int) -> ServiceError:
-    return BodyTooLarge(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the request body is {size} bytes (the limit is {limit})")
+    return BodyTooLarge(Code.RESOURCE_EXHAUSTED, f"the request body is {size} bytes (the limit is {limit})")
 
 
 async def until_disconnect(request: Request, work: Any) -> Any:

@@ -1,4 +1,4 @@
-"""StreamingTranscribe: live audio in, speech events and interim / final results per utterance out (Whisper models).
+"""StreamingTranscribe's stream state: live audio in, speech events and interim / final results per utterance out.
 
     config -> audio chunks [-> finalize] ... -> close          (client)
     speech_event / result (interim, final) ... -> summary       (server)
@@ -26,34 +26,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-import grpc
 import numpy as np
-from google.protobuf import duration_pb2
 
-from omnivox.codecs.audio_format import AudioEncoding
 from omnivox.codecs.audio_input import AudioInputError
 from omnivox.codecs.audio_stream_input import StreamingAudioDecoder, header_pending, leading_file_header
 from omnivox.codecs.vad import SpeechEvent, SpeechEventKind, VadConfig, VoiceActivityDetector
 from omnivox.models.audio.transcription import TranscriptionRequestError
 from omnivox.services import errors
-from omnivox.services.cache_salt import request_salt
+from omnivox.services import streaming_transcribe_output as output
 from omnivox.services.errors import FieldViolation
-from omnivox.services.registry import ServedModel
-from omnivox.services.stream_idle import idle_bounded
-from omnivox.services.streams import first_config, next_item
-from omnivox.services.summaries import seconds_to_duration
-from omnivox.services.whisper import transcribe
+from omnivox.services.whisper import WhisperResult, transcribe
 from omnivox.services.whisper_part import SAMPLE_RATE, WhisperPart
-from omnivox.services.wire_checks import request_id_violation
-from omnivox.v1 import content_pb2, transcription_pb2
-
-if TYPE_CHECKING:
-    from omnivox.services.transcription import TranscriptionServicer
+from omnivox.v1 import transcription_pb2
 
 PAD_S = 0.2  # audio kept around an utterance's voiced span: the detector's edges cut into soft onsets and endings
 INTERIM_FIRST_S = 0.5  # of an utterance before its first interim pass
@@ -65,75 +52,6 @@ IDLE_KEEP_S = 1.0  # audio kept while no one speaks: an utterance starts up to S
 # 16 s (tiny Whisper; whisper-base takes 2-4 s a pass: an hour's recording is 230 MB of float32 clips). Held back, the
 # client was still sending at 4.9 s (gRPC's windows still take a few MB of its bytes ahead).
 MAX_PENDING_FINALS = 4
-ENDPOINT_SILENCE_MS = (100, 10_000)  # accepted range of config.endpoint_silence_ms
-Response = transcription_pb2.StreamingTranscribeResponse
-
-
-def _whisper_model(servicer: TranscriptionServicer, name: str) -> ServedModel:
-    """The Whisper model called `name` (INVALID_ARGUMENT for another kind), or the first Whisper model served."""
-    registry = servicer.registry
-    if name:
-        model = registry.get_ready(registry.lookup(name).name)
-    else:
-        found = [m for m in registry if "whisper" in m.manifest.parts]
-        if not found:
-            raise errors.not_found("model", "", "this server serves no Whisper model (StreamingTranscribe needs one)")
-        model = registry.get_ready(found[0].name)
-    if model.bundle is None or model.bundle.whisper is None:
-        raise errors.invalid_argument(
-            [FieldViolation("config.model", f"model {model.name!r} is not a Whisper model; StreamingTranscribe "
-                                            "needs one (Transcribe takes audio-LLMs)")]
-        )  # fmt: skip
-    return model
-
-
-def _validate(part: WhisperPart, cfg: transcription_pb2.StreamingTranscriptionConfig) -> StreamingAudioDecoder:
-    """The config's problems as one INVALID_ARGUMENT naming each field; else the chunk decoder."""
-    bad: list[FieldViolation] = []
-    try:
-        part.check(cfg.language or None, cfg.task or "transcribe", False)
-        part.prompt_tokens(cfg.prompt)
-    except TranscriptionRequestError as err:
-        bad.append(FieldViolation(f"config.{err.field}", err.description))
-    lo, hi = ENDPOINT_SILENCE_MS
-    if cfg.endpoint_silence_ms and not lo <= cfg.endpoint_silence_ms <= hi:
-        bad.append(FieldViolation("config.endpoint_silence_ms", f"must be 0 (the default) or in [{lo}, {hi}]"))
-    if (too_long := request_id_violation(cfg.request_id, "config.request_id")) is not None:
-        bad.append(too_long)
-    decoder = None
-    if not cfg.sample_rate_hertz:
-        bad.append(FieldViolation("config.sample_rate_hertz", "required: the stream's audio has no header"))
-    else:
-        try:
-            name = content_pb2.AudioEncoding.Name(cfg.encoding).removeprefix("AUDIO_ENCODING_")
-            encoding = None if not cfg.encoding else AudioEncoding(name)
-            decoder = StreamingAudioDecoder(encoding, cfg.sample_rate_hertz, SAMPLE_RATE)
-        except AudioInputError as err:
-            bad.append(FieldViolation(f"config.{err.field}", err.description))
-        except ValueError:
-            bad.append(FieldViolation("config.encoding", f"unknown encoding {cfg.encoding}"))
-    if bad:
-        raise errors.invalid_argument(bad)
-    assert decoder is not None
-    return decoder
-
-
-def _offset(samples: int) -> duration_pb2.Duration:
-    """A stream position (16 kHz samples) as an exact Duration: 62,500 ns a sample. Through float seconds
-    (seconds_to_duration) 66,240 samples were 4.139999999 s, and a client comparing offsets saw 1 ns gaps."""
-    return duration_pb2.Duration(seconds=samples // SAMPLE_RATE, nanos=samples % SAMPLE_RATE * 10**9 // SAMPLE_RATE)
-
-
-def _stability(words: list[str], previous: list[str]) -> float:
-    """The share of `words` that the previous interim had too, from the start (its common prefix)."""
-    if not words:
-        return 1.0
-    same = 0
-    for a, b in zip(words, previous, strict=False):
-        if a != b:
-            break
-        same += 1
-    return same / len(words)
 
 
 @dataclass
@@ -145,17 +63,21 @@ class _Utterance:
     words: list[str] = field(default_factory=list)  # the last interim's words sent
 
 
-class _Stream:
+class TranscriptStream:
     """One call's state: the audio buffer, the detector, the open utterance, the passes and the response queue."""
 
     def __init__(
-        self, part: WhisperPart, cfg: transcription_pb2.StreamingTranscriptionConfig, decoder, salt: str = ""
+        self,
+        part: WhisperPart,
+        cfg: transcription_pb2.StreamingTranscriptionConfig,
+        decoder: StreamingAudioDecoder,
+        salt: str = "",
     ) -> None:
         self.part, self.cfg, self.decoder = part, cfg, decoder
         self.salt = salt  # the passes' cache salt (services/cache_salt.py)
         silence = cfg.endpoint_silence_ms or VadConfig().end_silence_ms
         self.vad = VoiceActivityDetector(VadConfig(sample_rate=SAMPLE_RATE, end_silence_ms=silence))
-        self.out: asyncio.Queue[Response | Exception | None] = asyncio.Queue()  # None: the end
+        self.out: asyncio.Queue[output.Response | Exception | None] = asyncio.Queue()  # None: the end
         self.finals: asyncio.Queue[tuple[_Utterance, int, int, np.ndarray] | None] = asyncio.Queue()
         self.buffer = np.zeros(0, np.float32)  # samples [buffer_start, received)
         self.buffer_start = self.received = 0
@@ -225,12 +147,12 @@ class _Stream:
             if ev.kind is SpeechEventKind.START:
                 self.open = _Utterance(self.count, ev.offset)
                 self.count += 1
-                self._event(transcription_pb2.SPEECH_EVENT_TYPE_SPEECH_START, ev.offset, self.open.index)
+                self.out.put_nowait(output.speech_event(output.SPEECH_START, ev.offset, self.open.index))
                 continue
             u = self.open
             assert u is not None, "END without START"
             self.open = None
-            self._event(transcription_pb2.SPEECH_EVENT_TYPE_SPEECH_END, ev.offset, u.index)
+            self.out.put_nowait(output.speech_event(output.SPEECH_END, ev.offset, u.index))
             if u.interim is not None:
                 u.interim.cancel()  # the final supersedes it
             # A cut utterance's span ends at the cut, where the next one's begins: padded into the audio after it,
@@ -241,10 +163,6 @@ class _Stream:
             self.prev_end = b
             self.pending_finals += 1
             self.finals.put_nowait((u, a, b, clip))
-
-    def _event(self, kind: int, offset: int, index: int) -> None:
-        event = transcription_pb2.SpeechEvent(type=kind, offset=_offset(offset), utterance_index=index)
-        self.out.put_nowait(Response(speech_event=event))
 
     # --- passes ---------------------------------------------------------------------------------------------------
     def _maybe_interim(self) -> None:
@@ -272,7 +190,7 @@ class _Stream:
         task.add_done_callback(self.passes.discard)
         return task
 
-    async def _pass(self, clip: np.ndarray):
+    async def _pass(self, clip: np.ndarray) -> WhisperResult:
         t0 = time.monotonic()
         try:
             return await transcribe(
@@ -293,7 +211,7 @@ class _Stream:
         if self.open is not u or self.pending_finals:
             return  # the utterance ended (its final is coming), or an earlier final is still to be sent
         words = result.text.split()
-        self._result(u.index, result, a, b, is_final=False, stability=_stability(words, u.words))
+        self._result(u.index, result, a, b, is_final=False, stability=output.stability(words, u.words))
         u.words = words
 
     async def run_finals(self) -> None:
@@ -307,59 +225,7 @@ class _Stream:
             self._result(u.index, result, a, b, is_final=True, stability=1.0)
         self.out.put_nowait(None)
 
-    def _result(self, index: int, result, a: int, b: int, *, is_final: bool, stability: float) -> None:
+    def _result(self, index: int, result: WhisperResult, a: int, b: int, *, is_final: bool, stability: float) -> None:
         self.first_result = self.first_result or time.monotonic()
-        self.out.put_nowait(
-            Response(
-                result=transcription_pb2.StreamingTranscriptionResult(
-                    text=result.text,
-                    is_final=is_final,
-                    stability=stability,
-                    start_offset=_offset(a),
-                    end_offset=_offset(b),
-                    language=result.language or self.cfg.language,
-                    utterance_index=index,
-                )
-            )
-        )
-
-
-async def streaming_transcribe(
-    servicer: TranscriptionServicer,
-    requests: AsyncIterator[transcription_pb2.StreamingTranscribeRequest],
-    context: grpc.aio.ServicerContext,
-) -> None:
-    cfg = await first_config(requests)
-    salt = request_salt(cfg.cache_salt, "config.cache_salt")
-    model = _whisper_model(servicer, cfg.model)
-    assert model.bundle is not None and model.bundle.whisper is not None
-    stream = _Stream(model.bundle.whisper, cfg, _validate(model.bundle.whisper, cfg), salt)
-    request_id = cfg.request_id or uuid.uuid4().hex
-    with model.admit():
-        messages = idle_bounded(
-            requests, servicer.registry.stream_idle_s, "audio", lambda: bool(stream.passes), lambda req: bool(req.audio)
-        )
-        tasks = [asyncio.create_task(stream.read(messages)), asyncio.create_task(stream.run_finals())]
-        try:
-            while (item := await next_item(stream.out, tasks)) is not None:
-                if isinstance(item, Exception):
-                    raise item
-                await context.write(item)
-        finally:
-            for task in [*tasks, *stream.passes]:
-                task.cancel()
-            await asyncio.gather(*tasks, *stream.passes, return_exceptions=True)
-    seconds = stream.decoder.seconds_in
-    summary = transcription_pb2.StreamingTranscriptionSummary(
-        text=" ".join(t for t in stream.texts if t),
-        utterances=stream.count,
-        audio_seconds=seconds,
-        real_time_factor=stream.compute_s / seconds if seconds > 0 else 0.0,
-        request_id=request_id,
-        model=model.name,
-    )
-    if stream.first_result is not None and stream.first_audio is not None:
-        summary.time_to_first_result.CopyFrom(seconds_to_duration(stream.first_result - stream.first_audio))
-    if seconds > 0:
-        servicer.metrics.transcription_rtf.labels(model.name).observe(summary.real_time_factor)
-    await context.write(Response(summary=summary))
+        language = self.cfg.language
+        self.out.put_nowait(output.result(index, result, a, b, language, is_final=is_final, stable=stability))

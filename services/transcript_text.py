@@ -1,8 +1,8 @@
 """One segment's transcript as it is generated: the tokens so far -> text deltas that never have to be taken back.
 
 An audio-LLM's answer may start with a header that is not transcript: Qwen3-ASR asked to detect the language writes
-`language English<asr_text>` first. The header is held back (and read for the language) until its `<asr_text>` tag
-is complete; the transcript is what follows, decoded without special tokens, incrementally (the engine's
+`language English<asr_text>` first (the family says so: `AudioEncoder.answer_header_tag`). The header is held back
+(and read for the language) until its tag is complete; the transcript is what follows, decoded without special tokens, incrementally (the engine's
 detokenizer: never half a character). Deltas are emitted only while they extend what was emitted: trailing whitespace
 waits for the next token and leading whitespace is dropped, so the deltas joined equal the final, stripped text.
 """
@@ -13,9 +13,8 @@ from typing import Any
 
 from omnivox.engine.detokenizer import IncrementalDetokenizer
 from omnivox.models.audio import encoder_class
-from omnivox.models.audio.transcription import ASR_TEXT
 
-# Qwen3-ASR's header ("language English<asr_text>") is a handful of tokens; an answer whose first tokens hold no tag
+# A header (Qwen3-ASR's "language English<asr_text>") is a handful of tokens; an answer whose first tokens hold no tag
 # has no header, and all of it is transcript (the search stops here, so it never rescans a long answer).
 HEADER_MAX_TOKENS = 32
 
@@ -25,14 +24,13 @@ class SegmentTranscript:
         self.tokenizer = tokenizer
         self.family = family
         self.language = language or None
-        # Only a Qwen3-ASR answer without a forced language starts with a header (the prefill holds it otherwise).
-        self.expect_header = family == "qwen3_asr" and self.language is None
+        self.header_tag = encoder_class(family).answer_header_tag(self.language)  # None: all of it is transcript
         self.ids: list[int] = []
         self.text_start: int | None = None  # index in ids where the transcript begins, once known
         self.detok: IncrementalDetokenizer | None = None  # the transcript's text, one token at a time (O(n) overall)
         self.header = ""
         self.emitted = ""
-        if not self.expect_header:
+        if self.header_tag is None:
             self._start_text(0)
 
     def _decode(self, ids: list[int], skip_special: bool = True) -> str:
@@ -45,9 +43,11 @@ class SegmentTranscript:
             self.detok.add(token_id)
 
     def _find_header(self) -> None:
-        if ASR_TEXT in self._decode(self.ids, skip_special=False):
+        tag = self.header_tag
+        assert tag is not None
+        if tag in self._decode(self.ids, skip_special=False):
             # The fewest tokens whose text holds the whole tag: the transcript starts right after them.
-            k = next(k for k in range(1, len(self.ids) + 1) if ASR_TEXT in self._decode(self.ids[:k], False))
+            k = next(k for k in range(1, len(self.ids) + 1) if tag in self._decode(self.ids[:k], False))
             self.header = self._decode(self.ids[:k], skip_special=False)
             self._start_text(k)
         elif len(self.ids) >= HEADER_MAX_TOKENS:

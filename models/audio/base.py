@@ -161,6 +161,12 @@ class AudioEncoder(ABC):
         """(language code or None, transcript) from the generated text. `language`: the one the request forced."""
         return forced_language_code(language), text.strip()
 
+    @classmethod
+    def answer_header_tag(cls, language: str | None) -> str | None:
+        """The tag that ends a header the answer opens with before its transcript (read by parse_transcription), or
+        None when the answer is all transcript (the default: a forced language, or a family that writes none)."""
+        return None
+
     @property
     def sample_rate(self) -> int:
         return self.mel_settings.sample_rate

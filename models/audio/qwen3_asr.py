@@ -94,6 +94,11 @@ class Qwen3ASRAudioEncoder(AudioEncoder):
         """Without a forced language it answers `language <Name><asr_text><text>`: the detected language first."""
         return read_language_header(text, language)
 
+    @classmethod
+    def answer_header_tag(cls, language: str | None) -> str | None:
+        """Asked to detect the language it writes `language <Name><asr_text>` first; a forced one is prefilled."""
+        return ASR_TEXT if language is None else None
+
     @property
     def placeholder_token_id(self) -> int:
         return int(self.config.audio_token_id)

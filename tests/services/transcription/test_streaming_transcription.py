@@ -26,7 +26,7 @@ from omnivox.codecs.audio_input import AudioInputError, decode_audio, resample
 from omnivox.codecs.audio_stream_input import StreamingAudioDecoder, StreamingResampler
 from omnivox.services.defaults import ensure_default_whisper
 from omnivox.services.loading import EngineOptions, ModelSpec
-from omnivox.services.streaming_transcription import _stability
+from omnivox.services.streaming_transcribe_output import stability as _stability
 from omnivox.v1 import content_pb2, transcription_pb2, transcription_pb2_grpc
 
 

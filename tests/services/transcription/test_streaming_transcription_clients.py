@@ -29,7 +29,9 @@ from omnivox.codecs.audio_input import (
 from omnivox.codecs.audio_stream_input import StreamingResampler
 from omnivox.services.defaults import ensure_default_whisper
 from omnivox.services.loading import EngineOptions, ModelSpec
-from omnivox.services.streaming_transcription import MAX_PENDING_FINALS, _Stream, _validate, next_item
+from omnivox.services.streaming_transcribe_request import validate
+from omnivox.services.streaming_transcription import MAX_PENDING_FINALS, TranscriptStream
+from omnivox.services.streams import next_item
 from omnivox.v1 import content_pb2, transcription_pb2, transcription_pb2_grpc
 
 RATE = 16000
@@ -341,7 +343,7 @@ def test_a_client_faster_than_the_passes_is_held_back(served):
             yield Request(audio=utterance)
 
     async def scenario() -> tuple[int, list[str]]:
-        stream = _Stream(part, cfg, _validate(part, cfg))
+        stream = TranscriptStream(part, cfg, validate(part, cfg))
         tasks = [asyncio.create_task(stream.read(messages())), asyncio.create_task(stream.run_finals())]
         try:
             taken_at_first_final, texts = None, []

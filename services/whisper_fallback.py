@@ -1,0 +1,76 @@
+"""openai-whisper's guards against hallucinated text, one window at a time (its `decode_with_fallback` and the
+no-speech skip of `transcribe`; transformers' `_need_fallback` is the same rule):
+
+- a decode whose text compresses too well (zlib ratio above COMPRESSION_RATIO_THRESHOLD: a repetition loop) or whose
+  tokens are too unlikely (mean logprob, end-of-text counted, below LOGPROB_THRESHOLD) is decoded again, sampled at
+  the next of TEMPERATURES (BEST_OF samples, the likeliest kept), until one passes or the temperatures run out (the
+  last decode is kept);
+- no fallback, and the window's text dropped, when `<|nospeech|>` is likely (above NO_SPEECH_THRESHOLD) and the text
+  unlikely (below LOGPROB_THRESHOLD): the window is silence or noise;
+- a window kept at a temperature above PROMPT_RESET_TEMPERATURE does not condition the next one (openai-whisper's
+  prompt reset: its text is likely wrong, and conditioning on it repeats it).
+
+One guard of our own: a decode is stopped early once its text is at least LOOP_CHECK_CHARS long and compresses
+above LOOP_STOP_RATIO (it will need the fallback anyway: a loop's ratio only grows). On whisper-base, noise's
+"1,5,5,5,..." ran to the window's 224-token limit at every temperature.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+TEMPERATURES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+BEST_OF = 5  # samples per fallback temperature (openai-whisper's default); run as one batch in the engine
+COMPRESSION_RATIO_THRESHOLD = 2.4
+LOGPROB_THRESHOLD = -1.0
+NO_SPEECH_THRESHOLD = 0.6
+PROMPT_RESET_TEMPERATURE = 0.5
+# 200 characters of speech compress 1.3-1.7x (English sentences measured with zlib); a loop is past 2.4 within 100.
+LOOP_CHECK_CHARS = 200
+LOOP_STOP_RATIO = 2 * COMPRESSION_RATIO_THRESHOLD
+
+
+def compression_ratio(text: str) -> float:
+    """Bytes of the text over bytes of its zlib compression (openai-whisper's `compression_ratio`); 0 when empty."""
+    data = text.encode()
+    return len(data) / len(zlib.compress(data)) if data else 0.0
+
+
+def is_looping(text: str) -> bool:
+    """The decode so far repeats itself beyond doubt: stop it (it needs the fallback whatever follows)."""
+    return len(text) >= LOOP_CHECK_CHARS and compression_ratio(text) > LOOP_STOP_RATIO
+
+
+@dataclass
+class WindowDecode:
+    """One decode of a window: its tokens (no end-of-text), their logprob sum (end-of-text's included), its text."""
+
+    tokens: list[int]
+    sum_logprob: float
+    text: str
+    temperature: float
+    stopped_looping: bool = False  # cut short by is_looping
+
+    @property
+    def avg_logprob(self) -> float:
+        return self.sum_logprob / (len(self.tokens) + 1)
+
+    @property
+    def compression_ratio(self) -> float:
+        return compression_ratio(self.text)
+
+
+def is_silence(decode: WindowDecode, no_speech_prob: float | None) -> bool:
+    """`<|nospeech|>` likely and the text unlikely: the window holds no speech and its text is dropped."""
+    return (
+        no_speech_prob is not None and no_speech_prob > NO_SPEECH_THRESHOLD and decode.avg_logprob < LOGPROB_THRESHOLD
+    )
+
+
+def needs_fallback(decode: WindowDecode, no_speech_prob: float | None) -> bool:
+    """The decode is a loop or unlikely, and not silence (silence is dropped, not decoded again)."""
+    if is_silence(decode, no_speech_prob):
+        return False
+    too_repetitive = decode.stopped_looping or decode.compression_ratio > COMPRESSION_RATIO_THRESHOLD
+    return too_repetitive or decode.avg_logprob < LOGPROB_THRESHOLD
