@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from google.rpc import error_details_pb2
 
@@ -31,6 +31,7 @@ from omnivox.services.generate_call import generate_responses
 from omnivox.services.metrics import Metrics
 from omnivox.services.openai_output import ChatOutput
 from omnivox.services.openai_request import chat_request, completion_request, openai_param
+from omnivox.services.realtime.route import RealtimeRoute
 from omnivox.services.registry import ModelRegistry, ModelState
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,12 @@ class HttpFront:
         self.app.get("/v1/models")(self.models)
         self.app.get("/v1/models/{model_id:path}")(self.model)
         self.app.get("/health")(self.health)
+        self.realtime = RealtimeRoute(self, error_response)  # GET /v1/realtime: voice sessions (services/realtime/)
+
+        @self.app.websocket("/v1/realtime")
+        async def realtime(websocket: WebSocket) -> None:
+            await self.realtime(websocket)
+
         self.server: uvicorn.Server | None = None
         self.port: int | None = None
         self._main: asyncio.Task | None = None
