@@ -16,7 +16,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import uvicorn
@@ -50,22 +50,27 @@ _STATUS = {  # gRPC code -> (HTTP status, OpenAI error type)
 }
 
 
-def error_response(err: ServiceError, completion: bool = False) -> JSONResponse:
+def error_response(
+    err: ServiceError, completion: bool = False, param_of: Callable[[str], str] | None = None
+) -> JSONResponse:
+    """OpenAI's error JSON with the HTTP status of the gRPC code; `param_of` maps a violation's wire field to the
+    OpenAI parameter (default: the chat or completion request's)."""
     status, kind = _STATUS.get(err.code, (500, "server_error"))
     if isinstance(err, BodyTooLarge):
         status, kind = err.http_status, "invalid_request_error"
     violations = err.field_violations
     message, param, code = err.message, None, err.code.name.lower()
     if violations:
-        named = [(openai_param(v.field, completion), v.description) for v in violations]
+        named = [(param_of(v.field) if param_of else openai_param(v.field, completion), v.description)
+                 for v in violations]  # fmt: skip
         message = "; ".join(f"{p}: {d}" for p, d in named)
         param = named[0][0]
     headers = {}
     for detail in err.details:
         if isinstance(detail, error_details_pb2.RetryInfo):
             headers["Retry-After"] = str(max(1, math.ceil(detail.retry_delay.ToNanoseconds() / 1e9)))
-        if isinstance(detail, error_details_pb2.ResourceInfo) and detail.resource_type == "model":
-            code, param = "model_not_found", "model"
+        if isinstance(detail, error_details_pb2.ResourceInfo) and detail.resource_type in ("model", "voice"):
+            code, param = f"{detail.resource_type}_not_found", detail.resource_type
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 
@@ -136,12 +141,13 @@ class HttpFront:
     # Routes
 
     async def health(self) -> Response:
+        """200 when every model is ready; 503 in OpenAI's error shape (plus `status`) while loading or draining."""
         if self.registry.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
+            return _unready("draining", "the server is draining: it takes no new requests")
         states = {m.name: m.state for m in self.registry}
         if any(s is not ModelState.READY for s in states.values()):
-            body = {"status": "loading", "models": {n: s.name.lower() for n, s in states.items()}}
-            return JSONResponse(body, status_code=503)
+            loading = {n: s.name.lower() for n, s in states.items()}
+            return _unready("loading", f"not every model is ready yet: {loading}", models=loading)
         return JSONResponse({"status": "ok"})
 
     def _model_object(self, model: Any) -> dict[str, Any]:
@@ -149,7 +155,7 @@ class HttpFront:
                 "ready": model.state is ModelState.READY}  # fmt: skip
 
     async def models(self, request: Request) -> Response:
-        return await self._call(request, "ListModels", self._list_models)
+        return await self.call(request, "ListModels", self._list_models)
 
     async def _list_models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._model_object(m) for m in self.registry]})
@@ -158,17 +164,21 @@ class HttpFront:
         async def one(request: Request) -> Response:
             return JSONResponse(self._model_object(self.registry.lookup(model_id)))
 
-        return await self._call(request, "GetModel", one)
+        return await self.call(request, "GetModel", one)
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self._call(request, "ChatCompletions", self._generate)
+        return await self.call(request, "ChatCompletions", self._generate)
 
     async def completions(self, request: Request) -> Response:
-        return await self._call(request, "Completions", self._generate, completion=True)
+        return await self.call(request, "Completions", self._generate, completion=True)
 
     # The call around every route: the log line and status counter, auth and quotas, the error shape
 
-    async def _call(self, request: Request, method: str, handler: Any, completion: bool = False) -> Response:
+    async def call(
+        self, request: Request, method: str, handler: Any, completion: bool = False,
+        param_of: Callable[[str], str] | None = None,
+    ) -> Response:  # fmt: skip
+        """`handler(request)` as one logged, authorised call; a ServiceError becomes OpenAI's error JSON."""
         record = call_record.CallRecord(method)
         token = call_record.set_current_call(record)
         code, taken, deferred = Code.OK, None, False
@@ -181,7 +191,7 @@ class HttpFront:
             return response
         except ServiceError as err:
             code = err.code
-            return error_response(err, completion)
+            return error_response(err, completion, param_of)
         except asyncio.CancelledError:
             code = Code.CANCELLED
             raise
@@ -218,7 +228,7 @@ class HttpFront:
         line.update(status=code.name, total_s=round(time.monotonic() - record.started, 6))
         logs.request_log.info(json.dumps(line, sort_keys=False))
 
-    async def _body(self, request: Request) -> dict[str, Any]:
+    async def body(self, request: Request) -> dict[str, Any]:
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > self.max_body_bytes:
             raise _too_large(int(length), self.max_body_bytes)
@@ -234,7 +244,7 @@ class HttpFront:
         return body
 
     async def _generate(self, request: Request, completion: bool) -> Response:
-        body = await self._body(request)
+        body = await self.body(request)
         raw_prompt = None
         if completion:
             message, raw_prompt = completion_request(body)
@@ -248,15 +258,20 @@ class HttpFront:
         responses = generate_responses(message, self.registry, self.metrics, raw_prompt)
         output = ChatOutput(message.request_id, model_name, completion)
         if not stream:
-            return await _until_disconnect(request, _collect(responses, output, bool(message.logprobs)))
+            return await until_disconnect(request, _collect(responses, output, bool(message.logprobs)))
         # The first response read here: a refusal (checks, queue full, draining) is an HTTP status, not a stream
         try:
-            first = await _until_disconnect(request, anext(responses))
+            first = await until_disconnect(request, anext(responses))
         except BaseException:
             await responses.aclose()
             raise
         events = _sse(first, responses, output, include_usage)
         return ClosingStreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _unready(status: str, message: str, **extra: Any) -> JSONResponse:
+    body = json.loads(error_response(errors.unavailable(message)).body)
+    return JSONResponse({**body, "status": status, **extra}, status_code=503)
 
 
 class BodyTooLarge(ServiceError):
@@ -269,7 +284,7 @@ def _too_large(size: int, limit: int) -> ServiceError:
     return BodyTooLarge(Code.RESOURCE_EXHAUSTED, f"the request body is {size} bytes (the limit is {limit})")
 
 
-async def _until_disconnect(request: Request, work: Any) -> Any:
+async def until_disconnect(request: Request, work: Any) -> Any:
     """`work` (a coroutine) cancelled when the client disconnects first: its engine request aborts."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnected(request))
@@ -308,14 +323,14 @@ async def _sse(
             response = first
             while response.WhichOneof("response") != "summary":
                 if (chunk := output.chunk(response.delta)) is not None:
-                    yield _event(chunk)
+                    yield sse_event(chunk)
                 response = await anext(responses)
             for chunk in output.final_chunks(response.summary, include_usage):
-                yield _event(chunk)
+                yield sse_event(chunk)
         except ServiceError as err:
-            yield _event(json.loads(error_response(err, output.is_completion).body))
+            yield sse_event(json.loads(error_response(err, output.is_completion).body))
     yield "data: [DONE]\n\n"
 
 
-def _event(obj: Any) -> str:
+def sse_event(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"

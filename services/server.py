@@ -33,6 +33,7 @@ from omnivox.services.loading import EngineOptions, ModelLoadError, ModelSpec
 from omnivox.services.metrics import Metrics
 from omnivox.services.reflection import enable_reflection
 from omnivox.services.registry import ModelRegistry, ModelState, ServedModel
+from omnivox.services.speech_call import SpeechCalls
 from omnivox.services.stream_idle import DEFAULT_STREAM_IDLE_S
 from omnivox.services.tls import CertificateFiles
 
@@ -166,9 +167,15 @@ class OmnivoxServer:
     async def _serve_http(self, opts: ServerOptions, interceptors: list[Any]) -> None:
         """The OpenAI-compatible front, with the gRPC chain's keys and quotas (one book for both fronts)."""
         from omnivox.services.http_front import HttpFront  # FastAPI and uvicorn are imported only when asked for
+        from omnivox.services.http_speech import SpeechRoutes
 
         auth = next((i for i in interceptors if isinstance(i, AuthInterceptor)), None)
         self.http = HttpFront(self.registry, self.metrics, auth, opts.max_receive_message_bytes)
+        speech = next(
+            (c for b in self.services if isinstance(c := getattr(b.servicer, "calls", None), SpeechCalls)), None
+        )
+        if speech is not None:  # the gRPC SpeechService's own processing: one set of limits and created voices
+            SpeechRoutes(self.http, speech)
         ssl: dict[str, Any] = (
             {"ssl_certfile": str(opts.tls_cert), "ssl_keyfile": str(opts.tls_key)} if opts.tls_cert else {}
         )

@@ -18,6 +18,7 @@ GRPC_FACE = {
     "generation",
     "health",
     "http_front",
+    "http_speech",
     "interceptors",
     "logs",
     "model_service",
