@@ -66,10 +66,16 @@ class RawSession:
         return cls(await websockets.connect(url, additional_headers=headers, max_size=None))
 
     async def _read(self) -> None:
-        async for message in self.ws:
-            event = json.loads(message)
-            event["received_at"] = time.monotonic()
-            await self.events.put(event)
+        """Until the socket closes (with any code: the server's final close is 1000 or 1012)."""
+        from websockets.exceptions import ConnectionClosed
+
+        try:
+            async for message in self.ws:
+                event = json.loads(message)
+                event["received_at"] = time.monotonic()
+                await self.events.put(event)
+        except ConnectionClosed:
+            pass
 
     async def send(self, event: dict[str, Any]) -> None:
         await self.ws.send(json.dumps(event))

@@ -11,6 +11,7 @@ import asyncio
 import base64
 import json
 import shutil
+import time
 
 import openai
 import pytest
@@ -149,3 +150,115 @@ def test_malformed_events_get_errors_and_the_session_goes_on(server):
     assert [e["param"] for e in errors[2:]] == ["session.output_modalities", "audio", "item_id"]
     assert done["response"]["status"] in ("completed", "incomplete")
     nothing_left(server, DEFAULT_MODEL_NAME)
+
+
+STORY = {"type": "message", "role": "user", "content": [{"type": "input_text", "text":
+         "Tell me a long story about a dragon who learns to bake bread, with many details."}]}  # fmt: skip
+
+
+def engine_idle(server) -> None:
+    """No engine request or KV block of any model held (text model and Whisper)."""
+    for name in (DEFAULT_MODEL_NAME, "whisper-base"):
+        nothing_left(server, name)
+
+
+def test_barge_in_cancels_the_response_and_truncate_trims_what_was_heard(server, question_pcm):
+    """Speech starting while an answer plays cancels it at once (response.done cancelled / turn_detected, no KV
+    block held); conversation.item.truncate trims the assistant item's transcript to the audio played."""
+
+    async def talk():
+        session = await RawSession.open(url(server))
+        await session.until("session.created")
+        await session.send({"type": "session.update", "session": {"type": "realtime", "temperature": 0}})
+        await session.send({"type": "conversation.item.create", "item": STORY})
+        await session.send({"type": "response.create"})
+        seen: list = []
+        for _ in range(3):  # ~0.6 s of the answer played
+            await session.until("response.output_audio.delta", seen=seen)
+        item_id = next(e["item"]["id"] for e in seen if e["type"] == "response.output_item.added")
+        interrupting = asyncio.create_task(session.stream(question_pcm, realtime=False, silence_ms=1200))
+        done = await session.until("response.done", seen=seen)
+        stopped_audio = sum(e["type"] == "response.output_audio.delta" for e in seen)
+        await session.send({"type": "conversation.item.truncate", "item_id": item_id, "content_index": 0,
+                            "audio_end_ms": 300})  # fmt: skip
+        truncated = await session.until("conversation.item.truncated")
+        await session.send({"type": "conversation.item.retrieve", "item_id": item_id})
+        kept = (await session.until("conversation.item.retrieved"))["item"]
+        await interrupting
+        answer = await session.until("response.done", timeout=240)
+        await session.close()
+        return done, stopped_audio, truncated, kept, answer
+
+    done, stopped_audio, truncated, kept, answer = run(talk())
+    assert done["response"]["status"] == "cancelled", done["response"]
+    assert done["response"]["status_details"]["reason"] == "turn_detected"
+    full = done["response"]["output"][0]["content"][0]["transcript"]
+    heard = kept["content"][0]["transcript"]
+    assert truncated["audio_end_ms"] == 300 and len(heard) < len(full) and full.startswith(heard), (heard, full)
+    assert answer["response"]["status"] == "completed"  # the interruption was heard and answered
+    assert stopped_audio >= 3
+    engine_idle(server)
+
+
+def test_socket_killed_mid_response_leaks_nothing(server):
+    async def talk():
+        session = await RawSession.open(url(server))
+        await session.until("session.created")
+        await session.send({"type": "conversation.item.create", "item": STORY})
+        await session.send({"type": "response.create"})
+        await session.until("response.output_audio.delta")
+        session.ws.transport.abort()  # no close handshake: the socket just dies
+        session.reader.cancel()
+
+    run(talk())
+    engine_idle(server)
+    route = server.server.http.realtime
+    deadline = time.monotonic() + 10
+    while route.sessions and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not route.sessions
+
+
+def test_limits_events_per_second_and_idle_timeout(server):
+    from omnivox.services.realtime.session import RealtimeLimits
+
+    route = server.server.http.realtime
+    before = route.limits
+    route.limits = RealtimeLimits(max_events_per_s=5, idle_timeout_s=0.5)
+
+    async def talk():
+        session = await RawSession.open(url(server))
+        await session.until("session.created")
+        for _ in range(12):
+            await session.send({"type": "input_audio_buffer.clear"})
+        seen: list = []
+        final = await session.until("error", seen=seen)
+        while final["error"]["code"] != "idle_timeout":
+            final = await session.until("error", seen=seen)
+        await asyncio.wait_for(session.reader, 10)  # the server closed the socket after its final event
+        return seen, session.ws.close_code
+
+    try:
+        seen, close_code = run(talk())
+    finally:
+        route.limits = before
+    cleared = sum(e["type"] == "input_audio_buffer.cleared" for e in seen)
+    limited = [e for e in seen if e["type"] == "error" and e["error"]["code"] == "rate_limit_exceeded"]
+    assert 5 <= cleared < 12 and len(limited) == 12 - cleared, [e["type"] for e in seen]
+    assert close_code == 1000
+
+
+def test_drain_closes_sessions_with_a_final_event(server):
+    async def talk():
+        session = await RawSession.open(url(server))
+        await session.until("session.created")
+        server.registry.draining = True
+        try:
+            final = await session.until("error", timeout=10)
+            await asyncio.wait_for(session.reader, 10)
+        finally:
+            server.registry.draining = False
+        return final, session.ws.close_code
+
+    final, close_code = run(talk())
+    assert final["error"]["code"] == "server_shutting_down" and close_code == 1012
