@@ -24,13 +24,14 @@ from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from google.rpc import error_details_pb2
 
+from omnivox.engine.params import MAX_SEED
 from omnivox.services import call_record, errors, logs
 from omnivox.services.auth import AuthInterceptor, bearer_token
 from omnivox.services.errors import Code, ServiceError
 from omnivox.services.generate_call import generate_responses
 from omnivox.services.metrics import Metrics
 from omnivox.services.openai_output import ChatOutput
-from omnivox.services.openai_request import chat_request, completion_request, openai_param
+from omnivox.services.openai_request import chat_request, choices, completion_request, openai_param
 from omnivox.services.realtime.route import RealtimeRoute
 from omnivox.services.registry import ModelRegistry, ModelState
 
@@ -258,7 +259,11 @@ class HttpFront:
         responses = generate_responses(message, self.registry, self.metrics, raw_prompt)
         output = ChatOutput(message.request_id, model_name, completion)
         if not stream:
-            return await until_disconnect(request, _collect(responses, output, bool(message.logprobs)))
+            if (n := choices(body)) > 1:
+                await responses.aclose()
+                job = _choices(message, n, self.registry, self.metrics, raw_prompt, model_name, completion)
+                return JSONResponse(await until_disconnect(request, job))
+            return JSONResponse(await until_disconnect(request, _collect(responses, output, bool(message.logprobs))))
         # The first response read here: a refusal (checks, queue full, draining) is an HTTP status, not a stream
         try:
             first = await until_disconnect(request, anext(responses))
@@ -305,13 +310,50 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _collect(responses: AsyncIterator[Any], output: ChatOutput, logprobs: bool) -> Response:
+async def _collect(responses: AsyncIterator[Any], output: ChatOutput, logprobs: bool) -> dict[str, Any]:
     async with contextlib.aclosing(responses):
         async for response in responses:
             if response.WhichOneof("response") == "summary":
-                return JSONResponse(output.completion(response.summary, logprobs))
+                return output.completion(response.summary, logprobs)
             output.add(response.delta)
     raise errors.internal("the request ended without a summary")
+
+
+async def _choices(
+    message: Any, n: int, registry: ModelRegistry, metrics: Metrics, raw_prompt: str | None, model: str,
+    completion: bool,
+) -> dict[str, Any]:  # fmt: skip
+    """`n` choices: n engine requests at once (the prompt computed once, its blocks shared by the prefix cache once
+    the first has them), seeds `seed + i` when seeded; one object with choices 0..n-1 and their usage summed."""
+
+    async def one(i: int) -> dict[str, Any]:
+        copy = type(message)()
+        copy.CopyFrom(message)
+        copy.request_id = f"{message.request_id}-{i}"
+        if copy.sampling.HasField("seed"):
+            copy.sampling.seed = (copy.sampling.seed + i) % (MAX_SEED + 1)
+        output = ChatOutput(message.request_id, model, completion)
+        return await _collect(generate_responses(copy, registry, metrics, raw_prompt), output, bool(message.logprobs))
+
+    tasks = [asyncio.ensure_future(one(i)) for i in range(n)]
+    try:
+        results = await asyncio.gather(*tasks)
+    except BaseException:  # one refused or failed, or the client left: the others abort
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    merged = results[0]
+    merged["choices"] = [{**r["choices"][0], "index": i} for i, r in enumerate(results)]
+    usage = merged["usage"]  # the prompt once, as OpenAI counts it; every choice's completion tokens
+    usage["completion_tokens"] = sum(r["usage"]["completion_tokens"] for r in results)
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    usage["prompt_tokens_details"]["cached_tokens"] = sum(r["usage"]["prompt_tokens_details"]["cached_tokens"]
+                                                          for r in results)  # fmt: skip
+    usage["completion_tokens_details"]["reasoning_tokens"] = sum(
+        r["usage"]["completion_tokens_details"]["reasoning_tokens"] for r in results
+    )
+    return merged
 
 
 async def _sse(
