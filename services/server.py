@@ -62,7 +62,9 @@ class ServerOptions:
     limits: GrpcLimits = GrpcLimits()
     trace_exporter: Any = None  # an OpenTelemetry SpanExporter: tracing on (services/tracing.py); None = off
     data_dir: Path | None = None  # created voices live here (services/voices.py); None = $OMNIVOX_DATA_DIR or XDG
-    asr_model: str | None = None  # a served Whisper model: Generate's audio for text models (services/cascade.py)
+    # A served Whisper model: Generate's audio for text models (services/cascade.py); "auto": the first one when
+    # others are served beside it; None: off.
+    asr_model: str | None = "auto"
     # A speech stream whose client runs dry within this many seconds steps first (engine/arbiter.py); 0 = off.
     audio_first_margin_s: float = 1.0
     stream_idle_timeout_s: float = DEFAULT_STREAM_IDLE_S  # bidirectional streams idle this long end (0 = never)

@@ -75,8 +75,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--asr-model",
         metavar="NAME",
+        default="auto",
         help="a served Whisper model (e.g. whisper-base) that transcribes the audio parts of Generate requests to "
-        "text-only models first: a cascade (audio-LLMs read audio themselves)",
+        "text-only models first: a cascade (audio-LLMs read audio themselves). Default auto: the first served Whisper "
+        "model when other models are served beside it (the embedded defaults answer spoken questions); none: off",
     )
     _add_server_arguments(p)  # --host ... --otlp-endpoint: listening, limits, health, metrics, auth, tracing
     add_engine_arguments(p)  # --kv-cache-gib ... --dtype (services/cli/_engine_flags.py)

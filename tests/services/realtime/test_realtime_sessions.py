@@ -262,3 +262,20 @@ def test_drain_closes_sessions_with_a_final_event(server):
 
     final, close_code = run(talk())
     assert final["error"]["code"] == "server_shutting_down" and close_code == 1012
+
+
+def test_embedded_bundle_answers_a_spoken_question_by_default(server, question_pcm, tmp_path):
+    """No --asr-model: with whisper-base served beside SmolLM2, the cascade is on (`--asr-model auto`), so
+    `omnivox ask --audio q.wav` gets an answer (it was INVALID_ARGUMENT: the text model reads no audio)."""
+    import subprocess
+
+    from omnivox.benchmarks.systems.omnivox_grpc import omnivox_command
+
+    assert server.registry.asr_model == "whisper-base"
+    wav = tmp_path / "q.wav"
+    wav.write_bytes(wav_stream_header(24000) + question_pcm)
+    run = subprocess.run([*omnivox_command(), "ask", "--server", server.address, "--audio", str(wav),
+                          "--max-tokens", "16", "--temperature", "0", "Answer briefly:"],
+                         capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-1000:]
+    assert "Paris" in run.stdout, run.stdout
