@@ -148,7 +148,8 @@ def _add_server_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--http-port",
         type=int,
-        help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, "
+        help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/audio/speech, "
+        "/v1/audio/voices, /v1/models, "
         "/health) on this port, with the same models, keys and limits (off without)",
     )
     p.add_argument("--api-keys", type=Path, help="file of API keys (one per line, or id:key); RPCs then need one")
