@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from omnivox.services import parts as part_table
 from omnivox.services.defaults import UNTRAINED_FILE, EmbeddedDefault, embedded_default
 from omnivox.services.parts import AUDIO, IMAGE, TEXT, modalities
+from omnivox.services.vision_defaults import IMAGE_DEFAULT, TRAINED_ON_FILE
 
 if TYPE_CHECKING:
     from omnivox.engine import Engine
@@ -64,9 +65,6 @@ def _read_untrained(folder: Path | None) -> tuple[str, ...]:
     except (OSError, json.JSONDecodeError):
         return ()
     return tuple(str(n) for n in names) if isinstance(names, list) else ()
-
-
-TRAINED_ON_FILE = "trained_on.txt"  # one line: what a narrow checkpoint was trained on (the embedded image model's)
 
 
 def _read_trained_on(folder: Path | None) -> str:
@@ -117,7 +115,7 @@ def probe(spec: ModelSpec) -> BundleManifest:
         lenient_fields=frozenset(spec.lenient_fields),
     )
     if spec.path is None:
-        default = embedded_default(spec.speech, spec.asr, spec.voice, spec.image)
+        default = IMAGE_DEFAULT if spec.image else embedded_default(spec.speech, spec.asr, spec.voice)
         return BundleManifest(
             source=None,
             embedded=default,

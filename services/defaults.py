@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -309,14 +310,15 @@ class EmbeddedDefault:
     untrained_components: tuple[str, ...] = ()
     asr: bool = False  # speech recognition (whisper-base)
     voice: bool = False  # a non-autoregressive voice (hibari)
-    image: bool = False  # the image model (services/vision_defaults.py)
+    image: bool = False  # the image model (services/vision_defaults.py IMAGE_DEFAULT)
     trained_on: str = ""  # a narrow model's domain, said in ListModels
+    # For a default defined elsewhere (the image model): what builds its files, and its shipped generation config.
+    builder: Callable[[], Path] | None = None
+    shipped_generation_config: Path | None = None
 
     def ensure(self) -> Path:
-        if self.image:
-            from omnivox.services.vision_defaults import ensure_default_image_model
-
-            return ensure_default_image_model()
+        if self.builder is not None:
+            return self.builder()
         if self.voice:
             return ensure_default_voice()
         if self.asr:
@@ -326,8 +328,8 @@ class EmbeddedDefault:
     def generation_config(self) -> Path | None:
         """The shipped generation_config.json (the GGUF carries none); the speech and Whisper models' are in their
         folders (transcription is greedy whatever it says)."""
-        if self.image:
-            return DATA_DIR / "shapes-vlm" / "generation_config.json"
+        if self.builder is not None:
+            return self.shipped_generation_config
         return None if self.speech or self.asr or self.voice else DEFAULT_GENERATION_CONFIG
 
 
@@ -337,15 +339,7 @@ ASR_DEFAULT = EmbeddedDefault(DEFAULT_ASR_MODEL_NAME, speech=False, asr=True)
 VOICE_DEFAULT = EmbeddedDefault(DEFAULT_VOICE_MODEL_NAME, speech=False, voice=True)
 
 
-def image_default() -> EmbeddedDefault:
-    from omnivox.services.vision_defaults import DEFAULT_IMAGE_MODEL_NAME, IMAGE_MODEL_TRAINED_ON
-
-    return EmbeddedDefault(DEFAULT_IMAGE_MODEL_NAME, speech=False, image=True, trained_on=IMAGE_MODEL_TRAINED_ON)
-
-
-def embedded_default(speech: bool, asr: bool = False, voice: bool = False, image: bool = False) -> EmbeddedDefault:
-    if image:
-        return image_default()
+def embedded_default(speech: bool, asr: bool = False, voice: bool = False) -> EmbeddedDefault:
     if voice:
         return VOICE_DEFAULT
     if asr:

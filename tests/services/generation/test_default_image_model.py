@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 from PIL import Image, ImageDraw
+from support.checkpoints import make_checkpoint
 from support.image_service import part_of
 from support.service_harness import ServerThread
 
@@ -33,13 +34,17 @@ def folder():
 
 
 @pytest.fixture(scope="module")
-def server(folder):
-    with ServerThread([ModelSpec(path=None, image=True)], EngineOptions(kv_cache_gib=0.1)) as srv:
+def server(folder, tmp_path_factory):
+    """A tiny text model first (the default, as SmolLM2 is under `omnivox serve`), the image model beside it."""
+    text = make_checkpoint(tmp_path_factory.mktemp("text") / "tiny-text", family="llama")
+    specs = [ModelSpec(path=text, name="text"), ModelSpec(path=None, image=True)]
+    with ServerThread(specs, EngineOptions(kv_cache_gib=0.1)) as srv:
         yield srv
 
 
 def _ask(stub, image: Image.Image, question: str, steps: int = STEPS) -> tuple[list[int], str]:
     request = generation_pb2.GenerateRequest(
+        model=DEFAULT_IMAGE_MODEL_NAME,
         contents=[content_pb2.Content(role="user", parts=[part_of(image), part_of(question)])],
         sampling=sampling_pb2.SamplingConfig(temperature=0.0),
         max_output_tokens=steps,
@@ -100,3 +105,10 @@ def test_images_outside_its_domain_get_an_answer(server):
     for image in (photo, screenshot):
         ids, text = _ask(stub, image, "What is in this picture?", steps=8)
         assert ids and text.strip()
+
+
+def test_ask_with_an_image_and_no_model_picks_the_image_model(server):
+    """`omnivox ask --image` with no --model: the default (text) model reads no images, the image model does."""
+    from omnivox.services.cli.ask import image_model
+
+    assert image_model(server.channel()) == DEFAULT_IMAGE_MODEL_NAME
