@@ -25,6 +25,7 @@ from omnivox.services.bundle import probe
 from omnivox.services.loading import EngineOptions, ModelLoadError, ModelSpec
 from omnivox.services.server import OmnivoxServer, ServerOptions
 from omnivox.services.whisper import transcribe
+from omnivox.services.whisper_fallback import TEMPERATURES
 from omnivox.v1 import (
     content_pb2,
     generation_pb2,
@@ -85,6 +86,8 @@ def audio_part(clip: np.ndarray) -> content_pb2.AudioPart:
 
 
 def run_transcribe(served, clip: np.ndarray, **fields):
+    """Greedy unless told (temperature 0: no fallback), as transformers' generate decodes by default."""
+    fields.setdefault("temperature", 0.0)
     request = transcription_pb2.TranscribeRequest(model="tiny-whisper", audio=audio_part(clip), **fields)
     responses = list(served["stub"].Transcribe(request, timeout=120))
     deltas = [r.delta for r in responses if r.HasField("delta")]
@@ -225,7 +228,8 @@ def test_list_models_and_generate_refusal(served):
 
 def test_cascade_answers_a_spoken_question_with_a_text_model(served):
     server, clip = served["server"], chirp(1.0)
-    transcript = server.run(transcribe(served["part"], clip, language=None)).text
+    # The cascade transcribes as Transcribe does by default: with the fallback.
+    transcript = server.run(transcribe(served["part"], clip, language=None, temperatures=TEMPERATURES)).text
     sampling = sampling_pb2.SamplingConfig(temperature=0.0)
 
     def ask(*parts):
@@ -373,7 +377,7 @@ def test_cancelling_the_transcribe_task_frees_everything(served):
 
 
 def test_no_speech_probability_equals_transformers_and_silence_is_skipped(served, monkeypatch):
-    import omnivox.services.whisper as whisper_module
+    import omnivox.services.whisper_fallback as whisper_module
 
     server, part, hf = served["server"], served["part"], served["hf"]
     clip = chirp(1.0)
