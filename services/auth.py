@@ -27,7 +27,9 @@ from typing import Any
 import grpc
 
 from omnivox.services import errors
-from omnivox.services.logs import OMNIVOX_PREFIX, Behavior, around_call, current_call, wrap_handler
+from omnivox.services.call_record import current_call
+from omnivox.services.logs import OMNIVOX_PREFIX, Behavior, around_call, wrap_handler
+from omnivox.services.rpc_errors import to_status
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +242,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 try:
                     self.quotas.take(caller)
                 except errors.ServiceError as err:
-                    await context.abort_with_status(err.to_status())
+                    await context.abort_with_status(to_status(err))
                 taken.append(caller)
 
             def after(context: Any, code: grpc.StatusCode) -> None:

@@ -17,8 +17,8 @@ import hashlib
 import json
 
 from omnivox.services import errors
+from omnivox.services.call_record import current_call
 from omnivox.services.errors import FieldViolation
-from omnivox.services.logs import current_call
 
 MAX_CACHE_SALT_CHARS = 256
 

@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator
 from omnivox.engine import RequestOutput
 from omnivox.engine.errors import InvalidRequest
 from omnivox.services import generate_request, validation
+from omnivox.services.call_record import current_call
 from omnivox.services.generate_output import GenerateOutput
-from omnivox.services.logs import current_call
 from omnivox.services.metrics import Metrics
 from omnivox.services.registry import ModelRegistry
 from omnivox.v1 import generation_pb2

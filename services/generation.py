@@ -10,10 +10,10 @@ import contextlib
 
 import grpc
 
-from omnivox.services.errors import rpc_method
 from omnivox.services.generate_call import generate_responses
 from omnivox.services.metrics import Metrics
 from omnivox.services.registry import ModelRegistry
+from omnivox.services.rpc_errors import rpc_method
 from omnivox.v1 import generation_pb2, generation_pb2_grpc
 
 

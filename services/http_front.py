@@ -16,56 +16,62 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import grpc
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from google.rpc import error_details_pb2
 
-from omnivox.services import errors, logs
+from omnivox.engine.params import MAX_SEED
+from omnivox.services import call_record, errors, logs
 from omnivox.services.auth import AuthInterceptor, bearer_token
-from omnivox.services.errors import ServiceError
+from omnivox.services.errors import Code, ServiceError
 from omnivox.services.generate_call import generate_responses
 from omnivox.services.metrics import Metrics
 from omnivox.services.openai_output import ChatOutput
-from omnivox.services.openai_request import chat_request, completion_request, openai_param
+from omnivox.services.openai_request import chat_request, choices, completion_request, openai_param
+from omnivox.services.realtime.route import RealtimeRoute
 from omnivox.services.registry import ModelRegistry, ModelState
 
 log = logging.getLogger(__name__)
 
 _STATUS = {  # gRPC code -> (HTTP status, OpenAI error type)
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
-    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
-    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
-    grpc.StatusCode.UNIMPLEMENTED: (501, "not_implemented"),
+    Code.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    Code.OUT_OF_RANGE: (400, "invalid_request_error"),
+    Code.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    Code.UNAUTHENTICATED: (401, "authentication_error"),
+    Code.PERMISSION_DENIED: (403, "permission_error"),
+    Code.NOT_FOUND: (404, "not_found_error"),
+    Code.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    Code.UNAVAILABLE: (503, "service_unavailable"),
+    Code.DEADLINE_EXCEEDED: (504, "timeout"),
+    Code.UNIMPLEMENTED: (501, "not_implemented"),
 }
 
 
-def error_response(err: ServiceError, completion: bool = False) -> JSONResponse:
+def error_response(
+    err: ServiceError, completion: bool = False, param_of: Callable[[str], str] | None = None
+) -> JSONResponse:
+    """OpenAI's error JSON with the HTTP status of the gRPC code; `param_of` maps a violation's wire field to the
+    OpenAI parameter (default: the chat or completion request's)."""
     status, kind = _STATUS.get(err.code, (500, "server_error"))
     if isinstance(err, BodyTooLarge):
         status, kind = err.http_status, "invalid_request_error"
     violations = err.field_violations
     message, param, code = err.message, None, err.code.name.lower()
     if violations:
-        named = [(openai_param(v.field, completion), v.description) for v in violations]
+        named = [(param_of(v.field) if param_of else openai_param(v.field, completion), v.description)
+                 for v in violations]  # fmt: skip
         message = "; ".join(f"{p}: {d}" for p, d in named)
         param = named[0][0]
     headers = {}
     for detail in err.details:
         if isinstance(detail, error_details_pb2.RetryInfo):
             headers["Retry-After"] = str(max(1, math.ceil(detail.retry_delay.ToNanoseconds() / 1e9)))
-        if isinstance(detail, error_details_pb2.ResourceInfo) and detail.resource_type == "model":
-            code, param = "model_not_found", "model"
+        if isinstance(detail, error_details_pb2.ResourceInfo) and detail.resource_type in ("model", "voice"):
+            code, param = f"{detail.resource_type}_not_found", detail.resource_type
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 
@@ -77,11 +83,11 @@ class ClosingStreamingResponse(StreamingResponse):
     on_end: Any = None  # called with the gRPC code the stream ended with (the call's log line, quota)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        code = grpc.StatusCode.OK
+        code = Code.OK
         try:
             await super().__call__(scope, receive, send)
         except BaseException:
-            code = grpc.StatusCode.CANCELLED
+            code = Code.CANCELLED
             raise
         finally:
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
@@ -102,6 +108,12 @@ class HttpFront:
         self.app.get("/v1/models")(self.models)
         self.app.get("/v1/models/{model_id:path}")(self.model)
         self.app.get("/health")(self.health)
+        self.realtime = RealtimeRoute(self, error_response)  # GET /v1/realtime: voice sessions (services/realtime/)
+
+        @self.app.websocket("/v1/realtime")
+        async def realtime(websocket: WebSocket) -> None:
+            await self.realtime(websocket)
+
         self.server: uvicorn.Server | None = None
         self.port: int | None = None
         self._main: asyncio.Task | None = None
@@ -130,12 +142,13 @@ class HttpFront:
     # Routes
 
     async def health(self) -> Response:
+        """200 when every model is ready; 503 in OpenAI's error shape (plus `status`) while loading or draining."""
         if self.registry.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
+            return _unready("draining", "the server is draining: it takes no new requests")
         states = {m.name: m.state for m in self.registry}
         if any(s is not ModelState.READY for s in states.values()):
-            body = {"status": "loading", "models": {n: s.name.lower() for n, s in states.items()}}
-            return JSONResponse(body, status_code=503)
+            loading = {n: s.name.lower() for n, s in states.items()}
+            return _unready("loading", f"not every model is ready yet: {loading}", models=loading)
         return JSONResponse({"status": "ok"})
 
     def _model_object(self, model: Any) -> dict[str, Any]:
@@ -143,7 +156,7 @@ class HttpFront:
                 "ready": model.state is ModelState.READY}  # fmt: skip
 
     async def models(self, request: Request) -> Response:
-        return await self._call(request, "ListModels", self._list_models)
+        return await self.call(request, "ListModels", self._list_models)
 
     async def _list_models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._model_object(m) for m in self.registry]})
@@ -152,20 +165,24 @@ class HttpFront:
         async def one(request: Request) -> Response:
             return JSONResponse(self._model_object(self.registry.lookup(model_id)))
 
-        return await self._call(request, "GetModel", one)
+        return await self.call(request, "GetModel", one)
 
     async def chat_completions(self, request: Request) -> Response:
-        return await self._call(request, "ChatCompletions", self._generate)
+        return await self.call(request, "ChatCompletions", self._generate)
 
     async def completions(self, request: Request) -> Response:
-        return await self._call(request, "Completions", self._generate, completion=True)
+        return await self.call(request, "Completions", self._generate, completion=True)
 
     # The call around every route: the log line and status counter, auth and quotas, the error shape
 
-    async def _call(self, request: Request, method: str, handler: Any, completion: bool = False) -> Response:
-        record = logs.CallRecord(method)
-        token = logs.set_current_call(record)
-        code, taken, deferred = grpc.StatusCode.OK, None, False
+    async def call(
+        self, request: Request, method: str, handler: Any, completion: bool = False,
+        param_of: Callable[[str], str] | None = None,
+    ) -> Response:  # fmt: skip
+        """`handler(request)` as one logged, authorised call; a ServiceError becomes OpenAI's error JSON."""
+        record = call_record.CallRecord(method)
+        token = call_record.set_current_call(record)
+        code, taken, deferred = Code.OK, None, False
         try:
             taken = self._authorize(request, record)
             response = await handler(request, completion) if handler == self._generate else await handler(request)
@@ -175,20 +192,20 @@ class HttpFront:
             return response
         except ServiceError as err:
             code = err.code
-            return error_response(err, completion)
+            return error_response(err, completion, param_of)
         except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
+            code = Code.CANCELLED
             raise
         except Exception as exc:  # noqa: BLE001 - reported as one line, the server keeps serving
             log.exception("%s failed", method)
-            code = grpc.StatusCode.INTERNAL
+            code = Code.INTERNAL
             return error_response(errors.internal(f"{type(exc).__name__}: {exc}"), completion)
         finally:
             if not deferred:
                 self._end(record, code, taken)
-            logs.reset_current_call(token)
+            call_record.reset_current_call(token)
 
-    def _authorize(self, request: Request, record: logs.CallRecord) -> str | None:
+    def _authorize(self, request: Request, record: call_record.CallRecord) -> str | None:
         """The caller (its quota taken) when the server has keys or quotas; None when it has neither."""
         if self.auth is None:
             return None
@@ -198,13 +215,13 @@ class HttpFront:
             key_id = self.auth.caller_of_key(key)
             if key_id is None:
                 message = "invalid API key" if key else "missing API key"
-                raise ServiceError(grpc.StatusCode.UNAUTHENTICATED, f"{message}: send 'Authorization: Bearer KEY'")
+                raise ServiceError(Code.UNAUTHENTICATED, f"{message}: send 'Authorization: Bearer KEY'")
             caller = key_id
         record.caller = caller
         self.auth.quotas.take(caller)
         return caller
 
-    def _end(self, record: logs.CallRecord, code: grpc.StatusCode, taken: str | None) -> None:
+    def _end(self, record: call_record.CallRecord, code: Code, taken: str | None) -> None:
         if taken is not None and self.auth is not None:
             self.auth.quotas.give_back(taken)
         self.metrics.grpc_status.labels(f"http:{record.method}", code.name).inc()
@@ -212,7 +229,7 @@ class HttpFront:
         line.update(status=code.name, total_s=round(time.monotonic() - record.started, 6))
         logs.request_log.info(json.dumps(line, sort_keys=False))
 
-    async def _body(self, request: Request) -> dict[str, Any]:
+    async def body(self, request: Request) -> dict[str, Any]:
         length = request.headers.get("content-length")
         if length and length.isdigit() and int(length) > self.max_body_bytes:
             raise _too_large(int(length), self.max_body_bytes)
@@ -228,7 +245,7 @@ class HttpFront:
         return body
 
     async def _generate(self, request: Request, completion: bool) -> Response:
-        body = await self._body(request)
+        body = await self.body(request)
         raw_prompt = None
         if completion:
             message, raw_prompt = completion_request(body)
@@ -242,15 +259,24 @@ class HttpFront:
         responses = generate_responses(message, self.registry, self.metrics, raw_prompt)
         output = ChatOutput(message.request_id, model_name, completion)
         if not stream:
-            return await _until_disconnect(request, _collect(responses, output, bool(message.logprobs)))
+            if (n := choices(body)) > 1:
+                await responses.aclose()
+                job = _choices(message, n, self.registry, self.metrics, raw_prompt, model_name, completion)
+                return JSONResponse(await until_disconnect(request, job))
+            return JSONResponse(await until_disconnect(request, _collect(responses, output, bool(message.logprobs))))
         # The first response read here: a refusal (checks, queue full, draining) is an HTTP status, not a stream
         try:
-            first = await _until_disconnect(request, anext(responses))
+            first = await until_disconnect(request, anext(responses))
         except BaseException:
             await responses.aclose()
             raise
         events = _sse(first, responses, output, include_usage)
         return ClosingStreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _unready(status: str, message: str, **extra: Any) -> JSONResponse:
+    body = json.loads(error_response(errors.unavailable(message)).body)
+    return JSONResponse({**body, "status": status, **extra}, status_code=503)
 
 
 class BodyTooLarge(ServiceError):
@@ -260,10 +286,10 @@ class BodyTooLarge(ServiceError):
 
 
 def _too_large(size: int, limit: int) -> ServiceError:
-    return BodyTooLarge(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the request body is {size} bytes (the limit is {limit})")
+    return BodyTooLarge(Code.RESOURCE_EXHAUSTED, f"the request body is {size} bytes (the limit is {limit})")
 
 
-async def _until_disconnect(request: Request, work: Any) -> Any:
+async def until_disconnect(request: Request, work: Any) -> Any:
     """`work` (a coroutine) cancelled when the client disconnects first: its engine request aborts."""
     task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnected(request))
@@ -284,13 +310,50 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _collect(responses: AsyncIterator[Any], output: ChatOutput, logprobs: bool) -> Response:
+async def _collect(responses: AsyncIterator[Any], output: ChatOutput, logprobs: bool) -> dict[str, Any]:
     async with contextlib.aclosing(responses):
         async for response in responses:
             if response.WhichOneof("response") == "summary":
-                return JSONResponse(output.completion(response.summary, logprobs))
+                return output.completion(response.summary, logprobs)
             output.add(response.delta)
     raise errors.internal("the request ended without a summary")
+
+
+async def _choices(
+    message: Any, n: int, registry: ModelRegistry, metrics: Metrics, raw_prompt: str | None, model: str,
+    completion: bool,
+) -> dict[str, Any]:  # fmt: skip
+    """`n` choices: n engine requests at once (the prompt computed once, its blocks shared by the prefix cache once
+    the first has them), seeds `seed + i` when seeded; one object with choices 0..n-1 and their usage summed."""
+
+    async def one(i: int) -> dict[str, Any]:
+        copy = type(message)()
+        copy.CopyFrom(message)
+        copy.request_id = f"{message.request_id}-{i}"
+        if copy.sampling.HasField("seed"):
+            copy.sampling.seed = (copy.sampling.seed + i) % (MAX_SEED + 1)
+        output = ChatOutput(message.request_id, model, completion)
+        return await _collect(generate_responses(copy, registry, metrics, raw_prompt), output, bool(message.logprobs))
+
+    tasks = [asyncio.ensure_future(one(i)) for i in range(n)]
+    try:
+        results = await asyncio.gather(*tasks)
+    except BaseException:  # one refused or failed, or the client left: the others abort
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    merged = results[0]
+    merged["choices"] = [{**r["choices"][0], "index": i} for i, r in enumerate(results)]
+    usage = merged["usage"]  # the prompt once, as OpenAI counts it; every choice's completion tokens
+    usage["completion_tokens"] = sum(r["usage"]["completion_tokens"] for r in results)
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    usage["prompt_tokens_details"]["cached_tokens"] = sum(r["usage"]["prompt_tokens_details"]["cached_tokens"]
+                                                          for r in results)  # fmt: skip
+    usage["completion_tokens_details"]["reasoning_tokens"] = sum(
+        r["usage"]["completion_tokens_details"]["reasoning_tokens"] for r in results
+    )
+    return merged
 
 
 async def _sse(
@@ -302,14 +365,14 @@ async def _sse(
             response = first
             while response.WhichOneof("response") != "summary":
                 if (chunk := output.chunk(response.delta)) is not None:
-                    yield _event(chunk)
+                    yield sse_event(chunk)
                 response = await anext(responses)
             for chunk in output.final_chunks(response.summary, include_usage):
-                yield _event(chunk)
+                yield sse_event(chunk)
         except ServiceError as err:
-            yield _event(json.loads(error_response(err, output.is_completion).body))
+            yield sse_event(json.loads(error_response(err, output.is_completion).body))
     yield "data: [DONE]\n\n"
 
 
-def _event(obj: Any) -> str:
+def sse_event(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"

@@ -20,51 +20,16 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
+from omnivox.services.call_record import CallRecord, reset_current_call, set_current_call
 from omnivox.services.metrics import Metrics
 
 request_log = logging.getLogger("omnivox.requests")
 
 OMNIVOX_PREFIX = "/omnivox.v1."
-
-# The record of the RPC the current task serves (set by CallInterceptor; None outside an omnivox RPC).
-_CURRENT: contextvars.ContextVar[CallRecord | None] = contextvars.ContextVar("omnivox_call", default=None)
-
-
-@dataclass
-class CallRecord:
-    method: str
-    started: float = field(default_factory=time.monotonic)
-    caller: str = ""  # the API key's id or the client certificate's name; "" when the server has no auth
-    fields: dict[str, Any] = field(default_factory=dict)  # numbers and ids only: never request or response content
-    # Named spans of the call's life, time.monotonic() start and end: queue, prefill, decode, ... (tracing's spans)
-    phases: list[tuple[str, float, float]] = field(default_factory=list)
-
-    def set(self, **values: str | int | float | None) -> None:
-        self.fields.update(values)
-
-    def phase(self, name: str, start: float, end: float) -> None:
-        if end >= start:
-            self.phases.append((name, start, end))
-
-
-def current_call() -> CallRecord:
-    """The running RPC's record, or a detached one (servicers called outside the interceptor, e.g. in tests)."""
-    return _CURRENT.get() or CallRecord("")
-
-
-def set_current_call(record: CallRecord) -> contextvars.Token:
-    """Make `record` the current call's (the HTTP front's calls, which no interceptor opens); reset with the token."""
-    return _CURRENT.set(record)
-
-
-def reset_current_call(token: contextvars.Token) -> None:
-    _CURRENT.reset(token)
-
 
 Behavior = Callable[..., Any]
 
@@ -153,7 +118,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
 
             async def before(context: Any) -> None:
                 record.started = time.monotonic()
-                token.append(_CURRENT.set(record))
+                token.append(set_current_call(record))
 
             def after(context: Any, code: grpc.StatusCode) -> None:
                 self.metrics.grpc_status.labels(name, code.name).inc()
@@ -161,7 +126,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
                 line.update(status=code.name, total_s=round(time.monotonic() - record.started, 6))
                 request_log.info(json.dumps(line, sort_keys=False))
                 if token:
-                    _CURRENT.reset(token[0])
+                    reset_current_call(token[0])
 
             return around_call(behavior, before, after)
 

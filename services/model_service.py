@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import grpc
 
-from omnivox.services.errors import rpc_method
 from omnivox.services.registry import AUDIO, IMAGE, TEXT, ModelRegistry, ModelState, ServedModel
+from omnivox.services.rpc_errors import rpc_method
 from omnivox.services.validation import SAMPLING_FIELDS
 from omnivox.v1 import model_pb2, model_pb2_grpc, sampling_pb2
 

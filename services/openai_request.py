@@ -47,6 +47,21 @@ def _integer(body: dict[str, Any], key: str) -> int | None:
     return _typed(body, key, (int,), "an integer")
 
 
+MAX_CHOICES = 8  # n: one engine request per choice, all at once (the prompt's blocks shared by the prefix cache)
+
+
+def choices(body: dict[str, Any]) -> int:
+    """`n`, the number of choices: 1 to MAX_CHOICES, and 1 when streamed."""
+    n = _integer(body, "n")
+    if n is None:
+        return 1
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad("n", f"must be in [1, {MAX_CHOICES}], not {n}")
+    if n > 1 and body.get("stream") is True:
+        raise bad("n", "n > 1 is served without stream only: send n streamed requests instead")
+    return n
+
+
 def chat_request(body: dict[str, Any]) -> generation_pb2.GenerateRequest:
     """A /v1/chat/completions body as a GenerateRequest."""
     messages = body.get("messages")
@@ -96,8 +111,7 @@ def completion_request(body: dict[str, Any]) -> tuple[generation_pb2.GenerateReq
 def _common(body: dict[str, Any]) -> generation_pb2.GenerateRequest:
     model = _typed(body, "model", (str,), "a model name")
     request = generation_pb2.GenerateRequest(model=model or "")
-    if (n := _integer(body, "n")) is not None and n != 1:
-        raise bad("n", f"only n=1 is served, not {n}: send {n} requests (with different seeds) instead")
+    choices(body)  # checked here; the HTTP front runs that many requests
     for key in _SAMPLING:
         if (value := (_integer if key == "top_k" else _number)(body, key)) is not None:
             setattr(request.sampling, key, value)

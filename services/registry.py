@@ -117,6 +117,9 @@ class ServedModel:
                 self._in_flight -= 1
 
 
+AUTO_ASR = "auto"  # `serve --asr-model auto` (the default): the cascade on when a Whisper model is served with others
+
+
 class ModelRegistry:
     """Served models by name; the first one added with is_default (or the first one at all) is the default."""
 
@@ -150,7 +153,13 @@ class ModelRegistry:
         return len(self._models)
 
     def set_asr_model(self, name: str | None) -> None:
-        """`serve --asr-model`: ModelLoadError unless `name` is None or a served Whisper model (known before loading)."""
+        """`serve --asr-model`: ModelLoadError unless `name` is None (off), AUTO_ASR or a served Whisper model (known
+        before loading). AUTO_ASR (the default): the first served Whisper model when anything else is served beside
+        it, so the embedded bundle answers spoken questions (`omnivox ask --audio` on a fresh `omnivox serve`)."""
+        if name == AUTO_ASR:
+            whisper = [n for n, m in self._models.items() if "whisper" in m.manifest.parts]
+            self.asr_model = whisper[0] if whisper and len(whisper) < len(self._models) else None
+            return
         model = self._models.get(name) if name is not None else None
         if name is not None and (model is None or "whisper" not in model.manifest.parts):
             raise errors.ModelLoadError(

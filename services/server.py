@@ -33,6 +33,7 @@ from omnivox.services.loading import EngineOptions, ModelLoadError, ModelSpec
 from omnivox.services.metrics import Metrics
 from omnivox.services.reflection import enable_reflection
 from omnivox.services.registry import ModelRegistry, ModelState, ServedModel
+from omnivox.services.speech_call import SpeechCalls
 from omnivox.services.stream_idle import DEFAULT_STREAM_IDLE_S
 from omnivox.services.tls import CertificateFiles
 
@@ -61,7 +62,9 @@ class ServerOptions:
     limits: GrpcLimits = GrpcLimits()
     trace_exporter: Any = None  # an OpenTelemetry SpanExporter: tracing on (services/tracing.py); None = off
     data_dir: Path | None = None  # created voices live here (services/voices.py); None = $OMNIVOX_DATA_DIR or XDG
-    asr_model: str | None = None  # a served Whisper model: Generate's audio for text models (services/cascade.py)
+    # A served Whisper model: Generate's audio for text models (services/cascade.py); "auto": the first one when
+    # others are served beside it; None: off.
+    asr_model: str | None = "auto"
     # A speech stream whose client runs dry within this many seconds steps first (engine/arbiter.py); 0 = off.
     audio_first_margin_s: float = 1.0
     stream_idle_timeout_s: float = DEFAULT_STREAM_IDLE_S  # bidirectional streams idle this long end (0 = never)
@@ -166,9 +169,15 @@ class OmnivoxServer:
     async def _serve_http(self, opts: ServerOptions, interceptors: list[Any]) -> None:
         """The OpenAI-compatible front, with the gRPC chain's keys and quotas (one book for both fronts)."""
         from omnivox.services.http_front import HttpFront  # FastAPI and uvicorn are imported only when asked for
+        from omnivox.services.http_speech import SpeechRoutes
 
         auth = next((i for i in interceptors if isinstance(i, AuthInterceptor)), None)
         self.http = HttpFront(self.registry, self.metrics, auth, opts.max_receive_message_bytes)
+        speech = next(
+            (c for b in self.services if isinstance(c := getattr(b.servicer, "calls", None), SpeechCalls)), None
+        )
+        if speech is not None:  # the gRPC SpeechService's own processing: one set of limits and created voices
+            SpeechRoutes(self.http, speech)
         ssl: dict[str, Any] = (
             {"ssl_certfile": str(opts.tls_cert), "ssl_keyfile": str(opts.tls_key)} if opts.tls_cert else {}
         )

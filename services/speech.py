@@ -23,9 +23,9 @@ import grpc
 
 from omnivox.models.orpheus import SpeechLayout
 from omnivox.services import errors, speech_request, voice_speech
-from omnivox.services.errors import rpc_method
 from omnivox.services.metrics import Metrics
 from omnivox.services.registry import ModelRegistry
+from omnivox.services.rpc_errors import rpc_method
 from omnivox.services.speech_call import SpeechCalls
 from omnivox.services.speech_request import SpeechLimits
 from omnivox.services.voices import VoiceStore

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from omnivox.engine import InvalidRequest
 from omnivox.services import errors, speech_request, voice_speech
 from omnivox.services.cache_salt import request_salt
+from omnivox.services.call_record import current_call
 from omnivox.services.errors import FieldViolation
-from omnivox.services.logs import current_call
 from omnivox.services.metrics import Metrics, SpeechStreamMetrics
 from omnivox.services.registry import ModelRegistry
 from omnivox.services.speech_request import SpeechLimits

@@ -15,9 +15,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
-import grpc
-
-from omnivox.services.errors import ServiceError
+from omnivox.services.errors import Code, ServiceError
 
 T = TypeVar("T")
 
@@ -51,7 +49,7 @@ async def idle_bounded(
                     deadline = time.monotonic() + idle_s
                     continue
                 raise ServiceError(
-                    grpc.StatusCode.OUT_OF_RANGE,
+                    Code.OUT_OF_RANGE,
                     f"no {waiting_for} for {idle_s:g} s: the stream is closed (send at least that often, or end the "
                     "stream; the server's --stream-idle-timeout sets the bound)",
                 )

@@ -14,7 +14,8 @@ from typing import Any
 
 import grpc
 
-from omnivox.services.logs import OMNIVOX_PREFIX, Behavior, around_call, current_call, wrap_handler
+from omnivox.services.call_record import current_call
+from omnivox.services.logs import OMNIVOX_PREFIX, Behavior, around_call, wrap_handler
 
 
 def _epoch_ns(monotonic_s: float) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from omnivox.services.logs import current_call
+from omnivox.services.call_record import current_call
 from omnivox.services.metrics import Metrics
 from omnivox.services.summaries import seconds_to_duration
 from omnivox.services.transcribe_request import TranscribeJob

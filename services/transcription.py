@@ -14,9 +14,9 @@ import contextlib
 
 import grpc
 
-from omnivox.services.errors import rpc_method
 from omnivox.services.metrics import Metrics
 from omnivox.services.registry import ModelRegistry
+from omnivox.services.rpc_errors import rpc_method
 from omnivox.services.streaming_transcribe_call import streaming_transcribe
 from omnivox.services.transcribe_call import transcribe_call
 from omnivox.v1 import transcription_pb2, transcription_pb2_grpc

@@ -22,14 +22,13 @@ import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 from google.rpc import error_details_pb2
 
 from omnivox.codecs.audio_input import AudioInputError, AudioLimits, decode_audio
 from omnivox.models.orpheus import SpeechLayout
 from omnivox.services import errors
 from omnivox.services.audio_prompt import encoding_name
-from omnivox.services.errors import FieldViolation, ServiceError
+from omnivox.services.errors import Code, FieldViolation, ServiceError
 from omnivox.services.validation import Violations
 from omnivox.v1 import speech_pb2
 
@@ -78,7 +77,7 @@ class CreatedVoice:
 
 def already_exists(resource_type: str, name: str, message: str) -> ServiceError:
     info = error_details_pb2.ResourceInfo(resource_type=resource_type, resource_name=name, description=message)
-    return ServiceError(grpc.StatusCode.ALREADY_EXISTS, message, [info])
+    return ServiceError(Code.ALREADY_EXISTS, message, [info])
 
 
 class VoiceStore:

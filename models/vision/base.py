@@ -97,6 +97,9 @@ class VisionEncoder(nn.Module, ABC):
 
     # Checkpoint name prefixes of the vision side -> our module's prefix; both layouts (hub and transformers 5).
     weight_prefixes: tuple[tuple[str, str], ...] = ()
+    # Stored name pieces -> the module's, where transformers 5 renamed modules but save_pretrained still writes the
+    # hub's names (DINOv2's attention: `attention.attention.query` is `attention.q_proj` in memory).
+    renamed_params: tuple[tuple[str, str], ...] = ()
     # Our parameters that no feature depends on, so a checkpoint may lack them (regexes).
     unused_params: tuple[str, ...] = ()
 
@@ -302,6 +305,8 @@ class VisionEncoder(nn.Module, ABC):
             if ours not in params and ".vision_model." in ours:
                 # transformers 5 dropped CLIP/SigLIP's inner `vision_model.` (llava-hf checkpoints still have it).
                 ours = ours.replace(".vision_model.", ".", 1)
+            for old, new in self.renamed_params if ours not in params else ():
+                ours = ours.replace(old, new)
             if ours not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the {self.family} vision encoder")
             p = params[ours]

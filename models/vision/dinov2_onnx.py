@@ -21,19 +21,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from omnivox.models.vision.llava import DINOV2_HUB_NAMES
+
 _EXPORT_IMAGE_SIZE = 518  # DINOv2's pretraining resolution: 37x37 patches of 14 px
 _PREFIX = "backbone."
-# The export's module names (transformers 4's Dinov2SelfAttention) -> transformers 5's (q/k/v/o_proj).
-_RENAMES = (
-    (".attention.attention.query.", ".attention.q_proj."),
-    (".attention.attention.key.", ".attention.k_proj."),
-    (".attention.attention.value.", ".attention.v_proj."),
-    (".attention.output.dense.", ".attention.o_proj."),
-)
 
 
 def _transformers_name(export_name: str) -> str:
-    for old, new in _RENAMES:
+    for old, new in DINOV2_HUB_NAMES:  # the export's names are the hub's (transformers 4's Dinov2SelfAttention)
         export_name = export_name.replace(old, new)
     return export_name
 

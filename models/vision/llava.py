@@ -1,6 +1,6 @@
 """LLaVA 1.5 (`LlavaForConditionalGeneration`) and LLaVA-NeXT (`LlavaNextForConditionalGeneration`) vision sides.
 
-Tower: transformers' CLIP or SigLIP vision model built from `vision_config`. Features: the hidden states of
+Tower: transformers' CLIP, SigLIP or DINOv2 vision model built from `vision_config`. Features: the hidden states of
 `vision_feature_layer` (an int, or a list whose layers are concatenated along channels), the CLS row dropped under the
 "default" strategy, then the two-layer MLP projector. LLaVA-NeXT splits an image into anyres tiles (a base tile of the
 whole image first, then a grid chosen from `image_grid_pinpoints`); the grid's features are re-assembled into one
@@ -24,6 +24,14 @@ from transformers.models.llava_next.modeling_llava_next import (
 
 from omnivox.models.vision.base import ImageInputs, VisionEncoder
 
+# DINOv2's attention as the hub (and transformers 5's save_pretrained) spell it -> transformers 5's module names.
+DINOV2_HUB_NAMES = (
+    (".attention.attention.query.", ".attention.q_proj."),
+    (".attention.attention.key.", ".attention.k_proj."),
+    (".attention.attention.value.", ".attention.v_proj."),
+    (".attention.output.dense.", ".attention.o_proj."),
+)
+
 
 class LlavaEncoder(VisionEncoder):
     """Vision side of LLaVA 1.5 and LLaVA-NeXT. pixel inputs: `pixel_values` [1, 3, H, W] (1.5) or
@@ -34,8 +42,15 @@ class LlavaEncoder(VisionEncoder):
         (r"(model\.)?multi_modal_projector\.", "multi_modal_projector."),
         (r"(model\.)?image_newline$", "image_newline"),
     )
-    # Features are hidden states of encoder layers: the pooled-output parts of CLIP / SigLIP are never used.
-    unused_params = (r"vision_tower\.post_layernorm\.", r"vision_tower\.head\.")
+    renamed_params = DINOV2_HUB_NAMES
+    # Features are hidden states of encoder layers: the pooled-output parts of CLIP / SigLIP (and DINOv2's final
+    # layernorm and pretraining mask token) are never used.
+    unused_params = (
+        r"vision_tower\.post_layernorm\.",
+        r"vision_tower\.head\.",
+        r"vision_tower\.layernorm\.",
+        r"vision_tower\.embeddings\.mask_token$",
+    )
 
     def __init__(self, config: transformers.PretrainedConfig, processor: transformers.ProcessorMixin) -> None:
         super().__init__()
@@ -56,7 +71,8 @@ class LlavaEncoder(VisionEncoder):
         self.placeholder_token_id = config.image_token_id
         vc = config.vision_config
         self.side = vc.image_size // vc.patch_size  # feature rows per tile side
-        has_cls = any(n.endswith("class_embedding") for n, _ in self.vision_tower.named_parameters())  # CLIP's
+        # A CLS row ahead of the patch rows: CLIP's class_embedding, DINOv2's cls_token (SigLIP has none).
+        has_cls = any(n.endswith(("class_embedding", "cls_token")) for n, _ in self.vision_tower.named_parameters())
         self.rows_per_tile = self.side**2 + has_cls - (self.strategy == "default")
         if self.anyres and self.rows_per_tile != self.side**2:
             raise ValueError(

@@ -79,7 +79,7 @@ def connect(args: argparse.Namespace) -> grpc.Channel:
 
 def rpc_error_line(err: grpc.RpcError, server: str) -> str:
     """One line for a failed call, with every field violation the server named."""
-    from omnivox.services.errors import status_details
+    from omnivox.services.rpc_errors import status_details
 
     code = err.code()
     text = err.details() or ""

@@ -75,8 +75,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--asr-model",
         metavar="NAME",
+        default="auto",
         help="a served Whisper model (e.g. whisper-base) that transcribes the audio parts of Generate requests to "
-        "text-only models first: a cascade (audio-LLMs read audio themselves)",
+        "text-only models first: a cascade (audio-LLMs read audio themselves). Default auto: the first served Whisper "
+        "model when other models are served beside it (the embedded defaults answer spoken questions); none: off",
     )
     _add_server_arguments(p)  # --host ... --otlp-endpoint: listening, limits, health, metrics, auth, tracing
     add_engine_arguments(p)  # --kv-cache-gib ... --dtype (services/cli/_engine_flags.py)
@@ -146,7 +148,8 @@ def _add_server_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--http-port",
         type=int,
-        help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, "
+        help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/audio/speech, "
+        "/v1/audio/voices, /v1/models, "
         "/health) on this port, with the same models, keys and limits (off without)",
     )
     p.add_argument("--api-keys", type=Path, help="file of API keys (one per line, or id:key); RPCs then need one")

@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         trace_exporter=trace_exporter(args),
         limits=GrpcLimits(max_connection_age_s=args.max_connection_age),
         data_dir=args.data_dir,
-        asr_model=args.asr_model,
+        asr_model=None if args.asr_model == "none" else args.asr_model,
         audio_first_margin_s=args.audio_first_margin,
     )
     engine_options = EngineOptions(

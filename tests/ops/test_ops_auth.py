@@ -21,8 +21,9 @@ from support.service_harness import ServerThread, user_request
 
 from omnivox.services.auth import Quota, QuotaBook, load_api_keys
 from omnivox.services.cli.bearer import BearerKey
-from omnivox.services.errors import ServiceError, status_details
+from omnivox.services.errors import Code, ServiceError
 from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.rpc_errors import status_details
 from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, model_pb2, model_pb2_grpc
 
 KEY = "sk-test-0123456789"
@@ -109,7 +110,7 @@ def test_rate_quota_window() -> None:
     book.give_back("a")
     with pytest.raises(ServiceError) as info:
         book.take("a", now=20.0)
-    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert info.value.code == Code.RESOURCE_EXHAUSTED
     delay = info.value.details[0].retry_delay.ToNanoseconds() / 1e9
     assert delay == pytest.approx(40.0)  # the call at t=0 leaves the window at t=60
     book.take("b", now=20.0)  # per caller

@@ -20,7 +20,7 @@ from support.service_harness import ServerThread
 from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
 from omnivox.services import validation
 from omnivox.services.defaults import save_random_speech_model
-from omnivox.services.errors import ServiceError
+from omnivox.services.errors import Code, ServiceError
 from omnivox.services.loading import EngineOptions, ModelSpec
 from omnivox.services.speech import SpeechServicer
 from omnivox.v1 import (
@@ -211,7 +211,7 @@ def test_validator_accepts_or_rejects_cleanly(server: ServerThread) -> None:
             validation.validate_generate(req, model)
             outcomes["ok"] += 1
         except ServiceError as err:
-            assert err.code == grpc.StatusCode.INVALID_ARGUMENT and err.field_violations, err
+            assert err.code == Code.INVALID_ARGUMENT and err.field_violations, err
             outcomes["invalid"] += 1
 
     check()

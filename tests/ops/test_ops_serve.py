@@ -21,7 +21,7 @@ import pytest
 from support.checkpoints import make_checkpoint
 from support.serve_process import ServeProcess, omnivox, wait_for_log
 
-from omnivox.services.errors import rpc_method
+from omnivox.services.rpc_errors import rpc_method
 from omnivox.v1 import generation_pb2, generation_pb2_grpc, model_pb2, model_pb2_grpc
 
 KEY = "sk-serve-test-123456"

@@ -20,8 +20,8 @@ from support.whisper_checkpoints import make_whisper
 from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
 from omnivox.services.cache_salt import MAX_CACHE_SALT_CHARS, request_salt
 from omnivox.services.defaults import save_random_speech_model
-from omnivox.services.errors import status_details
 from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.rpc_errors import status_details
 from omnivox.services.speech import SpeechServicer
 from omnivox.services.whisper_part import TranscriptCache
 from omnivox.v1 import (

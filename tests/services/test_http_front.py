@@ -147,6 +147,24 @@ def test_logprobs_stop_seed_and_completions(client: openai.OpenAI) -> None:
     assert streamed == done.choices[0].text
 
 
+def test_n_choices_share_the_prompt(client: openai.OpenAI) -> None:
+    """n=2 seeded: two choices (indices 0, 1), each what a single request with seed + i gives; the prompt counted once.
+    Each choice is one engine request held against the queue bound (max_queue=2 here: n=3 would be 429)."""
+    reply = client.chat.completions.create(
+        model=DEFAULT_MODEL_NAME, messages=CAPITAL, n=2, temperature=1.0, seed=11, max_tokens=8
+    )
+    assert [c.index for c in reply.choices] == [0, 1]
+    singles = [
+        client.chat.completions.create(
+            model=DEFAULT_MODEL_NAME, messages=CAPITAL, temperature=1.0, seed=11 + i, max_tokens=8
+        )
+        for i in range(2)
+    ]
+    assert [c.message.content for c in reply.choices] == [s.choices[0].message.content for s in singles]
+    assert reply.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert reply.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+
+
 def test_models_and_health(client: openai.OpenAI, base_url: str) -> None:
     assert [m.id for m in client.models.list()] == [DEFAULT_MODEL_NAME]
     assert httpx.get(f"{base_url}/health").json() == {"status": "ok"}  # open, as gRPC's health is
@@ -158,9 +176,10 @@ def test_error_statuses(client: openai.OpenAI, base_url: str) -> None:
     assert (
         bad.value.status_code == 400 and bad.value.param == "temperature" and bad.value.type == "invalid_request_error"
     )
-    with pytest.raises(openai.BadRequestError) as bad:
-        client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=CAPITAL, n=2, max_tokens=2)
-    assert bad.value.param == "n"
+    for n, stream in ((9, False), (0, False), (2, True)):  # 1..8 choices, and one when streamed
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=CAPITAL, n=n, max_tokens=2, stream=stream)
+        assert bad.value.param == "n"
     url = [{"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}]
     with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(

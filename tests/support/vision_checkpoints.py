@@ -60,14 +60,28 @@ def _save(model_cls, config, processor, out: Path, seed: int) -> Path:
     return out
 
 
-def make_llava(out: Path, *, next_: bool = False, siglip: bool = False, feature_layer=-2, strategy="default") -> Path:
-    """LLaVA 1.5 (or NeXT with `next_`): a 28x28 CLIP (or SigLIP) tower with 7x7 patches, Llama (or Qwen2) text."""
+def make_llava(
+    out: Path, *, next_: bool = False, siglip: bool = False, dinov2: bool = False, feature_layer=-2, strategy="default"
+) -> Path:
+    """LLaVA 1.5 (or NeXT with `next_`): a 28x28 CLIP (or SigLIP, or DINOv2) tower with 7x7 patches, Llama (or Qwen2)
+    text. The DINOv2 variant is the embedded image model's layout: its image processor resizes to the square (no crop),
+    with ImageNet's mean and std."""
     tok = tokenizer_with(["<image>"])
     image_token_id = tok.convert_tokens_to_ids("<image>")
     vision_kwargs = dict(
         hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=28, patch_size=7
     )
-    if siglip:
+    if dinov2:
+        vision = transformers.Dinov2Config(layerscale_value=0.5, **vision_kwargs)
+        text = transformers.LlamaConfig(vocab_size=len(tok), **_TEXT)
+        ip_cls = transformers.CLIPImageProcessor
+        ip_kwargs = dict(
+            size={"height": 28, "width": 28},
+            do_center_crop=False,
+            image_mean=[0.485, 0.456, 0.406],
+            image_std=[0.229, 0.224, 0.225],
+        )
+    elif siglip:
         vision = transformers.SiglipVisionConfig(**vision_kwargs)
         text = transformers.Qwen2Config(vocab_size=len(tok), **_TEXT)
         ip_cls = transformers.SiglipImageProcessor

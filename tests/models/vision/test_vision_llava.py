@@ -16,6 +16,7 @@ from support.vision_parity import (
 VARIANTS = {
     "llava-clip": dict(feature_layer=-2, strategy="default"),
     "llava-siglip-layers": dict(siglip=True, feature_layer=[-3, -1], strategy="full"),  # interleave-qwen-like
+    "llava-dinov2": dict(dinov2=True, feature_layer=-1, strategy="default"),  # the embedded image model's layout
     "llava-next": dict(next_=True, feature_layer=-2, strategy="default"),
     # "full" keeps every row: only a tower without CLS (SigLIP) tiles into a square grid.
     "llava-next-siglip-layers": dict(next_=True, siglip=True, feature_layer=[-2, -1], strategy="full"),

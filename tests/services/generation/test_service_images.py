@@ -1,4 +1,4 @@
-"""Image input over gRPC: GenerationService with image parts, served by a real server on tiny random LLaVA 1.5 and NeXT,
+"""Image input over gRPC: GenerationService with image parts, served by a real server on tiny random LLaVA 1.5 (CLIP and DINOv2 towers) and NeXT,
 SmolVLM, Qwen2.5-VL and Qwen2-VL checkpoints (saved with processor + chat template), against transformers' processor + `generate`.
 
 The server runs with 8-token engine steps, so every image below is cut by at least one prefill chunk boundary.
@@ -34,6 +34,7 @@ from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, model_p
 CHUNK = 8  # max_num_batched_tokens: smaller than every image's feature rows
 MAKERS = {
     "llava": make_llava,
+    "llava_dinov2": lambda out: make_llava(out, dinov2=True, feature_layer=-1),  # the embedded image model's layout
     "llava_next": lambda out: make_llava(out, next_=True),  # anyres tiles, unpadding, image_newline
     "smolvlm": make_idefics3,
     "qwen2_5_vl": make_qwen2_5_vl,

@@ -17,8 +17,8 @@ from support.waiting import wait_until
 
 from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
 from omnivox.services.defaults import save_random_speech_model
-from omnivox.services.errors import status_details
 from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.rpc_errors import status_details
 from omnivox.services.speech import SpeechServicer
 from omnivox.services.speech_text import split_text
 from omnivox.v1 import content_pb2, model_pb2, model_pb2_grpc, sampling_pb2, speech_pb2, speech_pb2_grpc

@@ -191,7 +191,7 @@ def test_config_errors_name_the_config_fields(server):
     they were `sampling.temperature`, `model`); a message that sets nothing is not called a second config."""
     from google.rpc import error_details_pb2
 
-    from omnivox.services.errors import status_details
+    from omnivox.services.rpc_errors import status_details
 
     stub = speech_pb2_grpc.SpeechServiceStub(server.channel())
     R = speech_pb2.StreamingSynthesizeSpeechRequest

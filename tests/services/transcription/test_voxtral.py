@@ -25,8 +25,8 @@ from support.voxtral_checkpoint import AUDIO_SECTION, make_voxtral_bundle, write
 from omnivox.codecs.audio_format import float_to_int16
 from omnivox.services.audio_llm_windows import TOKENS_BASE, TOKENS_PER_SECOND
 from omnivox.services.audio_prompt import load_audio_part
-from omnivox.services.errors import status_details
 from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.rpc_errors import status_details
 from omnivox.v1 import (
     content_pb2,
     generation_pb2,

@@ -1,0 +1,152 @@
+"""The same short chat over the OpenAI-compatible HTTP front and over gRPC Generate, side by side in one run, against
+one server process (`omnivox serve --http-port`, the embedded SmolLM2-135M): TTFT p50 and total TPS (a throughput) at
+each concurrency, and HTTP's ratio to gRPC (target: within 10 %).
+
+    python -m omnivox.benchmarks.http_vs_grpc --out benchmarks/results/http-vs-grpc-cpu.json
+
+Workload: one user turn ("What is the capital of France?"), greedy, `ignore_eos`, `--output-tokens` tokens; closed loop
+of `concurrency` clients. The fronts alternate level by level (gRPC c=1, HTTP c=1, gRPC c=16, HTTP c=16), `--rounds`
+times, so a load change on a shared machine falls on both. HTTP is streamed (SSE, `stream_options.include_usage`) over
+httpx with keep-alive connections; its TTFT is the first content chunk, its tokens the usage's completion tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from omnivox.benchmarks.host import write_results
+from omnivox.benchmarks.metrics import RequestTrace, summarize
+from omnivox.benchmarks.systems.base import run_closed_loop_async
+from omnivox.benchmarks.systems.omnivox_grpc import OmnivoxGrpc, ServerProcess
+from omnivox.benchmarks.workload import BenchRequest
+
+QUESTION = "What is the capital of France?"
+
+
+def http_port_of(log_path: Path, timeout_s: float = 60.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if match := re.search(r"OpenAI-compatible HTTP on https?://\S+:(\d+)/v1", log_path.read_text(errors="replace")):
+            return int(match.group(1))
+        time.sleep(0.05)
+    raise RuntimeError(f"the server reported no HTTP port (see {log_path})")
+
+
+async def http_run(base_url: str, requests: list[BenchRequest], concurrency: int) -> list[RequestTrace]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base_url, timeout=300, limits=limits) as http:
+
+        async def one(req: BenchRequest) -> RequestTrace:
+            body = {"messages": [{"role": "user", "content": req.prompt_text}], "temperature": 0.0,
+                    "max_tokens": req.max_tokens, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}  # fmt: skip
+            trace = RequestTrace(index=req.index, send_time=time.perf_counter())
+            async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                if response.status_code != 200:
+                    trace.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                    return trace
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk, now = json.loads(line[6:]), time.perf_counter()
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                        trace.prompt_tokens = usage["prompt_tokens"]
+                        trace.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
+                        missing = usage["completion_tokens"] - trace.num_tokens  # chunks that held several tokens
+                        if missing > 0:
+                            trace.add_tokens(missing, trace.token_times[-1] if trace.token_times else now)
+                    elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                        trace.add_tokens(1, now)
+            if trace.num_tokens != req.max_tokens:
+                trace.error = f"asked for {req.max_tokens} tokens (ignore_eos), got {trace.num_tokens}"
+            return trace
+
+        return await run_closed_loop_async(requests, concurrency, one, lambda n: None)
+
+
+def workload(n: int, output_tokens: int) -> list[BenchRequest]:
+    return [
+        BenchRequest(index=i, prompt_text=QUESTION, prompt_token_ids=[], max_tokens=output_tokens) for i in range(n)
+    ]
+
+
+def level(front: str, concurrency: int, round_: int, traces: list[RequestTrace]) -> dict[str, Any]:
+    m = summarize(front, concurrency, traces)
+    return {"front": front, "concurrency": concurrency, "round": round_, "requests": m.num_requests,
+            "errors": m.num_errors, "ttft_p50_ms": m.ttft_p50_ms, "total_tps": m.total_tps,
+            "itl_p50_ms": m.itl_p50_ms}  # fmt: skip
+
+
+def ratios(levels: list[dict[str, Any]], concurrencies: list[int]) -> list[dict[str, Any]]:
+    """Per concurrency: the median over rounds of each front's TTFT p50 and total TPS, and HTTP / gRPC."""
+    import statistics
+
+    out = []
+    for c in concurrencies:
+        row: dict[str, Any] = {"concurrency": c}
+        for front in ("grpc", "http"):
+            mine = [lv for lv in levels if lv["front"] == front and lv["concurrency"] == c]
+            row[f"{front}_ttft_p50_ms"] = statistics.median(lv["ttft_p50_ms"] for lv in mine)
+            row[f"{front}_total_tps"] = statistics.median(lv["total_tps"] for lv in mine)
+        row["ttft_ratio"] = row["http_ttft_p50_ms"] / row["grpc_ttft_p50_ms"]
+        row["tps_ratio"] = row["http_total_tps"] / row["grpc_total_tps"]
+        out.append(row)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--concurrency", default="1,16")
+    p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--min-requests", type=int, default=8)
+    p.add_argument("--output-tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", type=Path, default=Path("bench-results/http-vs-grpc.json"))
+    args = p.parse_args(argv)
+    from omnivox.benchmarks.main import git_commit
+    from omnivox.services.defaults import DEFAULT_MODEL_NAME, ensure_default_model
+
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    started, load = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), list(os.getloadavg())
+    log_path = args.out.with_suffix(".server.log")
+    server = ServerProcess(ensure_default_model(), ["--name", DEFAULT_MODEL_NAME, "--http-port", "0",
+                                                    "--threads", str(args.threads)], log_path)  # fmt: skip
+    levels: list[dict[str, Any]] = []
+    try:
+        base_url = f"http://127.0.0.1:{http_port_of(log_path)}"
+        grpc_front = OmnivoxGrpc(address=server.address)
+        grpc_front.start()  # one warm-up request
+        asyncio.run(http_run(base_url, workload(1, 4), 1))
+        for round_ in range(args.rounds):
+            for c in concurrencies:
+                requests = workload(max(args.min_requests, c * args.requests_per_client), args.output_tokens)
+                traces = grpc_front.run(requests, c, lambda n: None)
+                levels.append(level("grpc", c, round_, traces))
+                levels.append(level("http", c, round_, asyncio.run(http_run(base_url, requests, c))))
+                print(json.dumps(levels[-2:]), file=sys.stderr)
+    finally:
+        server.close()
+    result = {"benchmark": "http_vs_grpc", "started": started, "commit": git_commit(), "load_average_at_start": load,
+              "model": DEFAULT_MODEL_NAME, "threads": args.threads, "output_tokens": args.output_tokens,
+              "levels": levels, "ratios": ratios(levels, concurrencies),
+              "note": "2-core machine shared with other jobs (four other agents building and testing)"}  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_results(args.out, result)
+    print(json.dumps(result["ratios"], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,74 @@
+"""Request and output processing load without grpc (issue 27), so the HTTP front and the realtime socket call the very
+code gRPC's servicers call. Every services module outside the gRPC face is imported in a fresh interpreter in which
+any `grpc` import fails; a new module is processing by default and is held to this unless it joins GRPC_FACE."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from support.paths import REPO_ROOT
+
+# The modules that are the gRPC face (servicers, the server and its interceptor chain, the error -> status mapping),
+# the fronts that ride in the gRPC server's process (the HTTP front shares its log line and status counter), and the
+# command-line client. Nothing else may import grpc.
+GRPC_FACE = {
+    "auth",
+    "bindings",
+    "generation",
+    "health",
+    "http_front",
+    "http_speech",
+    "interceptors",
+    "logs",
+    "model_service",
+    "reflection",
+    "rpc_errors",
+    "server",
+    "speech",
+    "speech_stream",
+    "streaming_transcription",
+    "tls",
+    "tracing",
+    "transcription",
+}
+
+_BLOCK_AND_IMPORT = """
+import importlib, sys, traceback
+class NoGrpc:
+    def find_spec(self, name, path=None, target=None):
+        if name == "grpc" or name.startswith(("grpc.", "grpc_")):
+            here = [f for f in traceback.extract_stack() if "/services/" in f.filename]
+            raise ImportError(f"{name} imported from {here[-1].filename}:{here[-1].lineno}" if here else name)
+sys.meta_path.insert(0, NoGrpc())
+failed = []
+for module in sys.argv[1:]:
+    try:
+        importlib.import_module("omnivox.services." + module)
+    except ImportError as exc:
+        failed.append(f"{module}: {exc}")
+print("\\n".join(failed))
+"""
+
+
+def _processing_modules() -> list[str]:
+    folder = REPO_ROOT / "services"
+    names = []
+    for path in sorted(folder.rglob("*.py")):
+        parts = path.relative_to(folder).with_suffix("").parts
+        if parts[0] == "cli" or parts[-1] == "__init__":
+            continue
+        name = ".".join(parts)
+        if name not in GRPC_FACE:
+            names.append(name)
+    return names
+
+
+def test_request_and_output_processing_load_without_grpc() -> None:
+    modules = _processing_modules()
+    assert {"generate_request", "generate_output", "generate_call", "speech_request", "errors"} <= set(modules)
+    run = subprocess.run(
+        [sys.executable, "-c", _BLOCK_AND_IMPORT, *modules], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "", f"these import grpc (move the grpc part to the gRPC face):\n{run.stdout}"
