@@ -24,7 +24,6 @@ from omnivox.services import errors
 from omnivox.services.errors import FieldViolation
 from omnivox.services.registry import AUDIO, ModelRegistry, ServedModel
 from omnivox.services.whisper import transcribe
-from omnivox.services.whisper_fallback import TEMPERATURES
 from omnivox.v1 import content_pb2, generation_pb2
 
 
@@ -58,9 +57,7 @@ async def transcribe_audio_parts(
             with asr.admit():
                 decoded = await asyncio.to_thread(part.decode, p.audio, path)
                 try:
-                    result = await transcribe(
-                        part, decoded.samples, language=None, cache_salt=salt, temperatures=TEMPERATURES
-                    )
+                    result = await transcribe(part, decoded.samples, language=None, cache_salt=salt)
                 except TranscriptionRequestError as err:
                     raise errors.invalid_argument([FieldViolation(f"{path}", err.description)]) from err
                 except RuntimeError as err:

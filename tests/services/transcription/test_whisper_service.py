@@ -25,7 +25,6 @@ from omnivox.services.bundle import probe
 from omnivox.services.loading import EngineOptions, ModelLoadError, ModelSpec
 from omnivox.services.server import OmnivoxServer, ServerOptions
 from omnivox.services.whisper import transcribe
-from omnivox.services.whisper_fallback import TEMPERATURES
 from omnivox.v1 import (
     content_pb2,
     generation_pb2,
@@ -209,7 +208,7 @@ def test_bad_audio_and_english_only_model(served):
     with pytest.raises(grpc.RpcError) as info:
         list(served["stub"].Transcribe(transcription_pb2.TranscribeRequest(model="tiny-whisper"), timeout=60))
     assert set(violated_fields(info.value)) == {"audio.data"}
-    request = transcription_pb2.TranscribeRequest(model="tiny-whisper-en", audio=audio_part(tone(0.5)))
+    request = transcription_pb2.TranscribeRequest(model="tiny-whisper-en", audio=audio_part(tone(0.5)), temperature=0.0)
     summary = list(served["stub"].Transcribe(request, timeout=60))[-1].summary
     assert summary.language == "en" and summary.output_tokens > 0  # as openai-whisper reports an English-only model
 
@@ -228,8 +227,7 @@ def test_list_models_and_generate_refusal(served):
 
 def test_cascade_answers_a_spoken_question_with_a_text_model(served):
     server, clip = served["server"], chirp(1.0)
-    # The cascade transcribes as Transcribe does by default: with the fallback.
-    transcript = server.run(transcribe(served["part"], clip, language=None, temperatures=TEMPERATURES)).text
+    transcript = server.run(transcribe(served["part"], clip, language=None)).text
     sampling = sampling_pb2.SamplingConfig(temperature=0.0)
 
     def ask(*parts):
