@@ -19,15 +19,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from omnivox.codecs.vad import SpeechEvent, SpeechEventKind
-from omnivox.models.audio.transcription import TranscriptionRequestError
-from omnivox.services.errors import ServiceError
 from omnivox.services.realtime.audio_io import decode_base64
 from omnivox.services.realtime.config import OPENAI_VOICES, SessionConfig
 from omnivox.services.realtime.conversation import Conversation, Item, check_item, dumps
 from omnivox.services.realtime.protocol import Event, RealtimeError, an_object, error_event, new_id, typed
 from omnivox.services.realtime.response import ResponseRun
+from omnivox.services.realtime.transcripts import TurnTranscriber
 from omnivox.services.realtime.turns import InputBuffer, Turn
-from omnivox.services.whisper import transcribe
 
 
 @dataclass(frozen=True)
@@ -62,6 +60,7 @@ class RealtimeSession:
         self.speech: tuple[str, int] | None = None  # (item id, start sample) of the open utterance
         self.started = self.last_event = time.monotonic()
         self.tokens, self.refilled = limits.max_events_per_s, self.started
+        self.transcriber = TurnTranscriber(self)
         self.finished_responses: list[ResponseRun] = []  # for the benchmark's and tests' accounting (last 16)
 
     # --- out ---------------------------------------------------------------------------------------------------
@@ -118,6 +117,7 @@ class RealtimeSession:
         if "audio" in session and "turn_detection" in (session["audio"].get("input") or {}):
             self.buffer.configure(new.turn_detection)
             self.speech = None
+            self.transcriber.cancel()
         self.emit({"type": "session.updated", "session": new.wire(self.id)})
 
     def _check_config(self, cfg: SessionConfig) -> None:
@@ -137,6 +137,7 @@ class RealtimeSession:
             raise RealtimeError("this server serves no Whisper model: audio input cannot be transcribed", "audio")
         for ev in self.buffer.append(data):
             self._speech_event(ev)
+        self.transcriber.watch(self.buffer, self.speech)
         self.buffer.trim()
 
     def _speech_event(self, ev: SpeechEvent) -> None:
@@ -154,7 +155,8 @@ class RealtimeSession:
         item_id, start = self.speech
         self.speech = None
         self.emit({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": ms, "item_id": item_id})
-        self._commit(self.buffer.commit_speech(ev, start), item_id)
+        early = None if ev.cut else self.transcriber.take(start, ev.offset)
+        self._commit(self.buffer.commit_speech(ev, start), item_id, early)
         td = self.buffer.turn_detection
         if td is not None and td.create_response and self.response_task is None:
             self._start_response({})
@@ -164,17 +166,19 @@ class RealtimeSession:
             raise RealtimeError("this server serves no Whisper model: audio input cannot be transcribed", None)
         item_id = self.speech[0] if self.speech is not None else new_id("item")
         self.speech = None
+        self.transcriber.cancel()
         self._commit(self.buffer.commit_all(), item_id)
 
-    def _commit(self, turn: Turn, item_id: str) -> None:
+    def _commit(self, turn: Turn, item_id: str, early: asyncio.Task | None = None) -> None:
         previous = self.conversation.last_id()
         self.emit({"type": "input_audio_buffer.committed", "item_id": item_id, "previous_item_id": previous})
         item = {"id": item_id, "object": "realtime.item", "type": "message", "role": "user", "status": "completed",
                 "content": [{"type": "input_audio", "transcript": None}]}  # fmt: skip
         self._add_item(item, None)
-        self._spawn_transcription(item, turn)
+        self._spawn_transcription(item, turn, early)
 
     def clear(self, event: Event) -> None:
+        self.transcriber.cancel()
         self.buffer.clear()
         self.speech = None
         self.emit({"type": "input_audio_buffer.cleared"})
@@ -238,39 +242,8 @@ class RealtimeSession:
         task.add_done_callback(self.tasks.discard)
         return task
 
-    def _spawn_transcription(self, item: Item, turn: Turn) -> None:
-        self.transcriptions[item["id"]] = self.spawn(self._transcribe(item, turn))
-
-    async def _transcribe(self, item: Item, turn: Turn) -> None:
-        whisper, cfg = self.models.whisper, self.config.transcription
-        announce = cfg is not None
-        language = cfg.get("language") if cfg else None
-        prompt = cfg.get("prompt") if cfg else None
-        part = item["content"][0]
-
-        async def on_text(delta: str, index: int) -> None:
-            if announce and delta:
-                self.emit({"type": "conversation.item.input_audio_transcription.delta", "item_id": item["id"],
-                           "content_index": 0, "delta": delta})  # fmt: skip
-
-        try:
-            with whisper.admit():
-                result = await transcribe(whisper.bundle.whisper, turn.samples, language=language or None,
-                                          prompt=prompt or None, on_text=on_text,
-                                          cache_salt=self.salt())  # fmt: skip
-        except (TranscriptionRequestError, ServiceError, RuntimeError) as err:
-            part["transcript"] = ""
-            if announce:
-                self.emit({"type": "conversation.item.input_audio_transcription.failed", "item_id": item["id"],
-                           "content_index": 0, "error": {"type": "transcription_error", "code": None,
-                           "message": str(err), "param": None}})  # fmt: skip
-            return
-        part["transcript"] = result.text.strip()
-        if announce:
-            self.emit({"type": "conversation.item.input_audio_transcription.completed", "item_id": item["id"],
-                       "content_index": 0, "transcript": part["transcript"],
-                       "usage": {"type": "duration", "seconds": round(len(turn.samples) / 16000, 3)}})  # fmt: skip
-        self.emit({"type": "conversation.item.done", "previous_item_id": None, "item": item})
+    def _spawn_transcription(self, item: Item, turn: Turn, early: asyncio.Task | None = None) -> None:
+        self.transcriptions[item["id"]] = self.spawn(self.transcriber.transcribe_item(item, turn, early))
 
     def salt(self) -> str:
         from omnivox.services.cache_salt import request_salt

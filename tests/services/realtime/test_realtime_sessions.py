@@ -279,3 +279,132 @@ def test_embedded_bundle_answers_a_spoken_question_by_default(server, question_p
                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
     assert run.returncode == 0, run.stderr[-1000:]
     assert "Paris" in run.stdout, run.stdout
+
+
+def test_bearer_key_and_quota_hold_for_the_session(server):
+    """With keys, the upgrade needs `Authorization: Bearer KEY` (401 with OpenAI's error JSON otherwise), and an
+    open session holds one of its caller's concurrent streams (a second is refused 429 with max_concurrent 1)."""
+    import websockets
+
+    from omnivox.services.auth import AuthInterceptor, Quota, digest
+
+    front = server.server.http
+    before = front.auth
+    front.auth = AuthInterceptor({digest("key-of-bob-456"): "bob"}, quota=Quota(max_concurrent=1))
+
+    async def talk():
+        statuses = []
+        for key in (None, "wrong"):
+            with pytest.raises(websockets.InvalidStatus) as info:
+                await RawSession.open(url(server), api_key=key)
+            body = json.loads(info.value.response.body)
+            statuses.append((info.value.response.status_code, body["error"]["type"]))
+        session = await RawSession.open(url(server), api_key="key-of-bob-456")
+        created = await session.until("session.created")
+        with pytest.raises(websockets.InvalidStatus) as info:
+            await RawSession.open(url(server), api_key="key-of-bob-456")
+        statuses.append((info.value.response.status_code, None))
+        await session.close()
+        return statuses, created
+
+    try:
+        statuses, created = run(talk())
+    finally:
+        front.auth = before
+    assert statuses == [(401, "authentication_error"), (401, "authentication_error"), (429, None)]
+    assert created["session"]["model"] == DEFAULT_MODEL_NAME
+
+
+def test_g711_audio_in_and_out(server, question_pcm):
+    """pcmu in (8 kHz mu-law, made from the 24 kHz question), pcma out: the answer's A-law audio transcribes back."""
+    import numpy as np
+
+    from omnivox.codecs.audio_format import AudioStreamEncoder
+    from omnivox.codecs.g711_alaw import alaw_to_int16
+
+    encoder = AudioStreamEncoder("MULAW", 8000, source_rate=24000)
+    ulaw = encoder.encode(np.frombuffer(question_pcm, "<i2").astype(np.float32) / 32768) + encoder.finish()
+
+    async def talk():
+        session = await RawSession.open(url(server))
+        await session.until("session.created")
+        await session.send({"type": "session.update", "session": {"type": "realtime", "temperature": 0,
+                            "instructions": BRIEF, "audio": {"input": {"format": {"type": "audio/pcmu"},
+                            "turn_detection": None}, "output": {"format": {"type": "audio/pcma"}}}}})  # fmt: skip
+        updated = await session.until("session.updated")
+        for i in range(0, len(ulaw), 1600):
+            await session.send({"type": "input_audio_buffer.append",
+                                "audio": base64.b64encode(ulaw[i : i + 1600]).decode()})  # fmt: skip
+        await session.send({"type": "input_audio_buffer.commit"})
+        await session.send({"type": "response.create"})
+        seen: list = []
+        await session.until("response.done", timeout=240, seen=seen)
+        await session.close()
+        return updated, seen
+
+    updated, seen = run(talk())
+    assert updated["session"]["audio"]["output"]["format"] == {"type": "audio/pcma"}
+    assert "input_audio_buffer.speech_started" not in [e["type"] for e in seen]  # turn detection off
+    transcript = next(e["transcript"] for e in seen if e["type"].endswith("transcription.completed"))
+    assert word_error_rate(QUESTION, transcript) < 0.3, transcript
+    alaw = b"".join(base64.b64decode(e["delta"]) for e in seen if e["type"] == "response.output_audio.delta")
+    pcm = alaw_to_int16(np.frombuffer(alaw, np.uint8)).tobytes()
+    heard = grpc_transcribe(server.channel(), wav_stream_header(8000) + pcm)
+    answer = next(e["transcript"] for e in seen if e["type"] == "response.output_audio_transcript.done")
+    assert word_error_rate(answer, heard) < 0.4, (answer, heard)
+
+
+def test_function_call_round_trip(server):
+    """A forced tool call comes as a function_call item with its arguments streamed; its output as a
+    function_call_output item lets the next response answer in text."""
+    weather = {
+        "type": "function",
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
+
+    async def talk():
+        session = await RawSession.open(url(server))
+        await session.until("session.created")
+        await session.send({"type": "session.update", "session": {**TEXT_ONLY, "tools": [weather]}})
+        await session.send(
+            {
+                "type": "conversation.item.create",
+                "item": {
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "What is the weather in Paris?"}],
+                },
+            }
+        )
+        await session.send({"type": "response.create", "response": {"tool_choice": {"type": "function",
+                            "name": "get_weather"}}})  # fmt: skip
+        seen: list = []
+        first = await session.until("response.done", seen=seen)
+        call = first["response"]["output"][0]
+        await session.send(
+            {
+                "type": "conversation.item.create",
+                "item": {
+                    "type": "function_call_output",
+                    "call_id": call["call_id"],
+                    "output": '{"sky": "sunny", "celsius": 21}',
+                },
+            }
+        )
+        await session.send({"type": "response.create", "response": {"max_output_tokens": 24}})
+        second = await session.until("response.done")
+        await session.close()
+        return seen, first, second
+
+    seen, first, second = run(talk())
+    call = first["response"]["output"][0]
+    assert call["type"] == "function_call" and call["name"] == "get_weather"
+    assert "city" in json.loads(call["arguments"])
+    streamed = "".join(e["delta"] for e in seen if e["type"] == "response.function_call_arguments.delta")
+    done = next(e for e in seen if e["type"] == "response.function_call_arguments.done")
+    assert done["arguments"] == call["arguments"] and streamed
+    assert second["response"]["output"][0]["type"] == "message"
+    assert second["response"]["status"] in ("completed", "incomplete")
+    nothing_left(server, DEFAULT_MODEL_NAME)
