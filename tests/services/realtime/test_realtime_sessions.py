@@ -408,3 +408,75 @@ def test_function_call_round_trip(server):
     assert second["response"]["output"][0]["type"] == "message"
     assert second["response"]["status"] in ("completed", "incomplete")
     nothing_left(server, DEFAULT_MODEL_NAME)
+
+
+def test_buffer_limit_and_session_length(server):
+    """Without turn detection the buffer holds at most max_buffer_s (more: input_audio_buffer_full, the append
+    refused); an empty commit is refused; a session past max_session_s ends with session_expired."""
+    from omnivox.services.realtime.session import RealtimeLimits
+
+    route = server.server.http.realtime
+    before = route.limits
+    route.limits = RealtimeLimits(max_buffer_s=0.5, max_session_s=1.5)
+
+    async def talk():
+        session = await RawSession.open(url(server))
+        await session.until("session.created")
+        await session.send({"type": "session.update", "session": {"type": "realtime",
+                            "audio": {"input": {"turn_detection": None}}}})  # fmt: skip
+        await session.until("session.updated")
+        second = base64.b64encode(bytes(48000)).decode()  # 1 s of pcm16 at 24 kHz
+        await session.send({"type": "input_audio_buffer.append", "event_id": "big", "audio": second})
+        full = (await session.until("error"))["error"]
+        await session.send({"type": "input_audio_buffer.commit", "event_id": "empty"})
+        empty = (await session.until("error"))["error"]
+        expired = (await session.until("error", timeout=10))["error"]
+        await asyncio.wait_for(session.reader, 10)
+        return full, empty, expired
+
+    try:
+        full, empty, expired = run(talk())
+    finally:
+        route.limits = before
+    assert (full["code"], full["event_id"]) == ("input_audio_buffer_full", "big")
+    assert (empty["code"], empty["event_id"]) == ("input_audio_buffer_commit_empty", "empty")
+    assert expired["code"] == "session_expired"
+
+
+def test_sdk_spoken_turn(server, question_pcm):
+    """The openai SDK's client holds a spoken turn: appends at 20 ms, server VAD, the transcript, a spoken answer."""
+
+    async def talk():
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.server.http_port}/v1", api_key="-")
+        async with client.realtime.connect(model=DEFAULT_MODEL_NAME) as conn:
+            await conn.session.update(
+                session={
+                    "type": "realtime",
+                    "instructions": BRIEF,
+                    "temperature": 0,
+                    "audio": {
+                        "input": {
+                            "format": {"type": "audio/pcm", "rate": 24000},
+                            "transcription": {"model": "whisper-1"},
+                        }
+                    },
+                }
+            )
+            audio = question_pcm + bytes(2 * 48000)  # then 2 s of silence: the detector ends the turn
+            for i in range(0, len(audio), 960):
+                await conn.input_audio_buffer.append(audio=base64.b64encode(audio[i : i + 960]).decode())
+            transcript, answer, chunks = "", "", 0
+            async for event in conn:
+                if event.type == "conversation.item.input_audio_transcription.completed":
+                    transcript = event.transcript
+                elif event.type == "response.output_audio.delta":
+                    chunks += 1
+                elif event.type == "response.output_audio_transcript.done":
+                    answer = event.transcript
+                elif event.type == "response.done":
+                    return transcript, answer, chunks, event
+
+    transcript, answer, chunks, done = run(talk())
+    assert word_error_rate(QUESTION, transcript) < 0.3, transcript
+    assert done.response.status == "completed" and answer and chunks > 0
+    assert done.response.output[0].content[0].transcript == answer
