@@ -23,6 +23,7 @@ from omnivox.codecs.decode_worker import END
 from omnivox.services import errors
 from omnivox.services.audio_frames import AudioFrameAssembler
 from omnivox.services.clause_reader import read_clauses
+from omnivox.services.csm_voice import prompt_segments
 from omnivox.services.registry import ServedModel
 from omnivox.services.speech_request import SpeechLimits, segment_params
 from omnivox.services.speech_validation import SpeechPlan, invalid
@@ -151,7 +152,13 @@ class ClauseSynthesis:
         params = segment_params(self.plan, self.model, part, self.limits, clause, prompt, index)
         assembler = AudioFrameAssembler(part.layout, f"clause {index}")
         frames: list[list[int]] = []
-        gen = engine.stream(prompt, params, request_id=f"{self.request_id}-{index}", cache_salt=self.salt)
+        gen = engine.stream(
+            prompt,
+            params,
+            request_id=f"{self.request_id}-{index}",
+            segments=prompt_segments(prompt),
+            cache_salt=self.salt,
+        )
         async with contextlib.aclosing(gen):
             async for out in gen:
                 new = assembler.feed(out.new_token_ids, out.new_frames)
