@@ -317,9 +317,8 @@ class RealtimeSession:
 
 
 def _decoded(fmt: str, data: bytes, max_s: float) -> Turn:
-    from omnivox.services.realtime.turns import InputBuffer as _Buffer
-
-    buffer = _Buffer(fmt, None, max_s)
+    """A conversation.item.create's input_audio, decoded to 16 kHz as appended audio is (no turn detection)."""
+    buffer = InputBuffer(fmt, None, max_s)
     buffer.append(data)
     return Turn(buffer.samples, 0, buffer.ms(buffer.received))
 

@@ -480,3 +480,42 @@ def test_sdk_spoken_turn(server, question_pcm):
     assert word_error_rate(QUESTION, transcript) < 0.3, transcript
     assert done.response.status == "completed" and answer and chunks > 0
     assert done.response.output[0].content[0].transcript == answer
+
+
+def test_out_of_band_response_with_its_own_input(server):
+    """response.create with conversation "none" and `input`: answered from those items, nothing added to the
+    conversation; a second response.create while one runs is refused."""
+
+    async def talk():
+        session = await RawSession.open(url(server))
+        await session.until("session.created")
+        ask = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": QUESTION}]}
+        await session.send(
+            {
+                "type": "response.create",
+                "response": {
+                    "conversation": "none",
+                    "input": [ask],
+                    "output_modalities": ["text"],
+                    "temperature": 0,
+                    "max_output_tokens": 12,
+                },
+            }
+        )
+        await session.send({"type": "response.create", "event_id": "again"})
+        seen: list = []
+        done = await session.until("response.done", seen=seen)
+        item_id = done["response"]["output"][0]["id"]
+        await session.send({"type": "conversation.item.retrieve", "event_id": "find", "item_id": item_id})
+        missing = (await session.until("error"))["error"]
+        await session.close()
+        return seen, done, missing
+
+    seen, done, missing = run(talk())
+    refused = next(e["error"] for e in seen if e["type"] == "error")
+    assert (refused["code"], refused["event_id"]) == ("conversation_already_has_active_response", "again")
+    assert (
+        done["response"]["conversation_id"] is None and "Paris" in done["response"]["output"][0]["content"][0]["text"]
+    )
+    assert "conversation.item.added" not in [e["type"] for e in seen]
+    assert (missing["code"], missing["event_id"]) == ("item_not_found", "find")
