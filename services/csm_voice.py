@@ -79,6 +79,28 @@ def context_prompt(
     return CsmPrompt(ids, segments)
 
 
+def csm_clause_prompt(
+    layout: CsmLayout,
+    tokenizer: Any,
+    voice: Any,
+    prev_text: str | None,
+    prev_frames: Sequence[Sequence[int]],
+    clause: str,
+    speaker: str,
+) -> CsmPrompt:
+    """A StreamingSynthesizeSpeech clause as CSM's own multi-turn generation speaks a conversation: the created
+    voice's reference turn first (`voice`, services/voices.py CreatedVoice, or None: the same turn every clause, so
+    its KV blocks stay in the prefix cache), then the clause before with the tail of its audio (`prev_text` None:
+    the first clause), then the clause. Speaker `speaker` ("" the default) in every turn."""
+    speaker = speaker or layout.default_voice
+    turns: list[ContextTurn] = [(speaker, voice.transcript, voice.frames)] if voice is not None else []
+    if prev_text is not None and prev_frames:
+        turns.append((speaker, prev_text, prev_frames))
+    if not turns:
+        return CsmPrompt(_turn_ids(tokenizer, speaker, clause), [])
+    return context_prompt(layout, tokenizer, turns, clause, speaker)
+
+
 class CsmVoiceEncoder:
     """A CSM folder's Mimi encoder (its `codec_model.` tensors), loaded once: samples at the codec's rate -> frames
     of the model's `num_codebooks` codes. Thread-safe (the encoder's own lock)."""

@@ -154,8 +154,12 @@ def all_released(server) -> None:
 
 
 def test_streamed_clauses_in_a_created_voice(server):
+    """StreamingSynthesizeSpeech in a created voice: the first clause speaks as SynthesizeSpeech does in that voice
+    (the reference turn before it), and every later clause keeps the reference turn (then the clause before, with
+    its audio), which the prefix cache serves."""
     stub = speech_pb2_grpc.SpeechServiceStub(server.channel())
     create(stub, "streamer", wav(reference_audio(seed=1)))
+    clauses = ("Hello there. ", "A second clause, ", "and the end.")
 
     def requests():
         config = speech_pb2.StreamingSpeechConfig(
@@ -165,14 +169,22 @@ def test_streamed_clauses_in_a_created_voice(server):
             sampling=GREEDY,
         )
         yield speech_pb2.StreamingSynthesizeSpeechRequest(config=config)
-        for chunk in ("Hello there. ", "A second clause, ", "and the end."):
+        for chunk in clauses:
             yield speech_pb2.StreamingSynthesizeSpeechRequest(text=chunk)
         yield speech_pb2.StreamingSynthesizeSpeechRequest(end=True)
 
     responses = list(stub.StreamingSynthesizeSpeech(requests(), timeout=120))
-    audio = b"".join(r.audio.data for r in responses if r.WhichOneof("response") == "audio")
+    data = b"".join(r.audio.data for r in responses if r.WhichOneof("response") == "audio")
+    streamed = np.frombuffer(data, dtype="<i2").astype(np.float32) / 32767.0
     summary = responses[-1].summary
-    assert len(audio) // 2 >= 2 * FRAMES * 24 and summary.audio_seconds > 0
+    assert len(streamed) == len(clauses) * FRAMES * 24
+    alone, _ = synthesize(stub, "streamer", "Hello there.")
+    np.testing.assert_allclose(streamed[: FRAMES * 24], alone, atol=2e-4, rtol=0)
+
+    tokenizer = server.registry.lookup("csm").bundle.speech.text_tokenizer
+    reference_turn = 2 + len(tokenizer(f"[0]{TRANSCRIPT}", add_special_tokens=False)["input_ids"]) + 30 + 1
+    block = server.engine("csm").block_size
+    assert summary.cached_prompt_tokens >= 2 * (reference_turn // block) * block > 0, summary
     all_released(server)
 
 
