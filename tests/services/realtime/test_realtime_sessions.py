@@ -198,6 +198,18 @@ def test_barge_in_cancels_the_response_and_truncate_trims_what_was_heard(server,
     assert answer["response"]["status"] == "completed"  # the interruption was heard and answered
     assert stopped_audio >= 3
     engine_idle(server)
+    metrics = metric_values(server)
+    assert metrics['omnivox_realtime_barge_in_seconds_count{model="smollm2-135m-instruct"}'] >= 1
+    assert metrics['omnivox_realtime_turn_first_audio_seconds_count{model="smollm2-135m-instruct"}'] >= 1
+    assert metrics['omnivox_realtime_responses_total{model="smollm2-135m-instruct",status="cancelled"}'] >= 1
+
+
+def metric_values(server) -> dict[str, float]:
+    """The server's Prometheus exposition (what /metrics serves), as {series: value}."""
+    from prometheus_client import generate_latest
+
+    text = generate_latest(server.server.metrics.registry).decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line[:1] != "#"}
 
 
 def test_socket_killed_mid_response_leaks_nothing(server):
@@ -217,6 +229,7 @@ def test_socket_killed_mid_response_leaks_nothing(server):
     while route.sessions and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not route.sessions
+    assert metric_values(server)['omnivox_realtime_sessions_active{model="smollm2-135m-instruct"}'] == 0
 
 
 def test_limits_events_per_second_and_idle_timeout(server):
