@@ -120,6 +120,8 @@ class Turn:
     first_audio_s: float | None = None
     status: str = ""
     audio_deltas: int = 0
+    # Seconds from the end of the question's speech to each step the server reported (where the time goes)
+    steps_s: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -144,19 +146,34 @@ async def spoken_turn(session: RawSession, question: str, pcm16: bytes) -> Turn:
     turn.audio_deltas = len(audio)
     if audio:
         turn.first_audio_s = audio[0]["received_at"] - speech_end
+    for kind in (
+        "input_audio_buffer.speech_stopped",
+        "conversation.item.input_audio_transcription.completed",
+        "response.created",
+        "response.output_audio_transcript.delta",
+        "response.output_audio.delta",
+    ):
+        first = next((e for e in seen if e["type"] == kind), None)
+        if first is not None:
+            turn.steps_s[kind] = round(first["received_at"] - speech_end, 3)
     turn.transcript = next((e["transcript"] for e in seen if e["type"].endswith("transcription.completed")), "")
     turn.answer = next((e["transcript"] for e in seen if e["type"] == "response.output_audio_transcript.done"), "")
     turn.status = done["response"]["status"]
     return turn
 
 
-async def barge_in(session: RawSession, question: str, pcm16: bytes, interruption: bytes) -> BargeIn:
-    """Ask, and while the answer's audio arrives, start speaking again."""
+STORY = "Tell me a long story about a dragon who learns to bake bread, with many details."
+
+
+async def barge_in(session: RawSession, interruption: bytes) -> BargeIn:
+    """Ask for a long answer and, once its audio arrives, start speaking: the answer is still being generated (a
+    short one is generated faster than it plays, and is done before the user can cut in)."""
     result = BargeIn()
-    asking = asyncio.create_task(session.stream(pcm16, silence_ms=1000))
+    await session.send({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+                        "content": [{"type": "input_text", "text": STORY}]}})  # fmt: skip
+    await session.send({"type": "response.create"})
     seen: list[dict[str, Any]] = []
     await session.until("response.output_audio.delta", timeout=180, seen=seen)
-    await asking
     interrupted_at = time.monotonic()
     talking = asyncio.create_task(session.stream(interruption, silence_ms=1500))
     done = await session.until("response.done", timeout=60, seen=seen)
@@ -180,7 +197,7 @@ async def run_session(url: str, spoken: list[tuple[str, bytes]], with_barge_in: 
         for question, pcm in spoken:
             result.turns.append(await spoken_turn(session, question, pcm))
         if with_barge_in:
-            result.barge_in = await barge_in(session, spoken[0][0], spoken[0][1], spoken[-1][1])
+            result.barge_in = await barge_in(session, spoken[-1][1])
     finally:
         await session.close()
     return result
@@ -213,8 +230,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--barge-in", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--out")
     args = p.parse_args(argv)
+    import datetime
+    import os
+    import subprocess
+
+    started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M")
+    load = [round(x, 1) for x in os.getloadavg()]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
     runs = asyncio.run(_runs(args.sessions, args.turns, args.barge_in))
-    result = {"benchmark": "realtime_sessions", "note": "CPU, the machine shared with other jobs", "runs": runs}
+    result = {"benchmark": "realtime_sessions", "note": "CPU, the machine shared with other jobs", "started": started,
+              "commit": commit.stdout.strip(), "load_average_at_start": load, "runs": runs}  # fmt: skip
     print(json.dumps(runs, indent=2))
     if args.out:
         write_results(args.out, result)

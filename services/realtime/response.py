@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from omnivox.models.voice.voice_model import VoiceSettings
-from omnivox.services.clauses import ClauseCutter
+from omnivox.services.clauses import DEFAULT_MAX_CLAUSE_CHARS, ClauseCutter
 from omnivox.services.errors import ServiceError
 from omnivox.services.generate_call import generate_responses
 from omnivox.services.openai_request import chat_request
@@ -35,6 +35,10 @@ from omnivox.services.realtime.protocol import Event, new_id, usage
 from omnivox.services.voice_part import VoicePart
 from omnivox.v1 import generation_pb2
 
+# The first clause is cut at a word boundary past this many characters when no punctuation came sooner: the first
+# audio waits for the first clause, and SmolLM2's first sentences often run 60-120 characters without a comma
+# ("The African elephant is a massive and majestic creature that ..."), 1-2 s of decoding on a busy CPU.
+FIRST_CLAUSE_CHARS = 40
 AUDIO_DELTA_MS = 200  # audio is sent in deltas of at most this much: a client can stop playback at a fine grain
 _FINISH = {generation_pb2.FINISH_REASON_LENGTH: ("incomplete", "max_output_tokens")}
 
@@ -59,6 +63,7 @@ class ResponseRun:
     text: list[str] = field(default_factory=list)
     first_audio_at: float | None = None  # time.monotonic() of the first audio delta queued
     last_audio_at: float | None = None
+    cancel_requested_at: float | None = None  # time.monotonic() of response.cancel or the barge-in
     usage: dict[str, Any] = field(default_factory=usage)
     _clauses: asyncio.Queue = field(default_factory=asyncio.Queue)
     _speaker: asyncio.Task | None = None
@@ -127,7 +132,7 @@ class ResponseRun:
     async def _generate(self) -> None:
         request = chat_request(self._body())
         request.request_id = uuid.uuid4().hex
-        cutter = ClauseCutter()
+        cutter = ClauseCutter(FIRST_CLAUSE_CHARS)
         calls: dict[int, Item] = {}
         responses = generate_responses(request, self.registry, self.metrics)
         async with contextlib.aclosing(responses):
@@ -157,6 +162,7 @@ class ResponseRun:
             return
         self._part_event("response.output_audio_transcript.delta", delta=text)
         for clause in cutter.feed(text):
+            cutter.max_chars = DEFAULT_MAX_CLAUSE_CHARS  # after the first clause, the usual cuts
             self._speak(clause)
 
     def _add(self, item: Item) -> None:

@@ -14,20 +14,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from omnivox.codecs.vad import SpeechEvent, SpeechEventKind
-from omnivox.models.audio.transcription import TranscriptionRequestError
-from omnivox.services.errors import ServiceError
 from omnivox.services.realtime.audio_io import decode_base64
 from omnivox.services.realtime.config import OPENAI_VOICES, SessionConfig
 from omnivox.services.realtime.conversation import Conversation, Item, check_item, dumps
 from omnivox.services.realtime.protocol import Event, RealtimeError, an_object, error_event, new_id, typed
 from omnivox.services.realtime.response import ResponseRun
+from omnivox.services.realtime.transcripts import TurnTranscriber
 from omnivox.services.realtime.turns import InputBuffer, Turn
-from omnivox.services.whisper import transcribe
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,9 @@ class Models:
 
 
 class RealtimeSession:
-    def __init__(self, models: Models, registry: Any, metrics: Any, limits: RealtimeLimits) -> None:
-        self.models, self.registry, self.metrics, self.limits = models, registry, metrics, limits
+    def __init__(self, models: Models, registry: Any, metrics: Any, limits: RealtimeLimits, stats: Any) -> None:
+        """`metrics`: the server's (Generate's metrics); `stats`: services/realtime/metrics.py's."""
+        self.models, self.registry, self.metrics, self.limits, self.stats = models, registry, metrics, limits, stats
         self.id = new_id("sess")
         self.config = SessionConfig(model=models.text.name)
         self.conversation = Conversation()
@@ -62,6 +64,7 @@ class RealtimeSession:
         self.speech: tuple[str, int] | None = None  # (item id, start sample) of the open utterance
         self.started = self.last_event = time.monotonic()
         self.tokens, self.refilled = limits.max_events_per_s, self.started
+        self.transcriber = TurnTranscriber(self)
         self.finished_responses: list[ResponseRun] = []  # for the benchmark's and tests' accounting (last 16)
 
     # --- out ---------------------------------------------------------------------------------------------------
@@ -108,6 +111,10 @@ class RealtimeSession:
             handler(self, event)
         except RealtimeError as err:
             self.emit(error_event(err, event_id))
+        except Exception as exc:  # noqa: BLE001 - a bug in one event's handling: reported, the session goes on
+            log.exception("realtime event failed")
+            err = RealtimeError(f"{type(exc).__name__}: {exc}", None, code="server_error", kind="server_error")
+            self.emit(error_event(err, event_id))
 
     def session_update(self, event: Event) -> None:
         session = an_object(event.get("session"), "session")
@@ -118,6 +125,7 @@ class RealtimeSession:
         if "audio" in session and "turn_detection" in (session["audio"].get("input") or {}):
             self.buffer.configure(new.turn_detection)
             self.speech = None
+            self.transcriber.cancel()
         self.emit({"type": "session.updated", "session": new.wire(self.id)})
 
     def _check_config(self, cfg: SessionConfig) -> None:
@@ -137,6 +145,7 @@ class RealtimeSession:
             raise RealtimeError("this server serves no Whisper model: audio input cannot be transcribed", "audio")
         for ev in self.buffer.append(data):
             self._speech_event(ev)
+        self.transcriber.watch(self.buffer, self.speech)
         self.buffer.trim()
 
     def _speech_event(self, ev: SpeechEvent) -> None:
@@ -154,27 +163,30 @@ class RealtimeSession:
         item_id, start = self.speech
         self.speech = None
         self.emit({"type": "input_audio_buffer.speech_stopped", "audio_end_ms": ms, "item_id": item_id})
-        self._commit(self.buffer.commit_speech(ev, start), item_id)
+        early = None if ev.cut else self.transcriber.take(start, ev.offset)
+        self._commit(self.buffer.commit_speech(ev, start), item_id, early)
         td = self.buffer.turn_detection
         if td is not None and td.create_response and self.response_task is None:
-            self._start_response({})
+            self._start_response({}, turn_end=time.monotonic())
 
     def commit(self, event: Event) -> None:
         if self.models.whisper is None:
             raise RealtimeError("this server serves no Whisper model: audio input cannot be transcribed", None)
         item_id = self.speech[0] if self.speech is not None else new_id("item")
         self.speech = None
+        self.transcriber.cancel()
         self._commit(self.buffer.commit_all(), item_id)
 
-    def _commit(self, turn: Turn, item_id: str) -> None:
+    def _commit(self, turn: Turn, item_id: str, early: asyncio.Task | None = None) -> None:
         previous = self.conversation.last_id()
         self.emit({"type": "input_audio_buffer.committed", "item_id": item_id, "previous_item_id": previous})
         item = {"id": item_id, "object": "realtime.item", "type": "message", "role": "user", "status": "completed",
                 "content": [{"type": "input_audio", "transcript": None}]}  # fmt: skip
         self._add_item(item, None)
-        self._spawn_transcription(item, turn)
+        self._spawn_transcription(item, turn, early)
 
     def clear(self, event: Event) -> None:
+        self.transcriber.cancel()
         self.buffer.clear()
         self.speech = None
         self.emit({"type": "input_audio_buffer.cleared"})
@@ -238,46 +250,15 @@ class RealtimeSession:
         task.add_done_callback(self.tasks.discard)
         return task
 
-    def _spawn_transcription(self, item: Item, turn: Turn) -> None:
-        self.transcriptions[item["id"]] = self.spawn(self._transcribe(item, turn))
-
-    async def _transcribe(self, item: Item, turn: Turn) -> None:
-        whisper, cfg = self.models.whisper, self.config.transcription
-        announce = cfg is not None
-        language = cfg.get("language") if cfg else None
-        prompt = cfg.get("prompt") if cfg else None
-        part = item["content"][0]
-
-        async def on_text(delta: str, index: int) -> None:
-            if announce and delta:
-                self.emit({"type": "conversation.item.input_audio_transcription.delta", "item_id": item["id"],
-                           "content_index": 0, "delta": delta})  # fmt: skip
-
-        try:
-            with whisper.admit():
-                result = await transcribe(whisper.bundle.whisper, turn.samples, language=language or None,
-                                          prompt=prompt or None, on_text=on_text,
-                                          cache_salt=self.salt())  # fmt: skip
-        except (TranscriptionRequestError, ServiceError, RuntimeError) as err:
-            part["transcript"] = ""
-            if announce:
-                self.emit({"type": "conversation.item.input_audio_transcription.failed", "item_id": item["id"],
-                           "content_index": 0, "error": {"type": "transcription_error", "code": None,
-                           "message": str(err), "param": None}})  # fmt: skip
-            return
-        part["transcript"] = result.text.strip()
-        if announce:
-            self.emit({"type": "conversation.item.input_audio_transcription.completed", "item_id": item["id"],
-                       "content_index": 0, "transcript": part["transcript"],
-                       "usage": {"type": "duration", "seconds": round(len(turn.samples) / 16000, 3)}})  # fmt: skip
-        self.emit({"type": "conversation.item.done", "previous_item_id": None, "item": item})
+    def _spawn_transcription(self, item: Item, turn: Turn, early: asyncio.Task | None = None) -> None:
+        self.transcriptions[item["id"]] = self.spawn(self.transcriber.transcribe_item(item, turn, early))
 
     def salt(self) -> str:
         from omnivox.services.cache_salt import request_salt
 
         return request_salt(self.config.cache_salt, "session.cache_salt")
 
-    def _start_response(self, overrides: dict[str, Any]) -> None:
+    def _start_response(self, overrides: dict[str, Any], turn_end: float | None = None) -> None:
         cfg = self.config.updated({}) if not overrides else self._response_config(overrides)
         out_of_band = overrides.get("conversation") == "none"
         context = overrides.get("input")
@@ -285,7 +266,7 @@ class RealtimeSession:
                           self.models.voice.bundle.voice if self.models.voice else None,
                           None if out_of_band else self._add_response_item, self.conversation.spoken)  # fmt: skip
         self.response = run
-        self.response_task = self.spawn(self._respond(run, context))
+        self.response_task = self.spawn(self._respond(run, context, turn_end))
 
     def _response_config(self, overrides: dict[str, Any]) -> SessionConfig:
         cfg = self.config.updated({})
@@ -303,7 +284,7 @@ class RealtimeSession:
     def _add_response_item(self, item: Item) -> str | None:
         return self.conversation.add(item)
 
-    async def _respond(self, run: ResponseRun, context: list | None) -> None:
+    async def _respond(self, run: ResponseRun, context: list | None, turn_end: float | None) -> None:
         try:
             pending = [t for t in self.transcriptions.values() if not t.done()]
             await asyncio.gather(*pending, return_exceptions=True)  # the turns before this response, transcribed
@@ -323,12 +304,18 @@ class RealtimeSession:
             if self.response is run:
                 self.response, self.response_task = None, None
             self.finished_responses = [*self.finished_responses[-15:], run]
+            model = self.models.text.name
+            self.stats.responses.labels(model, run.status).inc()
+            if turn_end is not None and run.first_audio_at is not None:
+                self.stats.turn_first_audio.labels(model).observe(run.first_audio_at - turn_end)
+            if run.cancel_requested_at is not None and run.reason == "turn_detected":
+                self.stats.barge_in.labels(model).observe(time.monotonic() - run.cancel_requested_at)
 
     def cancel_response(self, reason: str) -> None:
         run, task = self.response, self.response_task
         if run is None or task is None:
             return
-        run.reason = reason
+        run.reason, run.cancel_requested_at = reason, time.monotonic()
         self.cancelled.add(run.id)
         task.cancel()
         self.response, self.response_task = None, None
@@ -344,9 +331,8 @@ class RealtimeSession:
 
 
 def _decoded(fmt: str, data: bytes, max_s: float) -> Turn:
-    from omnivox.services.realtime.turns import InputBuffer as _Buffer
-
-    buffer = _Buffer(fmt, None, max_s)
+    """A conversation.item.create's input_audio, decoded to 16 kHz as appended audio is (no turn detection)."""
+    buffer = InputBuffer(fmt, None, max_s)
     buffer.append(data)
     return Turn(buffer.samples, 0, buffer.ms(buffer.received))
 

@@ -106,6 +106,16 @@ class InputBuffer:
         self.samples, self.start = self.samples[max(b - self.start, 0) :], max(b, self.start)
         return Turn(clip, self.ms(a), self.ms(max(a, b)))
 
+    def _padded(self, speech_start: int, end: int) -> tuple[int, int]:
+        assert self.turn_detection is not None
+        return speech_start - self.turn_detection.prefix_padding_ms * WHISPER_RATE // 1000, end
+
+    def peek_speech(self, speech_start: int, voiced_end: int) -> Turn:
+        """The span commit_speech would take for an END at `voiced_end` (nothing dropped)."""
+        a, b = self._padded(speech_start, voiced_end + END_PAD_MS * WHISPER_RATE // 1000)
+        a, b = max(a, self.start), min(b, self.received)
+        return Turn(self.samples[a - self.start : max(a, b) - self.start].copy(), self.ms(a), self.ms(max(a, b)))
+
     def commit_speech(self, ev: SpeechEvent, speech_start: int) -> Turn:
         assert self.turn_detection is not None
         pad = self.turn_detection.prefix_padding_ms * WHISPER_RATE // 1000

@@ -8,7 +8,8 @@ worker). The worker tree is a real `omnivox serve` in a session of its own; the 
   shutdown the worker tree exits 0 and leaves no process.
 - Killing the worker tree while idle stops the leader's engine (ModelGroupBroken) within a few seconds (heartbeats:
   no collective runs while idle); `omnivox serve` leader and worker as two trees: greedy tokens over gRPC equal one
-  process's, and killing the worker tree mid-stream ends the call UNAVAILABLE and the leader exits non-zero.
+  process's, and killing the worker tree mid-stream ends the call UNAVAILABLE and the leader exits non-zero; killing
+  the leader tree ends the worker node with exit status 1 within seconds.
 """
 
 from __future__ import annotations
@@ -195,6 +196,30 @@ def test_serve_leader_and_worker_and_a_lost_worker(checkpoints, tmp_path) -> Non
         assert status != 0, leader.text()
         assert exited_after < 10, (exited_after, leader.text())
         assert session_ends(leader.proc.pid), leader.text()  # its own rank went with it
+    finally:
+        leader.kill_tree()
+        worker.kill_tree()
+
+
+def test_a_lost_leader_ends_the_worker_node_non_zero(checkpoints) -> None:
+    """The other direction: the leader pod lost (its tree killed) while the group idles; the worker node's control
+    receive fails and it exits 1 within seconds, so LeaderWorkerSet sees the group fail (1 rank per node here)."""
+    port = free_port()
+    flags = ("--device", "cpu", "--threads", "1", "--master-port", str(port), "--kv-cache-gib", "0.005", "--port", "0")
+    worker = NodeTree(2, 1, "--model", str(checkpoints["llama"]), *flags)
+    leader = NodeTree(2, 0, "--model", str(checkpoints["llama"]), *flags)
+    try:
+        deadline = time.monotonic() + 300
+        while "serving " not in leader.text():
+            assert leader.proc.poll() is None and worker.proc.poll() is None, leader.text() + worker.text()
+            assert time.monotonic() < deadline, leader.text()
+            time.sleep(0.2)
+        time.sleep(1.0)  # idle
+        killed = time.monotonic()
+        leader.kill_tree()
+        assert worker.proc.wait(30) == 1, worker.text()
+        assert time.monotonic() - killed < 10, worker.text()
+        assert session_ends(worker.proc.pid), worker.text()
     finally:
         leader.kill_tree()
         worker.kill_tree()
