@@ -6,8 +6,8 @@ one `<|AUDIO|>` per encoded frame): `<bos>[speaker]text<eos>`, `<|AUDIO|>` x T, 
 the T audio positions as each frame's summed codebook embeddings and `<|audio_eos|>` as a frame of end codes
 (`CsmForConditionalGeneration._merge_input_ids_with_input_values`). Here those T + 1 positions are one embedding
 segment of the prompt, produced on the engine thread by the backbone's own `frame_embeddings` and keyed by a hash of
-the codes: two requests in one created voice share the reference turn's KV blocks (the prefix cache), and a cached
-turn is never embedded again.
+the codes: two requests in one created voice share the reference turn's whole KV blocks (the prefix cache); a turn
+the cache covers whole is never embedded again.
 """
 
 from __future__ import annotations

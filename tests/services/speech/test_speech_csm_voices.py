@@ -138,6 +138,9 @@ def test_created_voice_speaks_as_transformers_with_the_reference_turn(server):
     _, second = synthesize(stub, "ref", "Something else entirely.")
     reference_turn = len(ref_codes[0]) + 1  # its frames and the end frame, after the transcript's tokens
     assert first.cached_prompt_tokens < reference_turn <= second.cached_prompt_tokens, (first, second)
+    again, third = synthesize(stub, "ref")  # the reference turn from the cache, not embedded again: the same audio
+    assert third.cached_prompt_tokens >= second.cached_prompt_tokens
+    np.testing.assert_allclose(again, got, atol=1e-4, rtol=0)
     all_released(server)
 
 
