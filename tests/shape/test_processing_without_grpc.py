@@ -26,7 +26,6 @@ GRPC_FACE = {
     "rpc_errors",
     "server",
     "speech",
-    "speech_stream",
     "streaming_transcription",
     "tls",
     "tracing",
