@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from omnivox.engine.request import EmbeddingSegment
+from omnivox.services import errors
 
 if TYPE_CHECKING:
     from omnivox.services.csm_part import CsmLayout
@@ -119,3 +120,13 @@ class CsmVoiceEncoder:
         """samples (T,) float32 -> frames (ceil(T / frame_samples) x num_codebooks)."""
         codes = self.encoder.encode(torch.from_numpy(np.ascontiguousarray(samples))[None], self.num_codebooks)
         return codes[0].T.tolist()
+
+
+def load_voice_encoder(model_name: str, folder: Path, num_codebooks: int) -> CsmVoiceEncoder:
+    """The folder's encoder; FAILED_PRECONDITION naming the model when its Mimi has none (a decoder-only export)."""
+    try:
+        return CsmVoiceEncoder(folder, num_codebooks)
+    except (ValueError, KeyError) as err:
+        raise errors.failed_precondition(
+            f"model {model_name!r} cannot create voices: its Mimi codec has no encoder ({err})"
+        ) from err
