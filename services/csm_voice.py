@@ -6,8 +6,8 @@ one `<|AUDIO|>` per encoded frame): `<bos>[speaker]text<eos>`, `<|AUDIO|>` x T, 
 the T audio positions as each frame's summed codebook embeddings and `<|audio_eos|>` as a frame of end codes
 (`CsmForConditionalGeneration._merge_input_ids_with_input_values`). Here those T + 1 positions are one embedding
 segment of the prompt, produced on the engine thread by the backbone's own `frame_embeddings` and keyed by a hash of
-the codes: two requests in one created voice share the reference turn's KV blocks (the prefix cache), and a cached
-turn is never embedded again.
+the codes: two requests in one created voice share the reference turn's whole KV blocks (the prefix cache); a turn
+the cache covers whole is never embedded again.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from omnivox.engine.request import EmbeddingSegment
+from omnivox.services import errors
 
 if TYPE_CHECKING:
     from omnivox.services.csm_part import CsmLayout
@@ -119,3 +120,13 @@ class CsmVoiceEncoder:
         """samples (T,) float32 -> frames (ceil(T / frame_samples) x num_codebooks)."""
         codes = self.encoder.encode(torch.from_numpy(np.ascontiguousarray(samples))[None], self.num_codebooks)
         return codes[0].T.tolist()
+
+
+def load_voice_encoder(model_name: str, folder: Path, num_codebooks: int) -> CsmVoiceEncoder:
+    """The folder's encoder; FAILED_PRECONDITION naming the model when its Mimi has none (a decoder-only export)."""
+    try:
+        return CsmVoiceEncoder(folder, num_codebooks)
+    except (ValueError, KeyError) as err:
+        raise errors.failed_precondition(
+            f"model {model_name!r} cannot create voices: its Mimi codec has no encoder ({err})"
+        ) from err

@@ -23,7 +23,7 @@ import grpc
 
 from omnivox.models.orpheus import SpeechLayout
 from omnivox.services import errors, speech_request, voice_speech
-from omnivox.services.csm_voice import CsmVoiceEncoder
+from omnivox.services.csm_voice import load_voice_encoder
 from omnivox.services.metrics import Metrics
 from omnivox.services.registry import ModelRegistry
 from omnivox.services.rpc_errors import rpc_method
@@ -86,8 +86,9 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
         else:  # CSM: the reference encoded by the folder's Mimi, a context turn of every prompt in this voice
             source, n = model.bundle.source, layout.num_codebooks
             voice = await self.voices.create(
-                model.name, layout, source, request, lambda: CsmVoiceEncoder(source, n), model.context_length // 2
-            )
+                model.name, layout, source, request, lambda: load_voice_encoder(model.name, source, n),
+                model.context_length // 2,
+            )  # fmt: skip
         return speech_pb2.CreateVoiceResponse(voice=voice.to_proto(model.name, layout.language_code))
 
     @rpc_method

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
+from safetensors.torch import load_file, save_file
 from support.csm_checkpoints import TINY_CSM_SHAPES, save_tiny_csm
 from support.service_harness import ServerThread, nothing_left
 from transformers import CsmForConditionalGeneration, CsmProcessor
@@ -138,6 +139,9 @@ def test_created_voice_speaks_as_transformers_with_the_reference_turn(server):
     _, second = synthesize(stub, "ref", "Something else entirely.")
     reference_turn = len(ref_codes[0]) + 1  # its frames and the end frame, after the transcript's tokens
     assert first.cached_prompt_tokens < reference_turn <= second.cached_prompt_tokens, (first, second)
+    again, third = synthesize(stub, "ref")  # the reference turn from the cache, not embedded again: the same audio
+    assert third.cached_prompt_tokens >= second.cached_prompt_tokens
+    np.testing.assert_allclose(again, got, atol=1e-4, rtol=0)
     all_released(server)
 
 
@@ -228,3 +232,22 @@ def test_bad_references_and_unknown_voices(server):
     assert "sixteen" not in names
     synthesize(stub, "0")  # still serving
     all_released(server)
+
+
+def test_a_codec_without_an_encoder_cannot_create_voices(tmp_path):
+    """A CSM folder whose Mimi has only its decoder (an export for speaking only) speaks, and CreateVoice is
+    FAILED_PRECONDITION naming the model (it was an INTERNAL error), with nothing left behind."""
+    path = save_tiny_csm(tmp_path / "csm", "csm-a", seed=3)
+    tensors = load_file(str(path / "model.safetensors"))
+    kept = {k: v for k, v in tensors.items() if not k.startswith("codec_model.encoder.")}
+    save_file(kept, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with ServerThread([ModelSpec(path=path, name="csm")], EngineOptions(kv_cache_gib=0.02), data_dir=tmp_path) as srv:
+        servicer = next(b.servicer for b in srv.server.services if isinstance(b.servicer, SpeechServicer))
+        servicer.limits.audio_seconds_base = FRAMES * 24 / 24000
+        servicer.voices.limits = VoiceLimits(min_reference_seconds=0.01)
+        stub = speech_pb2_grpc.SpeechServiceStub(srv.channel())
+        with pytest.raises(grpc.RpcError) as err:
+            create(stub, "ref", wav(reference_audio()))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "'csm'" in err.value.details()
+        synthesize(stub, "0")  # still serving
+        all_released(srv)
