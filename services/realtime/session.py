@@ -53,6 +53,8 @@ class RealtimeSession:
         self.models, self.registry, self.metrics, self.limits, self.stats = models, registry, metrics, limits, stats
         self.id = new_id("sess")
         self.config = SessionConfig(model=models.text.name)
+        if models.voice is None:  # nothing to speak with: text answers (session.update cannot ask for audio)
+            self.config.output_modalities = ["text"]
         self.conversation = Conversation()
         self.buffer = InputBuffer(self.config.input_format, self.config.turn_detection, limits.max_buffer_s)
         self.out: asyncio.Queue[tuple[Event, str | None] | None] = asyncio.Queue()

@@ -27,7 +27,6 @@ GRPC_FACE = {
     "rpc_errors",
     "server",
     "speech",
-    "speech_stream",
     "tls",
     "tracing",
     "transcription",

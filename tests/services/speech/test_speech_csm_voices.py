@@ -192,6 +192,69 @@ def test_streamed_clauses_in_a_created_voice(server):
     all_released(server)
 
 
+def transformers_frames(model, prompt: list[int], context: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """Greedy generate from `prompt` whose audio positions take frames' summed codebook embeddings, as
+    `_merge_input_ids_with_input_values` puts them (context: (start, codes (T x N)) of each audio run, end frame
+    included) -> frames (FRAMES x N), random weights' special codes as served (0)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        embeds = model.embed_text_tokens(ids)
+        for start, codes in context:
+            embeds[0, start : start + len(codes)] = model.backbone_model.embed_tokens(codes[None])[0]
+        out = model.generate(
+            input_ids=ids, inputs_embeds=embeds, do_sample=False, depth_decoder_do_sample=False, max_new_tokens=FRAMES
+        )[0]
+    # Given embeddings, transformers 5.24's CSM generate returns the new frames, then len(prompt) rows more (with
+    # input_ids only, the new frames alone: they are equal, checked on csm-a).
+    assert out.shape[0] == FRAMES + len(prompt)
+    out = out[:FRAMES]
+    return out.masked_fill(out >= model.config.codec_config.codebook_size, 0)
+
+
+def test_a_streamed_clause_speaks_after_the_clause_before_as_transformers_does(server):
+    """Speaker 1, two clauses: the second clause's prompt is the first clause's turn with its frames (+ the end
+    frame) as an audio turn, then its own; transformers' generate given that conversation's embeddings gives the
+    same frames, and the one codec stream's audio is Mimi's decode of both clauses' frames in a row."""
+    stub = speech_pb2_grpc.SpeechServiceStub(server.channel())
+
+    def requests():
+        config = speech_pb2.StreamingSpeechConfig(
+            model="csm",
+            voice=speech_pb2.VoiceSelection(name="1"),
+            audio_config=speech_pb2.AudioConfig(encoding=ENC.AUDIO_ENCODING_LINEAR16),
+            sampling=GREEDY,
+        )
+        yield speech_pb2.StreamingSynthesizeSpeechRequest(config=config)
+        yield speech_pb2.StreamingSynthesizeSpeechRequest(text="Hello there. A second clause.")
+        yield speech_pb2.StreamingSynthesizeSpeechRequest(end=True)
+
+    responses = list(stub.StreamingSynthesizeSpeech(requests(), timeout=120))
+    data = b"".join(r.audio.data for r in responses if r.WhichOneof("response") == "audio")
+    streamed = np.frombuffer(data, dtype="<i2").astype(np.float32) / 32767.0
+
+    model = CsmForConditionalGeneration.from_pretrained(server.path).eval()
+    tokenizer = server.registry.lookup("csm").bundle.speech.text_tokenizer
+    cfg = model.config
+
+    def turn(text: str) -> list[int]:
+        ids = tokenizer(f"[1]{text}", add_special_tokens=False)["input_ids"]
+        return [tokenizer.bos_token_id, *ids, tokenizer.eos_token_id]
+
+    first = transformers_frames(model, turn("Hello there."), [])
+    audio_turn = torch.cat([first, torch.full((1, cfg.num_codebooks), cfg.codebook_eos_token_id)])  # + the end frame
+    head = turn("Hello there.")
+    prompt = head + [cfg.audio_token_id] * FRAMES + [cfg.audio_eos_token_id] + turn("A second clause.")
+    second = transformers_frames(model, prompt, [(len(head), audio_turn)])
+    with torch.no_grad():
+        expected = model.codec_model.decode(torch.cat([first, second]).T[None]).audio_values[0, 0].numpy()
+    assert len(streamed) == len(expected) == 2 * FRAMES * 24
+    inside = np.abs(expected) < 0.999
+    np.testing.assert_allclose(streamed[inside], expected[inside], atol=1e-4, rtol=0)
+    alone = transformers_frames(model, turn("A second clause."), [])
+    assert not torch.equal(alone, second)  # the context changed what the clause says
+    all_released(server)
+
+
 def fields_of(err: grpc.RpcError) -> list[str]:
     return [v.field for d in status_details(err) if d.DESCRIPTOR.name == "BadRequest" for v in d.field_violations]
 
