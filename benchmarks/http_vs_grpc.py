@@ -5,8 +5,9 @@ each concurrency, and HTTP's ratio to gRPC (target: within 10 %).
     python -m omnivox.benchmarks.http_vs_grpc --out benchmarks/results/http-vs-grpc-cpu.json
 
 Workload: one user turn ("What is the capital of France?"), greedy, `ignore_eos`, `--output-tokens` tokens; closed loop
-of `concurrency` clients. The fronts alternate level by level (gRPC c=1, HTTP c=1, gRPC c=16, HTTP c=16), `--rounds`
-times, so a load change on a shared machine falls on both. HTTP is streamed (SSE, `stream_options.include_usage`) over
+of `concurrency` clients on persistent connections (one grpc.aio channel; httpx keep-alive). At concurrency 1 the
+fronts take turns request by request; above, level by level, the first front alternating by round; `--rounds` times,
+so a load change on a shared machine falls on both. HTTP is streamed (SSE, `stream_options.include_usage`) over
 httpx with keep-alive connections; its TTFT is the first content chunk, its tokens the usage's completion tokens.
 """
 
@@ -19,13 +20,14 @@ import os
 import re
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from omnivox.benchmarks.host import write_results
 from omnivox.benchmarks.metrics import RequestTrace, summarize
 from omnivox.benchmarks.systems.base import run_closed_loop_async
-from omnivox.benchmarks.systems.omnivox_grpc import OmnivoxGrpc, ServerProcess
+from omnivox.benchmarks.systems.omnivox_grpc import ServerProcess
 from omnivox.benchmarks.workload import BenchRequest
 
 QUESTION = "What is the capital of France?"
@@ -40,39 +42,96 @@ def http_port_of(log_path: Path, timeout_s: float = 60.0) -> int:
     raise RuntimeError(f"the server reported no HTTP port (see {log_path})")
 
 
-async def http_run(base_url: str, requests: list[BenchRequest], concurrency: int) -> list[RequestTrace]:
+def http_client(http: Any) -> Callable[[BenchRequest], Awaitable[RequestTrace]]:
+    """One streamed chat over `http` (an httpx.AsyncClient with keep-alive): a trace per request."""
+
+    async def one(req: BenchRequest) -> RequestTrace:
+        body = {"messages": [{"role": "user", "content": req.prompt_text}], "temperature": 0.0,
+                "max_tokens": req.max_tokens, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        trace = RequestTrace(index=req.index, send_time=time.perf_counter())
+        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                trace.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return trace
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk, now = json.loads(line[6:]), time.perf_counter()
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                    trace.prompt_tokens = usage["prompt_tokens"]
+                    trace.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
+                    missing = usage["completion_tokens"] - trace.num_tokens  # chunks that held several tokens
+                    if missing > 0:
+                        trace.add_tokens(missing, trace.token_times[-1] if trace.token_times else now)
+                elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                    trace.add_tokens(1, now)
+        if trace.num_tokens != req.max_tokens:
+            trace.error = f"asked for {req.max_tokens} tokens (ignore_eos), got {trace.num_tokens}"
+        return trace
+
+    return one
+
+
+def grpc_client(stub: Any) -> Callable[[BenchRequest], Awaitable[RequestTrace]]:
+    """One Generate over `stub` (one grpc.aio channel): a trace per request, tokens counted from the deltas' ids."""
+    from omnivox.v1 import content_pb2, generation_pb2, sampling_pb2
+
+    async def one(req: BenchRequest) -> RequestTrace:
+        message = generation_pb2.GenerateRequest(
+            contents=[content_pb2.Content(role="user", parts=[content_pb2.Part(text=req.prompt_text)])],
+            sampling=sampling_pb2.SamplingConfig(temperature=0.0), max_output_tokens=req.max_tokens, ignore_eos=True,
+        )  # fmt: skip
+        trace = RequestTrace(index=req.index, send_time=time.perf_counter())
+        async for response in stub.Generate(message):
+            now, kind = time.perf_counter(), response.WhichOneof("response")
+            if kind == "delta" and response.delta.token_ids:
+                trace.add_tokens(len(response.delta.token_ids), now)
+            elif kind == "summary":
+                trace.prompt_tokens = response.summary.usage.prompt_tokens
+                trace.cached_tokens = response.summary.usage.cached_prompt_tokens
+        return trace
+
+    return one
+
+
+async def measure(address: str, base_url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every level of every round, both fronts on persistent connections. At concurrency 1 the fronts take turns
+    request by request (a load change on the shared machine falls on both); above, level by level, the first front
+    alternating by round."""
+    import grpc
     import httpx
 
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=base_url, timeout=300, limits=limits) as http:
+    from omnivox.v1 import generation_pb2_grpc
 
-        async def one(req: BenchRequest) -> RequestTrace:
-            body = {"messages": [{"role": "user", "content": req.prompt_text}], "temperature": 0.0,
-                    "max_tokens": req.max_tokens, "ignore_eos": True, "stream": True,
-                    "stream_options": {"include_usage": True}}  # fmt: skip
-            trace = RequestTrace(index=req.index, send_time=time.perf_counter())
-            async with http.stream("POST", "/v1/chat/completions", json=body) as response:
-                if response.status_code != 200:
-                    trace.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-                    return trace
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk, now = json.loads(line[6:]), time.perf_counter()
-                    if chunk.get("usage"):
-                        usage = chunk["usage"]
-                        trace.prompt_tokens = usage["prompt_tokens"]
-                        trace.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
-                        missing = usage["completion_tokens"] - trace.num_tokens  # chunks that held several tokens
-                        if missing > 0:
-                            trace.add_tokens(missing, trace.token_times[-1] if trace.token_times else now)
-                    elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                        trace.add_tokens(1, now)
-            if trace.num_tokens != req.max_tokens:
-                trace.error = f"asked for {req.max_tokens} tokens (ignore_eos), got {trace.num_tokens}"
-            return trace
-
-        return await run_closed_loop_async(requests, concurrency, one, lambda n: None)
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    most = max(concurrencies)
+    limits = httpx.Limits(max_connections=most, max_keepalive_connections=most)
+    levels: list[dict[str, Any]] = []
+    async with (
+        grpc.aio.insecure_channel(address) as channel,
+        httpx.AsyncClient(base_url=base_url, timeout=300, limits=limits) as http,
+    ):
+        clients = {"grpc": grpc_client(generation_pb2_grpc.GenerationServiceStub(channel)), "http": http_client(http)}
+        for one in clients.values():  # warm up: a connection, the prompt in the prefix cache
+            await one(BenchRequest(index=-1, prompt_text=QUESTION, prompt_token_ids=[], max_tokens=4))
+        for round_ in range(args.rounds):
+            order = ["grpc", "http"] if round_ % 2 == 0 else ["http", "grpc"]
+            for c in concurrencies:
+                requests = workload(max(args.min_requests, c * args.requests_per_client), args.output_tokens)
+                traces: dict[str, list[RequestTrace]] = {"grpc": [], "http": []}
+                if c == 1:
+                    for req in requests:
+                        for front in order:
+                            traces[front].append(await clients[front](req))
+                else:
+                    for front in order:
+                        traces[front] = await run_closed_loop_async(requests, c, clients[front], lambda n: None)
+                for front in ("grpc", "http"):
+                    levels.append(level(front, c, round_, traces[front]))
+                print(json.dumps(levels[-2:]), file=sys.stderr)
+    return levels
 
 
 def workload(n: int, output_tokens: int) -> list[BenchRequest]:
@@ -105,6 +164,21 @@ def ratios(levels: list[dict[str, Any]], concurrencies: list[int]) -> list[dict[
     return out
 
 
+def server_ttfts(log_path: Path) -> dict[str, dict[str, float]]:
+    """The server's own time to first token per front (its request log lines: from the call's start, after the HTTP
+    request or the gRPC call was read), over the whole run: where the fronts' difference arises."""
+    import statistics
+
+    seen: dict[str, list[float]] = {"grpc": [], "http": []}
+    for line in log_path.read_text(errors="replace").splitlines():
+        if "omnivox.requests: " in line:
+            record = json.loads(line.split("omnivox.requests: ", 1)[1])
+            if record.get("ttft_s") is not None and record.get("output_tokens", 0) > 4:  # not the warm-ups
+                seen["grpc" if record["event"] == "rpc" else "http"].append(1e3 * record["ttft_s"])
+    return {front: {"requests": len(v), "p50_ms": statistics.median(v), "p90_ms": statistics.quantiles(v, n=10)[-1]}
+            for front, v in seen.items() if len(v) > 1}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--concurrency", default="1,16")
@@ -120,27 +194,16 @@ def main(argv: list[str] | None = None) -> int:
 
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     started, load = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), list(os.getloadavg())
-    log_path = args.out.with_suffix(".server.log")
+    log_path = Path("bench-results") / f"{args.out.stem}.server.log"
     server = ServerProcess(ensure_default_model(), ["--name", DEFAULT_MODEL_NAME, "--http-port", "0",
                                                     "--threads", str(args.threads)], log_path)  # fmt: skip
-    levels: list[dict[str, Any]] = []
     try:
-        base_url = f"http://127.0.0.1:{http_port_of(log_path)}"
-        grpc_front = OmnivoxGrpc(address=server.address)
-        grpc_front.start()  # one warm-up request
-        asyncio.run(http_run(base_url, workload(1, 4), 1))
-        for round_ in range(args.rounds):
-            for c in concurrencies:
-                requests = workload(max(args.min_requests, c * args.requests_per_client), args.output_tokens)
-                traces = grpc_front.run(requests, c, lambda n: None)
-                levels.append(level("grpc", c, round_, traces))
-                levels.append(level("http", c, round_, asyncio.run(http_run(base_url, requests, c))))
-                print(json.dumps(levels[-2:]), file=sys.stderr)
+        levels = asyncio.run(measure(server.address, f"http://127.0.0.1:{http_port_of(log_path)}", args))
     finally:
         server.close()
     result = {"benchmark": "http_vs_grpc", "started": started, "commit": git_commit(), "load_average_at_start": load,
               "model": DEFAULT_MODEL_NAME, "threads": args.threads, "output_tokens": args.output_tokens,
-              "levels": levels, "ratios": ratios(levels, concurrencies),
+              "levels": levels, "ratios": ratios(levels, concurrencies), "server_ttft": server_ttfts(log_path),
               "note": "2-core machine shared with other jobs (four other agents building and testing)"}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_results(args.out, result)

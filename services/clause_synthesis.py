@@ -2,7 +2,7 @@
 
 Three tasks share one ClauseSynthesis: `read` takes the client's text messages and cuts complete clauses
 (services/clause_reader.py, the SETTLE_S rule), `produce` speaks them one after another (each with the
-previous clause's text and last CONTEXT_FRAMES of codes as a prior turn; frames through services/audio_frames.py into
+previous clause's text and last CONTEXT_FRAMES of codes as a prior turn, after a created CSM voice's reference turn; frames through services/audio_frames.py into
 ONE codec stream, flushed when the next clause's text has not come), and the writer (`audio`) encodes the codec's
 chunks, noting each clause's first-audio latency. `close()` (always) cancels the tasks, which closes the clause's
 engine stream, and closes the codec stream and the encoder.
@@ -23,6 +23,8 @@ from omnivox.codecs.decode_worker import END
 from omnivox.services import errors
 from omnivox.services.audio_frames import AudioFrameAssembler
 from omnivox.services.clause_reader import read_clauses
+from omnivox.services.csm_part import CsmLayout
+from omnivox.services.csm_voice import csm_clause_prompt, prompt_segments
 from omnivox.services.registry import ServedModel
 from omnivox.services.speech_request import SpeechLimits, segment_params
 from omnivox.services.speech_validation import SpeechPlan, invalid
@@ -132,7 +134,11 @@ class ClauseSynthesis:
             self.generating = True
             clause, complete_at = item
             self.marks.append((pushed * part.codec.frame_samples, complete_at))
-            if prev_text is None:
+            if isinstance(layout, CsmLayout):  # CSM's multi-turn context: see csm_clause_prompt
+                tail = prev_frames[-self.context_frames :] if index else []
+                prompt = csm_clause_prompt(layout, part.text_tokenizer, ref, prev_text if index else None, tail,
+                                           clause, self.builtin_voice)  # fmt: skip
+            elif prev_text is None:
                 prompt = layout.build_prompt(part.text_tokenizer, clause, self.builtin_voice)
             else:
                 tail = prev_frames if index == 0 else prev_frames[-self.context_frames :]  # a created voice: all of it
@@ -151,7 +157,13 @@ class ClauseSynthesis:
         params = segment_params(self.plan, self.model, part, self.limits, clause, prompt, index)
         assembler = AudioFrameAssembler(part.layout, f"clause {index}")
         frames: list[list[int]] = []
-        gen = engine.stream(prompt, params, request_id=f"{self.request_id}-{index}", cache_salt=self.salt)
+        gen = engine.stream(
+            prompt,
+            params,
+            request_id=f"{self.request_id}-{index}",
+            segments=prompt_segments(prompt),
+            cache_salt=self.salt,
+        )
         async with contextlib.aclosing(gen):
             async for out in gen:
                 new = assembler.feed(out.new_token_ids, out.new_frames)

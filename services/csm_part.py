@@ -9,14 +9,19 @@ service pushes them to the codec as they come; `CsmLayout` gives the service wha
 Voices are CSM's speaker ids: "0".."9" (the model takes any integer speaker; a conversation's speakers are its
 numbers). A prompt is one CSM turn, `<bos>[speaker]text<eos>`, as the processor's chat template writes it, with the
 text tokenized as text (a special token's spelling in it stays characters: no `<|AUDIO|>` injection).
+
+Created voices (CreateVoice) and streamed clauses speak after a context turn with its audio, as transformers'
+CsmProcessor builds a conversation: `<bos>[speaker]text<eos>` then one `<|AUDIO|>` per code frame and `<|audio_eos|>`,
+whose positions take the frames' summed codebook embeddings (an embedding segment, keyed by the codes: the engine's
+prefix cache then holds a voice's reference turn after its first request). services/csm_voice.py builds them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +52,10 @@ class CsmLayout:
     temperature: float = 0.9  # sesame/csm-1b's generation config; a folder's own generation_config.json wins
     top_p: float = 1.0
     repetition_penalty: float = 1.0
+    audio_token_id: int = -1  # <|AUDIO|>: one per context frame
+    audio_eos_token_id: int = -1  # <|audio_eos|>: the end frame after a context turn's audio
+    # codes (T x N) -> (T x hidden) on the engine's device: the backbone's frame embedding (run on the engine thread)
+    embed_frames: Callable[[Sequence[Sequence[int]]], Any] | None = field(default=None, compare=False, repr=False)
 
     def build_prompt(self, tokenizer: Any, text: str, voice: str | None = None) -> list[int]:
         """One turn of `voice` (a speaker id) saying `text`."""
@@ -57,9 +66,13 @@ class CsmLayout:
     def build_reference_prompt(
         self, tokenizer: Any, reference_text: str, reference_frames: Sequence[Sequence[int]], text: str, voice: str = ""
     ) -> list[int]:
-        """A clause after an earlier one (StreamingSynthesizeSpeech): its own turn. CSM's context turns carry their
-        audio as frame embeddings; without them the earlier text alone would only change the voice."""
-        return self.build_prompt(tokenizer, text, voice)
+        """`voice` (a speaker id; "" the default) saying `text` after a turn of the same speaker saying
+        `reference_text` with `reference_frames` as its audio (a created voice's reference, or the clause before in
+        StreamingSynthesizeSpeech): token ids carrying the context's frame embeddings (services/csm_voice.py)."""
+        from omnivox.services.csm_voice import context_prompt
+
+        speaker = voice or self.default_voice
+        return context_prompt(self, tokenizer, [(speaker, reference_text, reference_frames)], text, speaker)
 
     def codec_frames(self, frames: Sequence[Sequence[int]]) -> list[list[int]]:
         """The engine's frames as the codec's: a frame of end codes only is not audio (transformers' decode stops
@@ -73,8 +86,11 @@ class CsmLayout:
         return out
 
 
-def load_csm_speech_part(folder: Path, device: str | None = None, options=None, tokenizer: Any = None):
-    """The SpeechPart of the CSM folder: layout, Mimi codec (its `codec_model.` weights) and decode worker."""
+def load_csm_speech_part(
+    folder: Path, device: str | None = None, options=None, tokenizer: Any = None, embed_frames=None
+):
+    """The SpeechPart of the CSM folder: layout, Mimi codec (its `codec_model.` weights) and decode worker.
+    `embed_frames`: the served backbone's frame embedding (CsmLayout.embed_frames), for context turns."""
     from omnivox.codecs.decode_worker import DecodeWorker
     from omnivox.codecs.mimi import MimiDecoder
     from omnivox.codecs.mimi_streaming import MimiStreamDecoder
@@ -87,6 +103,9 @@ def load_csm_speech_part(folder: Path, device: str | None = None, options=None, 
         codebook_size=codec.codebook_size,
         eos_code=int(config["codebook_eos_token_id"]),
         sample_rate=codec.sample_rate,
+        audio_token_id=int(config.get("audio_token_id", -1)),
+        audio_eos_token_id=int(config.get("audio_eos_token_id", -1)),
+        embed_frames=embed_frames,
     )
     if codec.num_codebooks < layout.num_codebooks:
         raise ValueError(f"the Mimi codec has {codec.num_codebooks} codebooks, the model emits {layout.num_codebooks}")

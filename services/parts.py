@@ -76,10 +76,12 @@ def _is_speech(path: Path) -> bool:
 
 def _load_speech(source: Path, engine: Engine, options: EngineOptions) -> Any:
     from omnivox.services.csm_part import is_csm_folder, load_csm_speech_part
+    from omnivox.services.csm_voice import frame_embedder
     from omnivox.services.speech_part import load_speech_part
 
     if is_csm_folder(source):  # frames come whole from the engine: no token layout, no constraint
-        return load_csm_speech_part(source, str(engine.device), options.speech_streaming, engine.tokenizer)
+        embed = frame_embedder(engine.model, engine.device)
+        return load_csm_speech_part(source, str(engine.device), options.speech_streaming, engine.tokenizer, embed)
     vocab, device = engine.model_config.vocab_size, str(engine.device)
     return load_speech_part(source, vocab, device=device, options=options.speech_streaming, tokenizer=engine.tokenizer)
 

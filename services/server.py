@@ -170,6 +170,7 @@ class OmnivoxServer:
         """The OpenAI-compatible front, with the gRPC chain's keys and quotas (one book for both fronts)."""
         from omnivox.services.http_front import HttpFront  # FastAPI and uvicorn are imported only when asked for
         from omnivox.services.http_speech import SpeechRoutes
+        from omnivox.services.http_transcription import TranscriptionRoutes
 
         auth = next((i for i in interceptors if isinstance(i, AuthInterceptor)), None)
         self.http = HttpFront(self.registry, self.metrics, auth, opts.max_receive_message_bytes)
@@ -178,6 +179,7 @@ class OmnivoxServer:
         )
         if speech is not None:  # the gRPC SpeechService's own processing: one set of limits and created voices
             SpeechRoutes(self.http, speech)
+        TranscriptionRoutes(self.http, self.registry, self.metrics)  # Transcribe's processing (transcribe_call.py)
         ssl: dict[str, Any] = (
             {"ssl_certfile": str(opts.tls_cert), "ssl_keyfile": str(opts.tls_key)} if opts.tls_cert else {}
         )

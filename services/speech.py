@@ -23,6 +23,7 @@ import grpc
 
 from omnivox.models.orpheus import SpeechLayout
 from omnivox.services import errors, speech_request, voice_speech
+from omnivox.services.csm_voice import load_voice_encoder
 from omnivox.services.metrics import Metrics
 from omnivox.services.registry import ModelRegistry
 from omnivox.services.rpc_errors import rpc_method
@@ -80,13 +81,14 @@ class SpeechServicer(speech_pb2_grpc.SpeechServiceServicer):
             raise voice_speech.cannot_clone(model, model.bundle.voice)
         assert model.bundle.speech is not None
         layout = model.bundle.speech.layout
-        if not isinstance(
-            layout, SpeechLayout
-        ):  # CSM: its voice prompts (Mimi-encoded reference turns) are not here yet
-            raise errors.failed_precondition(
-                f"model {model.name!r} is a CSM model: cloning a voice from reference audio is not served for it yet"
-            )
-        voice = await self.voices.create(model.name, layout, model.bundle.source / layout.codec_folder, request)
+        if isinstance(layout, SpeechLayout):
+            voice = await self.voices.create(model.name, layout, model.bundle.source / layout.codec_folder, request)
+        else:  # CSM: the reference encoded by the folder's Mimi, a context turn of every prompt in this voice
+            source, n = model.bundle.source, layout.num_codebooks
+            voice = await self.voices.create(
+                model.name, layout, source, request, lambda: load_voice_encoder(model.name, source, n),
+                model.context_length // 2,
+            )  # fmt: skip
         return speech_pb2.CreateVoiceResponse(voice=voice.to_proto(model.name, layout.language_code))
 
     @rpc_method

@@ -21,6 +21,7 @@ from omnivox.codecs.decode_worker import END, AudioStream
 from omnivox.engine import InvalidRequest, SamplingParams
 from omnivox.services import errors
 from omnivox.services.audio_frames import AudioFrameAssembler
+from omnivox.services.csm_voice import prompt_segments
 from omnivox.services.metrics import Metrics
 from omnivox.services.speech_request import SynthesisJob
 from omnivox.services.speech_validation import invalid
@@ -115,7 +116,13 @@ class SegmentedSynthesis:
         frames = AudioFrameAssembler(part.layout, f"segment {seg.index}")
         try:
             async with gate:
-                stream = engine.stream(seg.prompt, seg.params, request_id=request_id, cache_salt=self.job.salt)
+                stream = engine.stream(
+                    seg.prompt,
+                    seg.params,
+                    request_id=request_id,
+                    segments=prompt_segments(seg.prompt),
+                    cache_salt=self.job.salt,
+                )
                 async with contextlib.aclosing(stream):
                     async for out in stream:
                         seg.cached_tokens = max(seg.cached_tokens, out.num_cached_tokens)

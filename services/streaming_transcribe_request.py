@@ -10,6 +10,7 @@ from omnivox.models.audio.transcription import TranscriptionRequestError
 from omnivox.services import errors
 from omnivox.services.errors import FieldViolation
 from omnivox.services.registry import ModelRegistry, ServedModel
+from omnivox.services.whisper_fallback import temperature_violation
 from omnivox.services.whisper_part import SAMPLE_RATE, WhisperPart
 from omnivox.services.wire_checks import request_id_violation
 from omnivox.v1 import content_pb2, transcription_pb2
@@ -42,6 +43,8 @@ def validate(part: WhisperPart, cfg: transcription_pb2.StreamingTranscriptionCon
         part.prompt_tokens(cfg.prompt)
     except TranscriptionRequestError as err:
         bad.append(FieldViolation(f"config.{err.field}", err.description))
+    if (hot := temperature_violation(cfg, "config.temperature")) is not None:
+        bad.append(hot)
     lo, hi = ENDPOINT_SILENCE_MS
     if cfg.endpoint_silence_ms and not lo <= cfg.endpoint_silence_ms <= hi:
         bad.append(FieldViolation("config.endpoint_silence_ms", f"must be 0 (the default) or in [{lo}, {hi}]"))

@@ -39,6 +39,7 @@ from omnivox.services import errors
 from omnivox.services import streaming_transcribe_output as output
 from omnivox.services.errors import FieldViolation
 from omnivox.services.whisper import WhisperResult, transcribe
+from omnivox.services.whisper_fallback import temperatures_of
 from omnivox.services.whisper_part import SAMPLE_RATE, WhisperPart
 from omnivox.v1 import transcription_pb2
 
@@ -195,7 +196,7 @@ class TranscriptStream:
         try:
             return await transcribe(
                 self.part, clip, language=self.cfg.language or None, task=self.cfg.task or "transcribe",
-                prompt=self.cfg.prompt or None, cache_salt=self.salt,
+                prompt=self.cfg.prompt or None, cache_salt=self.salt, temperatures=temperatures_of(self.cfg),
             )  # fmt: skip
         except TranscriptionRequestError as err:
             raise errors.invalid_argument([FieldViolation(err.field, err.description)]) from err

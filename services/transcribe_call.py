@@ -8,9 +8,11 @@ a refusal is a ServiceError (services/errors.py) each front reports its way.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from omnivox.models.audio.transcription import TranscriptionRequestError
 from omnivox.services import errors, transcribe_output, transcribe_request
@@ -21,6 +23,7 @@ from omnivox.services.registry import ModelRegistry
 from omnivox.services.transcribe_output import Transcript
 from omnivox.services.transcribe_request import TranscribeJob
 from omnivox.services.whisper import transcribe
+from omnivox.services.whisper_fallback import temperatures_of
 from omnivox.v1 import transcription_pb2
 
 log = logging.getLogger(__name__)
@@ -66,9 +69,30 @@ async def _whisper(job: TranscribeJob, write: Write) -> Transcript:
     try:
         result = await transcribe(part, job.samples, language=request.language or None, task=job.checked.task,
                                   timestamps=request.timestamps, prompt=request.prompt or None, on_text=on_text,
-                                  cache_salt=job.checked.salt)  # fmt: skip
+                                  cache_salt=job.checked.salt, temperatures=temperatures_of(request),
+                                  word_timestamps=request.word_timestamps)  # fmt: skip
     except TranscriptionRequestError as err:
         raise errors.invalid_argument([FieldViolation(err.field, err.description)]) from err
     except RuntimeError as err:  # the engine failed a step of this request and kept serving the others
         raise errors.internal(str(err)) from err
-    return Transcript(result.text, result.language, result.segments, result.num_tokens, first[0] if first else None)
+    return Transcript(result.text, result.language, result.segments, result.num_tokens, first[0] if first else None,
+                      result.words)  # fmt: skip
+
+
+async def transcribe_responses(
+    request: transcription_pb2.TranscribeRequest, registry: ModelRegistry, metrics: Metrics
+) -> AsyncIterator[transcription_pb2.TranscribeResponse]:
+    """`transcribe_call` as an async iterator (the HTTP front's): its deltas, then its summary; its refusal raised.
+    Closing the iterator early cancels the call (its engine requests abort)."""
+    queue: asyncio.Queue[transcription_pb2.TranscribeResponse | None] = asyncio.Queue()
+    task = asyncio.ensure_future(transcribe_call(request, registry, metrics, queue.put))
+    task.add_done_callback(lambda _: queue.put_nowait(None))
+    try:
+        while (response := await queue.get()) is not None:
+            yield response
+        await task  # its error, if it failed
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

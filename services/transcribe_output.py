@@ -5,12 +5,13 @@ fields."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from omnivox.services.call_record import current_call
 from omnivox.services.metrics import Metrics
 from omnivox.services.summaries import seconds_to_duration
 from omnivox.services.transcribe_request import TranscribeJob
+from omnivox.services.whisper_words import TimedWord
 from omnivox.v1 import transcription_pb2
 
 Response = transcription_pb2.TranscribeResponse
@@ -25,6 +26,7 @@ class Transcript:
     segments: list[tuple[float, float, str]]  # (start s, end s, text) from the start of the audio
     output_tokens: int
     first_token_time: float | None  # time.monotonic() at the first token or text (None: none came)
+    words: list[list[TimedWord]] = field(default_factory=list)  # per segment, when asked for (Whisper)
 
 
 def delta(text: str, segment_index: int) -> Response:
@@ -52,10 +54,22 @@ def summary(job: TranscribeJob, transcript: Transcript, metrics: Metrics) -> Res
         metrics.transcription_rtf.labels(name).observe(out.real_time_factor)
     current_call().set(request_id=checked.request_id, model=name, audio_seconds=round(seconds, 3),
                        output_tokens=transcript.output_tokens, rtf=round(out.real_time_factor, 4))  # fmt: skip
-    for start, end, text in transcript.segments:
+    for i, (start, end, text) in enumerate(transcript.segments):
+        words = transcript.words[i] if i < len(transcript.words) else []
         out.segments.append(
             transcription_pb2.TranscriptSegment(
-                text=text, start_offset=seconds_to_duration(start), end_offset=seconds_to_duration(end)
-            )
+                text=text,
+                start_offset=seconds_to_duration(start),
+                end_offset=seconds_to_duration(end),
+                words=[
+                    transcription_pb2.TranscriptWord(
+                        word=w.word,
+                        start_offset=seconds_to_duration(w.start),
+                        end_offset=seconds_to_duration(w.end),
+                        probability=w.probability,
+                    )
+                    for w in words
+                ],
+            )  # fmt: skip
         )
     return Response(summary=out)

@@ -26,6 +26,7 @@ from omnivox.services.audio_prompt import AudioInputPart
 from omnivox.services.cache_salt import request_salt
 from omnivox.services.errors import FieldViolation
 from omnivox.services.registry import AUDIO, ModelRegistry, ServedModel
+from omnivox.services.whisper_fallback import temperature_violation
 from omnivox.services.whisper_part import WhisperPart
 from omnivox.services.wire_checks import request_id_violation
 from omnivox.v1 import transcription_pb2
@@ -85,11 +86,14 @@ def audio_model(registry: ModelRegistry, name: str) -> ServedModel:
 
 
 def _whisper_violations(request: transcription_pb2.TranscribeRequest, part: WhisperPart) -> list[FieldViolation]:
+    bad = []
     try:
         part.check(request.language or None, request.task or "transcribe", request.timestamps)
     except TranscriptionRequestError as err:
-        return [FieldViolation(err.field, err.description)]
-    return []
+        bad.append(FieldViolation(err.field, err.description))
+    if (hot := temperature_violation(request)) is not None:
+        bad.append(hot)
+    return bad
 
 
 def _audio_llm_violations(request: transcription_pb2.TranscribeRequest, audio: AudioInputPart) -> list[FieldViolation]:
@@ -104,6 +108,12 @@ def _audio_llm_violations(request: transcription_pb2.TranscribeRequest, audio: A
         bad.append(FieldViolation("prompt", f"must not contain the audio marker {marker!r}"))
     if request.task not in ("", "transcribe"):
         bad.append(FieldViolation("task", f"{request.task!r}: this model only transcribes (Whisper models translate)"))
+    if request.word_timestamps:
+        bad.append(
+            FieldViolation("word_timestamps", "this model's answer has no alignment to the audio (Whisper's has)")
+        )
+    if request.HasField("temperature") and request.temperature != 0:
+        bad.append(FieldViolation("temperature", "this model transcribes greedily: unset or 0 (Whisper models sample)"))
     return bad
 
 

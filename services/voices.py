@@ -1,8 +1,9 @@
-"""Voices created from reference audio: validated, encoded with the model's SNAC encoder, stored on disk.
+"""Voices created from reference audio: validated, encoded with the model's codec encoder (SNAC for Orpheus, Mimi for
+CSM: services/csm_voice.py), stored on disk.
 
 A created voice is its transcript and the reference's code frames (plus name, description, length), one JSON file per
 voice under `<data folder>/voices/<model>/<name>.json`, written atomically (temp file + rename), so voices survive a
-restart. Synthesis in a created voice uses `SpeechLayout.build_reference_prompt`: the reference turn is the prompt's
+restart. Synthesis in a created voice uses the layout's `build_reference_prompt`: the reference turn is the prompt's
 prefix, identical for every request in that voice, so the engine's prefix cache holds it after the first request.
 
 Limits (VoiceLimits): reference 0.5-20 s (20 s = 235 frames = 1645 prompt tokens, in every segment's prompt),
@@ -19,8 +20,10 @@ import re
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from google.rpc import error_details_pb2
 
@@ -31,6 +34,9 @@ from omnivox.services.audio_prompt import encoding_name
 from omnivox.services.errors import Code, FieldViolation, ServiceError
 from omnivox.services.validation import Violations
 from omnivox.v1 import speech_pb2
+
+if TYPE_CHECKING:
+    from omnivox.services.csm_part import CsmLayout
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
@@ -138,18 +144,27 @@ class VoiceStore:
             (self._folder(model) / f"{name}.json").unlink(missing_ok=True)
             del voices[name]
 
-    def _encoder(self, codec_folder: Path):
+    def _encoder(self, codec_folder: Path, load: Callable[[], Any] | None = None):
+        """The encoder of `codec_folder`, built once: `load()` (a CSM folder's Mimi), else the SNAC folder's."""
         from omnivox.codecs.snac_encode import SnacEncoder
 
         with self._lock:
             if codec_folder not in self._encoders:
-                self._encoders[codec_folder] = SnacEncoder.from_folder(codec_folder)
+                self._encoders[codec_folder] = load() if load is not None else SnacEncoder.from_folder(codec_folder)
             return self._encoders[codec_folder]
 
     async def create(
-        self, model: str, layout: SpeechLayout, codec_folder: Path, request: speech_pb2.CreateVoiceRequest
+        self,
+        model: str,
+        layout: SpeechLayout | CsmLayout,
+        codec_folder: Path,
+        request: speech_pb2.CreateVoiceRequest,
+        load_encoder: Callable[[], Any] | None = None,
+        max_frames: int | None = None,
     ) -> CreatedVoice:
-        """Validate (INVALID_ARGUMENT listing every bad field, then ALREADY_EXISTS), encode, store."""
+        """Validate (INVALID_ARGUMENT listing every bad field, then ALREADY_EXISTS), encode, store. `load_encoder`:
+        an encoder with `frames_for(samples)` and `encode(samples)` (services/csm_voice.py); `max_frames`: the most
+        reference frames the model's context takes (checked before encoding)."""
         lim = self.limits
         v = Violations()
         name = request.name
@@ -187,13 +202,23 @@ class VoiceStore:
                 raise errors.resource_exhausted(
                     f"model {model!r} has {len(existing)} created voices, the limit; delete one first", 0.0
                 )
-        encoder = self._encoder(codec_folder)
-        frames = await asyncio.to_thread(encoder.encode_frames, audio.samples, layout.frame_levels)  # (T x 7)
+        encoder = self._encoder(codec_folder, load_encoder)
+        if load_encoder is None:  # SNAC: (T x 7)
+            frames = await asyncio.to_thread(encoder.encode_frames, audio.samples, layout.frame_levels)
+            frames = frames.tolist()
+        else:
+            if max_frames is not None and (n := encoder.frames_for(len(audio.samples))) > max_frames:
+                raise violation(
+                    "reference_audio",
+                    f"is {audio.seconds:.2f} s = {n} codec frames; this model's context takes at most {max_frames} "
+                    "for a voice's reference",
+                )
+            frames = await asyncio.to_thread(encoder.encode, audio.samples)  # (T x N)
         voice = CreatedVoice(
             name=name,
             transcript=transcript,
             description=request.description,
-            frames=tuple(tuple(int(c) for c in row) for row in frames.tolist()),
+            frames=tuple(tuple(int(c) for c in row) for row in frames),
             reference_seconds=round(audio.seconds, 3),
             created=time.time(),
         )

@@ -28,6 +28,7 @@ from omnivox.services.audio_prompt import encoding_name
 from omnivox.services.errors import FieldViolation
 from omnivox.services.prompt import MediaPromptBuilder
 from omnivox.services.whisper_rules import WhisperRules, WhisperVocab
+from omnivox.services.whisper_words import heads_of
 from omnivox.v1 import content_pb2
 
 SAMPLE_RATE = 16000
@@ -128,6 +129,7 @@ class WhisperPart:
     rules: WhisperRules  # constraints + suppression bias on the engine's device
     limits: AudioLimits = field(default_factory=lambda: AudioLimits(max_seconds=TRANSCRIBE_MAX_SECONDS))
     transcripts: TranscriptCache = field(default_factory=TranscriptCache)  # the cascade's (--asr-model)
+    alignment_heads: list[tuple[int, int]] = field(default_factory=list)  # (layer, head): word timestamps
 
     @property
     def cache(self) -> EncoderCache:
@@ -253,7 +255,9 @@ def load_whisper_part(folder: Path, engine: Any, model_key: str) -> WhisperPart:
 
     worker = EncoderWorker(encode, EncoderCache(WHISPER_CACHE_BYTES), name="whisper", device=device)
     rules = WhisperRules(vocab, device)
-    return WhisperPart(engine, engine.tokenizer, vocab, LogMelExtractor(settings), worker, model_key, rules)
+    heads = heads_of(folder, model.config.num_layers, model.config.num_heads)
+    return WhisperPart(engine, engine.tokenizer, vocab, LogMelExtractor(settings), worker, model_key, rules,
+                       alignment_heads=heads)  # fmt: skip
 
 
 def whisper_part_of(model: Any) -> WhisperPart:

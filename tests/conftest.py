@@ -1,7 +1,8 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures, and the suite's time by subject folder at the end of a run."""
 
 from __future__ import annotations
 
+import collections
 from pathlib import Path
 
 import pytest
@@ -46,3 +47,26 @@ def _force_kernel_target() -> None:
     if target not in TARGETS or target not in runnable_targets():
         raise pytest.UsageError(f"OMNIVOX_TEST_KERNEL_TARGET={target}: this host runs {runnable_targets()}")
     cpu_kernels.use_target(target)
+
+
+# Issue 26: where the suite's time goes, by subject folder, printed after every run (setup + call + teardown of each
+# test; collection and start-up are the rest of the wall time), so a slow host's run says what to trim.
+_FOLDER_SECONDS: collections.Counter[str] = collections.Counter()
+_FOLDER_TESTS: collections.Counter[str] = collections.Counter()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    parts = report.nodeid.split("::")[0].split("/")
+    folder = "/".join(parts[1:3] if len(parts) > 3 else parts[1:2])
+    _FOLDER_SECONDS[folder] += report.duration
+    if report.when == "call":
+        _FOLDER_TESTS[folder] += 1
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if not _FOLDER_SECONDS or sum(_FOLDER_TESTS.values()) < 50:
+        return
+    terminalreporter.section("time by subject folder (setup + call + teardown)")
+    for folder, seconds in _FOLDER_SECONDS.most_common():
+        terminalreporter.write_line(f"{seconds:8.1f} s  {_FOLDER_TESTS[folder]:5d} tests  tests/{folder}")
+    terminalreporter.write_line(f"{sum(_FOLDER_SECONDS.values()):8.1f} s  in tests")

@@ -31,6 +31,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--task", choices=("transcribe", "translate"), default="transcribe", help="translate: into English (Whisper)"
     )
+    p.add_argument(
+        "--temperature", type=float, default=None,
+        help="Whisper: decode at this temperature only (0: greedy; default: greedy with the fallback)",
+    )  # fmt: skip
     p.add_argument("--format", choices=FORMATS, default="text", help="output format (default: text)")
     p.add_argument("-o", "--output", default="-", help="output file, or - for stdout (default: -)")
     p.add_argument("--model", default="", help="model (default: the first served model that takes audio)")
@@ -100,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
         timestamps=args.format != "text",
         task=args.task,
         cache_salt=args.cache_salt,
+        temperature=args.temperature,
     )
     out = sys.stdout if args.output == "-" else open_output(args.output)
     summary = None

@@ -152,6 +152,7 @@ def requests(args: argparse.Namespace, encoding: str, rate: int, chunks: Iterato
         task=getattr(args, "task", "") or "",
         prompt=args.prompt,
         cache_salt=args.cache_salt,
+        temperature=getattr(args, "temperature", None),
     )
     yield transcription_pb2.StreamingTranscribeRequest(config=config)
     start, sent = time.monotonic(), 0.0

@@ -63,6 +63,7 @@ class ResponseRun:
     text: list[str] = field(default_factory=list)
     first_audio_at: float | None = None  # time.monotonic() of the first audio delta queued
     last_audio_at: float | None = None
+    cancel_requested_at: float | None = None  # time.monotonic() of response.cancel or the barge-in
     usage: dict[str, Any] = field(default_factory=usage)
     _clauses: asyncio.Queue = field(default_factory=asyncio.Queue)
     _speaker: asyncio.Task | None = None

@@ -23,6 +23,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from omnivox.services import call_record, errors
 from omnivox.services.errors import Code, ServiceError
+from omnivox.services.realtime.metrics import RealtimeMetrics
 from omnivox.services.realtime.protocol import RealtimeError, error_event
 from omnivox.services.realtime.session import Models, RealtimeLimits, RealtimeSession
 
@@ -50,6 +51,7 @@ class RealtimeRoute:
     def __init__(self, front: Any, error_response: Any, limits: RealtimeLimits | None = None) -> None:
         """`front`: the HttpFront (registry, metrics, its auth check); `error_response`: its ServiceError -> JSON."""
         self.front, self.error_response, self.limits = front, error_response, limits or RealtimeLimits()
+        self.metrics = RealtimeMetrics(front.metrics.registry)
         self.sessions: set[RealtimeSession] = set()
 
     async def __call__(self, websocket: WebSocket) -> None:
@@ -67,13 +69,15 @@ class RealtimeRoute:
                 return
             await websocket.accept()
             record.set(model=models.text.name)
-            session = RealtimeSession(models, front.registry, front.metrics, self.limits)
+            session = RealtimeSession(models, front.registry, front.metrics, self.limits, self.metrics)
             self.sessions.add(session)
+            self.metrics.sessions.labels(models.text.name).inc()
             try:
                 await self._serve(websocket, session)
             finally:
                 self.sessions.discard(session)
                 await session.close()
+                self.metrics.sessions.labels(models.text.name).dec()
         except asyncio.CancelledError:
             code = Code.CANCELLED
             raise

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,8 @@ from omnivox.services.realtime.protocol import Event, RealtimeError, an_object, 
 from omnivox.services.realtime.response import ResponseRun
 from omnivox.services.realtime.transcripts import TurnTranscriber
 from omnivox.services.realtime.turns import InputBuffer, Turn
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -45,10 +48,13 @@ class Models:
 
 
 class RealtimeSession:
-    def __init__(self, models: Models, registry: Any, metrics: Any, limits: RealtimeLimits) -> None:
-        self.models, self.registry, self.metrics, self.limits = models, registry, metrics, limits
+    def __init__(self, models: Models, registry: Any, metrics: Any, limits: RealtimeLimits, stats: Any) -> None:
+        """`metrics`: the server's (Generate's metrics); `stats`: services/realtime/metrics.py's."""
+        self.models, self.registry, self.metrics, self.limits, self.stats = models, registry, metrics, limits, stats
         self.id = new_id("sess")
         self.config = SessionConfig(model=models.text.name)
+        if models.voice is None:  # nothing to speak with: text answers (session.update cannot ask for audio)
+            self.config.output_modalities = ["text"]
         self.conversation = Conversation()
         self.buffer = InputBuffer(self.config.input_format, self.config.turn_detection, limits.max_buffer_s)
         self.out: asyncio.Queue[tuple[Event, str | None] | None] = asyncio.Queue()
@@ -107,6 +113,10 @@ class RealtimeSession:
             handler(self, event)
         except RealtimeError as err:
             self.emit(error_event(err, event_id))
+        except Exception as exc:  # noqa: BLE001 - a bug in one event's handling: reported, the session goes on
+            log.exception("realtime event failed")
+            err = RealtimeError(f"{type(exc).__name__}: {exc}", None, code="server_error", kind="server_error")
+            self.emit(error_event(err, event_id))
 
     def session_update(self, event: Event) -> None:
         session = an_object(event.get("session"), "session")
@@ -159,7 +169,7 @@ class RealtimeSession:
         self._commit(self.buffer.commit_speech(ev, start), item_id, early)
         td = self.buffer.turn_detection
         if td is not None and td.create_response and self.response_task is None:
-            self._start_response({})
+            self._start_response({}, turn_end=time.monotonic())
 
     def commit(self, event: Event) -> None:
         if self.models.whisper is None:
@@ -250,7 +260,7 @@ class RealtimeSession:
 
         return request_salt(self.config.cache_salt, "session.cache_salt")
 
-    def _start_response(self, overrides: dict[str, Any]) -> None:
+    def _start_response(self, overrides: dict[str, Any], turn_end: float | None = None) -> None:
         cfg = self.config.updated({}) if not overrides else self._response_config(overrides)
         out_of_band = overrides.get("conversation") == "none"
         context = overrides.get("input")
@@ -258,7 +268,7 @@ class RealtimeSession:
                           self.models.voice.bundle.voice if self.models.voice else None,
                           None if out_of_band else self._add_response_item, self.conversation.spoken)  # fmt: skip
         self.response = run
-        self.response_task = self.spawn(self._respond(run, context))
+        self.response_task = self.spawn(self._respond(run, context, turn_end))
 
     def _response_config(self, overrides: dict[str, Any]) -> SessionConfig:
         cfg = self.config.updated({})
@@ -276,7 +286,7 @@ class RealtimeSession:
     def _add_response_item(self, item: Item) -> str | None:
         return self.conversation.add(item)
 
-    async def _respond(self, run: ResponseRun, context: list | None) -> None:
+    async def _respond(self, run: ResponseRun, context: list | None, turn_end: float | None) -> None:
         try:
             pending = [t for t in self.transcriptions.values() if not t.done()]
             await asyncio.gather(*pending, return_exceptions=True)  # the turns before this response, transcribed
@@ -296,12 +306,18 @@ class RealtimeSession:
             if self.response is run:
                 self.response, self.response_task = None, None
             self.finished_responses = [*self.finished_responses[-15:], run]
+            model = self.models.text.name
+            self.stats.responses.labels(model, run.status).inc()
+            if turn_end is not None and run.first_audio_at is not None:
+                self.stats.turn_first_audio.labels(model).observe(run.first_audio_at - turn_end)
+            if run.cancel_requested_at is not None and run.reason == "turn_detected":
+                self.stats.barge_in.labels(model).observe(time.monotonic() - run.cancel_requested_at)
 
     def cancel_response(self, reason: str) -> None:
         run, task = self.response, self.response_task
         if run is None or task is None:
             return
-        run.reason = reason
+        run.reason, run.cancel_requested_at = reason, time.monotonic()
         self.cancelled.add(run.id)
         task.cancel()
         self.response, self.response_task = None, None
@@ -317,9 +333,8 @@ class RealtimeSession:
 
 
 def _decoded(fmt: str, data: bytes, max_s: float) -> Turn:
-    from omnivox.services.realtime.turns import InputBuffer as _Buffer
-
-    buffer = _Buffer(fmt, None, max_s)
+    """A conversation.item.create's input_audio, decoded to 16 kHz as appended audio is (no turn detection)."""
+    buffer = InputBuffer(fmt, None, max_s)
     buffer.append(data)
     return Turn(buffer.samples, 0, buffer.ms(buffer.received))
 

@@ -124,7 +124,7 @@ def test_cascade_transcripts_and_whisper_windows_are_per_caller(served) -> None:
     assert (transcripts.hits - t_hits, transcripts.misses - t_misses) == (1, 3)
     # Transcribe on the Whisper model itself, a clip new to the server: encoded for alice, again for bob, then a hit.
     other = content_pb2.AudioPart(data=encode(chirp(0.6), 16000, "WAV", "FLOAT"))
-    request = transcription_pb2.TranscribeRequest(model="whisper", audio=other, language="en")
+    request = transcription_pb2.TranscribeRequest(model="whisper", audio=other, language="en", temperature=0.0)
     encoded = []
     for metadata in (ALICE, BOB, ALICE):
         before = windows.misses
@@ -196,13 +196,13 @@ def test_a_too_long_cache_salt_is_invalid_argument_naming_it(served) -> None:
         list(served["generate"].Generate(user_request("Hi", cache_salt=salt), metadata=ALICE, timeout=30))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field_of(info.value) == ["cache_salt"]
     audio = content_pb2.AudioPart(data=encode(chirp(0.2), 16000, "WAV", "FLOAT"))
-    request = transcription_pb2.TranscribeRequest(model="whisper", audio=audio, cache_salt=salt)
+    request = transcription_pb2.TranscribeRequest(model="whisper", audio=audio, cache_salt=salt, temperature=0.0)
     with pytest.raises(grpc.RpcError) as info:
         list(served["transcribe"].Transcribe(request, metadata=ALICE, timeout=30))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field_of(info.value) == ["cache_salt"]
     for stream, config in [
         (served["transcribe"].StreamingTranscribe, transcription_pb2.StreamingTranscribeRequest(
-            config=transcription_pb2.StreamingTranscriptionConfig(sample_rate_hertz=16000, cache_salt=salt))),
+            config=transcription_pb2.StreamingTranscriptionConfig(sample_rate_hertz=16000, cache_salt=salt, temperature=0.0))),
         (served["speech"].StreamingSynthesizeSpeech, speech_pb2.StreamingSynthesizeSpeechRequest(
             config=speech_pb2.StreamingSpeechConfig(model="speech", cache_salt=salt))),
     ]:  # fmt: skip

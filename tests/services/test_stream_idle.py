@@ -41,7 +41,9 @@ def test_an_idle_transcription_stream_ends_and_frees_its_slot(server):
     release = threading.Event()
 
     def config_then_silence():
-        config = transcription_pb2.StreamingTranscriptionConfig(model="whisper", sample_rate_hertz=16000)
+        config = transcription_pb2.StreamingTranscriptionConfig(
+            model="whisper", sample_rate_hertz=16000, temperature=0.0
+        )
         yield transcription_pb2.StreamingTranscribeRequest(config=config)
         release.wait(60)
 
@@ -57,7 +59,7 @@ def test_an_idle_transcription_stream_ends_and_frees_its_slot(server):
     # The one --max-queue slot is free again: a Transcribe is admitted (it was RESOURCE_EXHAUSTED while held).
     tone = (3000 * np.sin(np.arange(8000) / 5)).astype("<i2").tobytes()
     audio = content_pb2.AudioPart(data=tone, encoding=content_pb2.AUDIO_ENCODING_LINEAR16, sample_rate_hertz=16000)
-    stub.Transcribe(transcription_pb2.TranscribeRequest(model="whisper", audio=audio), timeout=60)
+    stub.Transcribe(transcription_pb2.TranscribeRequest(model="whisper", audio=audio, temperature=0.0), timeout=60)
     free, total = server.wait_kv_free("whisper", timeout=5.0)
     assert free == total
 
@@ -106,7 +108,9 @@ def test_empty_chunks_and_repeated_finalize_do_not_hold_a_transcription_stream(s
     release = threading.Event()
 
     def config_then_nothing():
-        config = transcription_pb2.StreamingTranscriptionConfig(model="whisper", sample_rate_hertz=16000)
+        config = transcription_pb2.StreamingTranscriptionConfig(
+            model="whisper", sample_rate_hertz=16000, temperature=0.0
+        )
         yield transcription_pb2.StreamingTranscribeRequest(config=config)
         yield transcription_pb2.StreamingTranscribeRequest(audio=b"\0\0" * 1600)  # 0.1 s of audio: work
         yield from _until(release, lambda i: transcription_pb2.StreamingTranscribeRequest(

@@ -26,37 +26,39 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from omnivox.v1 import content_pb2 as omnivox_dot_v1_dot_content__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eomnivox/v1/transcription.proto\x12\nomnivox.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x18omnivox/v1/content.proto\"\xb4\x01\n\x11TranscribeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12$\n\x05\x61udio\x18\x02 \x01(\x0b\x32\x15.omnivox.v1.AudioPart\x12\x10\n\x08language\x18\x03 \x01(\t\x12\x0e\n\x06prompt\x18\x04 \x01(\t\x12\x12\n\ntimestamps\x18\x05 \x01(\x08\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x0c\n\x04task\x18\x07 \x01(\t\x12\x12\n\ncache_salt\x18\x08 \x01(\t\"\x83\x01\n\x12TranscribeResponse\x12,\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x1b.omnivox.v1.TranscriptDeltaH\x00\x12\x33\n\x07summary\x18\x02 \x01(\x0b\x32 .omnivox.v1.TranscriptionSummaryH\x00\x42\n\n\x08response\"6\n\x0fTranscriptDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x15\n\rsegment_index\x18\x02 \x01(\x05\"\x81\x01\n\x11TranscriptSegment\x12\x0c\n\x04text\x18\x01 \x01(\t\x12/\n\x0cstart_offset\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12-\n\nend_offset\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xb4\x02\n\x14TranscriptionSummary\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x10\n\x08language\x18\x02 \x01(\t\x12\x15\n\raudio_seconds\x18\x03 \x01(\x01\x12\x18\n\x10real_time_factor\x18\x04 \x01(\x01\x12/\n\x08segments\x18\x05 \x03(\x0b\x32\x1d.omnivox.v1.TranscriptSegment\x12\x15\n\routput_tokens\x18\x06 \x01(\x05\x12\x36\n\x13time_to_first_token\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12(\n\x05total\x18\x08 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\r\n\x05model\x18\n \x01(\t\"\x88\x01\n\x1aStreamingTranscribeRequest\x12:\n\x06\x63onfig\x18\x01 \x01(\x0b\x32(.omnivox.v1.StreamingTranscriptionConfigH\x00\x12\x0f\n\x05\x61udio\x18\x02 \x01(\x0cH\x00\x12\x12\n\x08\x66inalize\x18\x03 \x01(\x08H\x00\x42\t\n\x07request\"\x83\x02\n\x1cStreamingTranscriptionConfig\x12\r\n\x05model\x18\x01 \x01(\t\x12+\n\x08\x65ncoding\x18\x02 \x01(\x0e\x32\x19.omnivox.v1.AudioEncoding\x12\x19\n\x11sample_rate_hertz\x18\x03 \x01(\x05\x12\x10\n\x08language\x18\x04 \x01(\t\x12\x17\n\x0finterim_results\x18\x05 \x01(\x08\x12\x0c\n\x04task\x18\x06 \x01(\t\x12\x0e\n\x06prompt\x18\x07 \x01(\t\x12\x1b\n\x13\x65ndpoint_silence_ms\x18\x08 \x01(\x05\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\x12\n\ncache_salt\x18\n \x01(\t\"\xd4\x01\n\x1bStreamingTranscribeResponse\x12/\n\x0cspeech_event\x18\x01 \x01(\x0b\x32\x17.omnivox.v1.SpeechEventH\x00\x12:\n\x06result\x18\x02 \x01(\x0b\x32(.omnivox.v1.StreamingTranscriptionResultH\x00\x12<\n\x07summary\x18\x03 \x01(\x0b\x32).omnivox.v1.StreamingTranscriptionSummaryH\x00\x42\n\n\x08response\"|\n\x0bSpeechEvent\x12)\n\x04type\x18\x01 \x01(\x0e\x32\x1b.omnivox.v1.SpeechEventType\x12)\n\x06offset\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x17\n\x0futterance_index\x18\x03 \x01(\x05\"\xdc\x01\n\x1cStreamingTranscriptionResult\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x10\n\x08is_final\x18\x02 \x01(\x08\x12\x11\n\tstability\x18\x03 \x01(\x02\x12/\n\x0cstart_offset\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12-\n\nend_offset\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x10\n\x08language\x18\x06 \x01(\t\x12\x17\n\x0futterance_index\x18\x07 \x01(\x05\"\xce\x01\n\x1dStreamingTranscriptionSummary\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x12\n\nutterances\x18\x02 \x01(\x05\x12\x15\n\raudio_seconds\x18\x03 \x01(\x01\x12\x18\n\x10real_time_factor\x18\x04 \x01(\x01\x12\x37\n\x14time_to_first_result\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\r\n\x05model\x18\x07 \x01(\t*z\n\x0fSpeechEventType\x12!\n\x1dSPEECH_EVENT_TYPE_UNSPECIFIED\x10\x00\x12\"\n\x1eSPEECH_EVENT_TYPE_SPEECH_START\x10\x01\x12 \n\x1cSPEECH_EVENT_TYPE_SPEECH_END\x10\x02\x32\xd1\x01\n\x14TranscriptionService\x12M\n\nTranscribe\x12\x1d.omnivox.v1.TranscribeRequest\x1a\x1e.omnivox.v1.TranscribeResponse0\x01\x12j\n\x13StreamingTranscribe\x12&.omnivox.v1.StreamingTranscribeRequest\x1a\'.omnivox.v1.StreamingTranscribeResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eomnivox/v1/transcription.proto\x12\nomnivox.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x18omnivox/v1/content.proto\"\xf7\x01\n\x11TranscribeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12$\n\x05\x61udio\x18\x02 \x01(\x0b\x32\x15.omnivox.v1.AudioPart\x12\x10\n\x08language\x18\x03 \x01(\t\x12\x0e\n\x06prompt\x18\x04 \x01(\t\x12\x12\n\ntimestamps\x18\x05 \x01(\x08\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x0c\n\x04task\x18\x07 \x01(\t\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12\x18\n\x0btemperature\x18\t \x01(\x02H\x00\x88\x01\x01\x12\x17\n\x0fword_timestamps\x18\n \x01(\x08\x42\x0e\n\x0c_temperature\"\x83\x01\n\x12TranscribeResponse\x12,\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x1b.omnivox.v1.TranscriptDeltaH\x00\x12\x33\n\x07summary\x18\x02 \x01(\x0b\x32 .omnivox.v1.TranscriptionSummaryH\x00\x42\n\n\x08response\"6\n\x0fTranscriptDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x15\n\rsegment_index\x18\x02 \x01(\x05\"\xac\x01\n\x11TranscriptSegment\x12\x0c\n\x04text\x18\x01 \x01(\t\x12/\n\x0cstart_offset\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12-\n\nend_offset\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12)\n\x05words\x18\x04 \x03(\x0b\x32\x1a.omnivox.v1.TranscriptWord\"\x93\x01\n\x0eTranscriptWord\x12\x0c\n\x04word\x18\x01 \x01(\t\x12/\n\x0cstart_offset\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12-\n\nend_offset\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x13\n\x0bprobability\x18\x04 \x01(\x02\"\xb4\x02\n\x14TranscriptionSummary\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x10\n\x08language\x18\x02 \x01(\t\x12\x15\n\raudio_seconds\x18\x03 \x01(\x01\x12\x18\n\x10real_time_factor\x18\x04 \x01(\x01\x12/\n\x08segments\x18\x05 \x03(\x0b\x32\x1d.omnivox.v1.TranscriptSegment\x12\x15\n\routput_tokens\x18\x06 \x01(\x05\x12\x36\n\x13time_to_first_token\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12(\n\x05total\x18\x08 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\r\n\x05model\x18\n \x01(\t\"\x88\x01\n\x1aStreamingTranscribeRequest\x12:\n\x06\x63onfig\x18\x01 \x01(\x0b\x32(.omnivox.v1.StreamingTranscriptionConfigH\x00\x12\x0f\n\x05\x61udio\x18\x02 \x01(\x0cH\x00\x12\x12\n\x08\x66inalize\x18\x03 \x01(\x08H\x00\x42\t\n\x07request\"\xad\x02\n\x1cStreamingTranscriptionConfig\x12\r\n\x05model\x18\x01 \x01(\t\x12+\n\x08\x65ncoding\x18\x02 \x01(\x0e\x32\x19.omnivox.v1.AudioEncoding\x12\x19\n\x11sample_rate_hertz\x18\x03 \x01(\x05\x12\x10\n\x08language\x18\x04 \x01(\t\x12\x17\n\x0finterim_results\x18\x05 \x01(\x08\x12\x0c\n\x04task\x18\x06 \x01(\t\x12\x0e\n\x06prompt\x18\x07 \x01(\t\x12\x1b\n\x13\x65ndpoint_silence_ms\x18\x08 \x01(\x05\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\x12\n\ncache_salt\x18\n \x01(\t\x12\x18\n\x0btemperature\x18\x0b \x01(\x02H\x00\x88\x01\x01\x42\x0e\n\x0c_temperature\"\xd4\x01\n\x1bStreamingTranscribeResponse\x12/\n\x0cspeech_event\x18\x01 \x01(\x0b\x32\x17.omnivox.v1.SpeechEventH\x00\x12:\n\x06result\x18\x02 \x01(\x0b\x32(.omnivox.v1.StreamingTranscriptionResultH\x00\x12<\n\x07summary\x18\x03 \x01(\x0b\x32).omnivox.v1.StreamingTranscriptionSummaryH\x00\x42\n\n\x08response\"|\n\x0bSpeechEvent\x12)\n\x04type\x18\x01 \x01(\x0e\x32\x1b.omnivox.v1.SpeechEventType\x12)\n\x06offset\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x17\n\x0futterance_index\x18\x03 \x01(\x05\"\xdc\x01\n\x1cStreamingTranscriptionResult\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x10\n\x08is_final\x18\x02 \x01(\x08\x12\x11\n\tstability\x18\x03 \x01(\x02\x12/\n\x0cstart_offset\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12-\n\nend_offset\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x10\n\x08language\x18\x06 \x01(\t\x12\x17\n\x0futterance_index\x18\x07 \x01(\x05\"\xce\x01\n\x1dStreamingTranscriptionSummary\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x12\n\nutterances\x18\x02 \x01(\x05\x12\x15\n\raudio_seconds\x18\x03 \x01(\x01\x12\x18\n\x10real_time_factor\x18\x04 \x01(\x01\x12\x37\n\x14time_to_first_result\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\r\n\x05model\x18\x07 \x01(\t*z\n\x0fSpeechEventType\x12!\n\x1dSPEECH_EVENT_TYPE_UNSPECIFIED\x10\x00\x12\"\n\x1eSPEECH_EVENT_TYPE_SPEECH_START\x10\x01\x12 \n\x1cSPEECH_EVENT_TYPE_SPEECH_END\x10\x02\x32\xd1\x01\n\x14TranscriptionService\x12M\n\nTranscribe\x12\x1d.omnivox.v1.TranscribeRequest\x1a\x1e.omnivox.v1.TranscribeResponse0\x01\x12j\n\x13StreamingTranscribe\x12&.omnivox.v1.StreamingTranscribeRequest\x1a\'.omnivox.v1.StreamingTranscribeResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'omnivox.v1.transcription_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SPEECHEVENTTYPE']._serialized_start=2094
-  _globals['_SPEECHEVENTTYPE']._serialized_end=2216
+  _globals['_SPEECHEVENTTYPE']._serialized_start=2396
+  _globals['_SPEECHEVENTTYPE']._serialized_end=2518
   _globals['_TRANSCRIBEREQUEST']._serialized_start=105
-  _globals['_TRANSCRIBEREQUEST']._serialized_end=285
-  _globals['_TRANSCRIBERESPONSE']._serialized_start=288
-  _globals['_TRANSCRIBERESPONSE']._serialized_end=419
-  _globals['_TRANSCRIPTDELTA']._serialized_start=421
-  _globals['_TRANSCRIPTDELTA']._serialized_end=475
-  _globals['_TRANSCRIPTSEGMENT']._serialized_start=478
-  _globals['_TRANSCRIPTSEGMENT']._serialized_end=607
-  _globals['_TRANSCRIPTIONSUMMARY']._serialized_start=610
-  _globals['_TRANSCRIPTIONSUMMARY']._serialized_end=918
-  _globals['_STREAMINGTRANSCRIBEREQUEST']._serialized_start=921
-  _globals['_STREAMINGTRANSCRIBEREQUEST']._serialized_end=1057
-  _globals['_STREAMINGTRANSCRIPTIONCONFIG']._serialized_start=1060
-  _globals['_STREAMINGTRANSCRIPTIONCONFIG']._serialized_end=1319
-  _globals['_STREAMINGTRANSCRIBERESPONSE']._serialized_start=1322
-  _globals['_STREAMINGTRANSCRIBERESPONSE']._serialized_end=1534
-  _globals['_SPEECHEVENT']._serialized_start=1536
-  _globals['_SPEECHEVENT']._serialized_end=1660
-  _globals['_STREAMINGTRANSCRIPTIONRESULT']._serialized_start=1663
-  _globals['_STREAMINGTRANSCRIPTIONRESULT']._serialized_end=1883
-  _globals['_STREAMINGTRANSCRIPTIONSUMMARY']._serialized_start=1886
-  _globals['_STREAMINGTRANSCRIPTIONSUMMARY']._serialized_end=2092
-  _globals['_TRANSCRIPTIONSERVICE']._serialized_start=2219
-  _globals['_TRANSCRIPTIONSERVICE']._serialized_end=2428
+  _globals['_TRANSCRIBEREQUEST']._serialized_end=352
+  _globals['_TRANSCRIBERESPONSE']._serialized_start=355
+  _globals['_TRANSCRIBERESPONSE']._serialized_end=486
+  _globals['_TRANSCRIPTDELTA']._serialized_start=488
+  _globals['_TRANSCRIPTDELTA']._serialized_end=542
+  _globals['_TRANSCRIPTSEGMENT']._serialized_start=545
+  _globals['_TRANSCRIPTSEGMENT']._serialized_end=717
+  _globals['_TRANSCRIPTWORD']._serialized_start=720
+  _globals['_TRANSCRIPTWORD']._serialized_end=867
+  _globals['_TRANSCRIPTIONSUMMARY']._serialized_start=870
+  _globals['_TRANSCRIPTIONSUMMARY']._serialized_end=1178
+  _globals['_STREAMINGTRANSCRIBEREQUEST']._serialized_start=1181
+  _globals['_STREAMINGTRANSCRIBEREQUEST']._serialized_end=1317
+  _globals['_STREAMINGTRANSCRIPTIONCONFIG']._serialized_start=1320
+  _globals['_STREAMINGTRANSCRIPTIONCONFIG']._serialized_end=1621
+  _globals['_STREAMINGTRANSCRIBERESPONSE']._serialized_start=1624
+  _globals['_STREAMINGTRANSCRIBERESPONSE']._serialized_end=1836
+  _globals['_SPEECHEVENT']._serialized_start=1838
+  _globals['_SPEECHEVENT']._serialized_end=1962
+  _globals['_STREAMINGTRANSCRIPTIONRESULT']._serialized_start=1965
+  _globals['_STREAMINGTRANSCRIPTIONRESULT']._serialized_end=2185
+  _globals['_STREAMINGTRANSCRIPTIONSUMMARY']._serialized_start=2188
+  _globals['_STREAMINGTRANSCRIPTIONSUMMARY']._serialized_end=2394
+  _globals['_TRANSCRIPTIONSERVICE']._serialized_start=2521
+  _globals['_TRANSCRIPTIONSERVICE']._serialized_end=2730
 # @@protoc_insertion_point(module_scope)

@@ -21,7 +21,7 @@ SPEECH_EVENT_TYPE_SPEECH_START: SpeechEventType
 SPEECH_EVENT_TYPE_SPEECH_END: SpeechEventType
 
 class TranscribeRequest(_message.Message):
-    __slots__ = ("model", "audio", "language", "prompt", "timestamps", "request_id", "task", "cache_salt")
+    __slots__ = ("model", "audio", "language", "prompt", "timestamps", "request_id", "task", "cache_salt", "temperature", "word_timestamps")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FIELD_NUMBER: _ClassVar[int]
     LANGUAGE_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,8 @@ class TranscribeRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    WORD_TIMESTAMPS_FIELD_NUMBER: _ClassVar[int]
     model: str
     audio: _content_pb2.AudioPart
     language: str
@@ -38,7 +40,9 @@ class TranscribeRequest(_message.Message):
     request_id: str
     task: str
     cache_salt: str
-    def __init__(self, model: _Optional[str] = ..., audio: _Optional[_Union[_content_pb2.AudioPart, _Mapping]] = ..., language: _Optional[str] = ..., prompt: _Optional[str] = ..., timestamps: _Optional[bool] = ..., request_id: _Optional[str] = ..., task: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    temperature: float
+    word_timestamps: bool
+    def __init__(self, model: _Optional[str] = ..., audio: _Optional[_Union[_content_pb2.AudioPart, _Mapping]] = ..., language: _Optional[str] = ..., prompt: _Optional[str] = ..., timestamps: _Optional[bool] = ..., request_id: _Optional[str] = ..., task: _Optional[str] = ..., cache_salt: _Optional[str] = ..., temperature: _Optional[float] = ..., word_timestamps: _Optional[bool] = ...) -> None: ...
 
 class TranscribeResponse(_message.Message):
     __slots__ = ("delta", "summary")
@@ -57,14 +61,28 @@ class TranscriptDelta(_message.Message):
     def __init__(self, text: _Optional[str] = ..., segment_index: _Optional[int] = ...) -> None: ...
 
 class TranscriptSegment(_message.Message):
-    __slots__ = ("text", "start_offset", "end_offset")
+    __slots__ = ("text", "start_offset", "end_offset", "words")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     START_OFFSET_FIELD_NUMBER: _ClassVar[int]
     END_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    WORDS_FIELD_NUMBER: _ClassVar[int]
     text: str
     start_offset: _duration_pb2.Duration
     end_offset: _duration_pb2.Duration
-    def __init__(self, text: _Optional[str] = ..., start_offset: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., end_offset: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    words: _containers.RepeatedCompositeFieldContainer[TranscriptWord]
+    def __init__(self, text: _Optional[str] = ..., start_offset: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., end_offset: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., words: _Optional[_Iterable[_Union[TranscriptWord, _Mapping]]] = ...) -> None: ...
+
+class TranscriptWord(_message.Message):
+    __slots__ = ("word", "start_offset", "end_offset", "probability")
+    WORD_FIELD_NUMBER: _ClassVar[int]
+    START_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    END_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    PROBABILITY_FIELD_NUMBER: _ClassVar[int]
+    word: str
+    start_offset: _duration_pb2.Duration
+    end_offset: _duration_pb2.Duration
+    probability: float
+    def __init__(self, word: _Optional[str] = ..., start_offset: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., end_offset: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., probability: _Optional[float] = ...) -> None: ...
 
 class TranscriptionSummary(_message.Message):
     __slots__ = ("text", "language", "audio_seconds", "real_time_factor", "segments", "output_tokens", "time_to_first_token", "total", "request_id", "model")
@@ -101,7 +119,7 @@ class StreamingTranscribeRequest(_message.Message):
     def __init__(self, config: _Optional[_Union[StreamingTranscriptionConfig, _Mapping]] = ..., audio: _Optional[bytes] = ..., finalize: _Optional[bool] = ...) -> None: ...
 
 class StreamingTranscriptionConfig(_message.Message):
-    __slots__ = ("model", "encoding", "sample_rate_hertz", "language", "interim_results", "task", "prompt", "endpoint_silence_ms", "request_id", "cache_salt")
+    __slots__ = ("model", "encoding", "sample_rate_hertz", "language", "interim_results", "task", "prompt", "endpoint_silence_ms", "request_id", "cache_salt", "temperature")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_RATE_HERTZ_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +130,7 @@ class StreamingTranscriptionConfig(_message.Message):
     ENDPOINT_SILENCE_MS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     model: str
     encoding: _content_pb2.AudioEncoding
     sample_rate_hertz: int
@@ -122,7 +141,8 @@ class StreamingTranscriptionConfig(_message.Message):
     endpoint_silence_ms: int
     request_id: str
     cache_salt: str
-    def __init__(self, model: _Optional[str] = ..., encoding: _Optional[_Union[_content_pb2.AudioEncoding, str]] = ..., sample_rate_hertz: _Optional[int] = ..., language: _Optional[str] = ..., interim_results: _Optional[bool] = ..., task: _Optional[str] = ..., prompt: _Optional[str] = ..., endpoint_silence_ms: _Optional[int] = ..., request_id: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    temperature: float
+    def __init__(self, model: _Optional[str] = ..., encoding: _Optional[_Union[_content_pb2.AudioEncoding, str]] = ..., sample_rate_hertz: _Optional[int] = ..., language: _Optional[str] = ..., interim_results: _Optional[bool] = ..., task: _Optional[str] = ..., prompt: _Optional[str] = ..., endpoint_silence_ms: _Optional[int] = ..., request_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., temperature: _Optional[float] = ...) -> None: ...
 
 class StreamingTranscribeResponse(_message.Message):
     __slots__ = ("speech_event", "result", "summary")

@@ -11,49 +11,19 @@ import asyncio
 import base64
 import json
 import shutil
-import time
 
 import openai
 import pytest
-from support.service_harness import ServerThread, nothing_left
+from support.realtime_support import BRIEF, QUESTION, TEXT_ONLY, run, url
+from support.service_harness import nothing_left
 
-from omnivox.benchmarks.realtime_sessions import RawSession, synthesize_pcm16
+from omnivox.benchmarks.realtime_sessions import RawSession
 from omnivox.benchmarks.transcription import word_error_rate
 from omnivox.benchmarks.voices import transcribe as grpc_transcribe
 from omnivox.codecs.audio_format import wav_stream_header
-from omnivox.services.defaults import DEFAULT_MODEL_NAME, ensure_default_voice, ensure_default_whisper
-from omnivox.services.model_spec import EngineOptions, ModelSpec
+from omnivox.services.defaults import DEFAULT_MODEL_NAME
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="no espeak-ng")]
-QUESTION = "What is the capital of France?"
-BRIEF = "Answer in one short sentence."
-TEXT_ONLY = {"type": "realtime", "output_modalities": ["text"], "instructions": BRIEF, "temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def server(default_gguf):
-    try:
-        ensure_default_voice()
-        ensure_default_whisper(progress=False)
-    except RuntimeError as exc:
-        pytest.skip(f"the embedded voice or whisper-base cannot be fetched: {exc}")
-    specs = [ModelSpec(path=default_gguf, name=DEFAULT_MODEL_NAME), ModelSpec(path=None, voice=True),
-             ModelSpec(path=None, asr=True)]  # fmt: skip
-    with ServerThread(specs, EngineOptions(kv_cache_gib=0.1, device="cpu"), http_port=0) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def question_pcm(server) -> bytes:
-    return synthesize_pcm16(server.channel(), QUESTION)
-
-
-def url(server) -> str:
-    return f"ws://127.0.0.1:{server.server.http_port}/v1/realtime?model={DEFAULT_MODEL_NAME}"
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 300))
 
 
 def test_sdk_text_conversation_keeps_context(server):
@@ -125,145 +95,6 @@ def test_spoken_question_answered_in_text_and_audio(server, question_pcm):
     nothing_left(server, DEFAULT_MODEL_NAME)
 
 
-def test_malformed_events_get_errors_and_the_session_goes_on(server):
-    async def talk():
-        session = await RawSession.open(url(server))
-        await session.until("session.created")
-        errors = []
-        for bad in ("{not json", json.dumps({"type": "no.such.event", "event_id": "e1"}),
-                    json.dumps({"type": "session.update", "event_id": "e2", "session": {"output_modalities": ["x"]}}),
-                    json.dumps({"type": "input_audio_buffer.append", "event_id": "e3", "audio": "***"}),
-                    json.dumps({"type": "conversation.item.truncate", "event_id": "e4", "item_id": "nope",
-                                "content_index": 0, "audio_end_ms": 5})):  # fmt: skip
-            await session.ws.send(bad)
-            errors.append((await session.until("error"))["error"])
-        await session.send({"type": "session.update", "session": TEXT_ONLY})
-        await session.send({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
-                            "content": [{"type": "input_text", "text": QUESTION}]}})  # fmt: skip
-        await session.send({"type": "response.create", "response": {"max_output_tokens": 8}})
-        done = await session.until("response.done")
-        await session.close()
-        return errors, done
-
-    errors, done = run(talk())
-    assert [e["event_id"] for e in errors] == [None, "e1", "e2", "e3", "e4"]
-    assert [e["param"] for e in errors[2:]] == ["session.output_modalities", "audio", "item_id"]
-    assert done["response"]["status"] in ("completed", "incomplete")
-    nothing_left(server, DEFAULT_MODEL_NAME)
-
-
-STORY = {"type": "message", "role": "user", "content": [{"type": "input_text", "text":
-         "Tell me a long story about a dragon who learns to bake bread, with many details."}]}  # fmt: skip
-
-
-def engine_idle(server) -> None:
-    """No engine request or KV block of any model held (text model and Whisper)."""
-    for name in (DEFAULT_MODEL_NAME, "whisper-base"):
-        nothing_left(server, name)
-
-
-def test_barge_in_cancels_the_response_and_truncate_trims_what_was_heard(server, question_pcm):
-    """Speech starting while an answer plays cancels it at once (response.done cancelled / turn_detected, no KV
-    block held); conversation.item.truncate trims the assistant item's transcript to the audio played."""
-
-    async def talk():
-        session = await RawSession.open(url(server))
-        await session.until("session.created")
-        await session.send({"type": "session.update", "session": {"type": "realtime", "temperature": 0}})
-        await session.send({"type": "conversation.item.create", "item": STORY})
-        await session.send({"type": "response.create"})
-        seen: list = []
-        for _ in range(3):  # ~0.6 s of the answer played
-            await session.until("response.output_audio.delta", seen=seen)
-        item_id = next(e["item"]["id"] for e in seen if e["type"] == "response.output_item.added")
-        interrupting = asyncio.create_task(session.stream(question_pcm, realtime=False, silence_ms=1200))
-        done = await session.until("response.done", seen=seen)
-        stopped_audio = sum(e["type"] == "response.output_audio.delta" for e in seen)
-        await session.send({"type": "conversation.item.truncate", "item_id": item_id, "content_index": 0,
-                            "audio_end_ms": 300})  # fmt: skip
-        truncated = await session.until("conversation.item.truncated")
-        await session.send({"type": "conversation.item.retrieve", "item_id": item_id})
-        kept = (await session.until("conversation.item.retrieved"))["item"]
-        await interrupting
-        answer = await session.until("response.done", timeout=240)
-        await session.close()
-        return done, stopped_audio, truncated, kept, answer
-
-    done, stopped_audio, truncated, kept, answer = run(talk())
-    assert done["response"]["status"] == "cancelled", done["response"]
-    assert done["response"]["status_details"]["reason"] == "turn_detected"
-    full = done["response"]["output"][0]["content"][0]["transcript"]
-    heard = kept["content"][0]["transcript"]
-    assert truncated["audio_end_ms"] == 300 and len(heard) < len(full) and full.startswith(heard), (heard, full)
-    assert answer["response"]["status"] == "completed"  # the interruption was heard and answered
-    assert stopped_audio >= 3
-    engine_idle(server)
-
-
-def test_socket_killed_mid_response_leaks_nothing(server):
-    async def talk():
-        session = await RawSession.open(url(server))
-        await session.until("session.created")
-        await session.send({"type": "conversation.item.create", "item": STORY})
-        await session.send({"type": "response.create"})
-        await session.until("response.output_audio.delta")
-        session.ws.transport.abort()  # no close handshake: the socket just dies
-        session.reader.cancel()
-
-    run(talk())
-    engine_idle(server)
-    route = server.server.http.realtime
-    deadline = time.monotonic() + 10
-    while route.sessions and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not route.sessions
-
-
-def test_limits_events_per_second_and_idle_timeout(server):
-    from omnivox.services.realtime.session import RealtimeLimits
-
-    route = server.server.http.realtime
-    before = route.limits
-    route.limits = RealtimeLimits(max_events_per_s=5, idle_timeout_s=0.5)
-
-    async def talk():
-        session = await RawSession.open(url(server))
-        await session.until("session.created")
-        for _ in range(12):
-            await session.send({"type": "input_audio_buffer.clear"})
-        seen: list = []
-        final = await session.until("error", seen=seen)
-        while final["error"]["code"] != "idle_timeout":
-            final = await session.until("error", seen=seen)
-        await asyncio.wait_for(session.reader, 10)  # the server closed the socket after its final event
-        return seen, session.ws.close_code
-
-    try:
-        seen, close_code = run(talk())
-    finally:
-        route.limits = before
-    cleared = sum(e["type"] == "input_audio_buffer.cleared" for e in seen)
-    limited = [e for e in seen if e["type"] == "error" and e["error"]["code"] == "rate_limit_exceeded"]
-    assert 5 <= cleared < 12 and len(limited) == 12 - cleared, [e["type"] for e in seen]
-    assert close_code == 1000
-
-
-def test_drain_closes_sessions_with_a_final_event(server):
-    async def talk():
-        session = await RawSession.open(url(server))
-        await session.until("session.created")
-        server.registry.draining = True
-        try:
-            final = await session.until("error", timeout=10)
-            await asyncio.wait_for(session.reader, 10)
-        finally:
-            server.registry.draining = False
-        return final, session.ws.close_code
-
-    final, close_code = run(talk())
-    assert final["error"]["code"] == "server_shutting_down" and close_code == 1012
-
-
 def test_embedded_bundle_answers_a_spoken_question_by_default(server, question_pcm, tmp_path):
     """No --asr-model: with whisper-base served beside SmolLM2, the cascade is on (`--asr-model auto`), so
     `omnivox ask --audio q.wav` gets an answer (it was INVALID_ARGUMENT: the text model reads no audio)."""
@@ -279,40 +110,6 @@ def test_embedded_bundle_answers_a_spoken_question_by_default(server, question_p
                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
     assert run.returncode == 0, run.stderr[-1000:]
     assert "Paris" in run.stdout, run.stdout
-
-
-def test_bearer_key_and_quota_hold_for_the_session(server):
-    """With keys, the upgrade needs `Authorization: Bearer KEY` (401 with OpenAI's error JSON otherwise), and an
-    open session holds one of its caller's concurrent streams (a second is refused 429 with max_concurrent 1)."""
-    import websockets
-
-    from omnivox.services.auth import AuthInterceptor, Quota, digest
-
-    front = server.server.http
-    before = front.auth
-    front.auth = AuthInterceptor({digest("key-of-bob-456"): "bob"}, quota=Quota(max_concurrent=1))
-
-    async def talk():
-        statuses = []
-        for key in (None, "wrong"):
-            with pytest.raises(websockets.InvalidStatus) as info:
-                await RawSession.open(url(server), api_key=key)
-            body = json.loads(info.value.response.body)
-            statuses.append((info.value.response.status_code, body["error"]["type"]))
-        session = await RawSession.open(url(server), api_key="key-of-bob-456")
-        created = await session.until("session.created")
-        with pytest.raises(websockets.InvalidStatus) as info:
-            await RawSession.open(url(server), api_key="key-of-bob-456")
-        statuses.append((info.value.response.status_code, None))
-        await session.close()
-        return statuses, created
-
-    try:
-        statuses, created = run(talk())
-    finally:
-        front.auth = before
-    assert statuses == [(401, "authentication_error"), (401, "authentication_error"), (429, None)]
-    assert created["session"]["model"] == DEFAULT_MODEL_NAME
 
 
 def test_g711_audio_in_and_out(server, question_pcm):
@@ -408,3 +205,81 @@ def test_function_call_round_trip(server):
     assert second["response"]["output"][0]["type"] == "message"
     assert second["response"]["status"] in ("completed", "incomplete")
     nothing_left(server, DEFAULT_MODEL_NAME)
+
+
+def test_sdk_spoken_turn(server, question_pcm):
+    """The openai SDK's client holds a spoken turn: appends at 20 ms, server VAD, the transcript, a spoken answer."""
+
+    async def talk():
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{server.server.http_port}/v1", api_key="-")
+        async with client.realtime.connect(model=DEFAULT_MODEL_NAME) as conn:
+            await conn.session.update(
+                session={
+                    "type": "realtime",
+                    "instructions": BRIEF,
+                    "temperature": 0,
+                    "audio": {
+                        "input": {
+                            "format": {"type": "audio/pcm", "rate": 24000},
+                            "transcription": {"model": "whisper-1"},
+                        }
+                    },
+                }
+            )
+            audio = question_pcm + bytes(2 * 48000)  # then 2 s of silence: the detector ends the turn
+            for i in range(0, len(audio), 960):
+                await conn.input_audio_buffer.append(audio=base64.b64encode(audio[i : i + 960]).decode())
+            transcript, answer, chunks = "", "", 0
+            async for event in conn:
+                if event.type == "conversation.item.input_audio_transcription.completed":
+                    transcript = event.transcript
+                elif event.type == "response.output_audio.delta":
+                    chunks += 1
+                elif event.type == "response.output_audio_transcript.done":
+                    answer = event.transcript
+                elif event.type == "response.done":
+                    return transcript, answer, chunks, event
+
+    transcript, answer, chunks, done = run(talk())
+    assert word_error_rate(QUESTION, transcript) < 0.3, transcript
+    assert done.response.status == "completed" and answer and chunks > 0
+    assert done.response.output[0].content[0].transcript == answer
+
+
+def test_out_of_band_response_with_its_own_input(server):
+    """response.create with conversation "none" and `input`: answered from those items, nothing added to the
+    conversation; a second response.create while one runs is refused."""
+
+    async def talk():
+        session = await RawSession.open(url(server))
+        await session.until("session.created")
+        ask = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": QUESTION}]}
+        await session.send(
+            {
+                "type": "response.create",
+                "response": {
+                    "conversation": "none",
+                    "input": [ask],
+                    "output_modalities": ["text"],
+                    "temperature": 0,
+                    "max_output_tokens": 12,
+                },
+            }
+        )
+        await session.send({"type": "response.create", "event_id": "again"})
+        seen: list = []
+        done = await session.until("response.done", seen=seen)
+        item_id = done["response"]["output"][0]["id"]
+        await session.send({"type": "conversation.item.retrieve", "event_id": "find", "item_id": item_id})
+        missing = (await session.until("error"))["error"]
+        await session.close()
+        return seen, done, missing
+
+    seen, done, missing = run(talk())
+    refused = next(e["error"] for e in seen if e["type"] == "error")
+    assert (refused["code"], refused["event_id"]) == ("conversation_already_has_active_response", "again")
+    assert (
+        done["response"]["conversation_id"] is None and "Paris" in done["response"]["output"][0]["content"][0]["text"]
+    )
+    assert "conversation.item.added" not in [e["type"] for e in seen]
+    assert (missing["code"], missing["event_id"]) == ("item_not_found", "find")

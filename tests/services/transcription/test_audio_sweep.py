@@ -118,6 +118,7 @@ def _hf_text(served, name: str, clip: np.ndarray, **generate) -> str:
 
 
 def _transcribe(served, model: str, data: bytes, **fields) -> transcription_pb2.TranscriptionSummary:
+    fields.setdefault("temperature", 0.0)  # greedy, no fallback: transformers' generate is the reference
     request = transcription_pb2.TranscribeRequest(model=model, audio=content_pb2.AudioPart(data=data), **fields)
     responses = list(served["stub"].Transcribe(request, timeout=120))
     assert responses[-1].HasField("summary")

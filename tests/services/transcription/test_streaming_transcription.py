@@ -91,6 +91,7 @@ def linear16(samples: np.ndarray) -> bytes:
 def requests(samples: np.ndarray, chunk_s: float = 0.1, pace_s: float = 0.0, **config):
     config.setdefault("model", "whisper")
     config.setdefault("sample_rate_hertz", RATE)
+    config.setdefault("temperature", 0.0)  # greedy alone: a random model fails every fallback threshold
     yield transcription_pb2.StreamingTranscribeRequest(config=transcription_pb2.StreamingTranscriptionConfig(**config))
     data, step = linear16(samples), 2 * round(chunk_s * RATE)
     for at in range(0, len(data), step):
@@ -122,7 +123,8 @@ def transcribe_span(s, samples: np.ndarray, result, language: str = "") -> str:
         data=linear16(samples[a:b]), encoding=content_pb2.AUDIO_ENCODING_LINEAR16, sample_rate_hertz=RATE
     )
     responses = list(s["stub"].Transcribe(
-        transcription_pb2.TranscribeRequest(model="whisper", audio=audio, language=language), timeout=120
+        transcription_pb2.TranscribeRequest(model="whisper", audio=audio, language=language, temperature=0.0),
+        timeout=120,
     ))  # fmt: skip
     return responses[-1].summary.text
 
@@ -307,7 +309,7 @@ def test_cli_stream_prints_a_line_per_utterance(served, tmp_path):
     api = list(served["stub"].StreamingTranscribe(requests(samples, language="en"), timeout=120))
     want = "".join(r.result.text + "\n" for r in api if r.HasField("result") and r.result.text)
     cli = [sys.executable, "-m", "omnivox.services.cli", "transcribe", "--stream", "--model", "whisper",
-           "--language", "en", "--server", served["server"].address]  # fmt: skip
+           "--language", "en", "--temperature", "0", "--server", served["server"].address]  # fmt: skip
     file = subprocess.run([*cli, str(wav), "--pace", "0"], capture_output=True, text=True, timeout=120)
     assert file.returncode == 0, file.stderr
     assert file.stdout == want and "2 utterance(s)" in file.stderr
@@ -370,7 +372,9 @@ def whisper_served(tmp_path_factory):
 
 def _stream_file(server: ServerThread, data: bytes, rate: int) -> list:
     stub = transcription_pb2_grpc.TranscriptionServiceStub(server.channel())
-    config = transcription_pb2.StreamingTranscriptionConfig(model="whisper", sample_rate_hertz=rate, language="en")
+    config = transcription_pb2.StreamingTranscriptionConfig(
+        model="whisper", sample_rate_hertz=rate, language="en", temperature=0.0
+    )
     requests = [transcription_pb2.StreamingTranscribeRequest(config=config)]
     requests += [transcription_pb2.StreamingTranscribeRequest(audio=data[i : i + 4000]) for i in range(0, len(data), 4000)]  # fmt: skip
     return list(stub.StreamingTranscribe(iter(requests), timeout=60))

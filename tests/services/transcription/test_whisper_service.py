@@ -85,6 +85,8 @@ def audio_part(clip: np.ndarray) -> content_pb2.AudioPart:
 
 
 def run_transcribe(served, clip: np.ndarray, **fields):
+    """Greedy unless told (temperature 0: no fallback), as transformers' generate decodes by default."""
+    fields.setdefault("temperature", 0.0)
     request = transcription_pb2.TranscribeRequest(model="tiny-whisper", audio=audio_part(clip), **fields)
     responses = list(served["stub"].Transcribe(request, timeout=120))
     deltas = [r.delta for r in responses if r.HasField("delta")]
@@ -206,7 +208,7 @@ def test_bad_audio_and_english_only_model(served):
     with pytest.raises(grpc.RpcError) as info:
         list(served["stub"].Transcribe(transcription_pb2.TranscribeRequest(model="tiny-whisper"), timeout=60))
     assert set(violated_fields(info.value)) == {"audio.data"}
-    request = transcription_pb2.TranscribeRequest(model="tiny-whisper-en", audio=audio_part(tone(0.5)))
+    request = transcription_pb2.TranscribeRequest(model="tiny-whisper-en", audio=audio_part(tone(0.5)), temperature=0.0)
     summary = list(served["stub"].Transcribe(request, timeout=60))[-1].summary
     assert summary.language == "en" and summary.output_tokens > 0  # as openai-whisper reports an English-only model
 
@@ -373,7 +375,7 @@ def test_cancelling_the_transcribe_task_frees_everything(served):
 
 
 def test_no_speech_probability_equals_transformers_and_silence_is_skipped(served, monkeypatch):
-    import omnivox.services.whisper as whisper_module
+    import omnivox.services.whisper_fallback as whisper_module
 
     server, part, hf = served["server"], served["part"], served["hf"]
     clip = chirp(1.0)
