@@ -70,9 +70,12 @@ class TranscriptionRoutes:
             raise errors.invalid_argument(
                 [FieldViolation("file", f"the body is not multipart/form-data: {exc}")]
             ) from None
-        upload: Any = form.get("file")
-        audio = await upload.read() if upload is not None and not isinstance(upload, str) else None
-        return transcription_form(form, audio, translate)
+        try:
+            upload: Any = form.get("file")
+            audio = await upload.read() if upload is not None and not isinstance(upload, str) else None
+            return transcription_form(form, audio, translate)
+        finally:
+            await form.close()  # the upload's spooled temporary file
 
     async def _transcribe(self, request: Request, translate: bool = False) -> Response:
         form = await self._form(request, translate)
