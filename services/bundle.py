@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from omnivox.services import parts as part_table
 from omnivox.services.defaults import UNTRAINED_FILE, EmbeddedDefault, embedded_default
 from omnivox.services.parts import AUDIO, IMAGE, TEXT, modalities
+from omnivox.services.vision_defaults import IMAGE_DEFAULT, TRAINED_ON_FILE
 
 if TYPE_CHECKING:
     from omnivox.engine import Engine
@@ -66,6 +67,14 @@ def _read_untrained(folder: Path | None) -> tuple[str, ...]:
     return tuple(str(n) for n in names) if isinstance(names, list) else ()
 
 
+def _read_trained_on(folder: Path | None) -> str:
+    file = folder / TRAINED_ON_FILE if folder is not None else None
+    try:
+        return file.read_text().strip() if file is not None else ""
+    except OSError:
+        return ""
+
+
 @dataclass(frozen=True)
 class BundleManifest:
     """What a spec declares, read without loading: its files, its parts, its sampling defaults."""
@@ -74,6 +83,9 @@ class BundleManifest:
     embedded: EmbeddedDefault | None = None
     parts: frozenset[str] = frozenset()  # names of services/parts.py PARTS rows the checkpoint declares
     untrained_components: tuple[str, ...] = ()
+    trained_on: str = (
+        ""  # a narrow model's domain (ListModels' trained_on): the embedded image model's, or TRAINED_ON_FILE
+    )
     file_defaults: dict[str, Any] = field(default_factory=dict)  # from generation_config.json (or the shipped one)
     # Weights of parts no bundle builds (a tower or projector of a family without an encoder here), left unloaded.
     planned_parts: tuple[str, ...] = ()
@@ -103,14 +115,16 @@ def probe(spec: ModelSpec) -> BundleManifest:
         lenient_fields=frozenset(spec.lenient_fields),
     )
     if spec.path is None:
-        default = embedded_default(spec.speech, spec.asr, spec.voice)
+        default = IMAGE_DEFAULT if spec.image else embedded_default(spec.speech, spec.asr, spec.voice)
         return BundleManifest(
             source=None,
             embedded=default,
             parts=frozenset({part_table.SPEECH} if default.speech else ())
             | ({part_table.WHISPER} if default.asr else set())
-            | ({part_table.VOICE} if default.voice else set()),
+            | ({part_table.VOICE} if default.voice else set())
+            | ({part_table.VISION} if default.image else set()),
             untrained_components=default.untrained_components,
+            trained_on=default.trained_on,
             file_defaults=read_generation_config(default.generation_config()),
             **common,
         )
@@ -124,6 +138,7 @@ def probe(spec: ModelSpec) -> BundleManifest:
         parts=parts,
         planned_parts=planned,
         untrained_components=_read_untrained(folder),
+        trained_on=_read_trained_on(folder),
         file_defaults=read_generation_config(folder / "generation_config.json" if folder else None),
         **common,
     )

@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -309,8 +310,15 @@ class EmbeddedDefault:
     untrained_components: tuple[str, ...] = ()
     asr: bool = False  # speech recognition (whisper-base)
     voice: bool = False  # a non-autoregressive voice (hibari)
+    image: bool = False  # the image model (services/vision_defaults.py IMAGE_DEFAULT)
+    trained_on: str = ""  # a narrow model's domain, said in ListModels
+    # For a default defined elsewhere (the image model): what builds its files, and its shipped generation config.
+    builder: Callable[[], Path] | None = None
+    shipped_generation_config: Path | None = None
 
     def ensure(self) -> Path:
+        if self.builder is not None:
+            return self.builder()
         if self.voice:
             return ensure_default_voice()
         if self.asr:
@@ -320,6 +328,8 @@ class EmbeddedDefault:
     def generation_config(self) -> Path | None:
         """The shipped generation_config.json (the GGUF carries none); the speech and Whisper models' are in their
         folders (transcription is greedy whatever it says)."""
+        if self.builder is not None:
+            return self.shipped_generation_config
         return None if self.speech or self.asr or self.voice else DEFAULT_GENERATION_CONFIG
 
 

