@@ -102,6 +102,13 @@ def _timed(summary: transcription_pb2.TranscriptionSummary) -> list[tuple[float,
             for s in summary.segments if s.text.strip()]  # fmt: skip
 
 
+def _segment(i: int, s: transcription_pb2.TranscriptSegment) -> dict[str, Any]:
+    start, end = s.start_offset.ToNanoseconds() / 1e9, s.end_offset.ToNanoseconds() / 1e9
+    return {"id": i, "seek": round(start * 100), "start": start, "end": end, "text": s.text.strip(),
+            "temperature": s.temperature, "avg_logprob": s.avg_logprob, "compression_ratio": s.compression_ratio,
+            "no_speech_prob": s.no_speech_prob}  # fmt: skip
+
+
 def srt(summary: transcription_pb2.TranscriptionSummary) -> str:
     cues = [
         f"{i}\n{_clock(a, ',')} --> {_clock(b, ',')}\n{text}\n" for i, (a, b, text) in enumerate(_timed(summary), 1)
@@ -136,10 +143,7 @@ def json_body(summary: transcription_pb2.TranscriptionSummary, form: Transcripti
         "text": summary.text,
     }
     if form.segments:
-        body["segments"] = [
-            {"id": i, "seek": round(a * 100), "start": a, "end": b, "text": text}
-            for i, (a, b, text) in enumerate(_timed(summary))
-        ]
+        body["segments"] = [_segment(i, s) for i, s in enumerate(s for s in summary.segments if s.text.strip())]
     if form.words:
         body["words"] = [
             {"word": w.word, "start": w.start_offset.ToNanoseconds() / 1e9, "end": w.end_offset.ToNanoseconds() / 1e9}

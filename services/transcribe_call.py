@@ -76,7 +76,7 @@ async def _whisper(job: TranscribeJob, write: Write) -> Transcript:
     except RuntimeError as err:  # the engine failed a step of this request and kept serving the others
         raise errors.internal(str(err)) from err
     return Transcript(result.text, result.language, result.segments, result.num_tokens, first[0] if first else None,
-                      result.words)  # fmt: skip
+                      result.words, result.stats)  # fmt: skip
 
 
 async def transcribe_responses(

@@ -11,6 +11,7 @@ from omnivox.services.call_record import current_call
 from omnivox.services.metrics import Metrics
 from omnivox.services.summaries import seconds_to_duration
 from omnivox.services.transcribe_request import TranscribeJob
+from omnivox.services.whisper_fallback import DecodeStats
 from omnivox.services.whisper_words import TimedWord
 from omnivox.v1 import transcription_pb2
 
@@ -27,6 +28,7 @@ class Transcript:
     output_tokens: int
     first_token_time: float | None  # time.monotonic() at the first token or text (None: none came)
     words: list[list[TimedWord]] = field(default_factory=list)  # per segment, when asked for (Whisper)
+    stats: list[DecodeStats] = field(default_factory=list)  # per segment (Whisper)
 
 
 def delta(text: str, segment_index: int) -> Response:
@@ -72,4 +74,8 @@ def summary(job: TranscribeJob, transcript: Transcript, metrics: Metrics) -> Res
                 ],
             )  # fmt: skip
         )
+        if i < len(transcript.stats):  # Whisper: how the window's kept decode scored
+            stats, segment = transcript.stats[i], out.segments[-1]
+            segment.avg_logprob, segment.compression_ratio = stats.avg_logprob, stats.compression_ratio
+            segment.no_speech_prob, segment.temperature = stats.no_speech_prob, stats.temperature
     return Response(summary=out)

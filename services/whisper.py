@@ -47,6 +47,7 @@ from omnivox.models.audio.transcription import TranscriptionRequestError
 from omnivox.services.whisper_fallback import (
     BEST_OF,
     PROMPT_RESET_TEMPERATURE,
+    DecodeStats,
     WindowDecode,
     is_looping,
     is_silence,
@@ -88,6 +89,7 @@ class WhisperResult:
     token_ids: list[int] = field(default_factory=list)  # every window's generated tokens, in order (no end-of-text)
     no_speech_probs: list[float] = field(default_factory=list)  # per window, where the model has <|nospeech|>
     words: list[list[TimedWord]] = field(default_factory=list)  # per segment, with word_timestamps
+    stats: list[DecodeStats] = field(default_factory=list)  # per segment: its window's decode
 
 
 async def transcribe(
@@ -136,6 +138,7 @@ class _Transcription:
         self.cache_salt, self.temperatures = cache_salt, temperatures
         self.word_timestamps = False
         self.words: list[list[TimedWord]] = []
+        self.stats: list[DecodeStats] = []
         n_text_ctx = part.engine.model_config.max_position_embeddings  # max_target_positions
         self.max_tokens = max_tokens or max_window_tokens(n_text_ctx)
         self.max_prev = max_prev_tokens(n_text_ctx)
@@ -164,7 +167,7 @@ class _Transcription:
         code = next((c for c, t in v.languages.items() if t == lang), None) if v.multilingual else "en"
         text = " ".join(t for _, _, t in self.segments if t)
         return WhisperResult(text, code, self.segments, self.num_tokens, self.token_ids, self.no_speech_probs,
-                             self.words)  # fmt: skip
+                             self.words, self.stats)  # fmt: skip
 
     async def _prepare(self, clip: np.ndarray, lang: int | None) -> tuple[_WindowAudio, int | None, float | None]:
         """The window's audio, its language (detected here when not given) and its `<|nospeech|>` probability.
@@ -243,6 +246,7 @@ class _Transcription:
         audio, lang, no_speech = await self._prepare(clip, lang)
         decode = await self._decode(self._prompt(lang), audio, no_speech, start)
         index = len(self.segments)
+        self.stats.append(DecodeStats.of(decode, no_speech))
         if is_silence(decode, no_speech):
             self.segments.append((start / SAMPLE_RATE, end / SAMPLE_RATE, ""))
             self.words += [[]] if self.word_timestamps else []
@@ -269,6 +273,7 @@ class _Transcription:
         for a, b, ids in pieces:
             text = self.part.tokenizer.decode(ids, skip_special_tokens=True).strip()
             self.segments.append((*segment_seconds(a, b, offset, end / SAMPLE_RATE), text))
+            self.stats.append(DecodeStats.of(decode, no_speech))
             if self.word_timestamps:
                 self.words.append(groups.pop(0) if text and groups else [])
             await self._emit(text, len(self.segments) - 1)

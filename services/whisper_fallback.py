@@ -81,6 +81,20 @@ class WindowDecode:
         return compression_ratio(self.text)
 
 
+@dataclass(frozen=True)
+class DecodeStats:
+    """How a kept window's decode scored (a segment's, as openai-whisper's verbose output reports it)."""
+
+    avg_logprob: float
+    compression_ratio: float
+    no_speech_prob: float  # 0 when the model has no <|nospeech|>
+    temperature: float
+
+    @staticmethod
+    def of(decode: WindowDecode, no_speech_prob: float | None) -> DecodeStats:
+        return DecodeStats(decode.avg_logprob, decode.compression_ratio, no_speech_prob or 0.0, decode.temperature)
+
+
 def is_silence(decode: WindowDecode, no_speech_prob: float | None) -> bool:
     """`<|nospeech|>` likely and the text unlikely: the window holds no speech and its text is dropped."""
     return (

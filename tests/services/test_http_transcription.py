@@ -60,6 +60,9 @@ def test_verbose_json_words_and_segments_are_timed_inside_the_audio(client: open
     ends = [0.0]
     for segment in reply.segments:
         assert ends[-1] <= segment.start < segment.end <= reply.duration + 0.02, reply.segments
+        # Clear speech: kept greedily, likely, not repetitive, no-speech unlikely (the fallback's own numbers).
+        assert segment.temperature == 0.0 and segment.avg_logprob > -1 and 0 < segment.compression_ratio < 2.4
+        assert 0 <= segment.no_speech_prob < 0.6
         ends.append(segment.end)
     words = reply.words
     assert " ".join(w.word for w in words) == reply.text, words  # every word, in order
