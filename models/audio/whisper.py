@@ -112,7 +112,7 @@ class WhisperEncoder(nn.Module):
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:  # [B, n_mels, 2 * T_enc] -> [B, T_enc, d]
         x = F.gelu(self.conv2(F.gelu(self.conv1(features)))).transpose(1, 2)  # [B, T_enc, d]
-        x = x + self.embed_positions.weight
+        x = x + self.embed_positions.weight[: x.shape[1]]  # a short window takes the first T_enc positions
         for layer in self.layers:
             x = layer(x)
         return self.layer_norm(x)
@@ -182,10 +182,17 @@ class WhisperModel(nn.Module):
     # -- encoder side (the encoder worker) ----------------------------------------------------------------------------
 
     def encode(self, features: torch.Tensor) -> torch.Tensor:
-        """Log-mel features [B, n_mels, 3000] -> encoder states [B, 1500, d_model] (in the model's dtype)."""
-        if features.dim() != 3 or features.shape[1:] != (self.num_mel_bins, self.num_frames):
+        """Log-mel features [B, n_mels, F] -> encoder states [B, F / 2, d_model] (in the model's dtype).
+
+        F is 3000 (the 30 s window transformers' encoder insists on) or a shorter even window, the first F frames of
+        the padded 30 s features: the encoder then reads only the first F / 2 positions (the audio must end well
+        before the window does, see `short_window_frames`). whisper-base on 40 clips of 2-8 s: see BENCHMARKS.md
+        "Whisper short windows"."""
+        frames = features.shape[-1] if features.dim() == 3 else 0
+        if features.dim() != 3 or features.shape[1] != self.num_mel_bins or not _valid_window(frames, self.num_frames):
             raise ValueError(
-                f"Whisper features must be [B, {self.num_mel_bins}, {self.num_frames}], got {tuple(features.shape)}"
+                f"Whisper features must be [B, {self.num_mel_bins}, F] with F = {self.num_frames} or an even F below "
+                f"it, got {tuple(features.shape)}"
             )
         w = self.encoder.conv1.weight
         return self.encoder(features.to(w.device, w.dtype))
@@ -297,6 +304,20 @@ class WhisperModel(nn.Module):
 
 
 _PACKED_PARTS = ("q_proj", "k_proj", "v_proj")
+
+
+def _valid_window(frames: int, full: int) -> bool:
+    return frames == full or (0 < frames < full and frames % 2 == 0)
+
+
+def short_window_frames(num_samples: int, window_s: float, margin_s: float, full_frames: int, rate: int = 16000) -> int:
+    """The mel frames to encode for a clip of `num_samples`: a `window_s` window (100 frames a second) when the clip
+    ends at least `margin_s` before it, else the full window. Windows cut close to the clip's end made whisper-base
+    loop ("... simbication." x8 on 2 of 6 espeak sentences with 0.3-1 s of padding): keep the margin seconds long."""
+    frames = 2 * int(window_s * 50)
+    if frames >= full_frames or num_samples > (window_s - margin_s) * rate:
+        return full_frames
+    return frames
 
 
 def _zero_k_bias(mod: PackedLinear) -> None:

@@ -75,3 +75,52 @@ def test_load_weights_fails_on_missing_and_unknown(tiny):
         fresh.load_weights(tensors + [("model.decoder.extra.weight", torch.zeros(1))])
     with pytest.raises(ValueError, match="no bias"):
         fresh.load_weights(tensors + [("model.decoder.layers.0.self_attn.k_proj.bias", torch.zeros(64))])
+
+
+@pytest.mark.parametrize("frames", [1000, 1500])
+def test_short_window_matches_transformers_on_the_same_frames(tiny, frames):
+    """A 10 s (or 15 s) window: the first `frames` mel frames, the first frames / 2 positions. transformers' encoder
+    takes only 3000 frames, so the reference is its WhisperEncoder built with max_source_positions = frames / 2 and
+    the checkpoint's position table cut to that; its decoder then runs over those states (encoder_outputs)."""
+    from transformers.modeling_outputs import BaseModelOutput
+    from transformers.models.whisper.modeling_whisper import WhisperEncoder as HFWhisperEncoder
+
+    _, hf, model = tiny
+    short_cfg = hf.config.__class__(**{**hf.config.to_dict(), "max_source_positions": frames // 2})
+    ref_encoder = HFWhisperEncoder(short_cfg).eval()
+    state = hf.model.encoder.state_dict()
+    state["embed_positions.weight"] = state["embed_positions.weight"][: frames // 2]
+    ref_encoder.load_state_dict(state)
+    torch.manual_seed(2)
+    features = torch.randn(1, 16, frames)
+    with torch.no_grad():
+        ref_states = ref_encoder(features).last_hidden_state  # [1, frames / 2, 64]
+        states = model.encode(features)
+    assert states.shape == (1, frames // 2, 64)
+    torch.testing.assert_close(states, ref_states, atol=1e-5, rtol=0)
+
+    kv = model.encode_cross(features)[0]  # [2, 2, 4, frames / 2, 16]
+    caches = [(torch.zeros(4 * BLOCK, 4, 16), torch.zeros(4 * BLOCK, 4, 16)) for _ in range(2)]
+    seq = _Seq([2, 10, 11, 12], [0, 1], kv)
+    _step(model, caches, [], [(seq, 4)])
+    while len(seq.tokens) < 4 + 8:
+        _step(model, caches, [seq], [])
+    with torch.no_grad():
+        ref = hf(encoder_outputs=BaseModelOutput(last_hidden_state=ref_states),
+                 decoder_input_ids=torch.tensor([seq.tokens[:-1]])).logits[0]  # fmt: skip
+    ours = torch.stack([seq.logits[p] for p in range(len(seq.tokens) - 1)])
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+    assert seq.tokens[4:] == ref[3:].argmax(-1).tolist()
+
+
+def test_window_checks_and_choice(tiny):
+    from omnivox.models.audio.whisper import short_window_frames
+
+    _, _, model = tiny
+    for bad in ((1, 16, 3001), (1, 16, 999), (1, 8, 1000), (16, 1000)):
+        with pytest.raises(ValueError, match="must be"):
+            model.encode(torch.zeros(bad))
+    assert short_window_frames(16000 * 5, 10.0, 2.0, 3000) == 1000  # 5 s ends 5 s before a 10 s window
+    assert short_window_frames(16000 * 9, 10.0, 2.0, 3000) == 3000  # too close to its end: the full window
+    assert short_window_frames(16000 * 9, 15.0, 2.0, 3000) == 1500
+    assert short_window_frames(16000 * 5, 30.0, 2.0, 3000) == 3000
