@@ -61,6 +61,14 @@ class Projector(torch.nn.Module):
     def forward(self, feats: torch.Tensor) -> torch.Tensor:  # [B, 64, 384] -> [B, 64, text_hidden]
         return self.linear_2(torch.nn.functional.gelu(self.linear_1((feats.float() - self.mean) / self.std)))
 
+    def load_folded(self, folded: dict[str, torch.Tensor]) -> None:
+        """The inverse of `folded`: continue from a saved projector (W = W' * std, b = b' + W' @ mean)."""
+        with torch.no_grad():
+            self.linear_1.weight.copy_(folded["linear_1.weight"] * self.std)
+            self.linear_1.bias.copy_(folded["linear_1.bias"] + folded["linear_1.weight"] @ self.mean)
+            self.linear_2.weight.copy_(folded["linear_2.weight"])
+            self.linear_2.bias.copy_(folded["linear_2.bias"])
+
     def folded(self) -> dict[str, torch.Tensor]:
         """linear_1 applied to raw features: W' = W / std, b' = b - W' @ mean."""
         w = self.linear_1.weight.detach() / self.std
@@ -229,6 +237,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=6)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--word-steps", type=int, default=300, help="stage 1 steps (rows towards word embeddings)")
+    parser.add_argument("--init", type=Path, help="continue from this projector.safetensors (with --word-steps 0)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--work", type=Path, default=Path("/tmp/omnivox-image-model"))
     parser.add_argument("--out", type=Path, default=Path(__file__).parents[1] / "services/data/shapes-vlm")
@@ -262,6 +271,10 @@ def main() -> None:
     prompts = Prompts(la.tokenizer_with_image_token(gguf), rows=feats.shape[1])
     flat = feats.float().reshape(-1, feats.shape[-1])
     projector = Projector(flat.mean(0), flat.std(0) + 1e-4, lm.config.hidden_size)
+    if args.init is not None:  # continue an earlier run (its stage 1 is already in the weights)
+        from safetensors.torch import load_file
+
+        projector.load_folded(load_file(args.init))
     t1 = time.time()
     stage1_loss = pretrain_to_words(projector, lm, prompts.tok, feats, train_scenes, args.word_steps)
     print(f"stage 1: mse {stage1_loss:.5f} in {time.time() - t1:.0f} s", flush=True)
@@ -284,6 +297,7 @@ def main() -> None:
         "batch": args.batch,
         "turns_per_sequence": TURNS,
         "lr": args.lr,
+        "continued_from": str(args.init) if args.init else None,
         "stage1_word_steps": args.word_steps,
         "stage1_mse": round(stage1_loss, 6),
         "final_loss_mean_last_20": round(sum(e["loss"] for e in log[-20:]) / max(1, len(log[-20:])), 4),

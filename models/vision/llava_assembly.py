@@ -78,7 +78,8 @@ def assemble_llava(
     with torch.device("meta"):
         model = transformers.LlavaForConditionalGeneration(config)
     embed = lm.get_input_embeddings().weight.detach()  # [49152, 576]
-    # The image token's row is never read as an embedding (features replace it); as an output row it must never win.
+    # The image token's row is never read as an embedding (features replace it); as a (tied) output row it is zero, so
+    # its logit is 0, below the answer tokens' (not guaranteed for every prompt).
     embed = torch.cat([embed, torch.zeros(len(tok) - embed.shape[0], embed.shape[1])])
     state = {f"model.vision_tower.{k}": v for k, v in vision.state_dict().items()}
     state |= {f"model.multi_modal_projector.{k}": v for k, v in projector.items()}
