@@ -46,9 +46,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=6)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--model", type=Path, help="an image model folder (default: the embedded one, built if missing)"
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/image-first-token-cpu.json"))
     args = parser.parse_args()
-    folder = ensure_default_image_model()
+    folder = args.model or ensure_default_image_model()
     greedy = sampling_pb2.SamplingConfig(temperature=0.0)
 
     def request(parts: list) -> generation_pb2.GenerateRequest:

@@ -10,6 +10,13 @@ Concatenating every chunk an `AudioStreamEncoder` returns (then `finish()`) give
   libsndfile patches at close. A FLAC stream sent before that says "length unknown" (legal FLAC), and libsndfile
   (soundfile) then fails to read it (it reports 2^63 frames and cannot seek). So FLAC arrives as one chunk at the end;
   use OGG_OPUS, WAV, LINEAR16 or MULAW for low time-to-first-audio.
+- MP3: libsndfile's LAME encoder at a constant bitrate (compression level 0.5: ~83 kb/s at 24 kHz), frames leaving as
+  they are encoded. libsndfile writes a placeholder first frame and fills it with the Xing/LAME tag (frame count,
+  encoder delay) at close; a stream has sent that frame long before, so the tag is dropped (the forward-only sink)
+  and the first frame stays a silent one. Players and decoders stream such a file to its end; what they cannot know
+  without the tag is its length up front (libsndfile estimates it from the bitrate, which is why the bitrate is
+  constant: a variable-bitrate stream without the tag read back as 14184 of 48000 samples) and the encoder's
+  ~1100-sample delay (gapless playback).
 Resampling from the codec's rate uses torchaudio's windowed-sinc resampler applied to overlapping segments, so that a
 stream resampled chunk by chunk equals the whole signal resampled at once.
 """
@@ -31,12 +38,14 @@ class AudioEncoding(StrEnum):
     FLAC = "FLAC"
     OGG_OPUS = "OGG_OPUS"
     MULAW = "MULAW"
+    MP3 = "MP3"
 
 
 SUPPORTED_SAMPLE_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000)
 OPUS_SAMPLE_RATES = (8000, 12000, 16000, 24000, 48000)  # what the Opus encoder accepts
 OGG_PAGE_LATENCY_MS = 20.0
 _SFC_SET_OGG_PAGE_LATENCY_MS = 0x1302  # libsndfile sf_command (sndfile.h)
+MP3_COMPRESSION_LEVEL = 0.5  # libsndfile's 0 (best) .. 1: at a constant bitrate ~83 kb/s at 24 kHz, 165 at 48 kHz
 
 
 class AudioFormatError(ValueError):
@@ -149,8 +158,10 @@ class _SoundFileEncoder:
     def __init__(self, fmt: str, subtype: str, sample_rate: int, hold_until_close: bool = False) -> None:
         self._hold = hold_until_close
         self._sink = _ForwardOnlySink()
+        # MP3: constant bitrate, so that a stream without its length tag reads back whole (module docstring)
+        mp3 = {"bitrate_mode": "CONSTANT", "compression_level": MP3_COMPRESSION_LEVEL} if fmt == "MP3" else {}
         self._file = soundfile.SoundFile(
-            self._sink, mode="w", samplerate=sample_rate, channels=1, format=fmt, subtype=subtype
+            self._sink, mode="w", samplerate=sample_rate, channels=1, format=fmt, subtype=subtype, **mp3
         )
         if fmt == "OGG":
             latency = soundfile._ffi.new("double*", OGG_PAGE_LATENCY_MS)
@@ -185,6 +196,8 @@ class AudioStreamEncoder:
             self._container = _SoundFileEncoder("FLAC", "PCM_16", self.sample_rate, hold_until_close=True)
         elif self.encoding is AudioEncoding.OGG_OPUS:
             self._container = _SoundFileEncoder("OGG", "OPUS", self.sample_rate)
+        elif self.encoding is AudioEncoding.MP3:
+            self._container = _SoundFileEncoder("MP3", "MPEG_LAYER_III", self.sample_rate)
 
     @property
     def channels(self) -> int:

@@ -47,7 +47,12 @@ MAX_SAMPLE_MAGNITUDE = float(2**31)
 CONTAINERS = {"WAV", "FLAC", "OGG", "MP3"}
 # Which detected container a declared (header-bearing) encoding accepts. OGG_OPUS admits Ogg Vorbis too: the
 # proto has one Ogg encoding, and libsndfile reads both.
-_DECLARED_CONTAINER = {AudioEncoding.WAV: "WAV", AudioEncoding.FLAC: "FLAC", AudioEncoding.OGG_OPUS: "OGG"}
+_DECLARED_CONTAINER = {
+    AudioEncoding.WAV: "WAV",
+    AudioEncoding.FLAC: "FLAC",
+    AudioEncoding.OGG_OPUS: "OGG",
+    AudioEncoding.MP3: "MP3",
+}
 
 
 class AudioInputError(ValueError):

@@ -230,12 +230,7 @@ class HttpFront:
         logs.request_log.info(json.dumps(line, sort_keys=False))
 
     async def body(self, request: Request) -> dict[str, Any]:
-        length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > self.max_body_bytes:
-            raise _too_large(int(length), self.max_body_bytes)
-        raw = await request.body()
-        if len(raw) > self.max_body_bytes:
-            raise _too_large(len(raw), self.max_body_bytes)
+        raw = await read_capped(request, self.max_body_bytes)
         try:
             body = json.loads(raw)
         except ValueError as exc:
@@ -283,6 +278,22 @@ class BodyTooLarge(ServiceError):
     """413: the body is over the limit gRPC has for a message (--max-receive-message-bytes)."""
 
     http_status = 413
+
+
+async def read_capped(request: Request, limit: int) -> bytes:
+    """The request's body, refused (413) as soon as it passes `limit`: by its Content-Length before reading, and for a
+    chunked upload (no length) while reading, so a client cannot make the server hold an unbounded body. Later reads
+    (`request.form()`) see the bytes read here."""
+    length = request.headers.get("content-length")
+    if length and length.isdigit() and int(length) > limit:
+        raise _too_large(int(length), limit)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise _too_large(len(body), limit)
+    request._body = bytes(body)  # starlette's Request.stream() / form() replay it
+    return request._body
 
 
 def _too_large(size: int, limit: int) -> ServiceError:

@@ -18,12 +18,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from omnivox.services import errors
-from omnivox.services.errors import Code, FieldViolation, ServiceError
+from omnivox.services.errors import FieldViolation, ServiceError
 from omnivox.services.http_front import (
-    BodyTooLarge,
     ClosingStreamingResponse,
     HttpFront,
     error_response,
+    read_capped,
     sse_event,
     until_disconnect,
 )
@@ -60,10 +60,7 @@ class TranscriptionRoutes:
         return await self._transcribe(request, translate=True)
 
     async def _form(self, request: Request, translate: bool) -> TranscriptionForm:
-        limit = self.front.max_body_bytes
-        length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > limit:
-            raise BodyTooLarge(Code.RESOURCE_EXHAUSTED, f"the request body is {length} bytes (the limit is {limit})")
+        await read_capped(request, self.front.max_body_bytes)  # a chunked upload too: 413 past the limit
         try:
             form = await request.form()
         except Exception as exc:  # noqa: BLE001 - starlette's parser: not multipart, or a broken body

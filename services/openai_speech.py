@@ -24,15 +24,16 @@ class ResponseFormat:
 
 
 # OpenAI's response_format values this server encodes. pcm is OpenAI's raw 24 kHz 16-bit little-endian mono; opus is
-# Ogg Opus (24 kHz is an Opus rate, a Piper voice's 22.05 kHz is not). mp3 and aac have no encoder here.
+# Ogg Opus (24 kHz is an Opus rate, a Piper voice's 22.05 kHz is not); mp3 constant-bitrate MP3 at the model's rate
+# (codecs/audio_format.py). aac has no encoder here.
 RESPONSE_FORMATS = {
     "wav": ResponseFormat(content_pb2.AUDIO_ENCODING_WAV, 0, "audio/wav"),
     "flac": ResponseFormat(content_pb2.AUDIO_ENCODING_FLAC, 0, "audio/flac"),
     "opus": ResponseFormat(content_pb2.AUDIO_ENCODING_OGG_OPUS, 24000, "audio/ogg"),
     "pcm": ResponseFormat(content_pb2.AUDIO_ENCODING_LINEAR16, 24000, "audio/pcm"),
+    "mp3": ResponseFormat(content_pb2.AUDIO_ENCODING_MP3, 0, "audio/mpeg"),
 }
-# OpenAI's default is mp3, which has no encoder here: a request that names no format gets WAV.
-DEFAULT_RESPONSE_FORMAT = "wav"
+DEFAULT_RESPONSE_FORMAT = "mp3"  # OpenAI's
 STREAM_FORMATS = ("audio", "sse")
 
 

@@ -16,9 +16,9 @@ from omnivox.services.cli._common import (
     rpc_error_line,
 )
 
-ENCODINGS = ("wav", "linear16", "flac", "ogg_opus", "mulaw")
+ENCODINGS = ("wav", "linear16", "flac", "ogg_opus", "mulaw", "mp3")
 _BY_SUFFIX = {".wav": "wav", ".flac": "flac", ".ogg": "ogg_opus", ".opus": "ogg_opus", ".raw": "linear16",
-              ".pcm": "linear16", ".ulaw": "mulaw", ".mulaw": "mulaw"}  # fmt: skip
+              ".pcm": "linear16", ".ulaw": "mulaw", ".mulaw": "mulaw", ".mp3": "mp3"}  # fmt: skip
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -28,7 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "-o",
         "--output",
         default="-",
-        help="output file, its suffix naming the encoding (.wav .flac .ogg/.opus .raw/.pcm .ulaw/.mulaw; another "
+        help="output file, its suffix naming the encoding (.wav .flac .ogg/.opus .mp3 .raw/.pcm .ulaw/.mulaw; another "
         "needs --encoding), or - for stdout (default: -)",
     )
     p.add_argument("--voice", default="", help="voice name (default: the model's default voice)")
@@ -56,7 +56,7 @@ def _encoding(args: argparse.Namespace) -> str:
     if args.encoding:
         return args.encoding
     suffix = Path(args.output).suffix.lower() if args.output != "-" else ""
-    if suffix and suffix not in _BY_SUFFIX:  # "x.mp3" got WAV bytes under an MP3 name
+    if suffix and suffix not in _BY_SUFFIX:  # "x.aac" got WAV bytes under an AAC name
         raise CliError(
             f"cannot tell an encoding from {args.output!r}: name the file {', '.join(sorted(_BY_SUFFIX))}, "
             f"or pass --encoding ({', '.join(ENCODINGS)})"

@@ -223,3 +223,25 @@ def test_malformed_bodies_and_content_types(server: ServerThread, http: httpx.Cl
         nothing_left(server, model)
     reply = http.post("/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 2})
     assert reply.status_code == 200 and reply.json()["choices"][0]["finish_reason"] == "length", reply.text
+
+
+def test_a_chunked_body_past_the_limit_is_413(server: ServerThread, http: httpx.Client) -> None:
+    """A chunked upload has no Content-Length to refuse it by: it is cut off as it passes the server's limit (64 KiB
+    here), JSON or multipart, instead of being read whole first (the transcription route checked only the header)."""
+    chunk = b"x" * 4096
+
+    def chunks(n: int):
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(n):
+            yield chunk
+        yield b'"}'
+
+    for route, kind in (
+        ("/v1/completions", "application/json"),
+        ("/v1/audio/transcriptions", "multipart/form-data; boundary=b"),
+    ):
+        reply = http.post(route, content=chunks(64), headers={"content-type": kind})
+        assert reply.status_code == 413, (route, reply.status_code, reply.text[:300])
+        assert reply.json()["error"]["type"] == "invalid_request_error"
+    small = http.post("/v1/completions", content=iter([b'{"model": "tiny", "prompt": "Hi", ', b'"max_tokens": 2}']))
+    assert small.status_code == 200, small.text

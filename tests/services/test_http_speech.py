@@ -79,6 +79,23 @@ def test_speech_to_a_file_soundfile_reads(client: openai.OpenAI, tmp_path) -> No
     assert rate == 24000 and 0.2 < len(samples) / rate < 2.0
 
 
+def test_mp3_is_the_default_and_streams(client: openai.OpenAI) -> None:
+    """No response_format: MP3, as OpenAI's default (it was WAV: no encoder); streamed frame by frame, and soundfile
+    reads the whole stream back (constant bitrate, codecs/audio_format.py)."""
+    text = " ".join([TEXT] * 3)
+    started = time.monotonic()
+    with client.audio.speech.with_streaming_response.create(
+        model=DEFAULT_VOICE_MODEL_NAME, voice="heart", input=text
+    ) as response:
+        assert response.headers["content-type"] == "audio/mpeg"
+        chunks = [(time.monotonic() - started, chunk) for chunk in response.iter_bytes()]
+    data = b"".join(c for _, c in chunks)
+    samples, rate = sf.read(io.BytesIO(data))
+    assert sf.info(io.BytesIO(data)).format == "MP3" and rate == 24000 and 4.0 < len(samples) / rate < 25.0
+    _voiced(samples)
+    assert chunks[0][0] < chunks[-1][0]  # streamed: not one write at the end
+
+
 def test_streamed_pcm_arrives_before_the_end(client: openai.OpenAI) -> None:
     """with_streaming_response: the first bytes come while later sentences are still being rendered; pcm is OpenAI's
     raw 24 kHz 16-bit little-endian mono."""
@@ -154,7 +171,7 @@ def test_voices_list(base_url: str) -> None:
     [
         ({"voice": "no-such-voice"}, 404, "voice"),
         ({"model": "no-such-model"}, 404, "model"),
-        ({"response_format": "mp3"}, 400, "response_format"),
+        ({"response_format": "aac"}, 400, "response_format"),
         ({"speed": 10}, 400, "speed"),
         ({"input": " \u200b "}, 400, "input"),
         ({"input": "x" * 6000}, 400, "input"),

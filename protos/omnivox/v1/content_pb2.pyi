@@ -15,12 +15,14 @@ class AudioEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     AUDIO_ENCODING_FLAC: _ClassVar[AudioEncoding]
     AUDIO_ENCODING_OGG_OPUS: _ClassVar[AudioEncoding]
     AUDIO_ENCODING_MULAW: _ClassVar[AudioEncoding]
+    AUDIO_ENCODING_MP3: _ClassVar[AudioEncoding]
 AUDIO_ENCODING_UNSPECIFIED: AudioEncoding
 AUDIO_ENCODING_LINEAR16: AudioEncoding
 AUDIO_ENCODING_WAV: AudioEncoding
 AUDIO_ENCODING_FLAC: AudioEncoding
 AUDIO_ENCODING_OGG_OPUS: AudioEncoding
 AUDIO_ENCODING_MULAW: AudioEncoding
+AUDIO_ENCODING_MP3: AudioEncoding
 
 class Content(_message.Message):
     __slots__ = ("role", "parts", "tool_calls", "tool_call_id")

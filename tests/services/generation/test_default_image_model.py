@@ -2,13 +2,10 @@
 PyPI parts and the shipped projector, served as the embedded default `ModelSpec(path=None, image=True)`.
 
 What is checked: the tokens the server streams for [image, question] equal transformers' processor + `generate` on the
-assembled folder; ListModels marks it narrow; held-out scenes (a seed the training never saw) get right answers; an
-image from outside its domain (a photo-like picture, a wide screenshot) gets an answer, not an error.
+assembled folder; ListModels marks it narrow; an image from outside its domain (a photo-like picture, a wide screenshot) gets an answer, not an error.
 """
 
 from __future__ import annotations
-
-import random
 
 import pytest
 import torch
@@ -79,20 +76,6 @@ def test_list_models_marks_it_narrow(server):
     (info,) = [m for m in models if m.name == DEFAULT_IMAGE_MODEL_NAME]
     assert model_pb2.MODALITY_IMAGE in info.input_modalities
     assert "rendered scenes" in info.trained_on and not info.has_untrained_components
-
-
-def test_held_out_scenes_are_answered_from_the_image(server):
-    """Colour and shape questions about held-out scenes with one shape: the answers come from the image (the same
-    questions asked of differently coloured shapes get different, right answers)."""
-    stub = generation_pb2_grpc.GenerationServiceStub(server.channel())
-    rng = random.Random(HELD_OUT_SEED + 7)
-    right = 0
-    for colour in image_scenes.COLOURS:
-        shape = image_scenes.Shape(rng.choice(image_scenes.SHAPES), colour, "big", rng.randint(60, 160), 112)
-        image = image_scenes.render([shape], (245, 245, 245))
-        _, answer = _ask(stub, image, f"What color is the {shape.kind}?")
-        right += answer.strip().lower().startswith(colour)
-    assert right >= 4, right
 
 
 def test_images_outside_its_domain_get_an_answer(server):

@@ -287,7 +287,8 @@ def test_streams_cancelled_mid_audio_and_while_waiting_leave_no_state(server):
 
 def test_cli_speak_to_stdout_and_files(server, tmp_path, capsysbinary):
     """`omnivox speak` to stdout is a WAV whose length is the summary's seconds; a file whose suffix names no encoding
-    it can write (x.mp3 got WAV bytes) is refused before anything is sent, and a refused request leaves no file."""
+    it can write (x.aac got WAV bytes) is refused before anything is sent, x.mp3 is an MP3, and a refused request
+    leaves no file."""
     import re
 
     import soundfile as sf
@@ -299,11 +300,14 @@ def test_cli_speak_to_stdout_and_files(server, tmp_path, capsysbinary):
     audio, rate = sf.read(io.BytesIO(captured.out))
     seconds = float(re.search(rb"([0-9.]+) s of audio", captured.err).group(1))
     assert rate == 24000 and len(audio) / rate == pytest.approx(seconds, abs=0.006)  # printed to 0.01 s
+    aac = tmp_path / "x.aac"
+    assert main(["speak", "Hi", "-o", str(aac), "--server", server.address]) == 1
+    assert b"--encoding" in capsysbinary.readouterr().err and not aac.exists()
+    assert main(["speak", "Hi", "-o", str(aac), "--encoding", "wav", "--server", server.address]) == 0
+    assert sf.info(str(aac)).format == "WAV"
     mp3 = tmp_path / "x.mp3"
-    assert main(["speak", "Hi", "-o", str(mp3), "--server", server.address]) == 1
-    assert b"--encoding" in capsysbinary.readouterr().err and not mp3.exists()
-    assert main(["speak", "Hi", "-o", str(mp3), "--encoding", "wav", "--server", server.address]) == 0
-    assert sf.info(str(mp3)).format == "WAV"
+    assert main(["speak", "Hi", "-o", str(mp3), "--server", server.address]) == 0
+    assert sf.info(str(mp3)).format == "MP3" and sf.info(str(mp3)).samplerate == 24000
     refused = tmp_path / "refused.wav"
     assert main(["speak", "Hi", "--voice", "nobody", "-o", str(refused), "--server", server.address]) == 1
     assert b"NOT_FOUND" in capsysbinary.readouterr().err and not refused.exists()
