@@ -228,6 +228,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sessions", type=int, nargs="+", default=[1, 4], help="concurrent sessions, one run per value")
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--barge-in", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--turn-window-s",
+        type=float,
+        nargs="+",
+        default=[None],
+        help="the turns' encoder window (OMNIVOX_TURN_WINDOW_S), one server per value: 30 10 = before/after",
+    )
     p.add_argument("--out")
     args = p.parse_args(argv)
     import datetime
@@ -237,7 +244,11 @@ def main(argv: list[str] | None = None) -> int:
     started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M")
     load = [round(x, 1) for x in os.getloadavg()]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
-    runs = asyncio.run(_runs(args.sessions, args.turns, args.barge_in))
+    runs = []
+    for window in args.turn_window_s:
+        if window is not None:
+            os.environ["OMNIVOX_TURN_WINDOW_S"] = str(window)  # read by the server process it starts
+        runs += [{"turn_window_s": window, **r} for r in asyncio.run(_runs(args.sessions, args.turns, args.barge_in))]
     result = {"benchmark": "realtime_sessions", "note": "CPU, the machine shared with other jobs", "started": started,
               "commit": commit.stdout.strip(), "load_average_at_start": load, "runs": runs}  # fmt: skip
     print(json.dumps(runs, indent=2))

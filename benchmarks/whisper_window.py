@@ -26,29 +26,23 @@ import torch
 
 from omnivox.benchmarks.host import with_host
 
-SENTENCES = (
+SENTENCES = (  # 2-4 s each, then 5-8 s each (hibari and espeak-ng speak at about the same pace)
     "Please turn off the lights in the kitchen.",
     "What is the weather like tomorrow morning?",
     "Remind me to call my sister after lunch.",
     "The train leaves from platform four at noon.",
     "Can you play some quiet music for me?",
-    "I would like a cup of coffee with milk.",
-    "How far is it from here to the river?",
     "Set a timer for ten minutes, please.",
-    "She bought a red bicycle at the market.",
-    "Tell me a short story about a brave dog.",
-    "The meeting has been moved to Thursday afternoon.",
-    "Open the window, it is getting warm in here.",
-    "My favourite colour is green.",
     "Where did I leave my keys this morning?",
-    "We are going to the beach this weekend.",
-    "Please send the report to the whole team before Friday.",
-    "The children played in the garden until it got dark.",
-    "Read me the latest news about the city council.",
-    "How many people live in this country?",
     "Good night, see you tomorrow.",
-    "Add bread, eggs and butter to my shopping list.",
-    "The library closes early on Sundays.",
+    "Please send the report to the whole team before Friday, and ask them to read the second part carefully.",
+    "The children played in the garden until it got dark, and then they came inside for a warm dinner.",
+    "Read me the latest news about the city council and the new bridge they want to build across the river.",
+    "Add bread, eggs, butter and two bottles of milk to my shopping list for the weekend.",
+    "If it rains tomorrow afternoon, we will move the picnic indoors and watch a film instead.",
+    "My brother is flying to the capital next week to meet some old friends from school.",
+    "Could you find a quiet restaurant near the station that is still open after ten in the evening?",
+    "The library closes early on Sundays, so return the books on Saturday if you can.",
 )
 WINDOWS_S = (10, 15, 20, 30)
 RATE = 16000
@@ -176,7 +170,8 @@ def main() -> None:
     sentences = SENTENCES[: args.limit]
     clips = [("hibari", c) for c in hibari_clips(sentences)] + [("espeak", c) for c in espeak_clips(sentences)]
     refs = [words(s) for s in sentences] * 2
-    columns = [(name, w) for name in encoders for w in WINDOWS_S]
+    # int8 only at the shortest and the full window: the machine is shared, a run must stay near 10 minutes.
+    columns = [("float32", w) for w in WINDOWS_S] + [("int8", w) for w in (WINDOWS_S[0], WINDOWS_S[-1]) if args.int8]
     rows = []
     errors = {f"{n}@{w}s": 0 for n, w in columns}
     seconds = {f"{n}@{w}s": 0.0 for n, w in columns}
@@ -196,7 +191,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     total = sum(len(r) for r in refs[: len(clips)])
     summary = {key: {"wer": round(errors[key] / total, 4), "encoder_s_mean": round(seconds[key] / len(clips), 3),
-                     "encoder_time_vs_30s": round(seconds[key] / seconds[f"{key.split('@')[0]}@30s"], 3)}
+                     "encoder_time_vs_float32_30s": round(seconds[key] / seconds["float32@30s"], 3)}
                for key in errors}  # fmt: skip
     for voice in ("hibari", "espeak"):
         idx = [i for i, r in enumerate(rows) if r["voice"] == voice]

@@ -105,6 +105,7 @@ async def transcribe(
     cache_salt: str = "",
     temperatures: tuple[float, ...] = (0.0,),
     word_timestamps: bool = False,
+    encoder_window_s: float | None = None,
 ) -> WhisperResult:
     """Transcribe (or translate to English) float32 mono 16 kHz `samples` with a Whisper model (a WhisperPart or a
     ServedModel / ModelBundle holding one). TranscriptionRequestError names a bad setting (language, task,
@@ -113,11 +114,14 @@ async def transcribe(
     `max_tokens` caps each window's output (default: 224 = max_target_positions // 2, openai-whisper's).
     `cache_salt`: the windows' encoder outputs and KV blocks are shared only with requests of the same salt
     (services/cache_salt.py). `temperatures`: the decode's temperature, or the fallback schedule (TEMPERATURES,
-    services/whisper_fallback.py) that the service's callers pass unless a request names its own. Cancelling aborts the engine work."""
+    services/whisper_fallback.py) that the service's callers pass unless a request names its own.
+    `encoder_window_s`: a short encoder window (seconds) for a clip that ends well before it (WhisperPart
+    `encoder_frames`; not with timestamps); None: the 30 s window, transformers' own. Cancelling aborts the engine work."""
     part = whisper_part_of(model)
     lang = part.check(language, task, timestamps)
     run = _Transcription(part, task, timestamps, on_text, max_tokens, cache_salt, temperatures)
     run.word_timestamps = word_timestamps
+    run.encoder_window_s = encoder_window_s
     if prompt:
         run.prev = part.prompt_tokens(prompt)
     return await run.run(np.ascontiguousarray(samples, np.float32), lang)
@@ -137,6 +141,7 @@ class _Transcription:
         self.part, self.task, self.timestamps, self.on_text = part, task, timestamps, on_text
         self.cache_salt, self.temperatures = cache_salt, temperatures
         self.word_timestamps = False
+        self.encoder_window_s: float | None = None
         self.words: list[list[TimedWord]] = []
         self.stats: list[DecodeStats] = []
         n_text_ctx = part.engine.model_config.max_position_embeddings  # max_target_positions
@@ -177,8 +182,10 @@ class _Transcription:
         likeliest language token; the transcription's prompt then shares its KV blocks (prefix cache). The first
         transcription request's encoder reference is taken before it, so the window is encoded once."""
         part, v = self.part, self.part.vocab
-        features = await asyncio.to_thread(part.features, clip)
-        audio = _WindowAudio(part, part.window_key(clip), features, self.cache_salt)
+        short = not (self.timestamps or self.word_timestamps)
+        frames = part.encoder_frames(len(clip), self.encoder_window_s) if short else None
+        features = await asyncio.to_thread(part.features, clip, frames)
+        audio = _WindowAudio(part, part.window_key(clip, frames), features, self.cache_salt)
         detect = lang is None and v.multilingual
         if not detect and v.no_speech is None:
             return audio, lang, None
@@ -375,7 +382,7 @@ class _WindowAudio:
 
     part: WhisperPart
     key: str
-    features: Any  # [n_mels, 3000] float32 CPU
+    features: Any  # [n_mels, 3000] float32 CPU (or a short window's first frames)
     salt: str
     held: EncoderInput | None = None  # taken early so the entry stays cached between the probe and the decode
 

@@ -23,6 +23,7 @@ from omnivox.codecs.mel import LogMelExtractor, MelSettings
 from omnivox.engine.encoder_cache import EncoderCache, EncoderWorker
 from omnivox.engine.request import EncoderInput
 from omnivox.models.audio.transcription import TranscriptionRequestError
+from omnivox.models.audio.whisper import short_window_frames
 from omnivox.services import errors
 from omnivox.services.audio_prompt import encoding_name
 from omnivox.services.errors import FieldViolation
@@ -37,6 +38,10 @@ SAMPLE_RATE = 16000
 # never evicted, whatever their size (large-v3's is 245 MB in bf16).
 WHISPER_CACHE_BYTES = 512 << 20
 TRANSCRIBE_MAX_SECONDS = 3600.0
+# A short encoder window (issue 31) is taken only by a clip that ends this long before the window does: whisper-base
+# looped on windows cut 0.3-1 s after the speech; a 10 s window kept its word error rate on 32 clips of 1.8-6.1 s
+# (BENCHMARKS.md "Whisper short windows"), so a 10 s window takes clips up to 6.5 s, what was measured.
+SHORT_WINDOW_MARGIN_S = 3.5
 TASKS = ("transcribe", "translate")
 
 
@@ -151,11 +156,25 @@ class WhisperPart:
         except AudioInputError as err:
             raise errors.invalid_argument([FieldViolation(f"{path}.{err.field}", err.description)]) from err
 
-    def features(self, clip: np.ndarray) -> torch.Tensor:  # [N] float32 (N <= 30 s) -> [n_mels, 3000] float32 CPU
-        return self.mel.extract([torch.from_numpy(np.ascontiguousarray(clip, np.float32))]).features[0].cpu()
+    def features(self, clip: np.ndarray, frames: int | None = None) -> torch.Tensor:
+        """[N] float32 (N <= 30 s) -> [n_mels, frames] float32 CPU: the padded 30 s window's log-mel (3000 frames), or
+        its first `frames` (a short encoder window, `encoder_frames`)."""
+        features = self.mel.extract([torch.from_numpy(np.ascontiguousarray(clip, np.float32))]).features[0].cpu()
+        return features if frames is None else features[:, :frames].contiguous()
 
-    def window_key(self, clip: np.ndarray) -> str:
-        return content_key(clip, SAMPLE_RATE, self.mel.settings.key(), self.model_key)
+    def window_key(self, clip: np.ndarray, frames: int | None = None) -> str:
+        key = content_key(clip, SAMPLE_RATE, self.mel.settings.key(), self.model_key)
+        full = self.mel.settings.max_frames
+        return key if frames is None or frames == full else f"{key}:frames={frames}"  # a short window: other states
+
+    def encoder_frames(self, num_samples: int, window_s: float | None) -> int | None:
+        """The short window a clip of `num_samples` takes (mel frames), or None for the full one (`window_s` None,
+        the clip too long for it, or a model whose window is already that short)."""
+        if window_s is None:
+            return None
+        full = self.mel.settings.max_frames
+        frames = short_window_frames(num_samples, window_s, SHORT_WINDOW_MARGIN_S, full, SAMPLE_RATE)
+        return None if frames == full else frames
 
     def encoder_input(self, key: str, features: torch.Tensor, cache_salt: str = "") -> EncoderInput:
         """A new reference to the window's cross K/V (encoded when the engine first admits a request holding it),
@@ -250,8 +269,13 @@ def load_whisper_part(folder: Path, engine: Any, model_key: str) -> WhisperPart:
     vocab = WhisperVocab.from_folder(folder, engine.tokenizer, model.config.vocab_size)
     device, dtype = engine.device, engine.dtype
 
-    def encode(batch: Sequence[torch.Tensor]) -> list[torch.Tensor]:  # [n_mels, 3000] each -> cross K/V each
-        return model.encode_cross([f.to(device, dtype) for f in batch])
+    def encode(batch: Sequence[torch.Tensor]) -> list[torch.Tensor]:  # [n_mels, F] each -> cross K/V each
+        out: list[torch.Tensor | None] = [None] * len(batch)
+        for frames in {f.shape[-1] for f in batch}:  # a batch may mix short windows and full ones: one call per size
+            idx = [i for i, f in enumerate(batch) if f.shape[-1] == frames]
+            for i, kv in zip(idx, model.encode_cross([batch[i].to(device, dtype) for i in idx]), strict=True):
+                out[i] = kv
+        return out  # type: ignore[return-value]
 
     worker = EncoderWorker(encode, EncoderCache(WHISPER_CACHE_BYTES), name="whisper", device=device)
     rules = WhisperRules(vocab, device)

@@ -5,13 +5,17 @@ The early pass: the detector ends a turn after `silence_duration_ms` (500 by def
 audio is known `END_PAD_MS` (200 ms) after its last voiced frame. So once that much silence follows, the pass starts
 on exactly the span the commit will take; if speech comes back first, it is cancelled (its engine request aborts) and
 a later one starts. At the END, a pass on the same span is the turn's transcription: the wait for the transcript
-shrinks by silence_duration_ms - END_PAD_MS (300 ms by default). A pass costs whisper-base 2-4 s on a busy CPU thread
-(the encoder always reads a 30 s window), so this is a small share of the turn's latency, but free.
+shrinks by silence_duration_ms - END_PAD_MS (300 ms by default).
+
+A turn of up to TURN_WINDOW_S - SHORT_WINDOW_MARGIN_S (6.5 s) is encoded in a TURN_WINDOW_S (10 s) window, not the
+30 s one Transcribe keeps (issue 31): whisper-base's encoder took 0.28x the time, word error rate 0.048 against 0.056
+on 32 clips of 1.8-6.1 s, hibari and espeak-ng (BENCHMARKS.md "Whisper short windows"). Longer turns take 30 s.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 from omnivox.models.audio.transcription import TranscriptionRequestError
@@ -19,6 +23,10 @@ from omnivox.services.errors import ServiceError
 from omnivox.services.realtime.conversation import Item
 from omnivox.services.realtime.turns import END_PAD_MS, WHISPER_RATE, Turn
 from omnivox.services.whisper import WhisperResult, transcribe
+
+# The encoder window of a turn's pass (services/whisper_part.py `encoder_frames`); OMNIVOX_TURN_WINDOW_S=30 gives
+# every turn the 30 s window (the A/B switch of benchmarks/realtime_sessions.py --turn-window-s).
+TURN_WINDOW_S = float(os.environ.get("OMNIVOX_TURN_WINDOW_S", "10"))
 
 
 class TurnTranscriber:
@@ -31,7 +39,7 @@ class TurnTranscriber:
         with whisper.admit():
             return await transcribe(whisper.bundle.whisper, turn.samples, language=cfg.get("language") or None,
                                     prompt=cfg.get("prompt") or None, on_text=on_text,
-                                    cache_salt=self.session.salt())  # fmt: skip
+                                    cache_salt=self.session.salt(), encoder_window_s=TURN_WINDOW_S)  # fmt: skip
 
     # --- the early pass --------------------------------------------------------------------------------------------
     def watch(self, buffer: Any, speech: tuple[str, int] | None) -> None:

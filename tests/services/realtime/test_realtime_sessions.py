@@ -21,7 +21,7 @@ from omnivox.benchmarks.realtime_sessions import RawSession
 from omnivox.benchmarks.transcription import word_error_rate
 from omnivox.benchmarks.voices import transcribe as grpc_transcribe
 from omnivox.codecs.audio_format import wav_stream_header
-from omnivox.services.defaults import DEFAULT_MODEL_NAME
+from omnivox.services.defaults import DEFAULT_ASR_MODEL_NAME, DEFAULT_MODEL_NAME
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="no espeak-ng")]
 
@@ -93,6 +93,14 @@ def test_spoken_question_answered_in_text_and_audio(server, question_pcm):
     assert answer.strip() and word_error_rate(answer, heard) < 0.35, (answer, heard)
     assert seen[-1]["response"]["status"] == "completed"
     nothing_left(server, DEFAULT_MODEL_NAME)
+    # The turn (about 3 s) was encoded in a 10 s window (1000 mel frames -> 500 encoder positions, issue 31); the
+    # answer's Transcribe above in the 30 s one (1500).
+    cache = server.registry.lookup(DEFAULT_ASR_MODEL_NAME).bundle.whisper.cache
+    with cache._lock:
+        lengths = {
+            ":frames=1000" in k: e.features.shape[-2] for k, e in cache._entries.items() if e.features is not None
+        }
+    assert lengths == {True: 500, False: 1500}, lengths
 
 
 def test_embedded_bundle_answers_a_spoken_question_by_default(server, question_pcm, tmp_path):
