@@ -118,8 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     from omnivox.engine import Engine
     from omnivox.models.checkpoint import load_tokenizer
     from omnivox.models.csm_random import CSM_1B_SHAPE, save_random_csm
-    from omnivox.services.csm_part import CsmLayout
-    from omnivox.services.defaults import ensure_default_model
+    from omnivox.services.parts.csm_part import CsmLayout
+    from omnivox.services.parts.defaults import ensure_default_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--frames", type=int, default=6, help="frames (80 ms each) per stream")

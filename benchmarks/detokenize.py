@@ -97,7 +97,7 @@ def run(cls, tok, prompt: list[int], ids: list[int]) -> tuple[float, str, int]:
 def main(argv: list[str] | None = None) -> None:
     from omnivox.benchmarks.main import git_commit
     from omnivox.models.checkpoint import load_tokenizer
-    from omnivox.services.defaults import ensure_default_model
+    from omnivox.services.parts.defaults import ensure_default_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", default="6a98053", help="git revision whose engine/detokenizer.py is the baseline")

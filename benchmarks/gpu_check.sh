@@ -92,7 +92,7 @@ SITE=:/tmp/site
 [ "$DRY" = 1 ] && SITE=""  # the wheels are for the image's Python 3.12: not here
 export PYTHONPATH="$SHIM$SITE${PYTHONPATH:+:$PYTHONPATH}"
 # Everything the stages import: a package missing from the image and from .whl stops the run here, named.
-if ! env_line=$("$PY" -c 'import torch, transformers, grpc, llguidance, omnivox.engine, omnivox.services.server, omnivox.codecs.snac; print("torch", torch.__version__, "cuda", torch.cuda.is_available(), "transformers", transformers.__version__, "grpc", grpc.__version__)' 2>&1); then
+if ! env_line=$("$PY" -c 'import torch, transformers, grpc, llguidance, omnivox.engine, omnivox.services.grpc_api.server, omnivox.codecs.snac; print("torch", torch.__version__, "cuda", torch.cuda.is_available(), "transformers", transformers.__version__, "grpc", grpc.__version__)' 2>&1); then
   summary "environment broken: $(echo "$env_line" | tail -n 1)"
   summary "FAILED: environment (see the header for .whl)"
   exit 1

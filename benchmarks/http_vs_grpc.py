@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("bench-results/http-vs-grpc.json"))
     args = p.parse_args(argv)
     from omnivox.benchmarks.main import git_commit
-    from omnivox.services.defaults import DEFAULT_MODEL_NAME, ensure_default_model
+    from omnivox.services.parts.defaults import DEFAULT_MODEL_NAME, ensure_default_model
 
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     started, load = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), list(os.getloadavg())

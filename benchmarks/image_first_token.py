@@ -40,7 +40,7 @@ def first_token_s(stub, request) -> tuple[float, int]:
 
 
 def main() -> None:
-    from omnivox.services.vision_defaults import ensure_default_image_model
+    from omnivox.services.parts.vision_defaults import ensure_default_image_model
     from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -48,7 +48,7 @@ def make_random_vlm(out: Path) -> Path:
 
     from omnivox.models.checkpoint import load_tokenizer
     from omnivox.models.vision.base import image_only_processor_class
-    from omnivox.services.defaults import ensure_default_model
+    from omnivox.services.parts.defaults import ensure_default_model
 
     tok = load_tokenizer(ensure_default_model(progress=False))
     specials = ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"]

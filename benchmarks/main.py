@@ -133,7 +133,7 @@ def git_commit() -> str | None:
 
 def default_model() -> str:
     try:
-        from omnivox.services.defaults import ensure_default_model
+        from omnivox.services.parts.defaults import ensure_default_model
     except ImportError as e:
         raise SystemExit(f"--model: not given and the embedded default is unavailable ({e})") from None
     return str(ensure_default_model())

@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     model = args.model
     if model is None:
-        from omnivox.services.defaults import ensure_default_model
+        from omnivox.services.parts.defaults import ensure_default_model
 
         model = str(ensure_default_model())
     results = run(model, args.modes.split(","), args.threads, not args.no_speed, not args.no_quality, args.passes)

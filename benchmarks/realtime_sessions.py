@@ -264,7 +264,7 @@ async def _runs(session_counts: list[int], turns: int, with_barge_in: bool) -> l
     import grpc
 
     from omnivox.benchmarks.systems.omnivox_grpc import ServerProcess
-    from omnivox.services.defaults import DEFAULT_MODEL_NAME
+    from omnivox.services.parts.defaults import DEFAULT_MODEL_NAME
 
     http_port = _free_port()
     log = Path(tempfile.mkdtemp()) / "serve.log"

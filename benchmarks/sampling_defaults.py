@@ -5,7 +5,7 @@
 A fixed set of factual and chat prompts, each with the words a correct answer contains, is run through the engine
 (prompts built by the service's own chat-template builder) under each candidate setting with several seeds. A reply
 scores when it holds one of its prompt's words (case-insensitive); a reply that runs to the token limit counts as
-"rambling". The numbers and the choice are in services/data/README.md, next to the shipped generation_config.json.
+"rambling". The numbers and the choice are in services/parts/data/README.md, next to the shipped generation_config.json.
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ def main() -> None:
     import torch
 
     from omnivox.engine import Engine, SamplingParams
-    from omnivox.services.defaults import ensure_default_model
-    from omnivox.services.prompt import ChatPromptBuilder
+    from omnivox.services.parts.defaults import ensure_default_model
+    from omnivox.services.processing.prompt import ChatPromptBuilder
     from omnivox.v1 import content_pb2
 
     torch.set_num_threads(1)

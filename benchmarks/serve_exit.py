@@ -1,4 +1,4 @@
-"""`omnivox serve`'s shutdown: SIGTERM to process exit, idle, with the heap frozen before exit (services/server.py
+"""`omnivox serve`'s shutdown: SIGTERM to process exit, idle, with the heap frozen before exit (services/grpc_api/server.py
 `run`) and without (the same server with `gc.freeze` made a no-op in its process), in interleaved pairs.
 
     python -m omnivox.benchmarks.serve_exit --model PATH [--pairs 5] [--metrics-port] [--out results.json]

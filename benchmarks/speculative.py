@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     if args.model is None:
-        from omnivox.services.defaults import ensure_default_model
+        from omnivox.services.parts.defaults import ensure_default_model
 
         args.model = str(ensure_default_model(progress=False))
     engines = {

@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model
     compare = args.compare_first_hop is not None or args.compare_checkout is not None
     if model is None and (address is None or compare):
-        from omnivox.services.defaults import ensure_default_speech_model
+        from omnivox.services.parts.defaults import ensure_default_speech_model
 
         model = str(ensure_default_speech_model())
     try:

@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     from omnivox.engine import Engine, SamplingParams, shared
     from omnivox.engine.detokenizer import IncrementalDetokenizer
     from omnivox.models.orpheus import SpeechLayout, SpeechTokenConstraint
-    from omnivox.services.defaults import save_random_speech_model
+    from omnivox.services.parts.defaults import save_random_speech_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--streams", type=int, default=2, help="speech requests run together")

@@ -178,7 +178,7 @@ def record(path: Path, runs: int, baselines_path: Path = BASELINES) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from omnivox.services.defaults import ensure_default_model
+    from omnivox.services.parts.defaults import ensure_default_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("bench-results/speed-gate.json"))

@@ -81,7 +81,7 @@ def summary(runs: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from omnivox.engine import Engine
     from omnivox.engine.step_budget import StepBudget, StepCosts, hold_step_tokens
-    from omnivox.services.defaults import ensure_default_model
+    from omnivox.services.parts.defaults import ensure_default_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--step-ms", type=float, default=300.0, help="the budget's target (issue 33: ITL p99 < 300 ms)")

@@ -81,8 +81,8 @@ def run(steps: int, batches: list[int]) -> dict:
 
     from omnivox.engine.structured import GrammarMasks, compile_grammar, grammar_tokenizer, unpack_bitmask
     from omnivox.models.checkpoint import load_tokenizer
-    from omnivox.services.defaults import ensure_default_model
-    from omnivox.services.structured import JSON_OPTIONS
+    from omnivox.services.parts.defaults import ensure_default_model
+    from omnivox.services.processing.structured import JSON_OPTIONS
 
     hf = load_tokenizer(ensure_default_model(progress=False))
     vocab = len(hf)

@@ -240,14 +240,14 @@ def main() -> None:
     parser.add_argument("--init", type=Path, help="continue from this projector.safetensors (with --word-steps 0)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--work", type=Path, default=Path("/tmp/omnivox-image-model"))
-    parser.add_argument("--out", type=Path, default=Path(__file__).parents[1] / "services/data/shapes-vlm")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parents[1] / "services/parts/data/shapes-vlm")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(TRAIN_SEED)
     import transformers
 
-    from omnivox.services.defaults import ensure_default_model
-    from omnivox.services.vision_defaults import ensure_dinov2_folder
+    from omnivox.services.parts.defaults import ensure_default_model
+    from omnivox.services.parts.vision_defaults import ensure_dinov2_folder
 
     gguf = ensure_default_model(progress=False)
     dinov2 = transformers.Dinov2Model.from_pretrained(ensure_dinov2_folder(la.IMAGE_SIZE)).eval()

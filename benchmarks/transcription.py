@@ -5,7 +5,7 @@ faster-whisper when installed), whisper-base, in one run.
 
 The audio: five espeak-ng sentences (22 s with the pauses, one 30 s window, so every system decodes it the same way)
 between stretches of -60 dBFS noise, 16 kHz 16-bit. All systems read the same weights: the embedded whisper-base as
-converted into the model cache (services/defaults.py), in float32, greedy, language "en", no timestamps, one compute
+converted into the model cache (services/parts/defaults.py), in float32, greedy, language "en", no timestamps, one compute
 thread each:
 - omnivox: `omnivox serve --model <that folder> --threads N` as a child process; `Transcribe` over gRPC (client wall
   time), and `StreamingTranscribe` at real-time pace (100 ms chunks) with interim results.
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from omnivox.benchmarks.main import git_commit
     from omnivox.benchmarks.systems.omnivox_grpc import ServerProcess
-    from omnivox.services.defaults import ensure_default_whisper
+    from omnivox.services.parts.defaults import ensure_default_whisper
 
     meta = {
         "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             result["out_of_the_box_5"] = {**out_of_box, "meets": check_targets(out_of_box)}
             result["models"]["hibari"] = measure_model(channel, "hibari", texts)
         if args.piper is not None:
-            from omnivox.services.defaults import ensure_default_whisper
+            from omnivox.services.parts.defaults import ensure_default_whisper
 
             whisper = ensure_default_whisper(progress=False)
             piper_flags = ["--model", str(args.piper), "--model", str(whisper), "--name", "piper", "--name", ASR_MODEL]

@@ -89,7 +89,7 @@ def espeak_clips(sentences) -> list[np.ndarray]:
 def hibari_clips(sentences) -> list[np.ndarray]:
     from omnivox.models.voice.loading import load_voice
     from omnivox.models.voice.voice_model import VoiceSettings
-    from omnivox.services.defaults import ensure_default_voice
+    from omnivox.services.parts.defaults import ensure_default_voice
 
     voice = load_voice(ensure_default_voice())
     out = []
@@ -147,7 +147,7 @@ def main() -> None:
 
     from omnivox.codecs.mel import LogMelExtractor, MelSettings
     from omnivox.models.audio.whisper import load_whisper
-    from omnivox.services.defaults import ensure_default_whisper
+    from omnivox.services.parts.defaults import ensure_default_whisper
 
     folder = ensure_default_whisper(progress=False)
     ours = load_whisper(str(folder))

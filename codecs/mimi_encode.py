@@ -1,6 +1,6 @@
 """Mimi's encoder: 24 kHz audio -> code frames, one shot (transformers' `MimiModel.encode`), for CSM's voice prompts.
 
-A created CSM voice is a reference recording encoded once (services/csm_voice.py), so this runs off the decode path,
+A created CSM voice is a reference recording encoded once (services/processing/csm_voice.py), so this runs off the decode path,
 on the whole recording at once: no streaming state. The layers mirror transformers' names so that a Mimi folder's
 (or a CSM folder's `codec_model.`) tensors load by name:
 

@@ -13,7 +13,7 @@ has not sent its next text) has nothing to prioritise and is not counted. Yieldi
 progresses: at worst one step each `max_wait_s`.
 
 The engine knows nothing of gRPC: the arbiter sees engines as things with unfinished requests (an engine-less voice's
-worker pool, services/voice_part.py, is one too: its streams are behind like any other, and it never steps), and
+worker pool, services/parts/voice_part.py, is one too: its streams are behind like any other, and it never steps), and
 deadlines as monotonic times.
 """
 

@@ -1,6 +1,6 @@
 """EngineConfig: how one engine is built and run, as one frozen value (what `Engine.from_pretrained` reads).
 
-The service's per-model options (services/loading.py EngineOptions) are an EngineConfig plus the service's own knobs,
+The service's per-model options (services/parts/loading.py EngineOptions) are an EngineConfig plus the service's own knobs,
 so a served model's engine is built from them as they are, with no field copied by hand.
 """
 

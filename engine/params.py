@@ -31,7 +31,7 @@ class TokenConstraint(Protocol):
 
     A constraint may also define `adjust_logits(logits, output_token_ids) -> None`: it edits its row of logits ([V]
     float32, bias and mask applied) in place, on the device and without a host sync (e.g. Whisper's "a timestamp when
-    the timestamps' total probability beats every text token": services/whisper_rules.py).
+    the timestamps' total probability beats every text token": services/processing/whisper_rules.py).
 
     `advance(token_ids)` is called with the tokens the request accepted this step (in order); `rollback(n)` takes
     back the last n advanced tokens (speculative tokens that were rejected after the constraint saw them). Both are

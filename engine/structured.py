@@ -115,7 +115,7 @@ class GrammarConstraint:
 
 def grammar_row(constraint: Any) -> GrammarConstraint | None:
     """The grammar whose mask a row needs this step: the constraint itself, or the one a wrapper names as its
-    `active_grammar` (services/reasoning.py's gate, once the model's thinking is over), so that it is filled with
+    `active_grammar` (services/processing/reasoning.py's gate, once the model's thinking is over), so that it is filled with
     the batch too."""
     if isinstance(constraint, GrammarConstraint):
         return constraint

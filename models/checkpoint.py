@@ -155,11 +155,11 @@ def _use_generation_eos(config: transformers.PretrainedConfig, file: Path) -> No
     """A generation_config.json's eos_token_id (an id or a list: Llama 3 instruct stops on three) replaces the model
     config's, as transformers' generate does: the decoder then stops on any of them."""
     if getattr(config, "model_type", "") == "whisper" or not file.is_file():
-        return  # Whisper's stops are its own rules (services/whisper_rules.py)
+        return  # Whisper's stops are its own rules (services/processing/whisper_rules.py)
     try:
         eos = json.loads(file.read_text()).get("eos_token_id")
     except (OSError, json.JSONDecodeError, AttributeError):
-        return  # services/bundle.py warns about an unreadable file once
+        return  # services/parts/bundle.py warns about an unreadable file once
     if isinstance(eos, int) or (isinstance(eos, list) and eos and all(isinstance(i, int) for i in eos)):
         config.get_text_config().eos_token_id = eos
 
@@ -182,7 +182,7 @@ def _reads_tekken(folder: Path) -> bool | None:
     With mistral_common installed (Voxtral needs it) transformers reads tekken.json first, even next to a
     tokenizer.json, as a MistralCommonBackend that has no chat template: a Mistral text checkpoint that ships both
     (the hub's do) then had its turns joined by newlines instead of its template. Its HF files win; tekken.json is
-    read when it is the only tokenizer, or for Voxtral, whose prompts are mistral_common's (services/voxtral_prompt.py).
+    read when it is the only tokenizer, or for Voxtral, whose prompts are mistral_common's (services/processing/voxtral_prompt.py).
     """
     if not any((folder / name).is_file() for name in TOKENIZER_FILES if name != "tekken.json"):
         return None

@@ -58,7 +58,7 @@ class NotApplicable(ValueError):
     """A load option this model cannot take (float-only Whisper asked for int8 weights, 8-bit activations over float
     weights, a draft model of another vocabulary). `field` is the EngineOptions field: an option given for every
     served model (`serve --quantization int8` without NAME=) is dropped for such a model with a warning, one given
-    for it by name is an error (services/bundle.py load_manifest)."""
+    for it by name is an error (services/parts/bundle.py load_manifest)."""
 
     def __init__(self, field: str, message: str):
         super().__init__(message)

@@ -102,7 +102,7 @@ def run_worker_node(
     max_model_len: int | None = None,
 ) -> int:
     """Run this node's ranks of the group until the leader stops it (0) or the group breaks (1)."""
-    assert nodes.node_rank > 0, "node rank 0 is the leader: it serves (services/server.py)"
+    assert nodes.node_rank > 0, "node rank 0 is the leader: it serves (services/grpc_api/server.py)"
     spec = ShardSpec(
         str(path), tp, str(device), dtype, max_model_len, torch.get_num_threads(), nodes.master_port, nodes.nnodes,
         nodes.master_addr,

@@ -1,5 +1,5 @@
 """The record of the call a task serves (CallRecord), reachable from any processing step through `current_call()`:
-the gRPC interceptor (services/logs.py) and the HTTP front open it, processing fills in numbers only (ids, model name,
+the gRPC interceptor (services/grpc_api/logs.py) and the HTTP front open it, processing fills in numbers only (ids, model name,
 token counts, timings), and the call's log line and tracing spans are written from it when the call ends.
 """
 

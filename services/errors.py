@@ -2,8 +2,8 @@
 
 Request and output processing raise ServiceError anywhere below a front; it carries a `Code` (gRPC's status codes by
 name and number, defined here so that processing imports nothing of grpc and an HTTP or WebSocket front can map the
-same error to its own status). The gRPC face turns it into the call's final status (services/rpc_errors.py), the
-HTTP front into OpenAI's error JSON (services/http_front.py).
+same error to its own status). The gRPC face turns it into the call's final status (services/grpc_api/rpc_errors.py), the
+HTTP front into OpenAI's error JSON (services/openai_api/http_front.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Fed by events, never by polling: each engine's step observer reads the `StepResult` of every step (running, waiting,
 KV usage, tokens, preemptions, drafts, queue time at admission, inter-token latency); the servicers report a request's
 end (finish reason, end-to-end, prefill and decode time), a speech stream's chunks (time to first audio, underruns,
-real-time factor) and a transcription's real-time factor; the call interceptor (services/logs.py) counts gRPC
+real-time factor) and a transcription's real-time factor; the call interceptor (services/grpc_api/logs.py) counts gRPC
 statuses. Every metric carries a `model` label except the per-RPC status counter.
 
 Each `Metrics` owns its CollectorRegistry, so that servers in one process (tests) never share counts.

@@ -14,7 +14,7 @@ def default_gguf() -> Path:
 
     The cache is `$OMNIVOX_CACHE`, else `~/.cache/omnivox`, so one download serves the whole run (and later runs).
     """
-    from omnivox.services.defaults import ensure_default_model
+    from omnivox.services.parts.defaults import ensure_default_model
 
     return ensure_default_model(progress=False)
 

@@ -8,7 +8,7 @@ Each family's own prompt and reading of its answer are methods of its encoder cl
   Without a language the model answers `language <Name><asr_text><text>`: the detected language comes first.
 - Qwen2-Audio (Instruct): no transcription recipe of its own in transformers; ours is a plain instruction after the
   audio ("Transcribe the speech ..."), naming the language when one is given, and the context when one is given.
-- Voxtral: mistral_common's TranscriptionRequest (services/voxtral_prompt.py), not chat messages; its answer is the
+- Voxtral: mistral_common's TranscriptionRequest (services/processing/voxtral_prompt.py), not chat messages; its answer is the
   plain transcript.
 Rendering goes through the checkpoint's own chat template (`processor.apply_chat_template`), so the audio marker
 is whatever the template writes; `AudioEncoder.expand_prompt` then repeats it to the clip's placeholder count.

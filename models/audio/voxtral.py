@@ -10,7 +10,7 @@ all of it (one normalisation for the whole clip) and cuts it into 3000-frame chu
 Placeholders: `375 * ceil(samples / 480000)` for the real config (max_source_positions * hidden / intermediate per
 chunk), every chunk full. The token is `config.audio_token_id` (`[AUDIO]`, 24 in the real tokenizer).
 Prompts are not built here: Voxtral's tokenizer and chat format come from `mistral_common`
-(services/voxtral_prompt.py). `max_seconds` (default 300 s) is our bound.
+(services/processing/voxtral_prompt.py). `max_seconds` (default 300 s) is our bound.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class VoxtralAudioEncoder(AudioEncoder):
 
     @classmethod
     def parse_transcription(cls, text: str, language: str | None = None) -> tuple[str | None, str]:
-        """Plain text (its prompt is mistral_common's TranscriptionRequest, services/voxtral_prompt.py); the forced
+        """Plain text (its prompt is mistral_common's TranscriptionRequest, services/processing/voxtral_prompt.py); the forced
         language is the ISO 639-1 code its request was written with."""
         return (language.strip().replace("_", "-").split("-")[0].lower() if language else None), text.strip()
 

@@ -8,7 +8,7 @@ them (`_extract_token_timestamps`; openai-whisper's `find_alignment` is the same
   -> the heads' mean, dynamic time warping of its negation (the monotonic token-to-frame path of least cost)
   -> a row's time is where the path first reaches it, in 0.02 s encoder frames (`row_times`). transformers gives
      token k the time of the row where k is the decoder's input (the prompt's tokens 0, the last token the time of
-     the one before it: it was never fed back); services/whisper_words.py gives it the row that predicts it, as
+     the one before it: it was never fed back); services/output/whisper_words.py gives it the row that predicts it, as
      openai-whisper does, so the end-of-text row ends the last word.
 
 The dense re-run reads the same weights as the engine's paged decode step; it holds no KV cache.

@@ -68,7 +68,7 @@ class VisionEncoder(nn.Module, ABC):
     bidirectional_images: bool = False
     # Why a part's max_pixels cannot lower this family's image tokens, or None when it can. Set where the processor
     # resizes every image to one size (LLaVA 1.5, Gemma 3 without pan-and-scan): a smaller image would only come out
-    # blurred at the same token count, so the service refuses the field (services/image_prompt.py) instead.
+    # blurred at the same token count, so the service refuses the field (services/processing/image_prompt.py) instead.
     max_pixels_refusal: str | None = None
 
     @staticmethod

@@ -1,6 +1,6 @@
 """hibari-tts (Apache-2.0): an English voice distilled from Kokoro-82M's "heart", 6.2 M parameters, int8 ONNX, 24 kHz.
 
-The package is unpacked from its sha256-pinned wheel into the model cache (services/defaults.py) and imported from
+The package is unpacked from its sha256-pinned wheel into the model cache (services/parts/defaults.py) and imported from
 there under a private name (`_omnivox_hibari`, so an installed `hibari` is never shadowed nor used). We use three of
 its pieces: the grapheme-to-phoneme step (misaki lexicons + small OOV networks, no espeak), the ONNX session and the
 host-side signal processing (dsp.synth: the network predicts spectra, numpy turns them into a waveform).

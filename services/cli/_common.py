@@ -44,7 +44,7 @@ def add_connection_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_cache_salt_arg(parser: argparse.ArgumentParser) -> None:
-    """--cache-salt, for the commands whose requests take `cache_salt` (services/cache_salt.py)."""
+    """--cache-salt, for the commands whose requests take `cache_salt` (services/processing/cache_salt.py)."""
     parser.add_argument(
         "--cache-salt",
         default="",
@@ -79,7 +79,7 @@ def connect(args: argparse.Namespace) -> grpc.Channel:
 
 def rpc_error_line(err: grpc.RpcError, server: str) -> str:
     """One line for a failed call, with every field violation the server named."""
-    from omnivox.services.rpc_errors import status_details
+    from omnivox.services.grpc_api.rpc_errors import status_details
 
     code = err.code()
     text = err.details() or ""

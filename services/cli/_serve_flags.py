@@ -11,7 +11,7 @@ from omnivox.services.cli._common import CliError
 from omnivox.services.cli._engine_flags import add_engine_arguments
 
 if TYPE_CHECKING:
-    from omnivox.services.loading import ModelSpec
+    from omnivox.services.parts.loading import ModelSpec
 
 
 class _NameAction(argparse.Action):
@@ -240,14 +240,14 @@ def model_specs(
     activation_bits: list[str] = (),
 ) -> list[ModelSpec]:
     """One ModelSpec per --model (the embedded defaults without any), each with its --sampling-default overrides."""
-    from omnivox.services.defaults import (
+    from omnivox.services.parts.defaults import (
         DEFAULT_ASR_MODEL_NAME,
         DEFAULT_MODEL_NAME,
         DEFAULT_SPEECH_MODEL_NAME,
         DEFAULT_VOICE_MODEL_NAME,
     )
-    from omnivox.services.loading import ModelSpec, model_name_for
-    from omnivox.services.vision_defaults import DEFAULT_IMAGE_MODEL_NAME
+    from omnivox.services.parts.loading import ModelSpec, model_name_for
+    from omnivox.services.parts.vision_defaults import DEFAULT_IMAGE_MODEL_NAME
 
     if len(names) > max(len(models), 1):
         raise CliError(f"{len(names)} --name given for {len(models)} --model")
@@ -336,7 +336,7 @@ def check_flag_values(args: argparse.Namespace) -> None:
         check_device(args.device)
     check_tls_files(args)
     if args.api_keys is not None and args.api_keys.is_file():  # a missing file is named by serve.run
-        from omnivox.services.auth import load_api_keys
+        from omnivox.services.grpc_api.auth import load_api_keys
 
         try:  # else the server's start raised it: a traceback
             load_api_keys(args.api_keys)

@@ -1,6 +1,6 @@
 """The client side of API keys: `authorization: Bearer KEY` added to every call of a channel.
 
-Its own module, away from services/auth.py (the server's key checks, quotas and call logging, which import the
+Its own module, away from services/grpc_api/auth.py (the server's key checks, quotas and call logging, which import the
 metrics and so the engine and torch): a client command given --api-key imported all of that, 5-6 s of torch per
 command on a busy 2-core machine against 0.4 s without a key."""
 

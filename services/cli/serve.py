@@ -14,7 +14,7 @@ from omnivox.services.cli._node_flags import add_node_arguments, node_group, run
 from omnivox.services.cli._serve_flags import add_serve_arguments, check_flag_values, model_specs
 
 if TYPE_CHECKING:
-    from omnivox.services.server import OmnivoxServer
+    from omnivox.services.grpc_api.server import OmnivoxServer
     from omnivox.v1 import generation_pb2
 
 DEMO_PROMPT = "In one sentence, what is a gRPC server?"
@@ -32,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from omnivox.services.loading import EngineOptions, ModelLoadError, check_model_path
+    from omnivox.services.parts.loading import EngineOptions, ModelLoadError, check_model_path
 
     try:  # before importing the server (and torch): a wrong path fails in a blink
         for path in args.models:
@@ -50,8 +50,8 @@ def run(args: argparse.Namespace) -> int:
         args.models, args.names, args.sampling_defaults, args.quantization, args.speculative, args.activation_bits
     )
     from omnivox.codecs.streaming import StreamingOptions
-    from omnivox.services import server
-    from omnivox.services.auth import Quota
+    from omnivox.services.grpc_api import server
+    from omnivox.services.grpc_api.auth import Quota
     from omnivox.services.limits import GrpcLimits
 
     check_server_flags(args)
@@ -164,7 +164,7 @@ def check_tensor_parallel(args: argparse.Namespace) -> None:
 def trace_exporter(args: argparse.Namespace):
     if not (args.trace_console or args.otlp_endpoint):
         return None
-    from omnivox.services.tracing import exporter_for
+    from omnivox.services.grpc_api.tracing import exporter_for
 
     try:
         return exporter_for(args.trace_console, args.otlp_endpoint)

@@ -88,8 +88,8 @@ def test_worker_measures_rates_and_sizes_new_streams(tmp_path):
 
 def test_speech_part_sizes_the_start_unless_options_are_given(tmp_path):
     """`serve --speech-first-hop N` passes options: every stream starts with them; without, starts are sized."""
-    from omnivox.services.defaults import save_random_speech_model
-    from omnivox.services.speech_part import load_speech_part
+    from omnivox.services.parts.defaults import save_random_speech_model
+    from omnivox.services.parts.speech_part import load_speech_part
 
     folder = save_random_speech_model(tmp_path / "speech", snac_config=dict(SNAC_24KHZ_CONFIG, encoder_dim=8,
                                                                             decoder_dim=64))  # fmt: skip

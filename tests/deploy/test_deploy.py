@@ -23,10 +23,10 @@ import pytest
 import yaml
 from support.deploy_manifests import DEPLOY, KUBERNETES_VERSION, OVERLAYS, ROOT, render_overlay, validate
 
-from omnivox.services.bindings import omnivox_services
 from omnivox.services.cli import build_parser
-from omnivox.services.registry import ModelRegistry
-from omnivox.services.server import ServerOptions
+from omnivox.services.grpc_api.bindings import omnivox_services
+from omnivox.services.grpc_api.server import ServerOptions
+from omnivox.services.parts.registry import ModelRegistry
 
 DOCKERFILES = [ROOT / "docker" / "Dockerfile", ROOT / "docker" / "Dockerfile.cuda"]
 

@@ -12,10 +12,10 @@ from support.service_harness import ServerThread
 from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
 from omnivox.codecs.streaming import StreamingOptions
 from omnivox.engine import InvalidRequest, SamplingParams
-from omnivox.services import speech_request
-from omnivox.services.defaults import save_random_speech_model
-from omnivox.services.loading import EngineOptions, ModelSpec
-from omnivox.services.speech import SpeechServicer
+from omnivox.services.grpc_api.speech import SpeechServicer
+from omnivox.services.parts.defaults import save_random_speech_model
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
+from omnivox.services.processing import speech_request
 from omnivox.v1 import content_pb2, speech_pb2, speech_pb2_grpc
 
 PROMPTS = [list(range(5, 5 + n)) for n in (3, 17, 40)]

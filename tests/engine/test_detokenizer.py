@@ -102,7 +102,7 @@ def sentencepiece_tokenizer():
 @pytest.fixture(scope="module")
 def tokenizers_under_test(tokenizer):
     from omnivox.models.checkpoint import load_tokenizer
-    from omnivox.services.defaults import ensure_default_model
+    from omnivox.services.parts.defaults import ensure_default_model
 
     return {
         "tiny-bpe": tokenizer,

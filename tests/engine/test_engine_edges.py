@@ -17,7 +17,7 @@ from omnivox.engine import InvalidRequest, SamplingParams, shared
 from omnivox.engine.speculative import NgramProposer
 from omnivox.engine.structured import compile_grammar, grammar_tokenizer
 from omnivox.models.orpheus import SpeechLayout, SpeechTokenConstraint
-from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 from omnivox.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
 
 PROMPT = [5, 6, 7, 5, 6, 7, 5, 6]  # repeats: the n-gram proposer drafts from it

@@ -26,9 +26,9 @@ from omnivox.engine import SamplingParams
 from omnivox.engine.draft import DraftModelProposer
 from omnivox.engine.speculative import NgramProposer
 from omnivox.engine.structured import compile_grammar, grammar_tokenizer
-from omnivox.services.loading import EngineOptions, ModelSpec
-from omnivox.services.reasoning import Start, ThinkTags, gate
-from omnivox.services.whisper import transcribe
+from omnivox.services.calls.whisper import transcribe
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
+from omnivox.services.processing.reasoning import Start, ThinkTags, gate
 from omnivox.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6], list(range(30, 50)) * 2]

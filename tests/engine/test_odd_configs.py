@@ -14,7 +14,7 @@ from support.checkpoints import make_checkpoint
 from support.service_harness import ServerThread, user_request
 from support.vision_checkpoints import make_qwen2_5_vl, png_bytes, sample_image
 
-from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc
 
 PROMPTS = [("word " * n + f"number {n}").strip() for n in (1, 2, 4, 6, 9, 12, 15, 18)]

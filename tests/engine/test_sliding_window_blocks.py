@@ -153,7 +153,7 @@ def test_grpc_a_pool_smaller_than_the_context_serves_the_whole_length(ckpt, keep
     a request holds at most one step's window plus its chunk; the context is not capped to the pool (it was: 160)."""
     from support.service_harness import ServerThread, user_request
 
-    from omnivox.services.loading import EngineOptions, ModelSpec
+    from omnivox.services.parts.loading import EngineOptions, ModelSpec
     from omnivox.v1 import generation_pb2_grpc
 
     gib = 10 * BLOCK * ckpt_kv_bytes(keeping) / 2**30

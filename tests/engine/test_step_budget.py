@@ -78,7 +78,7 @@ def test_served_engine_holds_the_flagged_budget(ckpt):
     Generate over gRPC completes under it."""
     from support.service_harness import ServerThread, user_request
 
-    from omnivox.services.loading import EngineOptions, ModelSpec
+    from omnivox.services.parts.loading import EngineOptions, ModelSpec
     from omnivox.v1 import generation_pb2_grpc
 
     specs = [ModelSpec(path=ckpt, name="tiny")]
@@ -95,7 +95,7 @@ def test_max_step_ms_measures_text_engines_and_leaves_whisper_alone(ckpt, tmp_pa
     from support.service_harness import ServerThread
     from support.whisper_checkpoints import make_whisper
 
-    from omnivox.services.loading import EngineOptions, ModelSpec
+    from omnivox.services.parts.loading import EngineOptions, ModelSpec
 
     specs = [ModelSpec(path=ckpt, name="tiny"), ModelSpec(path=make_whisper(tmp_path / "whisper"), name="whisper")]
     with ServerThread(specs, EngineOptions(kv_cache_gib=0.01, max_num_batched_tokens=32, max_step_ms=1e4)) as s:

@@ -128,11 +128,12 @@ def test_finished_grammar_wins_over_min_tokens(engine) -> None:
 
 def test_realistic_tokenizer_json_and_tool_calls(default_gguf, tmp_path) -> None:
     """SmolLM2's 49 152-token BPE (multi-character tokens, special tokens) under a tiny random decoder: sampled JSON
-    validates and a required tool call parses, with the Hermes grammar services/tools.py builds."""
+    validates and a required tool call parses, with the Hermes grammar services/processing/tools.py builds."""
     from support.checkpoints import make_checkpoint
 
     from omnivox.models.checkpoint import load_tokenizer
-    from omnivox.services import tool_grammar, tool_parser, tools
+    from omnivox.services.output import tool_parser
+    from omnivox.services.processing import tool_grammar, tools
 
     hf = load_tokenizer(default_gguf)
     ckpt = make_checkpoint(

@@ -15,7 +15,7 @@ from omnivox.models.quant import BlockLinear
 from omnivox.services.cli import main
 from omnivox.services.cli._common import CliError
 from omnivox.services.cli._serve_flags import model_specs
-from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 from omnivox.v1 import generation_pb2_grpc, sampling_pb2
 
 pytestmark = pytest.mark.cpu_paths  # also run on the AVX2 builds: make test's second pass

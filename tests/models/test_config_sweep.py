@@ -17,7 +17,7 @@ from support.service_harness import ServerThread, user_request
 
 from omnivox.engine import SamplingParams
 from omnivox.models.config import ModelConfig
-from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 from omnivox.v1 import generation_pb2_grpc
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}

@@ -25,7 +25,7 @@ from omnivox.models import quant
 from omnivox.models.checkpoint import iter_checkpoint_tensors, load_hf_config
 from omnivox.models.gguf_checkpoint import gguf_tensor_table
 from omnivox.models.moe import Experts, QuantizedExperts
-from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 from omnivox.v1 import generation_pb2_grpc
 
 

@@ -124,12 +124,12 @@ def test_weight_names_route_to_their_part() -> None:
 
 
 def test_a_vision_checkpoint_without_its_processor_fails_to_load_naming_it(tmp_path: Path) -> None:
-    """Image input needs the checkpoint's own processor (services/image_prompt.py); without one the model is not
+    """Image input needs the checkpoint's own processor (services/processing/image_prompt.py); without one the model is not
     served as text-only in silence: loading fails with the reason (tests/services/generation/test_service_images.py serves full ones)."""
     from support.checkpoints import make_tokenizer
     from support.service_harness import ServerThread
 
-    from omnivox.services.loading import EngineOptions, ModelLoadError, ModelSpec
+    from omnivox.services.parts.loading import EngineOptions, ModelLoadError, ModelSpec
 
     path, _ = _llava(tmp_path / "llava")
     make_tokenizer(path, TEXT["vocab_size"])

@@ -33,7 +33,7 @@ from omnivox.engine.errors import ModelGroupBroken
 from omnivox.engine.tensor_parallel import TensorParallelModel
 from omnivox.models.pipeline import PipelineStage, stage_layers
 from omnivox.services.cli._node_flags import node_group
-from omnivox.services.prompt import ChatPromptBuilder
+from omnivox.services.processing.prompt import ChatPromptBuilder
 from omnivox.v1 import generation_pb2_grpc, sampling_pb2
 
 PROMPTS = [[1, 17, 42, 99, 7], [1, *range(300, 340)], [1, 5, 6, 8, 13, 21, 34, 55, 89], [1, *range(50, 70)]]

@@ -19,11 +19,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support.checkpoints import make_checkpoint
 from support.service_harness import ServerThread, user_request
 
-from omnivox.services.auth import Quota, QuotaBook, load_api_keys
 from omnivox.services.cli.bearer import BearerKey
 from omnivox.services.errors import Code, ServiceError
-from omnivox.services.loading import EngineOptions, ModelSpec
-from omnivox.services.rpc_errors import status_details
+from omnivox.services.grpc_api.auth import Quota, QuotaBook, load_api_keys
+from omnivox.services.grpc_api.rpc_errors import status_details
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, model_pb2, model_pb2_grpc
 
 KEY = "sk-test-0123456789"

@@ -31,13 +31,13 @@ from support.checkpoints import make_checkpoint
 from support.paths import REPO_ROOT
 from support.service_harness import ServerThread, user_request
 
-from omnivox.services.auth import KeyFile, Quota, QuotaBook
 from omnivox.services.cli import build_parser
 from omnivox.services.cli import main as cli_main
 from omnivox.services.cli._serve_flags import check_flag_values
 from omnivox.services.errors import ServiceError
-from omnivox.services.loading import EngineOptions, ModelSpec
-from omnivox.services.tls import CertificateFiles
+from omnivox.services.grpc_api.auth import KeyFile, Quota, QuotaBook
+from omnivox.services.grpc_api.tls import CertificateFiles
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 from omnivox.v1 import generation_pb2, generation_pb2_grpc, model_pb2, model_pb2_grpc
 
 

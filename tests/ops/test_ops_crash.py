@@ -14,10 +14,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support.checkpoints import make_checkpoint
 from support.service_harness import user_request
 
-from omnivox.services import server as server_module
-from omnivox.services.loading import EngineOptions, ModelSpec
-from omnivox.services.registry import ModelState
-from omnivox.services.server import ENGINE_FAILED_EXIT, OmnivoxServer, ServerOptions
+from omnivox.services.grpc_api import server as server_module
+from omnivox.services.grpc_api.server import ENGINE_FAILED_EXIT, OmnivoxServer, ServerOptions
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
+from omnivox.services.parts.registry import ModelState
 from omnivox.v1 import generation_pb2_grpc
 
 

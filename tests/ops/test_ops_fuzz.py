@@ -18,11 +18,11 @@ from support.checkpoints import make_checkpoint
 from support.service_harness import ServerThread
 
 from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
-from omnivox.services import validation
-from omnivox.services.defaults import save_random_speech_model
 from omnivox.services.errors import Code, ServiceError
-from omnivox.services.loading import EngineOptions, ModelSpec
-from omnivox.services.speech import SpeechServicer
+from omnivox.services.grpc_api.speech import SpeechServicer
+from omnivox.services.parts.defaults import save_random_speech_model
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
+from omnivox.services.processing import validation
 from omnivox.v1 import (
     generation_pb2,
     generation_pb2_grpc,

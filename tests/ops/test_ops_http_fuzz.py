@@ -17,9 +17,9 @@ from support.checkpoints import make_checkpoint
 from support.service_harness import ServerThread, nothing_left
 
 from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
-from omnivox.services.defaults import save_random_speech_model
-from omnivox.services.loading import EngineOptions, ModelSpec
-from omnivox.services.speech import SpeechServicer
+from omnivox.services.grpc_api.speech import SpeechServicer
+from omnivox.services.parts.defaults import save_random_speech_model
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ from support.paths import REPO_ROOT
 from support.service_harness import ServerThread
 
 from omnivox.benchmarks.load_fault import ResourceSampler, wait_idle
-from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 
 REPO = REPO_ROOT
 

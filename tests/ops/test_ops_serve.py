@@ -21,7 +21,7 @@ import pytest
 from support.checkpoints import make_checkpoint
 from support.serve_process import ServeProcess, omnivox, wait_for_log
 
-from omnivox.services.rpc_errors import rpc_method
+from omnivox.services.grpc_api.rpc_errors import rpc_method
 from omnivox.v1 import generation_pb2, generation_pb2_grpc, model_pb2, model_pb2_grpc
 
 KEY = "sk-serve-test-123456"
@@ -48,7 +48,7 @@ def test_sigterm_under_load_with_keys_and_metrics(tmp_path: Path) -> None:
       load 3.5-5.7 with a busy loop on the other core);
     - the exit after `stopped` (interpreter teardown) within the server's own start-up time in this run
       (interpreter start, the same imports, the model load): measured 0.5-1.3 s against 4.5-31 s. Before the server
-      froze its heap there (services/server.py), the final GC took 1.9-6.9 s: the likely cause of the one uncaptured
+      froze its heap there (services/grpc_api/server.py), the final GC took 1.9-6.9 s: the likely cause of the one uncaptured
       failure of the old fixed `< 12 s` from SIGTERM to exit (load ~7.5);
     - the other timeouts only stop a hung test (a server or client that never answers), several times what a
       loaded machine needs.
@@ -89,7 +89,9 @@ def test_sigterm_under_load_with_keys_and_metrics(tmp_path: Path) -> None:
         call_s = _mean(scrape, "omnivox_e2e_request_latency_seconds") + SOAK_MAX_TOKENS * itl_s
         signaled = time.monotonic()
         os.kill(serve.proc.pid, signal.SIGTERM)
-        wait_for_log(serve, "omnivox.services.server: stopped", timeout=3 * grace_s)  # by the grace period + closing
+        wait_for_log(
+            serve, "omnivox.services.grpc_api.server: stopped", timeout=3 * grace_s
+        )  # by the grace period + closing
         drain_s = time.monotonic() - signaled
         assert serve.proc.wait(timeout=3 * startup_s) == 0, "".join(serve.log)
         exit_s = time.monotonic() - signaled - drain_s

@@ -4,12 +4,12 @@ children in order; off unless an exporter is configured."""
 from __future__ import annotations
 
 # A plain import, not importorskip: opentelemetry is in the dev extra, so a missing SDK fails here instead of
-# skipping the only test of services/tracing.py unseen.
+# skipping the only test of services/grpc_api/tracing.py unseen.
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from support.checkpoints import make_checkpoint
 from support.service_harness import ServerThread, user_request
 
-from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 from omnivox.v1 import generation_pb2_grpc
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -54,8 +54,8 @@ def test_encode_and_codec_spans(tmp_path) -> None:
     from support.audio_checkpoints import encode, make_qwen2_audio, tone
 
     from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
-    from omnivox.services.defaults import save_random_speech_model
-    from omnivox.services.speech import SpeechServicer
+    from omnivox.services.grpc_api.speech import SpeechServicer
+    from omnivox.services.parts.defaults import save_random_speech_model
     from omnivox.v1 import content_pb2, generation_pb2, speech_pb2, speech_pb2_grpc
 
     audio_model = make_qwen2_audio(tmp_path / "qwen2_audio", seed=1)

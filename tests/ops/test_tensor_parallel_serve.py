@@ -19,7 +19,7 @@ from support.service_harness import user_request
 from omnivox.engine import Engine, SamplingParams
 from omnivox.services.cli import serve as serve_cli
 from omnivox.services.cli._common import CliError
-from omnivox.services.prompt import ChatPromptBuilder
+from omnivox.services.processing.prompt import ChatPromptBuilder
 from omnivox.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
 
 

@@ -14,9 +14,9 @@ from support.checkpoints import make_checkpoint
 from support.service_harness import ServerThread
 from support.whisper_checkpoints import make_whisper
 
-from omnivox.services.loading import EngineOptions, ModelSpec
-from omnivox.services.rpc_errors import status_details
-from omnivox.services.whisper_part import MAX_PROMPT_CHARS
+from omnivox.services.grpc_api.rpc_errors import status_details
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
+from omnivox.services.parts.whisper_part import MAX_PROMPT_CHARS
 from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, transcription_pb2, transcription_pb2_grpc
 
 WAV = encode(tone(0.5), 16000, "WAV")

@@ -1,4 +1,4 @@
-"""services/bundle.py: what a served model is, and what it accepts and produces follows from the parts it holds."""
+"""services/parts/bundle.py: what a served model is, and what it accepts and produces follows from the parts it holds."""
 
 from __future__ import annotations
 
@@ -10,9 +10,13 @@ import pytest
 from support.checkpoints import make_checkpoint
 
 from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
-from omnivox.services.bundle import AUDIO, TEXT, load_bundle, modalities, probe, read_generation_config
-from omnivox.services.defaults import DEFAULT_GENERATION_CONFIG, DEFAULT_SPEECH_UNTRAINED, save_random_speech_model
-from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.parts.bundle import AUDIO, TEXT, load_bundle, modalities, probe, read_generation_config
+from omnivox.services.parts.defaults import (
+    DEFAULT_GENERATION_CONFIG,
+    DEFAULT_SPEECH_UNTRAINED,
+    save_random_speech_model,
+)
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 
 OPTIONS = EngineOptions(kv_cache_gib=0.01, device="cpu")
 
@@ -71,8 +75,8 @@ def test_a_speech_checkpoint_brings_its_codec_and_layout_defaults(tmp_path: Path
 def test_a_speech_model_without_its_codec_fails_to_load_not_at_its_first_request(tmp_path: Path) -> None:
     import shutil
 
-    from omnivox.services.loading import ModelLoadError, load, resolve
-    from omnivox.services.registry import ModelState
+    from omnivox.services.parts.loading import ModelLoadError, load, resolve
+    from omnivox.services.parts.registry import ModelState
 
     small = dict(SNAC_24KHZ_CONFIG, encoder_dim=8, decoder_dim=64)
     path = save_random_speech_model(tmp_path / "speech", snac_config=small)

@@ -18,12 +18,12 @@ from support.vision_checkpoints import make_llava, png_bytes, sample_image
 from support.whisper_checkpoints import make_whisper
 
 from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
-from omnivox.services.cache_salt import MAX_CACHE_SALT_CHARS, request_salt
-from omnivox.services.defaults import save_random_speech_model
-from omnivox.services.loading import EngineOptions, ModelSpec
-from omnivox.services.rpc_errors import status_details
-from omnivox.services.speech import SpeechServicer
-from omnivox.services.whisper_part import TranscriptCache
+from omnivox.services.grpc_api.rpc_errors import status_details
+from omnivox.services.grpc_api.speech import SpeechServicer
+from omnivox.services.parts.defaults import save_random_speech_model
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
+from omnivox.services.parts.whisper_part import TranscriptCache
+from omnivox.services.processing.cache_salt import MAX_CACHE_SALT_CHARS, request_salt
 from omnivox.v1 import (
     content_pb2,
     generation_pb2,
@@ -167,7 +167,7 @@ def test_speech_prompts_are_cached_per_caller(served) -> None:
 
 def test_grammar_compiles_are_per_caller(served) -> None:
     """A response_format's or tools' compiled grammar (a cache hit answers at once) is shared within a caller and a
-    salt only: read from the model's compile counter (services/structured.py), not timing."""
+    salt only: read from the model's compile counter (services/processing/structured.py), not timing."""
     grammars = served["server"].registry.lookup("text").bundle.grammars
     fmt = generation_pb2.ResponseFormat(regex="isolated [0-9]")
     schema = '{"type": "object", "properties": {"q": {"type": "string"}}}'

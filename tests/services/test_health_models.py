@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support.checkpoints import make_checkpoint
 from support.service_harness import ServerThread, user_request
 
-from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 from omnivox.v1 import generation_pb2_grpc
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -16,8 +16,8 @@ import openai
 import pytest
 from support.service_harness import ServerThread, user_request
 
-from omnivox.services.defaults import DEFAULT_MODEL_NAME
-from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.parts.defaults import DEFAULT_MODEL_NAME
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 from omnivox.v1 import generation_pb2_grpc
 
 pytestmark = pytest.mark.slow

@@ -15,9 +15,9 @@ import pytest
 import soundfile as sf
 from support.service_harness import ServerThread
 
-from omnivox.services.defaults import DEFAULT_MODEL_NAME, DEFAULT_VOICE_MODEL_NAME, ensure_default_voice
-from omnivox.services.loading import EngineOptions
-from omnivox.services.model_spec import ModelSpec
+from omnivox.services.parts.defaults import DEFAULT_MODEL_NAME, DEFAULT_VOICE_MODEL_NAME, ensure_default_voice
+from omnivox.services.parts.loading import EngineOptions
+from omnivox.services.parts.model_spec import ModelSpec
 
 pytestmark = [
     pytest.mark.slow,

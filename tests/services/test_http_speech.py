@@ -19,8 +19,8 @@ import soundfile as sf
 from support.service_harness import ServerThread, nothing_left
 
 from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
-from omnivox.services.defaults import DEFAULT_VOICE_MODEL_NAME, ensure_default_voice, save_random_speech_model
-from omnivox.services.model_spec import ModelSpec
+from omnivox.services.parts.defaults import DEFAULT_VOICE_MODEL_NAME, ensure_default_voice, save_random_speech_model
+from omnivox.services.parts.model_spec import ModelSpec
 from omnivox.v1 import speech_pb2, speech_pb2_grpc
 
 pytestmark = [

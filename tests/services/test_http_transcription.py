@@ -17,8 +17,8 @@ from support.audio_checkpoints import espeak_wav
 from support.service_harness import ServerThread
 
 from omnivox.benchmarks.transcription import word_error_rate
-from omnivox.services.defaults import DEFAULT_ASR_MODEL_NAME, ensure_default_whisper
-from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.parts.defaults import DEFAULT_ASR_MODEL_NAME, ensure_default_whisper
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 
 pytestmark = pytest.mark.slow
 SENTENCE = "The quick brown fox jumps over the lazy dog. Please call Stella and ask her to bring these things."

@@ -39,8 +39,8 @@ FAMILY_MODULES = (
 _SCRIPT = """
 import json, sys
 import omnivox.services.cli.serve
-import omnivox.services.server
-from omnivox.services.loading import EngineOptions, ModelSpec, load, resolve
+import omnivox.services.grpc_api.server
+from omnivox.services.parts.loading import EngineOptions, ModelSpec, load, resolve
 from omnivox.models.config import served_families
 
 ready = []

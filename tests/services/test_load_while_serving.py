@@ -1,4 +1,4 @@
-"""A model loads while another serves: services/server.py loads models one after another and serves each as soon as
+"""A model loads while another serves: services/grpc_api/server.py loads models one after another and serves each as soon as
 it is ready, so on CUDA the newcomer captures its decode graphs (engine/static_decode.py) while the first engine's
 thread runs steps. The capture must survive that (thread-local capture mode) and the serving engine must not fail a
 step. On the CPU the same test checks two engines side by side; benchmarks/gpu_check.sh runs it on CUDA."""

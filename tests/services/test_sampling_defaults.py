@@ -12,11 +12,11 @@ from support.paths import REPO_ROOT
 from support.service_harness import ServerThread, user_request
 
 from omnivox.engine import SamplingParams
-from omnivox.services.bundle import read_generation_config
 from omnivox.services.cli._common import CliError
 from omnivox.services.cli._serve_flags import model_specs, parse_sampling_default
-from omnivox.services.defaults import DEFAULT_GENERATION_CONFIG, DEFAULT_MODEL_NAME, DEFAULT_SPEECH_MODEL_NAME
-from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.parts.bundle import read_generation_config
+from omnivox.services.parts.defaults import DEFAULT_GENERATION_CONFIG, DEFAULT_MODEL_NAME, DEFAULT_SPEECH_MODEL_NAME
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 from omnivox.v1 import generation_pb2_grpc, model_pb2, model_pb2_grpc, sampling_pb2
 
 
@@ -145,8 +145,8 @@ def test_the_shipped_defaults_are_package_data() -> None:
 
 
 def test_a_bad_override_is_refused_before_loading(checkpoint: Path) -> None:
-    from omnivox.services.loading import ModelLoadError
-    from omnivox.services.server import build_registry
+    from omnivox.services.grpc_api.server import build_registry
+    from omnivox.services.parts.loading import ModelLoadError
 
     with pytest.raises(ModelLoadError, match="bad sampling default: top_p must be in"):
         build_registry([ModelSpec(path=checkpoint, sampling_overrides={"top_p": 0.0})], max_queue=4)

@@ -13,9 +13,9 @@ from support.checkpoints import make_checkpoint
 from support.service_harness import ServerThread, user_request
 from support.waiting import wait_until
 
-from omnivox.services import loading
-from omnivox.services.loading import EngineOptions, ModelSpec
-from omnivox.services.registry import ModelState
+from omnivox.services.parts import loading
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
+from omnivox.services.parts.registry import ModelState
 from omnivox.v1 import generation_pb2_grpc
 
 KV_GIB = 0.01

@@ -15,7 +15,7 @@ from support.checkpoints import make_checkpoint
 from support.service_harness import ServerThread, user_request
 from support.whisper_checkpoints import make_whisper
 
-from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 from omnivox.v1 import generation_pb2_grpc, model_pb2, model_pb2_grpc
 
 KV = EngineOptions(kv_cache_gib=0.01)
@@ -141,8 +141,8 @@ def test_large_messages_accepted(server: ServerThread) -> None:
 
 
 def test_duplicate_names_rejected(checkpoints) -> None:
-    from omnivox.services.loading import ModelLoadError
-    from omnivox.services.server import build_registry
+    from omnivox.services.grpc_api.server import build_registry
+    from omnivox.services.parts.loading import ModelLoadError
 
     with pytest.raises(ModelLoadError, match="two models are named"):
         build_registry([ModelSpec(path=checkpoints[0], name="x"), ModelSpec(path=checkpoints[1], name="x")], 8)
@@ -183,7 +183,7 @@ def test_health_watch_does_not_hold_shutdown(checkpoints) -> None:
 
 def test_generate_refuses_a_speech_only_model(checkpoints, tmp_path: Path) -> None:
     """A model whose only output is audio is named on `model` by Generate; ListModels shows it untrained."""
-    from omnivox.services.defaults import save_random_speech_model
+    from omnivox.services.parts.defaults import save_random_speech_model
 
     speech = save_random_speech_model(tmp_path / "speech")
     with ServerThread([ModelSpec(path=checkpoints[0], name="text"), ModelSpec(path=speech, name="voice")], KV) as srv:

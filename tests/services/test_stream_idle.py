@@ -13,9 +13,9 @@ from support.service_harness import ServerThread
 from support.whisper_checkpoints import make_whisper
 
 from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
-from omnivox.services.defaults import save_random_speech_model
-from omnivox.services.loading import EngineOptions, ModelSpec
-from omnivox.services.speech import SpeechServicer
+from omnivox.services.grpc_api.speech import SpeechServicer
+from omnivox.services.parts.defaults import save_random_speech_model
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 from omnivox.v1 import content_pb2, speech_pb2, speech_pb2_grpc, transcription_pb2, transcription_pb2_grpc
 
 IDLE_S = 1.0

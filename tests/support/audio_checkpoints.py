@@ -20,7 +20,7 @@ import transformers
 from transformers.models.qwen3_asr.feature_extraction_qwen3_asr import Qwen3ASRFeatureExtractor
 
 from omnivox.models.checkpoint import load_tokenizer
-from omnivox.services.defaults import ensure_default_model
+from omnivox.services.parts.defaults import ensure_default_model
 
 QWEN2_AUDIO_TOKENS = {
     "audio_token": "<|AUDIO|>",

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from omnivox.models.checkpoint import load_tokenizer
 from omnivox.models.csm_random import save_random_csm
-from omnivox.services.defaults import ensure_default_model
+from omnivox.services.parts.defaults import ensure_default_model
 from support.mimi_checkpoints import TINY_MIMI_CONFIGS
 
 TINY_CSM_SHAPES: dict[str, dict] = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from omnivox.services.defaults import DEFAULT_MODEL_NAME
+from omnivox.services.parts.defaults import DEFAULT_MODEL_NAME
 from support.service_harness import nothing_left
 
 QUESTION = "What is the capital of France?"

@@ -20,8 +20,8 @@ from typing import Any
 
 import grpc
 
-from omnivox.services.loading import EngineOptions, ModelSpec
-from omnivox.services.server import OmnivoxServer, ServerOptions, build_registry
+from omnivox.services.grpc_api.server import OmnivoxServer, ServerOptions, build_registry
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 from omnivox.v1 import content_pb2, generation_pb2
 from support.engines import device_under_test
 

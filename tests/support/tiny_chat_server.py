@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 from omnivox.v1 import generation_pb2
 from support.checkpoints import make_checkpoint
 from support.grpc_errors import violation_descriptions

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from omnivox.services import tool_parser
+from omnivox.services.output import tool_parser
 from omnivox.v1 import generation_pb2
 
 WEATHER = {

@@ -15,7 +15,7 @@ from PIL import Image
 
 from omnivox.models.checkpoint import load_tokenizer
 from omnivox.models.vision.base import image_only_processor_class
-from omnivox.services.defaults import ensure_default_model
+from omnivox.services.parts.defaults import ensure_default_model
 
 # One template for every family: the image marker is whatever `image_marker` the processor uses.
 _TEMPLATE = (

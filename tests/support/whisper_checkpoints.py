@@ -20,7 +20,7 @@ from transformers import GenerationConfig, WhisperConfig, WhisperFeatureExtracto
 from omnivox.models.attention import AttentionMetadata, PrefillChunk
 from omnivox.models.audio.whisper import WhisperModel
 from omnivox.models.checkpoint import load_tokenizer
-from omnivox.services.defaults import ensure_default_model
+from omnivox.services.parts.defaults import ensure_default_model
 
 N_MELS = 16
 LANGUAGES = ("en", "de", "fr", "es")

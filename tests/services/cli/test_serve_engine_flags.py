@@ -15,7 +15,7 @@ from omnivox.engine.speculative import NgramProposer
 from omnivox.models.quant import Int8Linear
 from omnivox.services.cli._common import CliError
 from omnivox.services.cli._serve_flags import model_specs
-from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 from omnivox.v1 import generation_pb2_grpc, sampling_pb2
 
 GREEDY = sampling_pb2.SamplingConfig(temperature=0.0)

@@ -26,7 +26,7 @@ from support.audio_checkpoints import (
 )
 from support.service_harness import ServerThread
 
-from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2
 
 STEPS = 8

@@ -17,8 +17,8 @@ from support.service_harness import ServerThread
 
 from omnivox.benchmarks import image_scenes
 from omnivox.benchmarks.train_image_model import HELD_OUT_SEED
-from omnivox.services.loading import EngineOptions, ModelSpec
-from omnivox.services.vision_defaults import DEFAULT_IMAGE_MODEL_NAME, ensure_default_image_model
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
+from omnivox.services.parts.vision_defaults import DEFAULT_IMAGE_MODEL_NAME, ensure_default_image_model
 from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, model_pb2, model_pb2_grpc, sampling_pb2
 
 pytestmark = pytest.mark.slow

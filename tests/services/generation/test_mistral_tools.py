@@ -18,8 +18,9 @@ from support.grpc_errors import violation_descriptions
 from support.service_harness import ServerThread, user_request
 from support.tool_calls import SCHEMAS, TOOLS, feed, run
 
-from omnivox.services import tool_grammar, tool_parser, tools
-from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.output import tool_parser
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
+from omnivox.services.processing import tool_grammar, tools
 from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2
 
 # Mistral-7B-Instruct-v0.3's tokenizer_config.json chat_template, shortened where it only checks role order: tools

@@ -21,8 +21,9 @@ from support.service_harness import ServerThread, user_request
 from support.tool_calls import SCHEMAS, TOOLS, feed, run
 from support.voxtral_checkpoint import write_tekken
 
-from omnivox.services import reasoning, tool_grammar, tool_parser, tools
-from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.output import tool_parser
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
+from omnivox.services.processing import reasoning, tool_grammar, tools
 from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2
 
 ID = re.compile(r"^[a-zA-Z0-9]{9}$")

@@ -27,9 +27,9 @@ from support.vision_checkpoints import chat_template, make_llava, make_qwen2_5_v
 from support.voxtral_checkpoint import make_voxtral_bundle
 from support.whisper_checkpoints import make_whisper
 
-from omnivox.services.loading import EngineOptions, ModelSpec
-from omnivox.services.rpc_errors import status_details
-from omnivox.services.whisper import transcribe
+from omnivox.services.calls.whisper import transcribe
+from omnivox.services.grpc_api.rpc_errors import status_details
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2
 
 _TOOLS_TEMPLATE = (

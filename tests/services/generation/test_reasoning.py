@@ -18,8 +18,9 @@ from support.grpc_errors import violation_descriptions
 from support.service_harness import ServerThread, user_request
 from support.tool_calls import TOOLS, run
 
-from omnivox.services import reasoning, tool_parser, tools
-from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.output import tool_parser
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
+from omnivox.services.processing import reasoning, tools
 from omnivox.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
 
 _TURNS = (

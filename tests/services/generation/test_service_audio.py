@@ -17,8 +17,8 @@ from support.service_harness import ServerThread, nothing_left
 
 from omnivox.codecs.audio_format import float_to_int16
 from omnivox.codecs.audio_input import decode_audio
-from omnivox.services.bundle import probe
-from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.parts.bundle import probe
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, model_pb2, model_pb2_grpc, sampling_pb2
 
 STEPS = 16

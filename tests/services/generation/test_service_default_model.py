@@ -15,8 +15,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from support.service_harness import ServerThread, user_request
 
 from omnivox.engine import SamplingParams
-from omnivox.services.defaults import DEFAULT_MODEL_NAME
-from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.parts.defaults import DEFAULT_MODEL_NAME
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 from omnivox.v1 import generation_pb2, generation_pb2_grpc, model_pb2, model_pb2_grpc, sampling_pb2
 
 pytestmark = pytest.mark.slow

@@ -16,8 +16,8 @@ from support.grpc_errors import field_violations
 from support.service_harness import ServerThread, user_request
 
 from omnivox.engine import SamplingParams
-from omnivox.services.loading import EngineOptions, ModelSpec
-from omnivox.services.rpc_errors import status_details
+from omnivox.services.grpc_api.rpc_errors import status_details
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2
 
 KV_GIB = 0.01  # 1310 blocks of 16 tokens for the tiny llama: plenty, and small

@@ -28,7 +28,7 @@ from support.vision_checkpoints import (
     sample_image,
 )
 
-from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, model_pb2, model_pb2_grpc
 
 CHUNK = 8  # max_num_batched_tokens: smaller than every image's feature rows

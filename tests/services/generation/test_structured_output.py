@@ -15,8 +15,8 @@ from support.checkpoints import make_checkpoint
 from support.grpc_errors import violation_descriptions
 from support.service_harness import ServerThread, user_request
 
-from omnivox.services import structured
-from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
+from omnivox.services.processing import structured
 from omnivox.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
 
 SEEDS = 50

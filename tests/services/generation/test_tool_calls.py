@@ -14,8 +14,8 @@ from support.grpc_errors import violation_descriptions
 from support.service_harness import ServerThread, user_request
 from support.tool_calls import SCHEMAS, TIME, TOOLS, feed, run
 
-from omnivox.services import tool_grammar, tools
-from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
+from omnivox.services.processing import tool_grammar, tools
 from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2
 
 HERMES_TEMPLATE = (

@@ -13,8 +13,8 @@ import pytest
 from support.service_harness import ServerThread, user_request
 from support.tiny_chat_server import invalid_argument, run, tiny_server
 
-from omnivox.services import tool_parser
-from omnivox.services.tools import plan, prompt_ids
+from omnivox.services.output import tool_parser
+from omnivox.services.processing.tools import plan, prompt_ids
 from omnivox.v1 import content_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2
 
 MAX_TOKENS = 200

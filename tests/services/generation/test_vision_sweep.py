@@ -34,7 +34,7 @@ from support.vision_variants import (
     make_qwen2_5_vl_variant,
 )
 
-from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 from omnivox.v1 import generation_pb2_grpc
 
 STEPS = 16  # test_service_images.ask asks for 16 greedy tokens

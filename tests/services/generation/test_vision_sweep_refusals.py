@@ -82,7 +82,7 @@ def test_llava_next_siglip_default_is_refused_naming_the_strategy_over_the_api(t
     """Through the server's loading path: the model fails to load with the reason, naming the config key."""
     from support.service_harness import ServerThread
 
-    from omnivox.services.loading import EngineOptions, ModelLoadError, ModelSpec
+    from omnivox.services.parts.loading import EngineOptions, ModelLoadError, ModelSpec
 
     path = make_llava_variant(tmp_path / "next-siglip", next_=True, tower="siglip")  # strategy "default"
     server = ServerThread([ModelSpec(path=path, name="next")], EngineOptions(kv_cache_gib=0.01, device="cpu"))

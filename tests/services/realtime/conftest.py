@@ -8,8 +8,8 @@ from support.realtime_support import QUESTION
 from support.service_harness import ServerThread
 
 from omnivox.benchmarks.realtime_sessions import synthesize_pcm16
-from omnivox.services.defaults import DEFAULT_MODEL_NAME, ensure_default_voice, ensure_default_whisper
-from omnivox.services.model_spec import EngineOptions, ModelSpec
+from omnivox.services.parts.defaults import DEFAULT_MODEL_NAME, ensure_default_voice, ensure_default_whisper
+from omnivox.services.parts.model_spec import EngineOptions, ModelSpec
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from omnivox.services.realtime.config import SessionConfig
-from omnivox.services.realtime.conversation import Conversation, Spoken, check_item
-from omnivox.services.realtime.protocol import RealtimeError
+from omnivox.services.openai_api.realtime.config import SessionConfig
+from omnivox.services.openai_api.realtime.conversation import Conversation, Spoken, check_item
+from omnivox.services.openai_api.realtime.protocol import RealtimeError
 
 
 def test_spoken_heard_keeps_whole_clauses_then_a_word_cut() -> None:

@@ -15,7 +15,7 @@ from support.realtime_support import QUESTION, STORY, TEXT_ONLY, engine_idle, me
 from support.service_harness import nothing_left
 
 from omnivox.benchmarks.realtime_sessions import RawSession
-from omnivox.services.defaults import DEFAULT_MODEL_NAME
+from omnivox.services.parts.defaults import DEFAULT_MODEL_NAME
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="no espeak-ng")]
 
@@ -110,7 +110,7 @@ def test_socket_killed_mid_response_leaks_nothing(server):
 
 
 def test_limits_events_per_second_and_idle_timeout(server):
-    from omnivox.services.realtime.session import RealtimeLimits
+    from omnivox.services.openai_api.realtime.session import RealtimeLimits
 
     route = server.server.http.realtime
     before = route.limits
@@ -159,7 +159,7 @@ def test_bearer_key_and_quota_hold_for_the_session(server):
     open session holds one of its caller's concurrent streams (a second is refused 429 with max_concurrent 1)."""
     import websockets
 
-    from omnivox.services.auth import AuthInterceptor, Quota, digest
+    from omnivox.services.grpc_api.auth import AuthInterceptor, Quota, digest
 
     front = server.server.http
     before = front.auth
@@ -191,7 +191,7 @@ def test_bearer_key_and_quota_hold_for_the_session(server):
 def test_buffer_limit_and_session_length(server):
     """Without turn detection the buffer holds at most max_buffer_s (more: input_audio_buffer_full, the append
     refused); an empty commit is refused; a session past max_session_s ends with session_expired."""
-    from omnivox.services.realtime.session import RealtimeLimits
+    from omnivox.services.openai_api.realtime.session import RealtimeLimits
 
     route = server.server.http.realtime
     before = route.limits

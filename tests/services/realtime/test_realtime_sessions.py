@@ -21,7 +21,7 @@ from omnivox.benchmarks.realtime_sessions import RawSession
 from omnivox.benchmarks.transcription import word_error_rate
 from omnivox.benchmarks.voices import transcribe as grpc_transcribe
 from omnivox.codecs.audio_format import wav_stream_header
-from omnivox.services.defaults import DEFAULT_ASR_MODEL_NAME, DEFAULT_MODEL_NAME
+from omnivox.services.parts.defaults import DEFAULT_ASR_MODEL_NAME, DEFAULT_MODEL_NAME
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("espeak-ng") is None, reason="no espeak-ng")]
 

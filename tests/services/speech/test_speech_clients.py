@@ -13,10 +13,10 @@ import pytest
 from support.service_harness import ServerThread
 
 from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
-from omnivox.services.defaults import save_random_speech_model
-from omnivox.services.loading import EngineOptions, ModelSpec
-from omnivox.services.speech import SpeechServicer
-from omnivox.services.speech_stream import ClauseCutter
+from omnivox.services.calls.speech_stream import ClauseCutter
+from omnivox.services.grpc_api.speech import SpeechServicer
+from omnivox.services.parts.defaults import save_random_speech_model
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 from omnivox.v1 import content_pb2, sampling_pb2, speech_pb2, speech_pb2_grpc
 
 SMALL_SNAC = dict(SNAC_24KHZ_CONFIG, encoder_dim=8, decoder_dim=64)
@@ -212,7 +212,7 @@ def test_a_stream_cancelled_as_its_requests_end_logs_no_unretrieved_exception():
     import asyncio
     import gc
 
-    from omnivox.services.stream_idle import idle_bounded
+    from omnivox.services.processing.stream_idle import idle_bounded
 
     async def scenario() -> None:
         gate = asyncio.Event()
@@ -316,7 +316,7 @@ def test_cli_speak_to_stdout_and_files(server, tmp_path, capsysbinary):
 def test_split_text_keeps_closing_quotes_and_cuts_cjk_at_its_sentences():
     """SynthesizeSpeech's segments: a sentence's closing quote or bracket was cut off ('He said "Stop.'), and CJK
     text (no space after its full stops) was cut every max_chars, mid-sentence, a '！' starting a segment."""
-    from omnivox.services.speech_text import split_text
+    from omnivox.services.processing.speech_text import split_text
 
     assert split_text('He said "Stop." Then he left. (Really.) Yes', 20) == [
         'He said "Stop."',

@@ -16,9 +16,9 @@ from support.csm_checkpoints import TINY_CSM_SHAPES, save_tiny_csm
 from support.service_harness import ServerThread
 from transformers import CsmForConditionalGeneration
 
-from omnivox.services.loading import EngineOptions, ModelSpec
-from omnivox.services.rpc_errors import status_details
-from omnivox.services.speech import SpeechServicer
+from omnivox.services.grpc_api.rpc_errors import status_details
+from omnivox.services.grpc_api.speech import SpeechServicer
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 from omnivox.v1 import content_pb2, sampling_pb2, speech_pb2, speech_pb2_grpc
 
 ENC = content_pb2.AudioEncoding

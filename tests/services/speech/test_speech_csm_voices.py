@@ -18,10 +18,10 @@ from support.service_harness import ServerThread, nothing_left
 from transformers import CsmForConditionalGeneration, CsmProcessor
 
 from omnivox.codecs.audio_input import decode_audio
-from omnivox.services.loading import EngineOptions, ModelSpec
-from omnivox.services.rpc_errors import status_details
-from omnivox.services.speech import SpeechServicer
-from omnivox.services.voices import VoiceLimits
+from omnivox.services.grpc_api.rpc_errors import status_details
+from omnivox.services.grpc_api.speech import SpeechServicer
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
+from omnivox.services.parts.voices import VoiceLimits
 from omnivox.v1 import content_pb2, sampling_pb2, speech_pb2, speech_pb2_grpc
 
 ENC = content_pb2.AudioEncoding

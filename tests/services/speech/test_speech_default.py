@@ -9,9 +9,9 @@ from support.service_harness import ServerThread
 
 from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
 from omnivox.models.orpheus import ORPHEUS_LAYOUT, SpeechLayout
-from omnivox.services.defaults import DEFAULT_SPEECH_MODEL_NAME, ensure_default_speech_model
-from omnivox.services.loading import EngineOptions, ModelSpec
-from omnivox.services.speech import SpeechServicer
+from omnivox.services.grpc_api.speech import SpeechServicer
+from omnivox.services.parts.defaults import DEFAULT_SPEECH_MODEL_NAME, ensure_default_speech_model
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 from omnivox.v1 import content_pb2, model_pb2, model_pb2_grpc, speech_pb2, speech_pb2_grpc
 
 

@@ -12,10 +12,10 @@ from support.service_harness import ServerThread
 from support.waiting import wait_until
 
 from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
-from omnivox.services.defaults import save_random_speech_model
-from omnivox.services.loading import EngineOptions, ModelSpec
-from omnivox.services.rpc_errors import status_details
-from omnivox.services.speech import SpeechServicer
+from omnivox.services.grpc_api.rpc_errors import status_details
+from omnivox.services.grpc_api.speech import SpeechServicer
+from omnivox.services.parts.defaults import save_random_speech_model
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 from omnivox.v1 import content_pb2, sampling_pb2, speech_pb2, speech_pb2_grpc
 
 SMALL_SNAC = dict(SNAC_24KHZ_CONFIG, encoder_dim=8, decoder_dim=64)

@@ -12,11 +12,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from support.service_harness import ServerThread
 
 from omnivox.codecs.snac import SNAC_24KHZ_CONFIG
-from omnivox.services.defaults import save_random_speech_model
-from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.calls.speech_stream import ClauseCutter
+from omnivox.services.grpc_api.speech import SpeechServicer
 from omnivox.services.metrics import UnderrunMeter
-from omnivox.services.speech import SpeechServicer
-from omnivox.services.speech_stream import ClauseCutter
+from omnivox.services.parts.defaults import save_random_speech_model
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 from omnivox.v1 import content_pb2, speech_pb2, speech_pb2_grpc
 
 SMALL_SNAC = dict(SNAC_24KHZ_CONFIG, encoder_dim=8, decoder_dim=64)
@@ -191,7 +191,7 @@ def test_config_errors_name_the_config_fields(server):
     they were `sampling.temperature`, `model`); a message that sets nothing is not called a second config."""
     from google.rpc import error_details_pb2
 
-    from omnivox.services.rpc_errors import status_details
+    from omnivox.services.grpc_api.rpc_errors import status_details
 
     stub = speech_pb2_grpc.SpeechServiceStub(server.channel())
     R = speech_pb2.StreamingSynthesizeSpeechRequest

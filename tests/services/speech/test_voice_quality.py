@@ -19,8 +19,8 @@ from support.voice_checkpoints import fetch_joe_voice, save_random_piper_voice
 from omnivox.benchmarks.transcription import word_error_rate
 from omnivox.benchmarks.voices import round_trip, three_chunks, transcribe
 from omnivox.native.cache import omnivox_cache_dir
-from omnivox.services.defaults import ensure_default_voice, ensure_default_whisper
-from omnivox.services.model_spec import EngineOptions, ModelSpec
+from omnivox.services.parts.defaults import ensure_default_voice, ensure_default_whisper
+from omnivox.services.parts.model_spec import EngineOptions, ModelSpec
 
 SENTENCES = (
     "The quick brown fox jumps over the lazy dog.",

@@ -19,10 +19,10 @@ from support.service_harness import ServerThread
 from support.voice_checkpoints import save_random_piper_voice
 
 from omnivox.models.voice.piper_config import PiperConfig
-from omnivox.services.defaults import DEFAULT_VOICE_MODEL_NAME, ensure_default_voice
 from omnivox.services.errors import ModelLoadError
-from omnivox.services.loading import check_model_path, model_name_for
-from omnivox.services.model_spec import ModelSpec
+from omnivox.services.parts.defaults import DEFAULT_VOICE_MODEL_NAME, ensure_default_voice
+from omnivox.services.parts.loading import check_model_path, model_name_for
+from omnivox.services.parts.model_spec import ModelSpec
 from omnivox.v1 import (
     content_pb2,
     generation_pb2,

@@ -30,8 +30,8 @@ from transformers import GenerationMixin, WhisperFeatureExtractor, WhisperForCon
 
 from omnivox.codecs.audio_input import content_key, decode_audio
 from omnivox.codecs.downmix import mono_weights
-from omnivox.services.bundle import load_bundle
-from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.parts.bundle import load_bundle
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 from omnivox.v1 import content_pb2, transcription_pb2, transcription_pb2_grpc
 
 # Channel masks (WAVE_FORMAT_EXTENSIBLE)

@@ -27,10 +27,10 @@ from support.service_harness import ServerThread, nothing_left
 
 from omnivox.codecs.audio_format import float_to_int16
 from omnivox.models.audio import encoder_class
-from omnivox.services.audio_llm_windows import TOKENS_BASE, TOKENS_PER_SECOND
-from omnivox.services.loading import EngineOptions, ModelSpec
-from omnivox.services.rpc_errors import status_details
-from omnivox.services.transcript_text import SegmentTranscript
+from omnivox.services.calls.audio_llm_windows import TOKENS_BASE, TOKENS_PER_SECOND
+from omnivox.services.grpc_api.rpc_errors import status_details
+from omnivox.services.output.transcript_text import SegmentTranscript
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 from omnivox.v1 import content_pb2, transcription_pb2, transcription_pb2_grpc
 
 FAMILIES = {

@@ -24,9 +24,9 @@ from omnivox.benchmarks.transcription import word_error_rate
 from omnivox.codecs.audio_format import AudioEncoding, float_to_int16, int16_to_mulaw
 from omnivox.codecs.audio_input import AudioInputError, decode_audio, resample
 from omnivox.codecs.audio_stream_input import StreamingAudioDecoder, StreamingResampler
-from omnivox.services.defaults import ensure_default_whisper
-from omnivox.services.loading import EngineOptions, ModelSpec
-from omnivox.services.streaming_transcribe_output import stability as _stability
+from omnivox.services.output.streaming_transcribe_output import stability as _stability
+from omnivox.services.parts.defaults import ensure_default_whisper
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 from omnivox.v1 import content_pb2, transcription_pb2, transcription_pb2_grpc
 
 

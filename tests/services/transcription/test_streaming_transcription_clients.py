@@ -27,11 +27,11 @@ from omnivox.codecs.audio_input import (
     resampling_rate,
 )
 from omnivox.codecs.audio_stream_input import StreamingResampler
-from omnivox.services.defaults import ensure_default_whisper
-from omnivox.services.loading import EngineOptions, ModelSpec
-from omnivox.services.streaming_transcribe_request import validate
-from omnivox.services.streaming_transcription import MAX_PENDING_FINALS, TranscriptStream
-from omnivox.services.streams import next_item
+from omnivox.services.calls.streaming_transcription import MAX_PENDING_FINALS, TranscriptStream
+from omnivox.services.parts.defaults import ensure_default_whisper
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
+from omnivox.services.processing.streaming_transcribe_request import validate
+from omnivox.services.processing.streams import next_item
 from omnivox.v1 import content_pb2, transcription_pb2, transcription_pb2_grpc
 
 RATE = 16000

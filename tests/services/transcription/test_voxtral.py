@@ -23,10 +23,10 @@ from support.service_harness import ServerThread, nothing_left
 from support.voxtral_checkpoint import AUDIO_SECTION, make_voxtral_bundle, write_tekken
 
 from omnivox.codecs.audio_format import float_to_int16
-from omnivox.services.audio_llm_windows import TOKENS_BASE, TOKENS_PER_SECOND
-from omnivox.services.audio_prompt import load_audio_part
-from omnivox.services.loading import EngineOptions, ModelSpec
-from omnivox.services.rpc_errors import status_details
+from omnivox.services.calls.audio_llm_windows import TOKENS_BASE, TOKENS_PER_SECOND
+from omnivox.services.grpc_api.rpc_errors import status_details
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
+from omnivox.services.processing.audio_prompt import load_audio_part
 from omnivox.v1 import (
     content_pb2,
     generation_pb2,

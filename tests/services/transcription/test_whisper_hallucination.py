@@ -1,5 +1,5 @@
 """The embedded whisper-base writes no hallucinated transcript over silence or noise: openai-whisper's temperature
-fallback and no-speech skip (services/whisper_fallback.py). Before them, 20 s of noise modulated at a syllable rate
+fallback and no-speech skip (services/calls/whisper_fallback.py). Before them, 20 s of noise modulated at a syllable rate
 (4 Hz) came out as "1.5% 1.5% 1.5% ..." to the window's 224-token limit; now it is empty, and 5 s of digital silence
 at most a word. Skipped with the reason when the default cannot be fetched."""
 
@@ -10,9 +10,9 @@ import pytest
 from support.audio_checkpoints import encode, noise
 from support.service_harness import ServerThread
 
-from omnivox.services.defaults import ensure_default_whisper
-from omnivox.services.loading import EngineOptions, ModelSpec
-from omnivox.services.whisper_fallback import compression_ratio, is_looping
+from omnivox.services.calls.whisper_fallback import compression_ratio, is_looping
+from omnivox.services.parts.defaults import ensure_default_whisper
+from omnivox.services.parts.loading import EngineOptions, ModelSpec
 from omnivox.v1 import content_pb2, transcription_pb2, transcription_pb2_grpc
 
 pytestmark = pytest.mark.slow  # the fallback's decodes over 20 s of noise: about 45 s on the shared 2 cores

@@ -21,10 +21,10 @@ from support.whisper_checkpoints import make_whisper
 from transformers import GenerationMixin, WhisperFeatureExtractor, WhisperForConditionalGeneration
 
 from omnivox.codecs.audio_split import split_at_quiet
-from omnivox.services.bundle import probe
-from omnivox.services.loading import EngineOptions, ModelLoadError, ModelSpec
-from omnivox.services.server import OmnivoxServer, ServerOptions
-from omnivox.services.whisper import transcribe
+from omnivox.services.calls.whisper import transcribe
+from omnivox.services.grpc_api.server import OmnivoxServer, ServerOptions
+from omnivox.services.parts.bundle import probe
+from omnivox.services.parts.loading import EngineOptions, ModelLoadError, ModelSpec
 from omnivox.v1 import (
     content_pb2,
     generation_pb2,
@@ -276,7 +276,7 @@ def test_timestamp_rules_equal_transformers_processor():
     from transformers import GenerationConfig
     from transformers.generation.logits_process import WhisperTimeStampLogitsProcessor
 
-    from omnivox.services.whisper_rules import TimestampRules, WhisperVocab
+    from omnivox.services.processing.whisper_rules import TimestampRules, WhisperVocab
 
     eot, notimestamps, vocab_size = 50, 59, 160  # Whisper's layout, small: text 0-49, specials 50-59, 100 timestamps
     vocab = WhisperVocab(vocab_size, eot, 51, 57, 55, 54, notimestamps, {"en": 52, "de": 53}, (), (), 50)
@@ -307,7 +307,7 @@ def test_timestamp_rules_equal_transformers_processor():
 
 
 def test_timestamp_segments_split_at_pairs_and_stay_inside_the_audio():
-    from omnivox.services.whisper_rules import WhisperVocab, segment_seconds, timestamp_segments
+    from omnivox.services.processing.whisper_rules import WhisperVocab, segment_seconds, timestamp_segments
 
     vocab = WhisperVocab(160, 50, 51, 57, 55, 54, 59, {"en": 52}, (), (), 50)
     t = lambda step: 60 + step  # noqa: E731  the timestamp token of step (0.02 s each)
@@ -375,7 +375,7 @@ def test_cancelling_the_transcribe_task_frees_everything(served):
 
 
 def test_no_speech_probability_equals_transformers_and_silence_is_skipped(served, monkeypatch):
-    import omnivox.services.whisper_fallback as whisper_module
+    import omnivox.services.calls.whisper_fallback as whisper_module
 
     server, part, hf = served["server"], served["part"], served["hf"]
     clip = chirp(1.0)
