@@ -30,7 +30,7 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from omnivox.benchmarks import image_scenes
-from omnivox.benchmarks.cpu_flags import cpu_flags
+from omnivox.benchmarks.host import write_results
 from omnivox.models.vision import llava_assembly as la
 
 TRAIN_SEED, HELD_OUT_SEED = 35, 3500  # the held-out seed's scenes are never trained on
@@ -305,11 +305,10 @@ def main() -> None:
         "threads": args.threads,
         "held_out": scores,
         "blank_image": blank_scores,
-        "host": cpu_flags(),
         "note": "2-core host shared with other jobs; run under nice -n 10",
         "loss_log": log[:: max(1, len(log) // 50)],
     }
-    (args.out / "training.json").write_text(json.dumps(result, indent=1) + "\n")
+    write_results(args.out / "training.json", result, indent=1)  # with the host record (CPU flags)
     print(json.dumps({"held_out": scores, "blank_image": blank_scores}, indent=1))
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from omnivox.benchmarks.host import with_host
+from omnivox.benchmarks.host import write_results
 
 SENTENCES = (  # 2-4 s each, then 5-8 s each (hibari and espeak-ng speak at about the same pace)
     "Please turn off the lights in the kitchen.",
@@ -199,12 +199,12 @@ def main() -> None:
         for key in errors:
             e = sum(edit_distance(rows[i]["reference"].split(), words(rows[i]["hyp"][key])) for i in idx)
             summary[key][f"wer_{voice}"] = round(e / max(n, 1), 4)
-    result = with_host({"benchmark": "whisper_window", "model": "whisper-base", "threads": args.threads,
+    result = {"benchmark": "whisper_window", "model": "whisper-base", "threads": args.threads,
                         "clips": len(clips), "reference_words": total, "summary": summary, "rows": rows,
-                        "note": "shared 2-core machine (other agents' jobs at load 6-8); times are ratios in one run"})  # fmt: skip
+                        "note": "shared 2-core machine (other agents' jobs at load 6-8); times are ratios in one run"}  # fmt: skip
     print(json.dumps(summary, indent=1))
     if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        write_results(args.out, result, indent=1)
 
 
 if __name__ == "__main__":
