@@ -136,12 +136,13 @@ def test_the_shipped_defaults_are_package_data() -> None:
 
     root = REPO_ROOT
     globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
-        "omnivox.services"
+        "omnivox.services.parts"
     ]
-    shipped = [p.relative_to(root / "services").as_posix() for p in (root / "services" / "data").rglob("*.*")]
+    parts = root / "services" / "parts"
+    shipped = [p.relative_to(parts).as_posix() for p in (parts / "data").rglob("*.*")]
     assert DEFAULT_GENERATION_CONFIG.is_file() and len(shipped) >= 3
     for name in shipped:
-        assert any(fnmatch.fnmatch(name, g) for g in globs), f"services/{name} is not package data"
+        assert any(fnmatch.fnmatch(name, g) for g in globs), f"services/parts/{name} is not package data"
 
 
 def test_a_bad_override_is_refused_before_loading(checkpoint: Path) -> None:
