@@ -40,14 +40,25 @@ def synthesize_pcm16(channel: Any, text: str) -> bytes:
     return b"".join(r.audio.data for r in stub.SynthesizeSpeech(request, timeout=120) if r.HasField("audio"))
 
 
-def speech_end_ms(pcm16: bytes) -> float:
-    """Where the speech in `pcm16` ends: past its last 10 ms frame above -50 dBFS."""
+def _voiced_frames(pcm16: bytes) -> np.ndarray:
+    """The indices of the 10 ms frames of `pcm16` above -50 dBFS."""
     x = np.frombuffer(pcm16, "<i2").astype(np.float32) / 32768
     frame = RATE // 100
     n = len(x) // frame
     energy = 10 * np.log10(np.mean(x[: n * frame].reshape(n, frame) ** 2, axis=1) + 1e-12)
-    voiced = np.nonzero(energy > -50)[0]
+    return np.nonzero(energy > -50)[0]
+
+
+def speech_end_ms(pcm16: bytes) -> float:
+    """Where the speech in `pcm16` ends: past its last 10 ms frame above -50 dBFS."""
+    voiced = _voiced_frames(pcm16)
     return (voiced[-1] + 1) * 10.0 if len(voiced) else 0.0
+
+
+def speech_start_ms(pcm16: bytes) -> float:
+    """Where the speech in `pcm16` starts: its first 10 ms frame above -50 dBFS (a voice's clip opens with silence)."""
+    voiced = _voiced_frames(pcm16)
+    return voiced[0] * 10.0 if len(voiced) else 0.0
 
 
 class RawSession:
@@ -126,7 +137,7 @@ class Turn:
 
 @dataclass
 class BargeIn:
-    stop_s: float | None = None  # first speech sample of the interruption sent -> last audio delta received
+    stop_s: float | None = None  # first speech frame of the interruption sent -> last audio delta received
     status: str = ""
 
 
@@ -174,7 +185,9 @@ async def barge_in(session: RawSession, interruption: bytes) -> BargeIn:
     await session.send({"type": "response.create"})
     seen: list[dict[str, Any]] = []
     await session.until("response.output_audio.delta", timeout=180, seen=seen)
-    interrupted_at = time.monotonic()
+    # the issue's clock starts at the interruption's first speech frame, not its first sample: the clip is streamed at
+    # real time, so that frame is sent its leading silence after the stream starts (runs before this counted it)
+    interrupted_at = time.monotonic() + speech_start_ms(interruption) / 1000
     talking = asyncio.create_task(session.stream(interruption, silence_ms=1500))
     done = await session.until("response.done", timeout=60, seen=seen)
     cancelled = done["response"]["id"]
