@@ -210,13 +210,7 @@ class MimiDecoder(nn.Module):
         """A Mimi folder (config.json of model_type mimi), or a CSM folder with `prefix="codec_model."` (its
         config.json's `codec_config`)."""
         path = Path(path)
-        config = json.loads((path / "config.json").read_text())
-        if config.get("model_type") != "mimi":
-            config = config.get("codec_config") or {}
-            if config.get("model_type") != "mimi":
-                raise ValueError(f"{path}: no Mimi config (model_type mimi, or a codec_config of one)")
-        config = {k: v for k, v in config.items() if k not in ("architectures", "transformers_version", "dtype")}
-        return cls.from_tensors(config, read_tensors(path, prefix), device=device, dtype=dtype)
+        return cls.from_tensors(read_mimi_config(path), read_tensors(path, prefix), device=device, dtype=dtype)
 
     # --- decoding ------------------------------------------------------------------------------------------------
     @property
@@ -324,3 +318,14 @@ def read_tensors(folder: Path, prefix: str = "") -> dict[str, torch.Tensor]:
                 if name.startswith(prefix):
                     out[name[len(prefix) :]] = f.get_tensor(name)
     return out
+
+
+def read_mimi_config(path: Path) -> dict:
+    """The Mimi config of a Mimi folder (config.json of model_type mimi) or of a CSM folder (its `codec_config`),
+    without the keys transformers adds on save."""
+    config = json.loads((path / "config.json").read_text())
+    if config.get("model_type") != "mimi":
+        config = config.get("codec_config") or {}
+    if config.get("model_type") != "mimi":
+        raise ValueError(f"{path}: no Mimi config (model_type mimi, or a codec_config of one)")
+    return {k: v for k, v in config.items() if k not in ("architectures", "transformers_version", "dtype")}

@@ -15,7 +15,6 @@ on the whole recording at once: no streaming state. The layers mirror transforme
 
 from __future__ import annotations
 
-import json
 import math
 import threading
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import MimiConfig
 
-from omnivox.codecs.mimi import read_tensors
+from omnivox.codecs.mimi import read_mimi_config, read_tensors
 from omnivox.codecs.mimi_layers import DecoderTransformer
 
 
@@ -128,13 +127,7 @@ class MimiEncoder(nn.Module):
     def from_folder(cls, path: str | Path, prefix: str = "", device=None) -> MimiEncoder:
         """A Mimi folder, or a CSM folder with `prefix="codec_model."` (its config's `codec_config`)."""
         path = Path(path)
-        config = json.loads((path / "config.json").read_text())
-        if config.get("model_type") != "mimi":
-            config = config.get("codec_config") or {}
-        if config.get("model_type") != "mimi":
-            raise ValueError(f"{path}: no Mimi config (model_type mimi, or a codec_config of one)")
-        config = {k: v for k, v in config.items() if k not in ("architectures", "transformers_version", "dtype")}
-        return cls.from_tensors(MimiConfig(**config), read_tensors(path, prefix), device)
+        return cls.from_tensors(MimiConfig(**read_mimi_config(path)), read_tensors(path, prefix), device)
 
     @classmethod
     def from_tensors(cls, config: MimiConfig, tensors: dict[str, torch.Tensor], device=None) -> MimiEncoder:
