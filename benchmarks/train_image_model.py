@@ -140,8 +140,8 @@ def patch_words(shapes: list[image_scenes.Shape], side: int) -> list[tuple[str, 
                     "square": abs(dx) <= half and abs(dy) <= half,
                     "triangle": abs(dy) <= half and abs(dx) <= (dy + half) / 2,
                 }[s.kind]
-                if inside:
-                    words = (s.colour, s.kind)
+                if inside:  # its side too: the LM reads left/right off the row, not off the row's place
+                    words = (s.colour, s.kind, "left" if s.x < image_scenes.SIDE / 2 else "right")
             out.append(words)
     return out
 
@@ -161,11 +161,19 @@ def pretrain_to_words(projector: Projector, lm, tok, feats: torch.Tensor, scenes
 
     targets = torch.stack([torch.stack([word_row(w) for w in patch_words(shapes, side)]) for _, shapes in scenes])
     rows, goal = feats.reshape(-1, feats.shape[-1]), targets.reshape(-1, targets.shape[-1])  # [N*64, 384], [N*64, D]
+    on_shape = torch.tensor([bool(w) for _, shapes in scenes for w in patch_words(shapes, side)])
+    # Half of each batch on shape rows (8 % of all rows), so the background's loss does not outweigh the shapes'.
+    # Measured after 2000 steps on 1200 scenes: the row under a shape's centre is nearest to its colour word for
+    # 96.5 % of shapes, to its shape word for 98.3 % (tests/benchmarks/test_image_training.py).
+    shape_rows, background_rows = on_shape.nonzero()[:, 0], (~on_shape).nonzero()[:, 0]
     opt = torch.optim.AdamW(projector.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(TRAIN_SEED)
     loss = torch.tensor(0.0)
     for _ in range(steps):
-        pick = torch.randint(0, rows.shape[0], (2048,), generator=gen)
+        pick = torch.cat([
+            shape_rows[torch.randint(0, len(shape_rows), (1024,), generator=gen)],
+            background_rows[torch.randint(0, len(background_rows), (1024,), generator=gen)],
+        ])  # fmt: skip
         loss = torch.nn.functional.mse_loss(projector(rows[pick][None])[0], goal[pick])
         opt.zero_grad()
         loss.backward()
@@ -250,7 +258,7 @@ def evaluate(lm, projector, prompts: Prompts, feats: torch.Tensor, questions, ba
             "accuracy": round(right[kind] / total[kind], 4),
             "n": total[kind],
             "majority_answer_share": round(answers[kind].most_common(1)[0][1] / total[kind], 4),
-            "one_in_answers": round(1 / len(image_scenes.ANSWERS[kind]), 4),  # guessing uniformly
+            "one_in_answers": round(1 / len(image_scenes.ANSWERS[kind]), 4) if kind in image_scenes.ANSWERS else None,
         }
         for kind in sorted(total)
     }
