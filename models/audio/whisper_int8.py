@@ -4,8 +4,8 @@ to 15 bits per group of 32; the AVX2 many-row kernel elsewhere), the convolution
 
 Measured on whisper-base, 32 clips of 1.8-6.1 s at the 10 s window (`benchmarks/whisper_window.py --int8`, BENCHMARKS.md
 "Whisper short windows"): WER 0.048, float's own (29 of 32 transcripts identical; torch's fbgemm dynamic linears
-0.028), at 0.83-0.91x float's encoder time in interleaved runs but 1.7x in the WER run (a loaded machine): served only
-with `serve --whisper-int8-short-window` (services/parts/whisper_part.py passes it to `WhisperModel.encode`).
+0.028), at 0.84-0.91x float's encoder time in three runs (one WER run read 1.7x while a test run overlapped it): served
+only with `serve --whisper-int8-short-window` (services/parts/whisper_part.py passes it to `WhisperModel.encode`).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--whisper-int8-short-window",
         action="store_true",
         help="encode Whisper's short windows (realtime turns, --whisper-short-window) with int8 weights (Q8_0 blocks, "
-        "the CPU block kernels; float elsewhere): same WER as float on 32 clips, speed not a clear win yet",
+        "the CPU block kernels; float elsewhere): same WER as float on 32 clips at 0.84-0.91x its encoder time",
     )
     p.add_argument(
         "--max-request-megapixels",

@@ -51,8 +51,8 @@ class EngineOptions(EngineConfig):
     whisper_short_window_s: float | None = None
     # Short windows (the realtime turn's, --whisper-short-window's) through an int8 copy of the encoder (Q8_0 blocks,
     # models/audio/whisper_int8.py) where the CPU block kernels run. Off by default: on 32 clips its 10 s WER equals
-    # float's (0.048), its speed was 0.83-0.91x float's in interleaved runs at load 6-8 but 1.7x in the WER run
-    # (BENCHMARKS.md "Whisper short windows"): not a clear win yet (`serve --whisper-int8-short-window`).
+    # float's (0.048) at 0.84-0.91x float's encoder time in three runs (BENCHMARKS.md "Whisper short windows"), a
+    # small gain the realtime runs were not remeasured with (`serve --whisper-int8-short-window`).
     whisper_short_window_int8: bool = False
     max_request_megapixels: float = 48.0  # decoded pixels of all the images of one request (codecs/image.py)
     # Weights: "none" = float dtype (a GGUF dequantised), "auto" = what the checkpoint carries (a GGUF at its own bit
