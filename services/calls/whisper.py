@@ -168,10 +168,8 @@ class _Transcription:
             while seek < n:
                 end = min(seek + window, n)
                 seek, lang = await self._window_timestamps(samples[seek:end], seek, end, lang)
-        v = self.part.vocab  # an English-only model's language is English (openai-whisper reports "en")
-        code = next((c for c, t in v.languages.items() if t == lang), None) if v.multilingual else "en"
         text = " ".join(t for _, _, t in self.segments if t)
-        return WhisperResult(text, code, self.segments, self.num_tokens, self.token_ids, self.no_speech_probs,
+        return WhisperResult(text, self._language_code(lang), self.segments, self.num_tokens, self.token_ids, self.no_speech_probs,
                              self.words, self.stats)  # fmt: skip
 
     async def _prepare(self, clip: np.ndarray, lang: int | None) -> tuple[_WindowAudio, int | None, float | None]:
@@ -261,7 +259,7 @@ class _Transcription:
         await self._emit(decode.text, index)
         self.segments.append((start / SAMPLE_RATE, end / SAMPLE_RATE, decode.text))
         if self.word_timestamps:
-            groups = await self._words(audio, self._prompt(lang), decode, len(decode.tokens), start, end)
+            groups = await self._words(audio, lang, decode, len(decode.tokens), start, end)
             self.words.append([w for g in groups for w in g])
         self._keep(decode, decode.tokens)
         return lang
@@ -276,7 +274,7 @@ class _Transcription:
         tokens = decode.tokens
         pieces, used, next_step = timestamp_segments(tokens, self.part.vocab)
         offset = seek / SAMPLE_RATE
-        groups = await self._words(audio, self._prompt(lang), decode, used, seek, end) if self.word_timestamps else []
+        groups = await self._words(audio, lang, decode, used, seek, end) if self.word_timestamps else []
         for a, b, ids in pieces:
             text = self.part.tokenizer.decode(ids, skip_special_tokens=True).strip()
             self.segments.append((*segment_seconds(a, b, offset, end / SAMPLE_RATE), text))
@@ -292,11 +290,11 @@ class _Transcription:
         return seek + advance, lang
 
     async def _words(
-        self, audio: _WindowAudio, prompt: list[int], decode: WindowDecode, used: int, start: int, end: int
+        self, audio: _WindowAudio, lang: int | None, decode: WindowDecode, used: int, start: int, end: int
     ) -> list[list[TimedWord]]:
         """The kept decode's first `used` tokens as timed words, per segment (a worker thread: the cross K/V from
         the encoder cache, encoded again if it was evicted; one dense decoder pass)."""
-        handle = self.part.worker.handle(audio.key, audio.features, audio.salt)
+        handle, prompt = self.part.worker.handle(audio.key, audio.features, audio.salt), self._prompt(lang)
 
         def align() -> np.ndarray:
             try:
@@ -305,8 +303,12 @@ class _Transcription:
                 handle.release()
 
         times = await asyncio.to_thread(align)
-        s = SAMPLE_RATE
-        return words_by_segment(self.part, decode.tokens[:used], times, decode.token_logprobs, start / s, end / s)
+        s, code = SAMPLE_RATE, self._language_code(lang)
+        return words_by_segment(self.part, decode.tokens[:used], times, decode.token_logprobs, start / s, end / s, code)
+
+    def _language_code(self, lang: int | None) -> str | None:
+        v = self.part.vocab  # an English-only model's language is English (openai-whisper reports "en")
+        return next((c for c, t in v.languages.items() if t == lang), None) if v.multilingual else "en"
 
     async def _emit(self, text: str, index: int) -> None:
         """Hand `on_text` a kept segment's text (segments' texts are joined by one space)."""
