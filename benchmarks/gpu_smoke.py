@@ -3,7 +3,8 @@ CUDA path chose (decode attention, graph buckets, KV size), checked against the 
 
     python -m omnivox.benchmarks.gpu_smoke --out smoke.json [--device cuda]
 
-Every check is recorded (ok, seconds, details or the error) and the JSON is rewritten after each one, so a run cut
+Every check is recorded (ok, seconds, details or the error) and the JSON ({"host": the CPU's record, "device": what
+ran it, "checks": [...]}, written by benchmarks/host.py write_results) is rewritten after each one, so a run cut
 short keeps what it saw. Exit status 1 when any check failed. Runs on CPU too (--device cpu), which the tests use.
 """
 
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from omnivox.benchmarks.host import write_results
+
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA3 = {
     "rope_type": "llama3",
@@ -33,8 +36,8 @@ PROMPTS = [[1, 5, 9, 33, 17, 200, 45], [1, 7, 7, 7], list(range(3, 70)), list(ra
 
 
 class Checks:
-    def __init__(self, out: Path) -> None:
-        self.out = out
+    def __init__(self, out: Path, device: str) -> None:
+        self.out, self.device = out, device
         self.records: list[dict] = []
 
     def run(self, name: str, fn: Callable[[], dict]) -> dict | None:
@@ -48,7 +51,7 @@ class Checks:
             rec["traceback"] = traceback.format_exc()[-3000:]
         self.records.append(rec)
         print(json.dumps({k: v for k, v in rec.items() if k != "traceback"}), flush=True)
-        self.out.write_text(json.dumps(self.records, indent=2))
+        write_results(self.out, {"device": self.device, "checks": self.records})
         return details
 
 
@@ -122,7 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     from omnivox.models.checkpoint import load_hf_config
     from omnivox.models.config import ModelConfig
 
-    checks = Checks(args.out)
+    dev_name = (
+        torch.cuda.get_device_name(args.device)
+        if args.device.startswith("cuda") and torch.cuda.is_available()
+        else args.device
+    )
+    checks = Checks(args.out, dev_name)
     work = Path(tempfile.mkdtemp(prefix="gpu-smoke-"))
     ckpt = make_checkpoint(work / "llama3", "llama", rope_parameters=LLAMA3, max_position_embeddings=1024)
     dev = torch.device(args.device)

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from omnivox.native.kernel_build import cpu_flags, read_cpuinfo
+from omnivox.native.kernel_build import cpu_flags, cpu_model, read_cpuinfo
 
 # The flags that decide which kernel paths run (x86 vector extensions, FMA, half floats, bit manipulation, AMX; ARM).
 _ISA_PREFIXES = ("sse", "ssse", "avx", "fma", "f16c", "bmi", "amx", "vnni", "neon", "asimd", "sve")
@@ -26,9 +26,8 @@ def host_record(cpuinfo: str | None = None) -> dict[str, Any]:
     from omnivox.models import cpu_kernels
 
     text = read_cpuinfo() if cpuinfo is None else cpuinfo
-    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "")
     return {
-        "cpu_model": model,
+        "cpu_model": cpu_model(text),
         "cpu_count": os.cpu_count(),
         "cpu_flags": instruction_sets(text),
         "kernel_target": cpu_kernels.active_target(),

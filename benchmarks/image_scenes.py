@@ -30,6 +30,13 @@ SIZES = {"small": 22, "big": 40}  # half-widths in pixels at SIDE (a 112 px inpu
 SIZE_WORDS = {"small": "small", "big": "big"}
 NUMBERS = ("zero", "one", "two", "three", "four", "five")
 QUESTION_TYPES = ("colour", "shape", "count", "position", "size")
+ANSWERS = {  # every answer a question type can have
+    "colour": tuple(COLOURS),
+    "shape": SHAPES,
+    "count": NUMBERS[1:],
+    "position": ("left", "right"),
+    "size": tuple(SIZE_WORDS.values()),
+}
 
 
 @dataclass(frozen=True)

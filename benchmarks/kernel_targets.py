@@ -1,9 +1,12 @@
 """The embedded default (Q4_1 GGUF) served in-process on each CPU kernel path, side by side in one run: the native
 build, the AVX2 build (x86-64-v3) with its many-row kernel (block_kernels_avx2.c), and the AVX2 build without it (the
-int16 kernels and float GEMM every AVX2 host ran before). Rounds alternate the settings so that a shared machine's
+int16 kernels and float GEMM every AVX2 host ran before), the AVX2 build with a mixed-step budget (`avx2-budget`:
+`serve --max-step-ms`'s, measured from the engine's own steps at load, engine/step_budget.py), and transformers'
+float32 generate (`hf`, the yardstick `omnivox bench` runs). Rounds alternate the settings so that a shared machine's
 load falls on all of them; the figures are `omnivox bench`'s (benchmarks/metrics.py), per level and round.
 
-    python -m omnivox.benchmarks.kernel_targets [--concurrency 1,16] [--level-seconds 20] [--rounds 2] [--out F]
+    python -m omnivox.benchmarks.kernel_targets [--concurrency 1,16] [--level-seconds 20] [--rounds 2]
+        [--settings avx2,avx2-budget,hf] [--step-ms 300] [--out F]
 
 Run it with MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 to give torch's float
 GEMM (prefill of Q8_0 layers, the path before) the AVX2 host's instructions too.
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 from pathlib import Path
 
@@ -21,35 +25,64 @@ import torch
 from omnivox.benchmarks.host import write_results
 from omnivox.benchmarks.main import default_model, git_commit
 from omnivox.benchmarks.metrics import summarize
+from omnivox.benchmarks.systems.hf_generate import HFGenerate
 from omnivox.benchmarks.systems.hf_loading import load_tokenizer
 from omnivox.benchmarks.systems.omnivox_engine import OmnivoxEngineInProcess
 from omnivox.benchmarks.workload import WorkloadSpec, make_workload
+from omnivox.engine.step_budget import hold_step_ms
 from omnivox.models import cpu_kernels, quant
 
-# name -> (kernel target, whether the AVX2 many-row kernel serves Q4_1 layers from quant.AVX2_MIN_ROWS rows)
-SETTINGS = {"native": ("native", True), "avx2": ("x86-64-v3", True), "avx2-before": ("x86-64-v3", False)}
+# name -> (kernel target, whether the AVX2 many-row kernel serves Q4_1 layers from quant.AVX2_MIN_ROWS rows, whether
+# the engine holds the --step-ms budget); "hf" is transformers' generate in float32 on torch's own kernels.
+SETTINGS = {
+    "native": ("native", True, False),
+    "avx2": ("x86-64-v3", True, False),
+    "avx2-before": ("x86-64-v3", False, False),
+    "avx2-budget": ("x86-64-v3", True, True),
+    "hf": ("native", True, False),
+}
 
 
 def _int_list(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v]
 
 
-def run(model: str, settings: list[str], levels: list[int], level_seconds: float, rounds: int, spec: WorkloadSpec):
+def build(name: str, model: str, step_ms: float) -> tuple[object, dict]:
+    """The setting's system, started; what it was given (the budget's tokens)."""
+    if name == "hf":
+        system = HFGenerate(model, torch.float32, "cpu")
+        system.start()
+        return system, {}
+    system = OmnivoxEngineInProcess(model, "float32", quantization="auto")
+    system.start()  # the fused decode table reads the routing at load
+    if not SETTINGS[name][2]:
+        return system, {}
+    budget = hold_step_ms(system.engine, step_ms)
+    return system, {"step_ms": step_ms, "mixed_step_tokens": budget.mixed_step_tokens}
+
+
+def run(
+    model: str, settings: list[str], levels: list[int], level_seconds: float, rounds: int, spec: WorkloadSpec,
+    step_ms: float = 300.0,
+):  # fmt: skip
     requests = make_workload(spec, load_tokenizer(model))
     avx2_q4 = quant.AVX2_MIN_ROWS["q4"]
     rows = []
     for round_index in range(rounds):
         for name in settings:
-            target, avx2_rows = SETTINGS[name]
+            target, avx2_rows, _ = SETTINGS[name]
             cpu_kernels.use_target(target)
             quant.AVX2_MIN_ROWS["q4"] = avx2_q4 if avx2_rows else None
-            system = OmnivoxEngineInProcess(model, "float32", quantization="auto")
-            system.start()  # the fused decode table reads the routing at load
+            system, given = build(name, model, step_ms)
             try:
                 for c in levels:
                     reqs = requests[: max(4, 2 * c)]
                     traces = system.run(reqs, c, lambda n: None, time.perf_counter() + level_seconds)
-                    row = summarize(name, c, traces).to_dict() | {"round": round_index, "kernel_target": target}
+                    row = summarize(name, c, traces).to_dict() | {
+                        "round": round_index,
+                        "kernel_target": target,
+                        **given,
+                    }
                     rows.append(row)
                     print(
                         f"round {round_index} {name:12s} @ {c:3d}: {row['total_tps']:6.1f} tok/s, ITL p50 "
@@ -72,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--output-tokens", default="16,48", help="LOW,HIGH output tokens per request")
+    ap.add_argument("--step-ms", type=float, default=300.0, help="avx2-budget's target step time (serve --max-step-ms)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -80,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or default_model()
     settings = [s for s in args.settings.split(",") if s]
     start = time.time()
-    rows = run(model, settings, args.concurrency, args.level_seconds, args.rounds, spec)
+    load_before = os.getloadavg()
+    rows = run(model, settings, args.concurrency, args.level_seconds, args.rounds, spec, args.step_ms)
     result = {
         "model": Path(model).name,
         "commit": git_commit(),
@@ -88,6 +123,13 @@ def main(argv: list[str] | None = None) -> int:
         "level_seconds": args.level_seconds,
         "settings": {name: SETTINGS[name] for name in settings},
         "wall_s": math.ceil(time.time() - start),
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "torch_isa_env": {
+            k: os.environ.get(k) for k in ("MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+        },
+        "note": "measured on a machine shared with other jobs (see the load averages): compare the settings, which "
+        "alternate round by round, not the absolute numbers",
         "levels": rows,
     }
     if args.out:

@@ -105,14 +105,9 @@ def machine_description(device: str) -> str:
 
     if device.startswith("cuda") and torch.cuda.is_available():
         return f"{torch.cuda.get_device_name(0)}, {os.cpu_count()} CPU cores"
-    cpu = platform.processor() or "CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from omnivox.native.kernel_build import cpu_model
+
+    cpu = cpu_model() or platform.processor() or "CPU"
     return f"{os.cpu_count()} cores ({cpu}), torch {torch.__version__} with {torch.get_num_threads()} threads"
 
 

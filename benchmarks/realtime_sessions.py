@@ -139,6 +139,11 @@ class Turn:
 class BargeIn:
     stop_s: float | None = None  # first speech frame of the interruption sent -> last audio delta received
     status: str = ""
+    # where the stop time goes: first speech frame sent -> speech_started received (the detector's START needs 90 ms
+    # of voiced frames), and speech_started -> response.done (the cancel path)
+    speech_started_s: float | None = None
+    cancel_to_done_s: float | None = None
+    deltas_after_speech_started: int = 0  # audio deltas of the cancelled response received after speech_started
 
 
 @dataclass
@@ -194,6 +199,12 @@ async def barge_in(session: RawSession, interruption: bytes) -> BargeIn:
     late = [e for e in seen if e["type"] == "response.output_audio.delta" and e.get("response_id") == cancelled]
     result.status = done["response"]["status"]
     result.stop_s = max(late[-1]["received_at"] - interrupted_at, 0.0) if late else 0.0
+    started = next((e for e in seen if e["type"] == "input_audio_buffer.speech_started"), None)
+    if started is not None:
+        result.speech_started_s = round(started["received_at"] - interrupted_at, 4)
+        result.cancel_to_done_s = round(done["received_at"] - started["received_at"], 4)
+        after = seen[seen.index(started) + 1 :]
+        result.deltas_after_speech_started = sum(e in late for e in after)
     await talking
     await session.until("response.done", timeout=180)  # the interruption's own answer
     return result
@@ -231,6 +242,12 @@ def summarize(results: list[SessionResult]) -> dict[str, Any]:
         "first_audio_p50_s": _percentile(first, 50), "first_audio_p90_s": _percentile(first, 90),
         "barge_in_stop_p50_s": _percentile(stops, 50), "barge_in_stop_max_s": max(stops) if stops else None,
         "barge_ins_cancelled": sum(1 for r in results if r.barge_in and r.barge_in.status == "cancelled"),
+        "barge_in_speech_started_max_s": max((r.barge_in.speech_started_s for r in results if r.barge_in and
+                                              r.barge_in.speech_started_s is not None), default=None),
+        "barge_in_cancel_to_done_max_s": max((r.barge_in.cancel_to_done_s for r in results if r.barge_in and
+                                              r.barge_in.cancel_to_done_s is not None), default=None),
+        "barge_in_deltas_after_speech_started": sum(r.barge_in.deltas_after_speech_started for r in results
+                                                    if r.barge_in),
     }  # fmt: skip
 
 

@@ -143,15 +143,9 @@ def check_targets(out_of_box: dict) -> dict[str, bool]:
 
 
 def cpu_description() -> dict:
-    model, flags = "", []
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and not model:
-                model = line.split(":", 1)[1].strip()
-            if line.startswith("flags") and not flags:
-                flags = line.split(":", 1)[1].split()
-    except OSError:
-        pass
+    from omnivox.native.kernel_build import cpu_flags, cpu_model
+
+    model, flags = cpu_model(), cpu_flags()
     wanted = re.compile(r"^(avx2|avx512\w*|fma|f16c|amx\w*|avx_vnni|sse4_2)$")
     return {"cpu": model, "cores": os.cpu_count(), "cpu_flags": sorted(f for f in flags if wanted.match(f)),
             "load_average_at_start": list(os.getloadavg())}  # fmt: skip

@@ -1,16 +1,26 @@
-"""One arbiter across the process's engines: audio with a playback deadline steps before text, which has none.
+"""One arbiter across the process's engines: audio with a deadline steps before text, which has none.
 
 Each served model has its own engine thread, and on a CPU they all compete for the same cores (on a GPU, the same
 device). Measured before this (issue 33, embedded defaults, 6 text streams + 2 speech syntheses + 2 transcriptions):
 speech first audio p50 20 s and RTF 2.0, every speech stream ran dry, while text kept a 1.2 s TTFT.
 
-Policy in one line: an engine yields its step (waits, up to `max_wait_s`, polling every `poll_s`) while another
-engine's stream is behind its playback deadline and none of its own is. A stream is behind when its listener's
-buffer runs dry within `margin_s` (before its first audio: when the first-audio target is that close). The speech
-path reports each stream's deadline through a `PlaybackDeadline` (services/metrics.py SpeechStreamMetrics moves it
-on every chunk sent); a stream whose engine has no unfinished request (its codec finishing the tail, a client that
-has not sent its next text) has nothing to prioritise and is not counted. Yielding is bounded, so text always
-progresses: at worst one step each `max_wait_s`.
+Two kinds of audio stream hold a deadline (a monotonic time): a speech stream's is when its listener's buffer runs
+dry (before its first audio: its first-audio target; services/metrics.py SpeechStreamMetrics moves it on every chunk
+sent); a transcription pass's is its start plus its clip's seconds (RTF 1: a batch Transcribe no slower than real
+time, a live stream's passes keeping up with its audio; services/calls/whisper.py opens it). A stream is behind when
+its deadline is within `margin_s` and it has work in its engine now (`working`; by default its engine having any
+unfinished request). A stream with no work has nothing to prioritise and is never behind: a speech stream whose
+codec is finishing the tail, or a streamed-text synthesis waiting for its client's next clause (its deadline passes
+while it waits, and counting it held every text step back for as long as the client paused).
+
+Policy in one line: an engine with no audio work of its own yields its step (waits, up to `max_wait_s`, polling
+every `poll_s`) while another engine's stream is behind; an engine serving an audio stream never yields. Audio
+engines do not yield to each other: both have a deadline to keep, and a step each in turn serves both better than one
+waiting (measured, mixed_load before this: whisper yielded 128 steps for 15.8 s of 20 s to a speech stream that was
+always behind, and transcription RTF went 1.83 -> 4.35 with the arbiter on). The engine also reads `behind_for`
+after its wait: a text step taken while audio is still behind carries at most StepBudget.behind_prefill_tokens of
+prompt (engine/step_budget.py), so its turn on the cores is short. Yielding is bounded, so text always progresses:
+at worst one step each `max_wait_s`.
 
 The engine knows nothing of gRPC: the arbiter sees engines as things with unfinished requests (an engine-less voice's
 worker pool, services/parts/voice_part.py, is one too: its streams are behind like any other, and it never steps), and
@@ -30,10 +40,17 @@ class Stepping(Protocol):
 
 
 class PlaybackDeadline:
-    """One audio stream's deadline as its sender reports it: the monotonic time its listener's buffer runs dry."""
+    """One audio stream's deadline as its sender reports it: the monotonic time its listener's buffer runs dry (a
+    transcription pass: when its result is due)."""
 
-    def __init__(self, arbiter: StepArbiter, owner: Stepping, dry_at: float) -> None:
-        self.arbiter, self.owner, self.dry_at = arbiter, owner, dry_at
+    def __init__(
+        self, arbiter: StepArbiter, owner: Stepping, dry_at: float, working: Callable[[], bool] | None = None
+    ) -> None:
+        """working: whether this stream has work in owner now (None: owner has any unfinished request)."""
+        self.arbiter, self.owner, self.dry_at, self.working = arbiter, owner, dry_at, working
+
+    def has_work(self) -> bool:
+        return self.working() if self.working is not None else self.owner.has_unfinished()
 
     def update(self, dry_at: float) -> None:
         """The listener now runs dry at dry_at (audio was sent, or its playback stalled)."""
@@ -67,10 +84,12 @@ class StepArbiter:
         # Called after every yield with (engine, seconds waited) on the yielding engine's thread; must not raise.
         self.yield_observers: list[Callable[[Stepping, float], None]] = []
 
-    def open(self, owner: Stepping, first_audio_s: float = 1.0) -> PlaybackDeadline:
-        """A stream of owner's starting now: behind until its first audio unless that comes within first_audio_s
-        (then `update` moves its deadline on)."""
-        deadline = PlaybackDeadline(self, owner, self.clock() + first_audio_s)
+    def open(
+        self, owner: Stepping, due_in_s: float = 1.0, working: Callable[[], bool] | None = None
+    ) -> PlaybackDeadline:
+        """A stream of owner's starting now, due in due_in_s (a speech stream's first audio: `update` then moves its
+        deadline on); working: whether it has work in owner now (None: owner has any unfinished request)."""
+        deadline = PlaybackDeadline(self, owner, self.clock() + due_in_s, working)
         with self.cond:
             self.deadlines.append(deadline)
         return deadline
@@ -87,11 +106,20 @@ class StepArbiter:
             return []
         now = self.clock() if now is None else now
         with self.cond:
-            return [d for d in self.deadlines if d.dry_at - now < self.margin_s and d.owner.has_unfinished()]
+            return [d for d in self.deadlines if d.dry_at - now < self.margin_s and d.has_work()]
+
+    def serves_audio(self, engine: Stepping) -> bool:
+        """engine has work for an audio stream of its own now (it then never yields)."""
+        with self.cond:
+            return any(d.owner is engine and d.has_work() for d in self.deadlines)
+
+    def behind_for(self, engine: Stepping, now: float | None = None) -> list[PlaybackDeadline]:
+        """The streams behind that engine yields to: other engines' while it serves no audio of its own."""
+        behind = [d for d in self.behind(now) if d.owner is not engine]
+        return behind if behind and not self.serves_audio(engine) else []
 
     def must_yield(self, engine: Stepping, now: float | None = None) -> bool:
-        behind = self.behind(now)
-        return bool(behind) and all(d.owner is not engine for d in behind)
+        return bool(self.behind_for(engine, now))
 
     def wait_turn(self, engine: Stepping) -> float:
         """Called by an engine's thread before each step: wait while must_yield (at most max_wait_s); returns the

@@ -146,10 +146,11 @@ class EngineCore:
             if q is not None and req.draft_token_ids:
                 self._draft_q[req.request_id] = q[:room]
 
-    def step(self) -> StepResult:
+    def step(self, audio_behind: bool = False) -> StepResult:
+        """One step; audio_behind: another engine's audio is behind its deadline (engine/scheduler.py)."""
         t0 = time.perf_counter()
         self._propose()
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(audio_behind)
         result = StepResult(plan)
         self._drop_failed_segments(plan, result)
         if not plan.is_empty:

@@ -195,8 +195,9 @@ class Engine:
             return scale_embeddings(rows, self.model_config.embed_scale).clone()
 
     # ---- stepping -----------------------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Run one step; returns the outputs it produced (also delivered to each request's callback)."""
+    def step(self, audio_behind: bool = False) -> list[RequestOutput]:
+        """Run one step; returns the outputs it produced (also delivered to each request's callback). audio_behind:
+        another engine's audio stream is behind its deadline, so the step's prompt tokens are cut (scheduler.py)."""
         outputs: list[RequestOutput] = []
         with self._cond:
             inbox, self._inbox = self._inbox, []
@@ -208,7 +209,7 @@ class Engine:
             req = self._requests.get(rid)
             if req is not None and not req.is_finished:
                 self._finish(req, "abort", outputs)
-        result = self.core.step()
+        result = self.core.step(audio_behind)
         self.last_step = result
         for req in result.failed:
             self._finish(req, "error", outputs)
@@ -337,9 +338,11 @@ class Engine:
                     return
                 continue
             try:
-                if self.arbiter is not None:  # another engine's audio behind its playback deadline steps first
+                audio_behind = False
+                if self.arbiter is not None:  # another engine's audio behind its deadline steps first
                     self.arbiter.wait_turn(self)
-                self.step()
+                    audio_behind = self.arbiter.must_yield(self)  # still behind after the wait: a short step
+                self.step(audio_behind)
                 getattr(self.model, "raise_if_broken", lambda: None)()  # a tensor-parallel rank lost: stop too
                 if self.last_step is not None and self.last_step.plan.is_empty:  # all wait on encoders: no spinning
                     with self._cond:  # (191,972 empty steps in one short transcription stole the encoder's CPU)

@@ -6,7 +6,9 @@ budget, the sequence limit and the KV pool allow. When a running request cannot 
 preempted (its blocks freed, it goes back to the front of the queue and is recomputed later, its prefix likely still
 cached). A step that preempted admits nothing: the blocks it freed are for the requests already running.
 When decodes are running, the prompt tokens of the step (running prefills and admissions) are bounded by
-`StepBudget.prefill_tokens` (engine/step_budget.py), so a mixed step costs about a target ITL.
+`StepBudget.prefill_tokens` (engine/step_budget.py), so a mixed step costs about a target ITL; while another engine's
+audio is behind its deadline (`schedule(audio_behind=True)`, engine/arbiter.py) every step's prompt tokens are cut
+further, to `StepBudget.behind_prefill_tokens`.
 A prefill chunk stops before an embedding segment whose encoder is still running, and never ends inside a
 bidirectional one (a Gemma 3 image, `whole_blocks`).
 """
@@ -111,11 +113,13 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulePlan:
+    def schedule(self, audio_behind: bool = False) -> SchedulePlan:
+        """This step's plan; audio_behind: another engine's audio stream is behind (prompt tokens cut further)."""
         plan = SchedulePlan()
         budget = self.max_num_batched_tokens
         decode_tokens = sum(1 + len(r.draft_token_ids) for r in self.running if is_decoding(r))
-        prefill_budget = self.budget.prefill_tokens(decode_tokens)  # the policy: decodes first, prompts fill the rest
+        # The policy: decodes first, prompts fill the rest
+        prefill_budget = self.budget.prefill_tokens(decode_tokens, audio_behind)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]

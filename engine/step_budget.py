@@ -7,6 +7,10 @@ step's prefill chunks and admissions share at most `mixed_step_tokens - decode t
 `min_prefill_tokens`, so prompts still progress every step); a step with no decode in it takes the whole
 `max_tokens`. The token count comes from a target step time and the machine's own step times, measured at start-up
 (`StepCosts.measure`, a straight line through the times of a few chunk sizes).
+While another engine's audio stream is behind its deadline (engine/arbiter.py), a step of an engine serving no audio
+carries at most `behind_prefill_tokens` of prompt whatever its decodes (the arbiter's wait is bounded, so the text
+engine still steps; a short step holds the shared cores for less: on the 2-core AVX2 host a 128-token chunk took over
+a second, a 16-token one about a tenth of that).
 """
 
 from __future__ import annotations
@@ -31,16 +35,22 @@ class StepBudget:
     max_tokens: int  # tokens of any step (max_num_batched_tokens)
     mixed_step_tokens: int | None = None  # decode + prefill tokens of a step with decodes in it; None = max_tokens
     min_prefill_tokens: int = 16  # prompt tokens a mixed step still carries when its decodes fill it (<= mixed)
+    behind_prefill_tokens: int | None = 16  # prompt tokens of any step while other audio is behind; None = no cut
 
     def __post_init__(self) -> None:
         assert self.max_tokens >= 1 and self.min_prefill_tokens >= 1
         assert self.mixed_step_tokens is None or self.mixed_step_tokens >= self.min_prefill_tokens
+        assert self.behind_prefill_tokens is None or self.behind_prefill_tokens >= 1
 
-    def prefill_tokens(self, num_decode_tokens: int) -> int:
-        """Prompt tokens (running prefills and admissions together) a step with these decode tokens may carry."""
-        if not num_decode_tokens or self.mixed_step_tokens is None:
-            return self.max_tokens
-        return max(self.min_prefill_tokens, self.mixed_step_tokens - num_decode_tokens)
+    def prefill_tokens(self, num_decode_tokens: int, audio_behind: bool = False) -> int:
+        """Prompt tokens (running prefills and admissions together) a step with these decode tokens may carry;
+        audio_behind: another engine's audio stream is behind its deadline (engine/arbiter.py `behind_for`)."""
+        tokens = self.max_tokens
+        if num_decode_tokens and self.mixed_step_tokens is not None:
+            tokens = max(self.min_prefill_tokens, self.mixed_step_tokens - num_decode_tokens)
+        if audio_behind and self.behind_prefill_tokens is not None:
+            tokens = min(tokens, self.behind_prefill_tokens)
+        return tokens
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,9 @@
 // ends in one vector: one convert and one scaled add per 8 rows, not per row.
 // - Q4_1 (q in 0..15): `vpmaddubsw` pairs stay below 2 * 15 * 128, so the 8 chunks of a group add up in int16
 //   (< 32767) and one `vpmaddwd` ends the group (llama.cpp's trick).
-// - Q8_0 (signed q), 8-bit activations: `vpmaddubsw` needs one unsigned side: |x| against q with x's sign
-//   (`vpsignb`), as llama.cpp does; pairs reach 2 * 127 * 128, so each chunk is widened to int32 at once. With
+// - Q8_0 (signed q), 8-bit activations: `vpmaddubsw` needs one unsigned side: |q| against x with q's sign
+//   (`vpsignb`; llama.cpp takes |x| against q, wrong for a GGUF's q = -128); pairs reach 2 * 128 * 127, so each
+//   chunk is widened to int32 at once. With
 //   15-bit activations a Q8_0 tile is unpacked to int16 instead and multiplied in one `vpmaddwd` pass (the two
 //   sign-trick passes measured 1.25x slower than the int16 kernels at 16 rows; this one 0.98x, 0.8x at 31).
 // Activations: 15 bits per group as two int8 halves (xq = 128 hi + lo) recombined exactly, or one 8-bit pass.
@@ -173,12 +174,15 @@ static inline __m256i group_dot(const uint8_t *w, const int8_t *a, int is_q4) {
         return _mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones);
     }
     __m256i acc0 = _mm256_setzero_si256(), acc1 = acc0;
-    for (int j = 0; j < 8; j += 2) {  // |x| against q with x's sign: pairs up to 2 * 127 * 128, widened per chunk
+    // |q| (unsigned) against x with q's sign: pairs up to 2 * 128 * 127, widened per chunk. This way round a GGUF's
+    // q = -128 is exact (vpsignb leaves it 0x80, which vpmaddubsw reads as 128); activations are within +-127, so
+    // negating them never overflows. The other way (|x| against q with x's sign) turned -128 into -128 where x < 0.
+    for (int j = 0; j < 8; j += 2) {
         const __m256i x0 = bcast4(a + 4 * j), x1 = bcast4(a + 4 * j + 4);
         const __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + 32 * j));
         const __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + 32 * j + 32));
-        acc0 = _mm256_add_epi32(acc0, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(x0, x0), _mm256_sign_epi8(w0, x0)), ones));
-        acc1 = _mm256_add_epi32(acc1, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(x1, x1), _mm256_sign_epi8(w1, x1)), ones));
+        acc0 = _mm256_add_epi32(acc0, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0)), ones));
+        acc1 = _mm256_add_epi32(acc1, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x1, w1)), ones));
     }
     return _mm256_add_epi32(acc0, acc1);
 }

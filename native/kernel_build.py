@@ -51,7 +51,8 @@ TARGETS = {
 
 
 def read_cpuinfo() -> str:
-    """/proc/cpuinfo's text ("" where there is none): the seam the tests feed other hosts' text through."""
+    """/proc/cpuinfo's text ("" where there is none): the seam the tests feed other hosts' text through. The one
+    reader of it: the kernel builds, the benchmarks' host records (benchmarks/host.py, cpu_flags.py) all read here."""
     try:
         return CPUINFO.read_text()
     except OSError:
@@ -66,6 +67,12 @@ def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
         if name.strip() in ("flags", "Features"):  # x86 / ARM spelling
             return frozenset(value.split())
     return frozenset()
+
+
+def cpu_model(cpuinfo: str | None = None) -> str:
+    """The first processor's model name in `cpuinfo` (default: this host's; "" where there is none)."""
+    text = read_cpuinfo() if cpuinfo is None else cpuinfo
+    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "")
 
 
 def runnable_targets(cpuinfo: str | None = None) -> list[str]:

@@ -129,7 +129,7 @@ class Metrics:
             "omnivox_arbiter_yield_seconds", "Seconds engine steps waited for audio behind", m, registry=r
         )
         self.audio_streams_behind = Gauge(
-            "omnivox_audio_streams_behind", "Speech streams behind their playback deadline", m, registry=r
+            "omnivox_audio_streams_behind", "Audio streams (speech, transcription) behind their deadline", m, registry=r
         )
         # Audio in.
         self.transcription_rtf = Histogram(

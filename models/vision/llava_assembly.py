@@ -18,6 +18,7 @@ from omnivox.models.checkpoint import load_tokenizer
 
 IMAGE_SIZE = 112  # 8x8 DINOv2 patches of 14 px: 64 image tokens, cheap enough for SmolLM2 on a CPU
 IMAGE_TOKEN = "<image>"
+ADAPTER_PREFIX = "lora."  # LoRA keys beside the projector's (benchmarks/image_lora.py writes them)
 IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]  # DINOv2's normalisation
 FEATURE_LAYER = -1  # the last encoder layer's hidden states (before DINOv2's final layernorm)
 # No system prompt of its own: SmolLM2's default one costs 20 tokens per request and the projector never saw it.
@@ -53,6 +54,21 @@ def load_text_model(gguf_path: str | Path) -> transformers.PreTrainedModel:
     return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
 
 
+def merge_adapter(text_state: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`text_state` (the decoder's `.model` state dict) with each LoRA update added: W + B @ A, B already scaled.
+
+    Raises KeyError for an adapter module the text model lacks, ValueError for a lone A or B."""
+    merged = dict(text_state)
+    names = {k[len(ADAPTER_PREFIX) : k.rindex(".")] for k in adapter}
+    for name in sorted(names):
+        a, b = adapter.get(f"{ADAPTER_PREFIX}{name}.lora_A"), adapter.get(f"{ADAPTER_PREFIX}{name}.lora_B")
+        if a is None or b is None:
+            raise ValueError(f"adapter module {name!r} needs both lora_A and lora_B")
+        weight = merged[f"{name}.weight"]  # [out, in]
+        merged[f"{name}.weight"] = weight + (b.float() @ a.float()).to(weight.dtype)  # [out, r] @ [r, in]
+    return merged
+
+
 def assemble_llava(
     dinov2_dir: str | Path,
     gguf_path: str | Path,
@@ -60,7 +76,10 @@ def assemble_llava(
     out_dir: str | Path,
     text_model: transformers.PreTrainedModel | None = None,
 ) -> Path:
-    """Write the LLaVA folder; `projector` holds `linear_1.{weight,bias}` and `linear_2.{weight,bias}`."""
+    """Write the LLaVA folder; `projector` holds `linear_1.{weight,bias}` and `linear_2.{weight,bias}`, and
+    optionally a LoRA of the text model (`lora.<module>.lora_A` / `lora_B` keys), merged into its weights."""
+    adapter = {k: v for k, v in projector.items() if k.startswith(ADAPTER_PREFIX)}
+    projector = {k: v for k, v in projector.items() if k not in adapter}
     tok = tokenizer_with_image_token(gguf_path)
     lm = text_model if text_model is not None else load_text_model(gguf_path)
     vision = transformers.Dinov2Model.from_pretrained(dinov2_dir)
@@ -83,7 +102,8 @@ def assemble_llava(
     embed = torch.cat([embed, torch.zeros(len(tok) - embed.shape[0], embed.shape[1])])
     state = {f"model.vision_tower.{k}": v for k, v in vision.state_dict().items()}
     state |= {f"model.multi_modal_projector.{k}": v for k, v in projector.items()}
-    state |= {f"model.language_model.{k}": v for k, v in lm.model.state_dict().items() if k != "embed_tokens.weight"}
+    text_state = merge_adapter(lm.model.state_dict(), adapter)
+    state |= {f"model.language_model.{k}": v for k, v in text_state.items() if k != "embed_tokens.weight"}
     state["model.language_model.embed_tokens.weight"] = embed
     state["lm_head.weight"] = embed if config.tie_word_embeddings else torch.cat([lm.lm_head.weight, embed[-1:] * 0])
     model.load_state_dict(state, strict=True, assign=True)

@@ -87,8 +87,13 @@ class SpeechCalls:
         m = self.metrics
         # Opened once admitted (a `with` enters each manager before building the next): the step arbiter puts the
         # stream first when it falls behind its playback, and the metrics close it however the stream ends.
+        synthesis: SegmentedSynthesis | None = None  # built once admitted; the deadline has work while it generates
         deadline = self.registry.arbiter.open
-        with model.admit(), SpeechStreamMetrics(m, model.name, received, deadline=deadline(model.engine)) as slo:
+        working = lambda: synthesis is not None and synthesis.generating()  # noqa: E731
+        with (
+            model.admit(),
+            SpeechStreamMetrics(m, model.name, received, deadline=deadline(model.engine, working=working)) as slo,
+        ):
             synthesis = SegmentedSynthesis(job, self.limits.max_parallel_segments)
             try:
                 yield Response(format=synthesis.audio_format())

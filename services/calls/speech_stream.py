@@ -76,8 +76,15 @@ async def streaming_synthesize(
     cutter = ClauseCutter(cfg.max_clause_chars or DEFAULT_MAX_CLAUSE_CHARS)
     synthesis = ClauseSynthesis(model, plan, cfg, cutter, limits, ref, salt, SETTLE_S)
     m = calls.metrics
-    deadline = calls.registry.arbiter.open  # called once admitted: the arbiter puts it first when behind
-    with model.admit(), SpeechStreamMetrics(m, model.name, received, deadline=deadline(model.engine)) as slo:
+    # Called once admitted: the arbiter puts it first when behind, but only while a clause is being spoken: waiting
+    # for the client's next text, its deadline passes and it is not behind (engine/arbiter.py).
+    deadline = calls.registry.arbiter.open
+    with (
+        model.admit(),
+        SpeechStreamMetrics(
+            m, model.name, received, deadline=deadline(model.engine, working=lambda: synthesis.generating)
+        ) as slo,
+    ):
         try:
             yield Response(format=synthesis.audio_format())
             synthesis.start(requests, calls.registry.stream_idle_s)

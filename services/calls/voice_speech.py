@@ -220,8 +220,13 @@ async def stream_voice(
     def busy() -> bool:  # its text is being spoken: the idle bound waits
         return speaking or not clauses.empty()
 
-    deadline = calls.registry.arbiter.open  # the engines wait while this stream is behind (engine/arbiter.py)
-    with model.admit(), SpeechStreamMetrics(m, model.name, received, deadline=deadline(part)) as slo:
+    # The engines wait while this stream is behind (engine/arbiter.py), only while it speaks a clause: waiting for
+    # the client's next text it is not behind.
+    deadline = calls.registry.arbiter.open
+    with (
+        model.admit(),
+        SpeechStreamMetrics(m, model.name, received, deadline=deadline(part, working=lambda: speaking)) as slo,
+    ):
         speaker = _Speaker(model, plan, slo)
         reader = asyncio.create_task(
             read_clauses(requests, cutter, clauses, limits.max_text_chars, SETTLE_S, calls.registry.stream_idle_s, busy)

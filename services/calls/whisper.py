@@ -124,7 +124,8 @@ async def transcribe(
     run.encoder_window_s = encoder_window_s
     if prompt:
         run.prev = part.prompt_tokens(prompt)
-    return await run.run(np.ascontiguousarray(samples, np.float32), lang)
+    with part.deadline(len(samples)):  # due in its audio's seconds: text engines yield to it when it falls behind
+        return await run.run(np.ascontiguousarray(samples, np.float32), lang)
 
 
 class _Transcription:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from omnivox.services.cli._common import CliError
 from omnivox.services.cli._node_flags import add_node_arguments, node_group, run_worker_node
+from omnivox.services.cli._realtime_flags import add_realtime_arguments, realtime_limits
 from omnivox.services.cli._serve_flags import add_serve_arguments, check_flag_values, model_specs
 
 if TYPE_CHECKING:
@@ -28,6 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_serve_arguments(p)
     add_node_arguments(p)
+    add_realtime_arguments(p)
     p.set_defaults(run=run)
 
 
@@ -78,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         data_dir=args.data_dir,
         asr_model=None if args.asr_model == "none" else args.asr_model,
         audio_first_margin_s=args.audio_first_margin,
+        realtime_limits=realtime_limits(args),
     )
     engine_options = EngineOptions(
         device=args.device,

@@ -68,8 +68,8 @@ class ServerOptions:
     # A speech stream whose client runs dry within this many seconds steps first (engine/arbiter.py); 0 = off.
     audio_first_margin_s: float = 1.0
     stream_idle_timeout_s: float = DEFAULT_STREAM_IDLE_S  # bidirectional streams idle this long end (0 = never)
-    # The OpenAI-compatible HTTP front (services/openai_api/http_front.py) on host:port; None = not served; 0 = any free port.
-    http_port: int | None = None
+    http_port: int | None = None  # the OpenAI-compatible HTTP front on host:port; None = not served; 0 = any free port
+    realtime_limits: Any = None  # RealtimeLimits of GET /v1/realtime (services/openai_api/realtime/limits.py)
 
 
 def listen_address(host: str, port: int) -> str:
@@ -175,7 +175,7 @@ class OmnivoxServer:
         from omnivox.services.openai_api.http_transcription import TranscriptionRoutes
 
         auth = next((i for i in interceptors if isinstance(i, AuthInterceptor)), None)
-        self.http = HttpFront(self.registry, self.metrics, auth, opts.max_receive_message_bytes)
+        self.http = HttpFront(self.registry, self.metrics, auth, opts.max_receive_message_bytes, opts.realtime_limits)
         speech = next(
             (c for b in self.services if isinstance(c := getattr(b.servicer, "calls", None), SpeechCalls)), None
         )

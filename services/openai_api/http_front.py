@@ -14,7 +14,6 @@ import contextlib
 import json
 import logging
 import math
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -28,12 +27,13 @@ from omnivox.engine.params import MAX_SEED
 from omnivox.services import call_record, errors
 from omnivox.services.calls.generate_call import generate_responses
 from omnivox.services.errors import Code, ServiceError
-from omnivox.services.grpc_api import logs
-from omnivox.services.grpc_api.auth import AuthInterceptor, bearer_token
+from omnivox.services.grpc_api.auth import AuthInterceptor
 from omnivox.services.metrics import Metrics
+from omnivox.services.openai_api.call_gate import CallGate
 from omnivox.services.openai_api.http_streams import ClosingStreamingResponse, sse_event
 from omnivox.services.openai_api.openai_output import ChatOutput
 from omnivox.services.openai_api.openai_request import chat_request, choices, completion_request, openai_param
+from omnivox.services.openai_api.realtime.limits import RealtimeLimits
 from omnivox.services.openai_api.realtime.route import RealtimeRoute
 from omnivox.services.parts.registry import ModelRegistry, ModelState
 
@@ -82,18 +82,19 @@ class HttpFront:
     """The FastAPI app and its uvicorn server; `start()` listens, `stop()` closes (after the gRPC drain)."""
 
     def __init__(
-        self, registry: ModelRegistry, metrics: Metrics, auth: AuthInterceptor | None, max_body_bytes: int
-    ) -> None:
-        self.registry, self.metrics, self.auth, self.max_body_bytes = registry, metrics, auth, max_body_bytes
+        self, registry: ModelRegistry, metrics: Metrics, auth: AuthInterceptor | None, max_body_bytes: int,
+        realtime_limits: RealtimeLimits | None = None,
+    ) -> None:  # fmt: skip
+        self.registry, self.metrics, self.max_body_bytes = registry, metrics, max_body_bytes
+        self.gate = CallGate(auth, metrics)  # keys, quotas, status counter and log line of every route
         self.app = FastAPI(title="omnivox", docs_url=None, redoc_url=None, openapi_url=None)
         self.app.post("/v1/chat/completions")(self.chat_completions)
         self.app.post("/v1/completions")(self.completions)
         self.app.get("/v1/models")(self.models)
         self.app.get("/v1/models/{model_id:path}")(self.model)
         self.app.get("/health")(self.health)
-        self.realtime = RealtimeRoute(
-            self, error_response
-        )  # GET /v1/realtime: voice sessions (services/openai_api/realtime/)
+        # GET /v1/realtime: voice sessions (services/openai_api/realtime/)
+        self.realtime = RealtimeRoute(self, error_response, realtime_limits)
 
         @self.app.websocket("/v1/realtime")
         async def realtime(websocket: WebSocket) -> None:
@@ -102,6 +103,15 @@ class HttpFront:
         self.server: uvicorn.Server | None = None
         self.port: int | None = None
         self._main: asyncio.Task | None = None
+
+    @property
+    def auth(self) -> AuthInterceptor | None:
+        """The keys and quotas every route's CallGate checks (the gRPC chain's)."""
+        return self.gate.auth
+
+    @auth.setter
+    def auth(self, auth: AuthInterceptor | None) -> None:
+        self.gate.auth = auth
 
     async def start(self, host: str, port: int, ssl: dict[str, Any] | None = None) -> int:
         config = uvicorn.Config(self.app, host=host, port=port, lifespan="off", log_config=None, access_log=False,
@@ -169,10 +179,10 @@ class HttpFront:
         token = call_record.set_current_call(record)
         code, taken, deferred = Code.OK, None, False
         try:
-            taken = self._authorize(request, record)
+            taken = self.gate.admit(request.headers.items(), record)
             response = await handler(request, completion) if handler == self._generate else await handler(request)
             if isinstance(response, ClosingStreamingResponse):  # logged (and its quota given back) when it ends
-                response.on_end = lambda stream_code: self._end(record, stream_code, taken)
+                response.on_end = lambda stream_code: self.gate.end(record, stream_code, taken)
                 deferred = True
             return response
         except ServiceError as err:
@@ -187,32 +197,8 @@ class HttpFront:
             return error_response(errors.internal(f"{type(exc).__name__}: {exc}"), completion)
         finally:
             if not deferred:
-                self._end(record, code, taken)
+                self.gate.end(record, code, taken)
             call_record.reset_current_call(token)
-
-    def _authorize(self, request: Request, record: call_record.CallRecord) -> str | None:
-        """The caller (its quota taken) when the server has keys or quotas; None when it has neither."""
-        if self.auth is None:
-            return None
-        caller = ""
-        if self.auth.api_keys:
-            key = bearer_token(request.headers.items())  # the gRPC chain's parsing (starlette lower-cases names)
-            key_id = self.auth.caller_of_key(key)
-            if key_id is None:
-                message = "invalid API key" if key else "missing API key"
-                raise ServiceError(Code.UNAUTHENTICATED, f"{message}: send 'Authorization: Bearer KEY'")
-            caller = key_id
-        record.caller = caller
-        self.auth.quotas.take(caller)
-        return caller
-
-    def _end(self, record: call_record.CallRecord, code: Code, taken: str | None) -> None:
-        if taken is not None and self.auth is not None:
-            self.auth.quotas.give_back(taken)
-        self.metrics.grpc_status.labels(f"http:{record.method}", code.name).inc()
-        line = {"event": "http", "method": record.method, "caller": record.caller, **record.fields}
-        line.update(status=code.name, total_s=round(time.monotonic() - record.started, 6))
-        logs.request_log.info(json.dumps(line, sort_keys=False))
 
     async def body(self, request: Request) -> dict[str, Any]:
         raw = await read_capped(request, self.max_body_bytes)

@@ -60,6 +60,11 @@ class SegmentedSynthesis:
     def audio_seconds(self) -> float:
         return self.encoder.samples_out / self.job.plan.sample_rate
 
+    def generating(self) -> bool:
+        """A segment is still in the engine (the step arbiter's `working`: a stream whose codec finishes its tail
+        has no engine work to put first)."""
+        return any(not task.done() for task in self.tasks)
+
     async def audio(self) -> AsyncIterator[bytes]:
         """Encoded chunks in order; raises what a segment's generation raised."""
         gate = asyncio.Semaphore(self.max_parallel)

@@ -8,6 +8,7 @@ the engine loads the converted folder.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -139,6 +140,15 @@ class WhisperPart:
     @property
     def cache(self) -> EncoderCache:
         return self.worker.cache
+
+    def deadline(self, num_samples: int) -> contextlib.AbstractContextManager:
+        """A transcription pass of `num_samples` as an audio stream of this engine's for the step arbiter
+        (engine/arbiter.py), due its audio's seconds from now (RTF 1), closed on leaving; nothing when the engine
+        has no arbiter (an engine outside a server)."""
+        arbiter = getattr(self.engine, "arbiter", None)
+        if arbiter is None:
+            return contextlib.nullcontext()
+        return arbiter.open(self.engine, due_in_s=num_samples / SAMPLE_RATE)
 
     @property
     def window_samples(self) -> int:

@@ -12,9 +12,8 @@ from support.paths import REPO_ROOT
 from omnivox.benchmarks import host
 
 ROOT = REPO_ROOT
-# JSON written by benchmarks/ that is not a results file: a checkpoint's marker, a config copy, the GPU smoke's
-# per-check records (a list, read by benchmarks/gpu_check.sh).
-NOT_RESULTS = {"make_random_checkpoint.py", "gpu_smoke.py"}
+# JSON written by benchmarks/ that is not a results file: a checkpoint's marker, a config copy.
+NOT_RESULTS = {"make_random_checkpoint.py"}
 
 
 def test_results_record_the_instruction_sets(tmp_path: Path):
@@ -43,3 +42,21 @@ def test_every_benchmark_writes_results_through_write_results():
             if writes_json and not not_results or node.func.attr == "dump":
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not offenders, f"results JSON written without the host record: {offenders}"
+
+
+def test_one_reader_of_cpuinfo():
+    """The CPU's flags and model name come from native/kernel_build.py alone (three modules read /proc/cpuinfo each
+    their own way before); the benchmarks' two records agree on the same text."""
+    offenders = [
+        f"{path.relative_to(ROOT)}"
+        for folder in ("benchmarks", "services", "engine", "models", "codecs", "native")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if path.name != "kernel_build.py" and 'Path("/proc/cpuinfo")' in path.read_text()
+    ]
+    assert not offenders, offenders
+    from omnivox.benchmarks.cpu_flags import cpu_flags
+
+    info = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx avx2 fma f16c avx512_vnni\n"
+    assert cpu_flags(info) == {"model": "AMD EPYC", "flags": ["avx", "avx2", "fma", "f16c", "avx512_vnni"]}
+    assert cpu_flags("") == {"model": "", "flags": []}
+    assert host.host_record(info)["cpu_model"] == cpu_flags(info)["model"]

@@ -71,7 +71,9 @@ def test_gpu_smoke_runs_on_cpu(tmp_path):
 
     out = tmp_path / "smoke.json"
     assert smoke(["--device", "cpu", "--out", str(out)]) == 0
-    records = {r["check"]: r for r in json.loads(out.read_text())}
+    written = json.loads(out.read_text())
+    assert written["host"]["cpu_flags"] and written["device"] == "cpu"  # the host record, as every results file
+    records = {r["check"]: r for r in written["checks"]}
     assert all(r["ok"] for r in records.values()), records
     assert records["meta build, llama3 rope"]["devices"] == ["meta"]
     assert records["load + generate, float32, defaults"]["tokens_equal"]

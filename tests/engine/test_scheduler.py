@@ -238,3 +238,31 @@ def test_without_a_mixed_budget_the_plan_is_todays():
     run_plan(kv, sched.schedule())
     sched.add(req("p", 30, first=60))
     assert shape(sched.schedule()) == ([("d", 2, 1)], [("p", 0, 15)], [])
+
+
+def test_while_audio_is_behind_every_step_carries_at_most_the_behind_prompt_budget():
+    """engine/arbiter.py says another engine's audio is behind: prompt chunks and admissions share at most
+    behind_prefill_tokens (3 here) in steps with and without decodes; decodes are never cut; when nothing is behind
+    the step budget (16, mixed 8) is back."""
+    pool, kv, sched = make(num_blocks=32, budget=16, mixed=StepBudget(16, 8, 2, behind_prefill_tokens=3))
+    a, b = req("a", 2), req("b", 10, first=40)
+    sched.add(a)
+    plan = sched.schedule(audio_behind=True)
+    assert shape(plan) == ([], [("a", 0, 2)], [])  # 2 <= 3: the whole prompt
+    run_plan(kv, plan)
+    sched.add(b)
+    plan = sched.schedule(audio_behind=True)
+    assert shape(plan) == ([("a", 2, 1)], [("b", 0, 3)], [])  # a decode rides; b's admission cut to 3
+    run_plan(kv, plan)
+    plan = sched.schedule(audio_behind=True)
+    assert shape(plan) == ([("a", 3, 1)], [("b", 3, 3)], [])
+    run_plan(kv, plan)
+    plan = sched.schedule()  # nothing behind: the mixed budget (8 - 1 decode = 7 prompt tokens)
+    assert shape(plan) == ([("a", 4, 1)], [("b", 6, 4)], [])  # b's last 4 prompt tokens (7 allowed)
+    run_plan(kv, plan)
+    plan = sched.schedule(audio_behind=True)
+    assert shape(plan) == ([("a", 5, 1), ("b", 10, 1)], [], [])  # decodes only: never cut
+    assert StepBudget(16, behind_prefill_tokens=None).prefill_tokens(0, audio_behind=True) == 16  # no cut
+    assert StepBudget(16, 8, 2, behind_prefill_tokens=3).prefill_tokens(0, audio_behind=True) == 3
+    assert StepBudget(16, 8, 2, behind_prefill_tokens=12).prefill_tokens(4, audio_behind=True) == 4  # the mixed rule
+    pool.check_integrity()

@@ -90,6 +90,37 @@ def test_many_row_kernel_equals_portable_path(build, kind, act_bits, n, k, m):
     assert _rel_err(ours, ref) < (3e-4 if act_bits == 15 else 0.03)
 
 
+def with_minus_128(layer: quant.Int8Linear) -> quant.Int8Linear:
+    """The layer with a third of its Q8_0 weights set to -128: our quantiser never writes it (it clamps to +-127, as
+    llama.cpp's), but a GGUF's Q8_0 block may hold any int8."""
+    blocks = layer.blocks.view(layer.blocks.shape[0], -1, quant.Q8_BLOCK_BYTES)
+    blocks[..., 2::3] = 128  # the byte of int8 -128
+    return layer
+
+
+@pytest.mark.parametrize("act_bits", quant.ACT_BITS)
+@pytest.mark.parametrize("build", MANY_ROW_BUILDS)
+def test_many_row_kernel_takes_q8_weights_of_minus_128(build, act_bits):
+    """The AVX2 8-bit path multiplies |w| (unsigned) by x with w's sign (`vpsignb`): |x| against w with x's sign, as
+    it was, turned -128 into -128 again where x < 0 (its negation overflows int8): 35 x 64 outputs off."""
+    lib = many_row_library(build)
+    torch.manual_seed(act_bits)
+    layer = with_minus_128(quant.Int8Linear.from_float(torch.randn(64, 96), torch.randn(64)))
+    x = F.pad(torch.randn(35, 96) * 3, (0, layer.padded_in - 96))
+    ours = cpu_kernels.block_matmul_many("q8", x, layer.blocks, 64, layer.bias, act_bits, lib=lib, kernel=build[:4])
+    portable = quant.block_matmul_portable("q8", x, layer.blocks, layer.bias, act_bits)
+    torch.testing.assert_close(ours, portable, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("target", KERNEL_TARGETS)
+def test_block_kernels_take_q8_weights_of_minus_128(target):
+    lib = target_library(target)
+    layer = with_minus_128(quant.Int8Linear.from_float(torch.randn(40, 64), None))
+    x = F.pad(torch.randn(3, 64), (0, layer.padded_in - 64))
+    ours = cpu_kernels.block_matmul("q8", x, layer.blocks, 40, None, lib=lib)
+    torch.testing.assert_close(ours, quant.block_matmul_portable("q8", x, layer.blocks, None), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("kind", ["q8", "q4"])
 @pytest.mark.parametrize("target", KERNEL_TARGETS)
 def test_dequantize_kernels_equal_torch(target, kind):

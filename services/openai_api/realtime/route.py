@@ -1,9 +1,10 @@
 """`GET /v1/realtime?model=NAME`: the WebSocket route on the HTTP front (services/openai_api/http_front.py mounts it).
 
-Before the upgrade: the Bearer key (the HTTP front's check, so the same keys and quotas: a session holds one of its
-caller's concurrent streams until it closes) and the models: `model` names a served text model (default: the
-default model), the voice is the first served voice model (hibari out of the box), the Whisper model the server's
-ASR model (or the first served). A refusal is an HTTP status with OpenAI's error JSON, as the other routes.
+Before the upgrade: the Bearer key (the HTTP front's CallGate, services/openai_api/call_gate.py: the same keys and
+quotas; a session holds one of its caller's concurrent streams until it closes) and the models: `model` names a served
+text model (default: the default model), the voice is the first served voice model (hibari out of the box), the
+Whisper model the server's ASR model (or the first served). A refusal is an HTTP status with OpenAI's error JSON, as
+the other routes.
 After it, three tasks: the reader (client events, in order, into RealtimeSession.handle), the sender (the session's
 event queue to the socket) and the watchdog (session length, idle timeout, the server's drain: each ends the
 session with a final `error` event). However the session ends (the client closes, the socket dies, the server
@@ -23,9 +24,10 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from omnivox.services import call_record, errors
 from omnivox.services.errors import Code, ServiceError
+from omnivox.services.openai_api.realtime.limits import RealtimeLimits
 from omnivox.services.openai_api.realtime.metrics import RealtimeMetrics
 from omnivox.services.openai_api.realtime.protocol import RealtimeError, error_event
-from omnivox.services.openai_api.realtime.session import Models, RealtimeLimits, RealtimeSession
+from omnivox.services.openai_api.realtime.session import Models, RealtimeSession
 
 log = logging.getLogger(__name__)
 WATCH_S = 0.1  # the watchdog's period
@@ -49,7 +51,7 @@ class RealtimeRoute:
     """The route's state on the front: its limits and the sessions open (the tests and the drain read them)."""
 
     def __init__(self, front: Any, error_response: Any, limits: RealtimeLimits | None = None) -> None:
-        """`front`: the HttpFront (registry, metrics, its auth check); `error_response`: its ServiceError -> JSON."""
+        """`front`: the HttpFront (registry, metrics, its CallGate); `error_response`: its ServiceError -> JSON."""
         self.front, self.error_response, self.limits = front, error_response, limits or RealtimeLimits()
         self.metrics = RealtimeMetrics(front.metrics.registry)
         self.sessions: set[RealtimeSession] = set()
@@ -61,7 +63,7 @@ class RealtimeRoute:
         code, taken = Code.OK, None
         try:
             try:
-                taken = front._authorize(websocket, record)
+                taken = front.gate.admit(websocket.headers.items(), record)
                 models = session_models(front.registry, websocket.query_params.get("model", ""))
             except ServiceError as err:
                 code = err.code
@@ -82,7 +84,7 @@ class RealtimeRoute:
             code = Code.CANCELLED
             raise
         finally:
-            front._end(record, code, taken)
+            front.gate.end(record, code, taken)
             call_record.reset_current_call(token)
 
     async def _serve(self, websocket: WebSocket, session: RealtimeSession) -> None:

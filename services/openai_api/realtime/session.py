@@ -23,21 +23,13 @@ from omnivox.codecs.vad import SpeechEvent, SpeechEventKind
 from omnivox.services.openai_api.realtime.audio_io import decode_base64
 from omnivox.services.openai_api.realtime.config import OPENAI_VOICES, SessionConfig
 from omnivox.services.openai_api.realtime.conversation import Conversation, Item, check_item, dumps
+from omnivox.services.openai_api.realtime.limits import RealtimeLimits
 from omnivox.services.openai_api.realtime.protocol import Event, RealtimeError, an_object, error_event, new_id, typed
 from omnivox.services.openai_api.realtime.response import ResponseRun
 from omnivox.services.openai_api.realtime.transcripts import TurnTranscriber
 from omnivox.services.openai_api.realtime.turns import InputBuffer, Turn
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RealtimeLimits:
-    max_session_s: float = 1800.0  # then a final `error` (session_expired) and the socket closes
-    idle_timeout_s: float = 600.0  # no client event and nothing running this long: closed (idle_timeout)
-    max_buffer_s: float = 60.0  # input audio held (uncommitted, without turn detection: appends refused past it)
-    max_events_per_s: float = 200.0  # a bucket of this many events refilled per second (20 ms appends are 50/s)
-    max_event_bytes: int = 15 << 20  # one client event (OpenAI's 15 MiB for an append)
 
 
 @dataclass

@@ -15,7 +15,7 @@ from support.checkpoints import make_checkpoint
 from support.image_service import part_of
 from support.service_harness import ServerThread
 
-from omnivox.benchmarks import image_scenes
+from omnivox.benchmarks import image_scenes, train_image_model
 from omnivox.benchmarks.train_image_model import HELD_OUT_SEED
 from omnivox.services.parts.loading import EngineOptions, ModelSpec
 from omnivox.services.parts.vision_defaults import DEFAULT_IMAGE_MODEL_NAME, ensure_default_image_model
@@ -69,6 +69,42 @@ def test_served_tokens_equal_transformers_generate(server, folder):
         out = model.generate(**batch, max_new_tokens=STEPS, do_sample=False)
     want = out[0, batch["input_ids"].shape[1] :].tolist()
     assert got == want[: len(got)] and got  # the server stops at <|im_end|> as generate does
+
+
+def test_training_sees_what_the_server_sees(folder):
+    """The features, projected rows and prompt ids the training script computes for a scene and a question equal
+    those of the served folder's LLaVA path (VisionEncoder) and processor: the image side of issue 35's colour and
+    left/right misses was not a train/serve mismatch (raw features within the training cache's float16 rounding)."""
+    from safetensors.torch import load_file
+
+    from omnivox.models.vision import llava_assembly as la
+    from omnivox.models.vision.base import VisionEncoder
+    from omnivox.services.parts.vision_defaults import IMAGE_MODEL_DATA, ensure_dinov2_folder
+
+    held = image_scenes.scenes(HELD_OUT_SEED, 2)
+    images = [im for im, _ in held]
+    served = VisionEncoder.from_folder(folder)
+    items = served.preprocess(images)
+    with torch.no_grad():
+        served_rows = torch.cat([served._select(it.tensors["pixel_values"]) for it in items])  # [2, 64, 384]
+    dinov2 = transformers.Dinov2Model.from_pretrained(ensure_dinov2_folder(la.IMAGE_SIZE)).eval()  # as trained
+    cached = train_image_model.encode_images(dinov2, images).float()  # what the training caches
+    assert cached.shape == served_rows.shape == (2, 64, 384)
+    assert (cached - served_rows).abs().max() <= 2e-3 * served_rows.abs().max()  # float16: 7.8e-3 of 25.7
+    projector = train_image_model.Projector(torch.zeros(384), torch.ones(384), 576)
+    projector.load_folded(load_file(IMAGE_MODEL_DATA / "projector.safetensors"))
+    with torch.no_grad():
+        projected = projector(served_rows)
+    assert torch.allclose(projected, torch.stack(served.encode(items)), atol=1e-4, rtol=1e-4)
+
+    processor = transformers.AutoProcessor.from_pretrained(folder)
+    prompts = train_image_model.Prompts(processor.tokenizer, rows=64)
+    question = image_scenes.questions(held[0][1])[0]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question.text}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids, _, at = prompts.build([question], answers=False)
+    assert processor(text=[text], images=[images[0]], return_tensors="pt")["input_ids"][0].tolist() == ids
+    assert ids[at : at + 64] == [processor.tokenizer.convert_tokens_to_ids(la.IMAGE_TOKEN)] * 64
 
 
 def test_list_models_marks_it_narrow(server):
