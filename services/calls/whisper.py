@@ -195,7 +195,7 @@ class _Transcription:
         probe = FirstStepProbe(v, self.part.rules.languages if detect else None)
         prompt = [v.sot] if detect else [*self._prev_prompt(), v.sot]
         try:
-            ids, _, _ = await self._generate(prompt, 1, audio.take(), lambda: probe, {}, counted=detect)
+            ids, _, _ = await self._generate(prompt, 1, audio.take, lambda: probe, {}, counted=detect)
         except BaseException:
             audio.release()  # never queued: ours to drop
             raise
@@ -232,7 +232,7 @@ class _Transcription:
                 n = 1 if temperature == 0 else BEST_OF
                 # A loop is stopped early only where a fallback follows (a request's own temperature runs as asked).
                 stop = self._looping if len(self.temperatures) > 1 else None
-                runs = [self._generate(prompt, budget, audio.take(), self.constraint, bias, temperature=temperature,
+                runs = [self._generate(prompt, budget, audio.take, self.constraint, bias, temperature=temperature,
                                        seed=(seed + 1000 * step + k) % 2**32, stop=stop, on_tokens=on_tokens)
                         for k in range(n)]  # fmt: skip
                 candidates = [WindowDecode(t, sum(lp), self._text(t), temperature, cut, lp)
@@ -342,7 +342,7 @@ class _Transcription:
         self,
         prompt: list[int],
         max_tokens: int,
-        enc: EncoderInput,
+        take: Callable[[], EncoderInput],
         constraint: Any,
         bias: dict[int, float],
         *,
@@ -353,10 +353,10 @@ class _Transcription:
         on_tokens: Callable[[list[int]], Awaitable[None]] | None = None,
     ) -> tuple[list[int], list[float], bool]:
         """One engine request (greedy, or sampled with its own seed): its generated tokens without end-of-text, their
-        logprobs (end-of-text's last, when it came), and whether `stop(tokens so far)` cut it short. `enc` belongs
-        to the engine once queued (released on finish / abort / error); refused before that, it is released here.
-        `counted`: its tokens count in num_tokens; `on_tokens(tokens so far)` after each new token."""
-        engine = self.part.engine
+        logprobs (end-of-text's last, when it came), and whether `stop(tokens so far)` cut it short. `take()`: the
+        encoder reference, taken as this starts (a gathered run cancelled before its first step leaked one taken
+        earlier), the engine's once queued; `counted`: its tokens count; `on_tokens(tokens so far)` per new token."""
+        engine, enc = self.part.engine, take()
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, logit_bias=bias or None)
         params.seed = seed if temperature > 0 else None
         params.logprobs = 0
