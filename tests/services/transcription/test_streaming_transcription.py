@@ -24,6 +24,7 @@ from omnivox.benchmarks.transcription import word_error_rate
 from omnivox.codecs.audio_format import AudioEncoding, float_to_int16, int16_to_mulaw
 from omnivox.codecs.audio_input import AudioInputError, decode_audio, resample
 from omnivox.codecs.audio_stream_input import StreamingAudioDecoder, StreamingResampler
+from omnivox.services.calls.whisper_fallback import COMPRESSION_RATIO_THRESHOLD, compression_ratio, is_looping
 from omnivox.services.output.streaming_transcribe_output import stability as _stability
 from omnivox.services.parts.defaults import ensure_default_whisper
 from omnivox.services.parts.loading import EngineOptions, ModelSpec
@@ -152,6 +153,25 @@ def test_finals_equal_transcribe_of_their_spans_with_events(served, language):
     assert summary.text == " ".join(f.text for f in finals if f.text)
     assert summary.utterances == 2 and abs(summary.audio_seconds - len(samples) / RATE) < 1e-6
     assert summary.model == "whisper" and summary.real_time_factor > 0
+    nothing_left(served["server"], "whisper")
+
+
+def test_repetition_is_bounded_on_the_stream_path(served):
+    """StreamingTranscribe's passes go through the fallback as Transcribe's: greedy alone (temperature 0: no
+    fallback, as asked) the random model's finals are repetition loops (so this input loops on this path); with the
+    fallback (no temperature set) a looping decode is stopped and decoded again, and no result, interim or final,
+    is a loop."""
+
+    def texts(**config) -> list[tuple[bool, str]]:
+        clip = np.concatenate([quiet(0.5), tone(1.2, amp=0.2), quiet(1.0, 2)]).astype(np.float32)  # one utterance
+        responses = served["stub"].StreamingTranscribe(requests(clip, language="en", **config), timeout=300)
+        return [(r.result.is_final, r.result.text) for r in responses if r.HasField("result")]
+
+    greedy = [t for final, t in texts() if final]
+    assert any(compression_ratio(t) > COMPRESSION_RATIO_THRESHOLD for t in greedy), greedy
+    guarded = texts(temperature=None)
+    assert [final for final, _ in guarded].count(True) == 1
+    assert not any(is_looping(t) or compression_ratio(t) > COMPRESSION_RATIO_THRESHOLD for _, t in guarded), guarded
     nothing_left(served["server"], "whisper")
 
 
