@@ -7,8 +7,11 @@ each concurrency, and HTTP's ratio to gRPC (target: within 10 %).
 Workload: one user turn ("What is the capital of France?"), greedy, `ignore_eos`, `--output-tokens` tokens; closed loop
 of `concurrency` clients on persistent connections (one grpc.aio channel; httpx keep-alive). At concurrency 1 the
 fronts take turns request by request; above, level by level, the first front alternating by round; `--rounds` times,
-so a load change on a shared machine falls on both. HTTP is streamed (SSE, `stream_options.include_usage`) over
-httpx with keep-alive connections; its TTFT is the first content chunk, its tokens the usage's completion tokens.
+so a load change on a shared machine falls on both. HTTP is streamed (SSE, `stream_options.include_usage`) by two
+clients on keep-alive connections: `http`, a lean asyncio HTTP/1.1 client (benchmarks/sse_client.py: about the
+work grpc.aio's C-core client does, so the fronts are compared, not the clients' libraries; the ratios are its) and
+`httpx` (what a Python SDK user sees; it adds 4-5 ms of its own to the first token at concurrency 1). TTFT is the
+first content chunk, tokens the usage's completion tokens.
 """
 
 from __future__ import annotations
@@ -26,11 +29,13 @@ from typing import Any
 
 from omnivox.benchmarks.host import write_results
 from omnivox.benchmarks.metrics import RequestTrace, summarize
+from omnivox.benchmarks.sse_client import SseClient
 from omnivox.benchmarks.systems.base import run_closed_loop_async
 from omnivox.benchmarks.systems.omnivox_grpc import ServerProcess
 from omnivox.benchmarks.workload import BenchRequest
 
 QUESTION = "What is the capital of France?"
+FRONTS = ("grpc", "http", "httpx")  # httpx: the HTTP front again, through httpx
 
 
 def http_port_of(log_path: Path, timeout_s: float = 60.0) -> int:
@@ -42,34 +47,62 @@ def http_port_of(log_path: Path, timeout_s: float = 60.0) -> int:
     raise RuntimeError(f"the server reported no HTTP port (see {log_path})")
 
 
-def http_client(http: Any) -> Callable[[BenchRequest], Awaitable[RequestTrace]]:
+def chat_body(req: BenchRequest) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": req.prompt_text}], "temperature": 0.0,
+            "max_tokens": req.max_tokens, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+
+
+def add_chunk(trace: RequestTrace, data: str) -> None:
+    """One SSE event's data into the trace: a content chunk is a token, the usage chunk the counts."""
+    if data == "[DONE]":
+        return
+    chunk, now = json.loads(data), time.perf_counter()
+    if chunk.get("usage"):
+        usage = chunk["usage"]
+        trace.prompt_tokens = usage["prompt_tokens"]
+        trace.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
+        missing = usage["completion_tokens"] - trace.num_tokens  # chunks that held several tokens
+        if missing > 0:
+            trace.add_tokens(missing, trace.token_times[-1] if trace.token_times else now)
+    elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+        trace.add_tokens(1, now)
+
+
+def _checked(trace: RequestTrace, req: BenchRequest) -> RequestTrace:
+    if trace.error is None and trace.num_tokens != req.max_tokens:
+        trace.error = f"asked for {req.max_tokens} tokens (ignore_eos), got {trace.num_tokens}"
+    return trace
+
+
+def http_client(sse: SseClient) -> Callable[[BenchRequest], Awaitable[RequestTrace]]:
+    """One streamed chat over the lean client (benchmarks/sse_client.py): a trace per request."""
+
+    async def one(req: BenchRequest) -> RequestTrace:
+        trace = RequestTrace(index=req.index, send_time=time.perf_counter())
+        async for status, data in sse.events("/v1/chat/completions", chat_body(req)):
+            if status != 200:
+                trace.error = f"HTTP {status}: {data[:200]!r}"
+                return trace
+            add_chunk(trace, data)
+        return _checked(trace, req)
+
+    return one
+
+
+def httpx_client(http: Any) -> Callable[[BenchRequest], Awaitable[RequestTrace]]:
     """One streamed chat over `http` (an httpx.AsyncClient with keep-alive): a trace per request."""
 
     async def one(req: BenchRequest) -> RequestTrace:
-        body = {"messages": [{"role": "user", "content": req.prompt_text}], "temperature": 0.0,
-                "max_tokens": req.max_tokens, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}  # fmt: skip
         trace = RequestTrace(index=req.index, send_time=time.perf_counter())
-        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        async with http.stream("POST", "/v1/chat/completions", json=chat_body(req)) as response:
             if response.status_code != 200:
                 trace.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
                 return trace
             async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk, now = json.loads(line[6:]), time.perf_counter()
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                    trace.prompt_tokens = usage["prompt_tokens"]
-                    trace.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
-                    missing = usage["completion_tokens"] - trace.num_tokens  # chunks that held several tokens
-                    if missing > 0:
-                        trace.add_tokens(missing, trace.token_times[-1] if trace.token_times else now)
-                elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                    trace.add_tokens(1, now)
-        if trace.num_tokens != req.max_tokens:
-            trace.error = f"asked for {req.max_tokens} tokens (ignore_eos), got {trace.num_tokens}"
-        return trace
+                if line.startswith("data: "):
+                    add_chunk(trace, line[6:])
+        return _checked(trace, req)
 
     return one
 
@@ -109,18 +142,21 @@ async def measure(address: str, base_url: str, args: argparse.Namespace) -> list
     most = max(concurrencies)
     limits = httpx.Limits(max_connections=most, max_keepalive_connections=most)
     levels: list[dict[str, Any]] = []
+    host, port = base_url.removeprefix("http://").rsplit(":", 1)
+    sse = SseClient(host, int(port), most)
     async with (
         grpc.aio.insecure_channel(address) as channel,
         httpx.AsyncClient(base_url=base_url, timeout=300, limits=limits) as http,
     ):
-        clients = {"grpc": grpc_client(generation_pb2_grpc.GenerationServiceStub(channel)), "http": http_client(http)}
+        clients = {"grpc": grpc_client(generation_pb2_grpc.GenerationServiceStub(channel)), "http": http_client(sse),
+                   "httpx": httpx_client(http)}  # fmt: skip
         for one in clients.values():  # warm up: a connection, the prompt in the prefix cache
             await one(BenchRequest(index=-1, prompt_text=QUESTION, prompt_token_ids=[], max_tokens=4))
         for round_ in range(args.rounds):
-            order = ["grpc", "http"] if round_ % 2 == 0 else ["http", "grpc"]
+            order = list(FRONTS) if round_ % 2 == 0 else list(reversed(FRONTS))
             for c in concurrencies:
                 requests = workload(max(args.min_requests, c * args.requests_per_client), args.output_tokens)
-                traces: dict[str, list[RequestTrace]] = {"grpc": [], "http": []}
+                traces: dict[str, list[RequestTrace]] = {front: [] for front in FRONTS}
                 if c == 1:
                     for req in requests:
                         for front in order:
@@ -128,9 +164,10 @@ async def measure(address: str, base_url: str, args: argparse.Namespace) -> list
                 else:
                     for front in order:
                         traces[front] = await run_closed_loop_async(requests, c, clients[front], lambda n: None)
-                for front in ("grpc", "http"):
+                for front in FRONTS:
                     levels.append(level(front, c, round_, traces[front]))
-                print(json.dumps(levels[-2:]), file=sys.stderr)
+                print(json.dumps(levels[-len(FRONTS) :]), file=sys.stderr)
+    await sse.close()
     return levels
 
 
@@ -148,18 +185,22 @@ def level(front: str, concurrency: int, round_: int, traces: list[RequestTrace])
 
 
 def ratios(levels: list[dict[str, Any]], concurrencies: list[int]) -> list[dict[str, Any]]:
-    """Per concurrency: the median over rounds of each front's TTFT p50 and total TPS, and HTTP / gRPC."""
+    """Per concurrency: the median over rounds of each front's TTFT p50 and total TPS, and HTTP / gRPC (the lean
+    client's; httpx's as httpx_*_ratio)."""
     import statistics
 
     out = []
     for c in concurrencies:
         row: dict[str, Any] = {"concurrency": c}
-        for front in ("grpc", "http"):
+        for front in FRONTS:
             mine = [lv for lv in levels if lv["front"] == front and lv["concurrency"] == c]
             row[f"{front}_ttft_p50_ms"] = statistics.median(lv["ttft_p50_ms"] for lv in mine)
             row[f"{front}_total_tps"] = statistics.median(lv["total_tps"] for lv in mine)
+            row[f"{front}_ttft_p50_ms_per_round"] = [round(lv["ttft_p50_ms"], 2) for lv in mine]
         row["ttft_ratio"] = row["http_ttft_p50_ms"] / row["grpc_ttft_p50_ms"]
         row["tps_ratio"] = row["http_total_tps"] / row["grpc_total_tps"]
+        row["httpx_ttft_ratio"] = row["httpx_ttft_p50_ms"] / row["grpc_ttft_p50_ms"]
+        row["httpx_tps_ratio"] = row["httpx_total_tps"] / row["grpc_total_tps"]
         out.append(row)
     return out
 
@@ -204,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"benchmark": "http_vs_grpc", "started": started, "commit": git_commit(), "load_average_at_start": load,
               "model": DEFAULT_MODEL_NAME, "threads": args.threads, "output_tokens": args.output_tokens,
               "levels": levels, "ratios": ratios(levels, concurrencies), "server_ttft": server_ttfts(log_path),
+              "load_average_at_end": list(os.getloadavg()),
               "note": "2-core machine shared with other jobs (four other agents building and testing)"}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_results(args.out, result)

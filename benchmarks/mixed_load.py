@@ -10,7 +10,9 @@ chat prompt, 48 tokens: TTFT and ITL per token), speech syntheses (SynthesizeSpe
 model that runs on an engine, LINEAR16 24 kHz: time to first
 audio, RTF = wall / audio seconds, lateness = how late the worst chunk was for playback started at the first one)
 and transcriptions (Transcribe of 6 s of a tone: RTF). It scrapes the server's /metrics at the end of each round for
-the arbiter's decisions (omnivox_arbiter_yields_total per model). Results: medians and p99s per mode, the CPU's
+the arbiter's decisions (omnivox_arbiter_yields_total per model). `--before-tree DIR` adds a third mode, "arbiter on,
+before": the server run from another omnivox tree (DIR holds its `omnivox` package, put first on PYTHONPATH; e.g. the
+commit before a policy change), so a change is compared with what it replaced in the same run. Results: medians and p99s per mode, the CPU's
 flags and the load average, in benchmarks/results/mixed-load-cpu.json. The machine it runs on may be shared: the
 load average is recorded before and after, and the two modes alternate so that both see the same neighbours.
 """
@@ -162,6 +164,20 @@ def summarize(rounds: list[dict]) -> dict:
     }
 
 
+def serve(mode: str, flags: list[str], tree: Path | None) -> Server:
+    """The mode's server; from `tree`'s omnivox package when given (first on the child's PYTHONPATH)."""
+    saved = os.environ.get("PYTHONPATH")
+    if tree is not None:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(tree), *([saved] if saved else [])])
+    try:
+        return Server(flags, Path(f"bench-results/mixed-{mode.replace(' ', '').replace(',', '-')}.log"))
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=20.0, help="length of each round (the issue's load ran 60 s)")
@@ -171,16 +187,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transcriptions", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="`serve --threads`")
     ap.add_argument("--server-arg", action="append", default=[], help="extra `omnivox serve` argument (repeat)")
+    ap.add_argument(
+        "--before-tree", type=Path, help="a folder whose omnivox package serves a third mode, 'arbiter on, before'"
+    )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/mixed-load-cpu.json"))
     args = ap.parse_args(argv)
     from omnivox.benchmarks.main import git_commit, machine_description
 
     modes = {"arbiter on": ["--audio-first-margin", "1.0"], "arbiter off": ["--audio-first-margin", "0"]}
+    trees = {mode: None for mode in modes}
+    if args.before_tree is not None:
+        modes["arbiter on, before"], trees["arbiter on, before"] = modes["arbiter on"], args.before_tree.resolve()
     raw: dict[str, list[dict]] = {m: [] for m in modes}
     load_before = os.getloadavg()
     for _ in range(args.rounds):
         for mode, flags in modes.items():
-            server = Server([*flags, "--threads", str(args.threads), *args.server_arg], Path("bench-results/mixed.log"))
+            server = serve(mode, [*flags, "--threads", str(args.threads), *args.server_arg], trees[mode])
             try:
                 raw[mode].append(run_round(server, args))
             finally:
@@ -195,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         "note": "measured on a machine shared with other jobs (see the load averages): compare the modes, "
         "which alternate round by round, not the absolute numbers",
         "load": {k: getattr(args, k) for k in ("seconds", "rounds", "text", "speech", "transcriptions", "threads")},
+        "before_tree": str(args.before_tree) if args.before_tree else None,
         "modes": {mode: summarize(rounds) for mode, rounds in raw.items()},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

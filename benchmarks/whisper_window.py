@@ -3,7 +3,7 @@
 The encoder reads a 30 s window (3000 mel frames -> 1500 positions) whatever the clip's length; a realtime turn is
 2-8 s. Here each clip (sentences spoken by hibari's default voice and by espeak-ng, 16 kHz) is encoded by our
 WhisperEncoder (models/audio/whisper.py) at windows of 10, 15, 20 and 30 s (the first N mel frames of the padded 30 s
-features, the first N / 2 positions), optionally with int8 dynamic weights for the encoder's plain linears, and
+features, the first N / 2 positions), optionally with int8 weights (the served Q8_0 encoder, models/audio/whisper_int8.py, and torch's dynamic linears), and
 decoded greedily (transformers' WhisperForConditionalGeneration decoder over our encoder states: `<|en|>
 <|transcribe|> <|notimestamps|>`, the checkpoint's suppress tokens), so the only difference between columns is the
 window. WER: word edit distance over reference words, lowercased, punctuation dropped.
@@ -100,8 +100,9 @@ def hibari_clips(sentences) -> list[np.ndarray]:
     return out
 
 
-def int8_encoder(encoder: torch.nn.Module) -> torch.nn.Module:
-    """A copy with int8 dynamic weights for the plain linears (fc1, fc2, out_proj; the packed qkv stays float)."""
+def torch_ao_int8_encoder(encoder: torch.nn.Module) -> torch.nn.Module:
+    """A copy with torch's int8 dynamic weights for the plain linears (fc1, fc2, out_proj; the packed qkv stays float):
+    fbgemm's per-channel weights, activations with one scale per call (the first measurement; not served)."""
     import copy
 
     from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
@@ -138,11 +139,23 @@ def greedy(hf_model, states: torch.Tensor, prompt: list[int], suppress: torch.Te
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--int8", action="store_true", help="also int8 dynamic weights for the encoder's linears")
+    ap.add_argument(
+        "--int8",
+        action="store_true",
+        help="also the served int8 encoder (models/audio/whisper_int8.py, "
+        "Q8_0 blocks) and torch's int8 dynamic linears, at the shortest and the full window",
+    )
+    ap.add_argument("--windows", type=int, nargs="+", default=list(WINDOWS_S), help="float32 windows (seconds)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--limit", type=int, default=len(SENTENCES), help="sentences per voice (a smoke run: 1)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    import datetime
+    import os
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
+    run_facts = {"started": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
+                 "commit": commit.stdout.strip(), "load_average_at_start": [round(x, 1) for x in os.getloadavg()]}  # fmt: skip
     from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration, WhisperTokenizerFast
 
     from omnivox.codecs.mel import LogMelExtractor, MelSettings
@@ -166,12 +179,18 @@ def main() -> None:
     suppress = torch.tensor(sorted(set(gen.suppress_tokens or [])), dtype=torch.long)
     encoders = {"float32": ours.encoder}
     if args.int8:
+        from omnivox.models.audio.whisper_int8 import int8_encoder
+
         encoders["int8"] = int8_encoder(ours.encoder)
+        encoders["int8-torch-ao"] = torch_ao_int8_encoder(ours.encoder)
     sentences = SENTENCES[: args.limit]
     clips = [("hibari", c) for c in hibari_clips(sentences)] + [("espeak", c) for c in espeak_clips(sentences)]
     refs = [words(s) for s in sentences] * 2
-    # int8 only at the shortest and the full window: the machine is shared, a run must stay near 10 minutes.
-    columns = [("float32", w) for w in WINDOWS_S] + [("int8", w) for w in (WINDOWS_S[0], WINDOWS_S[-1]) if args.int8]
+    # int8 only at the shortest window (ours also at the full one): the machine is shared, a run must stay near 10 min.
+    windows = sorted(set(args.windows) | {30})  # the 30 s column is every ratio's reference
+    columns = [("float32", w) for w in windows]
+    if args.int8:
+        columns += [("int8", windows[0]), ("int8", 30), ("int8-torch-ao", windows[0])]
     rows = []
     errors = {f"{n}@{w}s": 0 for n, w in columns}
     seconds = {f"{n}@{w}s": 0.0 for n, w in columns}
@@ -200,8 +219,8 @@ def main() -> None:
             e = sum(edit_distance(rows[i]["reference"].split(), words(rows[i]["hyp"][key])) for i in idx)
             summary[key][f"wer_{voice}"] = round(e / max(n, 1), 4)
     result = {"benchmark": "whisper_window", "model": "whisper-base", "threads": args.threads,
-                        "clips": len(clips), "reference_words": total, "summary": summary, "rows": rows,
-                        "note": "shared 2-core machine (other agents' jobs at load 6-8); times are ratios in one run"}  # fmt: skip
+              "clips": len(clips), "reference_words": total, "summary": summary, "rows": rows, **run_facts,
+              "note": "CPU, the machine shared with other jobs; times are ratios in one run"}  # fmt: skip
     print(json.dumps(summary, indent=1))
     if args.out:
         write_results(args.out, result, indent=1)

@@ -181,8 +181,9 @@ class WhisperModel(nn.Module):
 
     # -- encoder side (the encoder worker) ----------------------------------------------------------------------------
 
-    def encode(self, features: torch.Tensor) -> torch.Tensor:
-        """Log-mel features [B, n_mels, F] -> encoder states [B, F / 2, d_model] (in the model's dtype).
+    def encode(self, features: torch.Tensor, encoder: nn.Module | None = None) -> torch.Tensor:
+        """Log-mel features [B, n_mels, F] -> encoder states [B, F / 2, d_model] (in the model's dtype); `encoder`: a
+        stand-in for `self.encoder` with the same layout (the int8 copy of models/audio/whisper_int8.py).
 
         F is 3000 (the 30 s window transformers' encoder insists on) or a shorter even window, the first F frames of
         the padded 30 s features: the encoder then reads only the first F / 2 positions (the audio must end well
@@ -195,7 +196,7 @@ class WhisperModel(nn.Module):
                 f"it, got {tuple(features.shape)}"
             )
         w = self.encoder.conv1.weight
-        return self.encoder(features.to(w.device, w.dtype))
+        return (encoder or self.encoder)(features.to(w.device, w.dtype))
 
     def cross_kv(self, states: torch.Tensor) -> torch.Tensor:
         """Encoder states [T_enc, d] -> every decoder layer's cross-attention k, v: [L, 2, H, T_enc, hd] for SDPA."""
@@ -207,12 +208,14 @@ class WhisperModel(nn.Module):
             out[i] = kv.permute(1, 2, 0, 3)
         return out
 
-    def encode_cross(self, features: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def encode_cross(
+        self, features: torch.Tensor | Sequence[torch.Tensor], encoder: nn.Module | None = None
+    ) -> list[torch.Tensor]:
         """What the encoder worker runs: features [B, n_mels, 3000] (or a list of [n_mels, 3000], as `EncoderWorker`
         passes its queued payloads) -> one cross kv tensor per audio."""
         if not isinstance(features, torch.Tensor):
             features = torch.stack([f.to(self.encoder.conv1.weight.device) for f in features])
-        return [self.cross_kv(s) for s in self.encode(features)]
+        return [self.cross_kv(s) for s in self.encode(features, encoder)]
 
     # -- decoder side (the engine's step) -----------------------------------------------------------------------------
 

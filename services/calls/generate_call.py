@@ -27,14 +27,18 @@ async def generate_responses(
     registry: ModelRegistry,
     metrics: Metrics,
     raw_prompt: str | None = None,
+    admitted: bool = False,
 ) -> AsyncIterator[generation_pb2.GenerateResponse]:
     """The deltas then the summary of one request. `raw_prompt`: a completion's text, tokenised without the chat
-    template (the request's contents then only carry it for the size and field checks)."""
+    template (the request's contents then only carry it for the size and field checks). `admitted`: the caller holds
+    the model's queue slot for it (the HTTP front's n choices are one queued request, as in vLLM, whose n children
+    come from one API request)."""
     received, call = time.monotonic(), current_call()
     checked = await generate_request.check(request, registry)
     checked.raw_prompt = raw_prompt
     call.set(model=checked.model.name)
-    with checked.model.admit():  # counted against the queue bound, and waited for by a drain
+    # counted against the queue bound, and waited for by a drain
+    with contextlib.nullcontext() if admitted else checked.model.admit():
         job = await generate_request.process(checked, call.phase)
         output = GenerateOutput(job, received, metrics, call)
         last: RequestOutput | None = None

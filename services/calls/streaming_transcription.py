@@ -197,6 +197,7 @@ class TranscriptStream:
             return await transcribe(
                 self.part, clip, language=self.cfg.language or None, task=self.cfg.task or "transcribe",
                 prompt=self.cfg.prompt or None, cache_salt=self.salt, temperatures=temperatures_of(self.cfg),
+                encoder_window_s=self.part.short_window_s,  # Transcribe's rule: a result is Transcribe's of its span
             )  # fmt: skip
         except TranscriptionRequestError as err:
             raise errors.invalid_argument([FieldViolation(err.field, err.description)]) from err

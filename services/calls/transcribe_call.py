@@ -72,7 +72,8 @@ async def _whisper(job: TranscribeJob, write: Write) -> Transcript:
         result = await transcribe(part, job.samples, language=request.language or None, task=job.checked.task,
                                   timestamps=request.timestamps, prompt=request.prompt or None, on_text=on_text,
                                   cache_salt=job.checked.salt, temperatures=temperatures_of(request),
-                                  word_timestamps=request.word_timestamps)  # fmt: skip
+                                  word_timestamps=request.word_timestamps,
+                                  encoder_window_s=part.short_window_s)  # fmt: skip
     except TranscriptionRequestError as err:
         raise errors.invalid_argument([FieldViolation(err.field, err.description)]) from err
     except RuntimeError as err:  # the engine failed a step of this request and kept serving the others

@@ -44,6 +44,7 @@ from omnivox.engine import InvalidRequest, SamplingParams
 from omnivox.engine.params import shared
 from omnivox.engine.request import EncoderInput
 from omnivox.models.audio.transcription import TranscriptionRequestError
+from omnivox.services.calls.whisper_audio import WindowAudio
 from omnivox.services.calls.whisper_fallback import (
     BEST_OF,
     PROMPT_RESET_TEMPERATURE,
@@ -51,6 +52,7 @@ from omnivox.services.calls.whisper_fallback import (
     WindowDecode,
     is_looping,
     is_silence,
+    kept_as_decoded,
     needs_fallback,
 )
 from omnivox.services.output.whisper_words import TimedWord, token_times, words_by_segment
@@ -154,6 +156,7 @@ class _Transcription:
         self.no_speech_probs: list[float] = []
         self.num_tokens = 0
         self.emitted_any = False
+        self.window_sent = ""  # the open window's text already handed to on_text as its tokens came
         rules = part.rules
         self.constraint = shared(rules.timestamps if timestamps else rules.first_step)  # type: ignore[arg-type]
 
@@ -169,13 +172,11 @@ class _Transcription:
             while seek < n:
                 end = min(seek + window, n)
                 seek, lang = await self._window_timestamps(samples[seek:end], seek, end, lang)
-        v = self.part.vocab  # an English-only model's language is English (openai-whisper reports "en")
-        code = next((c for c, t in v.languages.items() if t == lang), None) if v.multilingual else "en"
         text = " ".join(t for _, _, t in self.segments if t)
-        return WhisperResult(text, code, self.segments, self.num_tokens, self.token_ids, self.no_speech_probs,
+        return WhisperResult(text, self._language_code(lang), self.segments, self.num_tokens, self.token_ids, self.no_speech_probs,
                              self.words, self.stats)  # fmt: skip
 
-    async def _prepare(self, clip: np.ndarray, lang: int | None) -> tuple[_WindowAudio, int | None, float | None]:
+    async def _prepare(self, clip: np.ndarray, lang: int | None) -> tuple[WindowAudio, int | None, float | None]:
         """The window's audio, its language (detected here when not given) and its `<|nospeech|>` probability.
 
         One step on `[previous text] <|startoftranscript|>` (just `<|startoftranscript|>` when detecting, as
@@ -186,7 +187,7 @@ class _Transcription:
         short = not (self.timestamps or self.word_timestamps)
         frames = part.encoder_frames(len(clip), self.encoder_window_s) if short else None
         features = await asyncio.to_thread(part.features, clip, frames)
-        audio = _WindowAudio(part, part.window_key(clip, frames), features, self.cache_salt)
+        audio = WindowAudio(part, part.window_key(clip, frames), features, self.cache_salt)
         detect = lang is None and v.multilingual
         if not detect and v.no_speech is None:
             return audio, lang, None
@@ -194,7 +195,7 @@ class _Transcription:
         probe = FirstStepProbe(v, self.part.rules.languages if detect else None)
         prompt = [v.sot] if detect else [*self._prev_prompt(), v.sot]
         try:
-            ids, _, _ = await self._generate(prompt, 1, audio.take(), lambda: probe, {}, counted=detect)
+            ids, _, _ = await self._generate(prompt, 1, audio.take, lambda: probe, {}, counted=detect)
         except BaseException:
             audio.release()  # never queued: ours to drop
             raise
@@ -218,18 +219,21 @@ class _Transcription:
         ids = [t for t in tokens if self.part.vocab.is_text(t)]
         return self.part.tokenizer.decode(ids, skip_special_tokens=True).strip()
 
-    async def _decode(self, prompt: list[int], audio: _WindowAudio, no_speech: float | None, seed: int) -> WindowDecode:
+    async def _decode(self, prompt: list[int], audio: WindowAudio, no_speech: float | None, seed: int) -> WindowDecode:
         """The window decoded greedily, then again sampled at each higher temperature while the decode needs the
         fallback (services/calls/whisper_fallback.py); the last decode when none passes."""
         budget, bias = self._budget(prompt), self.part.rules.suppress
         decode: WindowDecode | None = None
+        self.window_sent = ""
+        sure = kept_as_decoded(self.temperatures, self.timestamps, no_speech)  # its text can go out as it comes
+        on_tokens = self._emit_so_far if sure and self.on_text is not None else None
         try:
             for step, temperature in enumerate(self.temperatures):
                 n = 1 if temperature == 0 else BEST_OF
                 # A loop is stopped early only where a fallback follows (a request's own temperature runs as asked).
                 stop = self._looping if len(self.temperatures) > 1 else None
-                runs = [self._generate(prompt, budget, audio.take(), self.constraint, bias, temperature=temperature,
-                                       seed=(seed + 1000 * step + k) % 2**32, stop=stop)
+                runs = [self._generate(prompt, budget, audio.take, self.constraint, bias, temperature=temperature,
+                                       seed=(seed + 1000 * step + k) % 2**32, stop=stop, on_tokens=on_tokens)
                         for k in range(n)]  # fmt: skip
                 candidates = [WindowDecode(t, sum(lp), self._text(t), temperature, cut, lp)
                               for t, lp, cut in await asyncio.gather(*runs)]  # fmt: skip
@@ -254,7 +258,7 @@ class _Transcription:
         audio, lang, no_speech = await self._prepare(clip, lang)
         decode = await self._decode(self._prompt(lang), audio, no_speech, start)
         index = len(self.segments)
-        self.stats.append(DecodeStats.of(decode, no_speech))
+        self.stats.append(DecodeStats.of(decode, no_speech, decode.tokens))
         if is_silence(decode, no_speech):
             self.segments.append((start / SAMPLE_RATE, end / SAMPLE_RATE, ""))
             self.words += [[]] if self.word_timestamps else []
@@ -262,7 +266,7 @@ class _Transcription:
         await self._emit(decode.text, index)
         self.segments.append((start / SAMPLE_RATE, end / SAMPLE_RATE, decode.text))
         if self.word_timestamps:
-            groups = await self._words(audio, self._prompt(lang), decode, len(decode.tokens), start, end)
+            groups = await self._words(audio, lang, decode, len(decode.tokens), start, end)
             self.words.append([w for g in groups for w in g])
         self._keep(decode, decode.tokens)
         return lang
@@ -277,11 +281,11 @@ class _Transcription:
         tokens = decode.tokens
         pieces, used, next_step = timestamp_segments(tokens, self.part.vocab)
         offset = seek / SAMPLE_RATE
-        groups = await self._words(audio, self._prompt(lang), decode, used, seek, end) if self.word_timestamps else []
+        groups = await self._words(audio, lang, decode, used, seek, end) if self.word_timestamps else []
         for a, b, ids in pieces:
             text = self.part.tokenizer.decode(ids, skip_special_tokens=True).strip()
             self.segments.append((*segment_seconds(a, b, offset, end / SAMPLE_RATE), text))
-            self.stats.append(DecodeStats.of(decode, no_speech))
+            self.stats.append(DecodeStats.of(decode, no_speech, ids))
             if self.word_timestamps:
                 self.words.append(groups.pop(0) if text and groups else [])
             await self._emit(text, len(self.segments) - 1)
@@ -293,11 +297,11 @@ class _Transcription:
         return seek + advance, lang
 
     async def _words(
-        self, audio: _WindowAudio, prompt: list[int], decode: WindowDecode, used: int, start: int, end: int
+        self, audio: WindowAudio, lang: int | None, decode: WindowDecode, used: int, start: int, end: int
     ) -> list[list[TimedWord]]:
         """The kept decode's first `used` tokens as timed words, per segment (a worker thread: the cross K/V from
         the encoder cache, encoded again if it was evicted; one dense decoder pass)."""
-        handle = self.part.worker.handle(audio.key, audio.features, audio.salt)
+        handle, prompt = self.part.worker.handle(audio.key, audio.features, audio.salt), self._prompt(lang)
 
         def align() -> np.ndarray:
             try:
@@ -306,14 +310,31 @@ class _Transcription:
                 handle.release()
 
         times = await asyncio.to_thread(align)
-        s = SAMPLE_RATE
-        return words_by_segment(self.part, decode.tokens[:used], times, decode.token_logprobs, start / s, end / s)
+        s, code = SAMPLE_RATE, self._language_code(lang)
+        return words_by_segment(self.part, decode.tokens[:used], times, decode.token_logprobs, start / s, end / s, code)
+
+    def _language_code(self, lang: int | None) -> str | None:
+        v = self.part.vocab  # an English-only model's language is English (openai-whisper reports "en")
+        return next((c for c, t in v.languages.items() if t == lang), None) if v.multilingual else "en"
 
     async def _emit(self, text: str, index: int) -> None:
-        """Hand `on_text` a kept segment's text (segments' texts are joined by one space)."""
-        if self.on_text is None or not text:
+        """Hand `on_text` a kept segment's text (segments' texts are joined by one space), less what of it went out
+        as its tokens came."""
+        sent, self.window_sent = self.window_sent, ""
+        await self._emit_piece(text[len(sent) :] if text.startswith(sent) else "", index, first=not sent)
+
+    async def _emit_so_far(self, tokens: list[int]) -> None:
+        """The new end of a sure-to-be-kept decode's text (a character cut between tokens waits for its bytes)."""
+        text = self._text(tokens).rstrip("\ufffd")
+        if len(text) > len(self.window_sent) and text.startswith(self.window_sent):
+            piece, first = text[len(self.window_sent) :], not self.window_sent
+            self.window_sent = text
+            await self._emit_piece(piece, len(self.segments), first)
+
+    async def _emit_piece(self, piece: str, index: int, first: bool) -> None:
+        if self.on_text is None or not piece:
             return
-        delta = " " + text if self.emitted_any else text
+        delta = " " + piece if first and self.emitted_any else piece
         self.emitted_any = True
         await self.on_text(delta, index)
 
@@ -321,7 +342,7 @@ class _Transcription:
         self,
         prompt: list[int],
         max_tokens: int,
-        enc: EncoderInput,
+        take: Callable[[], EncoderInput],
         constraint: Any,
         bias: dict[int, float],
         *,
@@ -329,12 +350,13 @@ class _Transcription:
         seed: int | None = None,
         stop: Callable[[list[int]], bool] | None = None,
         counted: bool = True,
+        on_tokens: Callable[[list[int]], Awaitable[None]] | None = None,
     ) -> tuple[list[int], list[float], bool]:
         """One engine request (greedy, or sampled with its own seed): its generated tokens without end-of-text, their
-        logprobs (end-of-text's last, when it came), and whether `stop(tokens so far)` cut it short. `enc` belongs
-        to the engine once queued (released on finish / abort / error); refused before that, it is released here.
-        `counted`: its tokens count in num_tokens."""
-        engine = self.part.engine
+        logprobs (end-of-text's last, when it came), and whether `stop(tokens so far)` cut it short. `take()`: the
+        encoder reference, taken as this starts (a gathered run cancelled before its first step leaked one taken
+        earlier), the engine's once queued; `counted`: its tokens count; `on_tokens(tokens so far)` per new token."""
+        engine, enc = self.part.engine, take()
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, logit_bias=bias or None)
         params.seed = seed if temperature > 0 else None
         params.logprobs = 0
@@ -365,6 +387,8 @@ class _Transcription:
                 tokens += new
                 logprobs += [lp.logprob for lp in out.new_logprobs or ()]
                 self.num_tokens += len(out.new_token_ids) if counted else 0
+                if on_tokens is not None and new:
+                    await on_tokens(tokens)
                 if not finished and new and stop is not None and stop(tokens):
                     cut = True
                     break
@@ -374,26 +398,3 @@ class _Transcription:
         if finished and out.finish_reason == "error":
             raise RuntimeError("the engine failed while computing this transcription; see the server log")
         return tokens, logprobs, cut
-
-
-@dataclass
-class _WindowAudio:
-    """A window's log-mel features and content key: each engine request over it takes its own encoder reference (the
-    encoder runs once; the cross K/V is shared through the encoder cache)."""
-
-    part: WhisperPart
-    key: str
-    features: Any  # [n_mels, 3000] float32 CPU (or a short window's first frames)
-    salt: str
-    held: EncoderInput | None = None  # taken early so the entry stays cached between the probe and the decode
-
-    def take(self) -> EncoderInput:
-        if self.held is not None:
-            enc, self.held = self.held, None
-            return enc
-        return self.part.encoder_input(self.key, self.features, self.salt)
-
-    def release(self) -> None:
-        if self.held is not None:
-            self.held.release()
-            self.held = None

@@ -89,10 +89,12 @@ class DecodeStats:
     compression_ratio: float
     no_speech_prob: float  # 0 when the model has no <|nospeech|>
     temperature: float
+    token_ids: tuple[int, ...] = ()  # the segment's text tokens (OpenAI's verbose_json segment `tokens`)
 
     @staticmethod
-    def of(decode: WindowDecode, no_speech_prob: float | None) -> DecodeStats:
-        return DecodeStats(decode.avg_logprob, decode.compression_ratio, no_speech_prob or 0.0, decode.temperature)
+    def of(decode: WindowDecode, no_speech_prob: float | None, token_ids: list[int]) -> DecodeStats:
+        return DecodeStats(decode.avg_logprob, decode.compression_ratio, no_speech_prob or 0.0, decode.temperature,
+                           tuple(token_ids))  # fmt: skip
 
 
 def is_silence(decode: WindowDecode, no_speech_prob: float | None) -> bool:
@@ -108,3 +110,12 @@ def needs_fallback(decode: WindowDecode, no_speech_prob: float | None) -> bool:
         return False
     too_repetitive = decode.stopped_looping or decode.compression_ratio > COMPRESSION_RATIO_THRESHOLD
     return too_repetitive or decode.avg_logprob < LOGPROB_THRESHOLD
+
+
+def kept_as_decoded(temperatures: tuple[float, ...], timestamps: bool, no_speech_prob: float | None) -> bool:
+    """A window's decode is kept whatever its tokens turn out to be, so its text may be streamed as they come: no
+    fallback (one temperature asked), no no-speech skip possible (`<|nospeech|>` unlikely), no timestamps (there the
+    text after the window's last timestamp pair is cut and heard again). Otherwise the keep decision reads the whole
+    decode (its mean logprob, end-of-text's included, and its text's compression ratio): its text waits for it, as a
+    streamed delta cannot be taken back."""
+    return len(temperatures) == 1 and not timestamps and (no_speech_prob or 0.0) <= NO_SPEECH_THRESHOLD

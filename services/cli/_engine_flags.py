@@ -16,6 +16,20 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="encoded images each vision model keeps for reuse; a single image whose features exceed it is refused",
     )
     p.add_argument(
+        "--whisper-short-window",
+        type=float,
+        metavar="SECONDS",
+        help="Transcribe and StreamingTranscribe encode a clip that ends 3.5 s before this window in it (10: clips up "
+        "to 6.5 s, ~0.3x the encoder time of the 30 s window, WER measured within noise on 32 clips; BENCHMARKS.md "
+        "'Whisper short windows'); default: the 30 s window, transformers' own. Realtime turns take 10 s either way",
+    )
+    p.add_argument(
+        "--whisper-int8-short-window",
+        action="store_true",
+        help="encode Whisper's short windows (realtime turns, --whisper-short-window) with int8 weights (Q8_0 blocks, "
+        "the CPU block kernels; float elsewhere): same WER as float on 32 clips at 0.84-0.91x its encoder time",
+    )
+    p.add_argument(
         "--max-request-megapixels",
         type=float,
         default=48.0,

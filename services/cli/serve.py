@@ -91,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
         max_step_tokens=args.max_step_tokens,
         max_step_ms=args.max_step_ms,
         image_cache_mib=args.image_cache_mib,
+        whisper_short_window_s=args.whisper_short_window,
+        whisper_short_window_int8=args.whisper_int8_short_window,
         max_request_megapixels=args.max_request_megapixels,
         quantize_lm_head=args.quantize_lm_head,
         num_speculative_tokens=args.num_speculative_tokens,
@@ -130,6 +132,8 @@ def check_server_flags(args: argparse.Namespace) -> None:
         raise CliError("--audio-first-margin must be at least 0")
     if args.max_queue < 1:
         raise CliError("--max-queue must be at least 1")
+    if args.whisper_short_window is not None and not 4.0 <= args.whisper_short_window < 30.0:
+        raise CliError("--whisper-short-window must be in [4, 30) seconds (it keeps a 3.5 s margin after the clip)")
     if args.max_batched_tokens is not None and args.max_batched_tokens < 1:
         raise CliError("--max-batched-tokens must be at least 1")
     if (args.max_step_tokens is not None and args.max_step_tokens < 1) or (

@@ -18,9 +18,12 @@ from omnivox.services.call_record import current_call
 from omnivox.services.grpc_api.logs import OMNIVOX_PREFIX, Behavior, around_call, wrap_handler
 
 
-def _epoch_ns(monotonic_s: float) -> int:
-    """A time.monotonic() instant on the wall clock spans are written in."""
-    return time.time_ns() - time.monotonic_ns() + int(monotonic_s * 1e9)
+def _epoch_offset_ns() -> int:
+    """What to add to a time.monotonic() instant (in ns) to put it on the wall clock spans are written in.
+
+    Read once per call and shared by its phases: read per phase, a thread descheduled between the two clock reads
+    shifted one phase against the next (at load 7 a 'decode' span sorted before its 'prefill')."""
+    return time.time_ns() - time.monotonic_ns()
 
 
 class TracingInterceptor(grpc.aio.ServerInterceptor):
@@ -72,9 +75,10 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
                 span = spans.pop()
                 record = current_call()
                 in_span = trace.set_span_in_context(span)
+                offset_ns = _epoch_offset_ns()
                 for name, start, end in record.phases:
-                    child = self.tracer.start_span(name, context=in_span, start_time=_epoch_ns(start))
-                    child.end(end_time=_epoch_ns(end))
+                    child = self.tracer.start_span(name, context=in_span, start_time=offset_ns + int(start * 1e9))
+                    child.end(end_time=offset_ns + int(end * 1e9))
                 for key, value in record.fields.items():
                     if isinstance(value, str | int | float) and not isinstance(value, bool):
                         span.set_attribute(f"omnivox.{key}", value)

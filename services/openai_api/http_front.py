@@ -20,7 +20,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request, WebSocket
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from google.rpc import error_details_pb2
 
 from omnivox.engine.params import MAX_SEED
@@ -30,6 +30,7 @@ from omnivox.services.errors import Code, ServiceError
 from omnivox.services.grpc_api.auth import AuthInterceptor
 from omnivox.services.metrics import Metrics
 from omnivox.services.openai_api.call_gate import CallGate
+from omnivox.services.openai_api.http_streams import ClosingStreamingResponse, sse_event
 from omnivox.services.openai_api.openai_output import ChatOutput
 from omnivox.services.openai_api.openai_request import chat_request, choices, completion_request, openai_param
 from omnivox.services.openai_api.realtime.limits import RealtimeLimits
@@ -75,25 +76,6 @@ def error_response(
             code, param = f"{detail.resource_type}_not_found", detail.resource_type
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
-
-
-class ClosingStreamingResponse(StreamingResponse):
-    """A streamed body whose iterator is closed however the response ends (Starlette cancels the sending task on a
-    client disconnect but leaves the iterator to the garbage collector): the engine request aborts at once."""
-
-    on_end: Any = None  # called with the gRPC code the stream ended with (the call's log line, quota)
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        code = Code.OK
-        try:
-            await super().__call__(scope, receive, send)
-        except BaseException:
-            code = Code.CANCELLED
-            raise
-        finally:
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
-            if self.on_end is not None:
-                self.on_end(code)
 
 
 class HttpFront:
@@ -324,7 +306,8 @@ async def _choices(
     completion: bool,
 ) -> dict[str, Any]:  # fmt: skip
     """`n` choices: n engine requests at once (the prompt computed once, its blocks shared by the prefix cache once
-    the first has them), seeds `seed + i` when seeded; one object with choices 0..n-1 and their usage summed."""
+    the first has them), seeds `seed + i` when seeded; one object with choices 0..n-1 and their usage summed. They
+    hold one slot of the queue bound (--max-queue) between them: one API request, as vLLM counts it."""
 
     async def one(i: int) -> dict[str, Any]:
         copy = type(message)()
@@ -333,16 +316,18 @@ async def _choices(
         if copy.sampling.HasField("seed"):
             copy.sampling.seed = (copy.sampling.seed + i) % (MAX_SEED + 1)
         output = ChatOutput(message.request_id, model, completion)
-        return await _collect(generate_responses(copy, registry, metrics, raw_prompt), output, bool(message.logprobs))
+        responses = generate_responses(copy, registry, metrics, raw_prompt, admitted=True)
+        return await _collect(responses, output, bool(message.logprobs))
 
-    tasks = [asyncio.ensure_future(one(i)) for i in range(n)]
-    try:
-        results = await asyncio.gather(*tasks)
-    except BaseException:  # one refused or failed, or the client left: the others abort
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
+    with registry.lookup(message.model).admit():
+        tasks = [asyncio.ensure_future(one(i)) for i in range(n)]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:  # one refused or failed, or the client left: the others abort
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
     merged = results[0]
     merged["choices"] = [{**r["choices"][0], "index": i} for i, r in enumerate(results)]
     usage = merged["usage"]  # the prompt once, as OpenAI counts it; every choice's completion tokens
@@ -372,7 +357,3 @@ async def _sse(
         except ServiceError as err:
             yield sse_event(json.loads(error_response(err, output.is_completion).body))
     yield "data: [DONE]\n\n"
-
-
-def sse_event(obj: Any) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"

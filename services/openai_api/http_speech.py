@@ -21,12 +21,11 @@ from fastapi.responses import JSONResponse, Response
 from omnivox.services.calls.speech_call import SpeechCalls
 from omnivox.services.errors import ServiceError
 from omnivox.services.openai_api.http_front import (
-    ClosingStreamingResponse,
     HttpFront,
     error_response,
-    sse_event,
     until_disconnect,
 )
+from omnivox.services.openai_api.http_streams import ClosingStreamingResponse, StreamBroken, sse_event
 from omnivox.services.openai_api.openai_speech import audio_delta, audio_done, speech_body, speech_param, voice_object
 
 log = logging.getLogger(__name__)
@@ -67,15 +66,16 @@ class SpeechRoutes:
 
 async def _audio(responses: AsyncIterator[Any]) -> AsyncIterator[bytes]:
     """The audio chunks' bytes (one file). A failure after the first byte cannot change the status: it breaks the
-    transfer (the chunked body never ends), so the client sees an error, not a short file that looks whole."""
+    transfer (the chunked body never ends), so the client sees an error, not a short file that looks whole; the
+    server logs one line and counts the call with the failure's code (StreamBroken: no traceback)."""
     async with contextlib.aclosing(responses):
         try:
             async for response in responses:
                 if response.WhichOneof("response") == "audio":
                     yield response.audio.data
         except ServiceError as err:
-            log.warning("speech failed after its first byte: %s", err.message)
-            raise
+            log.warning("speech failed after its first byte: %s %s", err.code.name, err.message)
+            raise StreamBroken(err.code) from None
 
 
 async def _events(responses: AsyncIterator[Any]) -> AsyncIterator[str]:

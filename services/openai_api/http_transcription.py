@@ -22,13 +22,12 @@ from omnivox.services.calls.transcribe_call import transcribe_responses
 from omnivox.services.errors import FieldViolation, ServiceError
 from omnivox.services.metrics import Metrics
 from omnivox.services.openai_api.http_front import (
-    ClosingStreamingResponse,
     HttpFront,
     error_response,
     read_capped,
-    sse_event,
     until_disconnect,
 )
+from omnivox.services.openai_api.http_streams import ClosingStreamingResponse, sse_event
 from omnivox.services.openai_api.openai_transcription import (
     MEDIA_TYPES,
     TranscriptionForm,

@@ -106,7 +106,7 @@ def _segment(i: int, s: transcription_pb2.TranscriptSegment) -> dict[str, Any]:
     start, end = s.start_offset.ToNanoseconds() / 1e9, s.end_offset.ToNanoseconds() / 1e9
     return {"id": i, "seek": round(start * 100), "start": start, "end": end, "text": s.text.strip(),
             "temperature": s.temperature, "avg_logprob": s.avg_logprob, "compression_ratio": s.compression_ratio,
-            "no_speech_prob": s.no_speech_prob}  # fmt: skip
+            "no_speech_prob": s.no_speech_prob, "tokens": list(s.token_ids)}  # fmt: skip
 
 
 def srt(summary: transcription_pb2.TranscriptionSummary) -> str:

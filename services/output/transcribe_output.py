@@ -78,4 +78,5 @@ def summary(job: TranscribeJob, transcript: Transcript, metrics: Metrics) -> Res
             stats, segment = transcript.stats[i], out.segments[-1]
             segment.avg_logprob, segment.compression_ratio = stats.avg_logprob, stats.compression_ratio
             segment.no_speech_prob, segment.temperature = stats.no_speech_prob, stats.temperature
+            segment.token_ids.extend(stats.token_ids)
     return Response(summary=out)

@@ -6,7 +6,9 @@ A token's time is the row that predicts it (openai-whisper's `find_alignment`: t
 first text token, end-of-text's row ends the last word). A word starts at its first token's time and ends where the
 next word (or, for the last word of a segment, the next token: a timestamp or end-of-text) starts; its probability
 is the mean of its tokens' (the decode's own, of the processed logits). A token with a leading space opens a word;
-one of punctuation alone joins the word before it. Checkpoints that name no `alignment_heads` use every head of the
+one of punctuation alone joins the word before it. Languages written without spaces (openai-whisper's
+`split_tokens_on_unicode` set: zh, ja, th, lo, my, yue) have no leading spaces to go by: there each run of tokens that
+decodes to whole characters is a word (mostly one character), as openai-whisper splits them. Checkpoints that name no `alignment_heads` use every head of the
 decoder's second half (openai-whisper's default).
 """
 
@@ -26,6 +28,7 @@ from omnivox.models.audio.whisper_alignment import alignment_heads, cross_attent
 
 HOP = 160  # samples per mel frame (10 ms at 16 kHz)
 _PUNCTUATION = set(string.punctuation) | set("。，！？：”、¿“")
+NO_SPACE_LANGUAGES = frozenset({"zh", "ja", "th", "lo", "my", "yue"})  # openai-whisper's split_tokens_on_unicode set
 
 
 @dataclass(frozen=True)
@@ -52,20 +55,26 @@ def token_times(part: Any, cross: Any, prompt: list[int], tokens: list[int], num
 
 
 def words_by_segment(
-    part: Any, tokens: Sequence[int], times: np.ndarray, logprobs: Sequence[float], offset: float, end: float
-) -> list[list[TimedWord]]:
+    part: Any, tokens: Sequence[int], times: np.ndarray, logprobs: Sequence[float], offset: float, end: float,
+    language: str | None = None,
+) -> list[list[TimedWord]]:  # fmt: skip
     """The text tokens of a window as words, one list per segment (a run of text between timestamp tokens; the whole
-    window without timestamps). `times` [len(tokens) + 1], `logprobs` [len(tokens)]."""
+    window without timestamps). `times` [len(tokens) + 1], `logprobs` [len(tokens)]; `language` (a code) in
+    NO_SPACE_LANGUAGES splits at character boundaries instead of spaces."""
     vocab, tokenizer = part.vocab, part.tokenizer
     groups: list[list[TimedWord]] = []
-    current: list[tuple[str, list[int]]] = []  # (text, token positions) per word of the open segment
+    current: list[list[int]] = []  # token positions per word of the open segment
+    by_character = language in NO_SPACE_LANGUAGES
+    partial: list[int] = []  # by_character: positions of tokens whose bytes end inside a character
 
     def close(next_position: int) -> None:
         if not current:
             return
         words = []
-        for w, (text, positions) in enumerate(current):
-            stop = current[w + 1][1][0] if w + 1 < len(current) else next_position
+        for w, positions in enumerate(current):
+            # decoded whole: a character's bytes may span its tokens (decoded alone, each is U+FFFD)
+            text = tokenizer.decode([tokens[p] for p in positions], skip_special_tokens=True)
+            stop = current[w + 1][0] if w + 1 < len(current) else next_position
             start_s = min(end, offset + float(times[positions[0]]))
             end_s = min(end, max(start_s, offset + float(times[stop])))
             probability = float(np.mean([math.exp(logprobs[p]) for p in positions]))
@@ -75,12 +84,23 @@ def words_by_segment(
 
     for position, token in enumerate(tokens):
         if not vocab.is_text(token):
+            partial.clear()  # bytes of a character cut by a timestamp: dropped as the decoded text drops them
             close(position)
             continue
-        text = tokenizer.decode([token], skip_special_tokens=True)
-        if current and (not text.startswith(" ") or text.strip() in _PUNCTUATION or not text.strip()):
-            current[-1] = (current[-1][0] + text, [*current[-1][1], position])
+        if by_character:
+            positions = [*partial, position]
+            text = tokenizer.decode([tokens[p] for p in positions], skip_special_tokens=True)
+            if "\ufffd" in text:  # the character's bytes go on in the next token
+                partial.append(position)
+                continue
+            partial.clear()
+            opens = bool(text.strip()) and text.strip() not in _PUNCTUATION
         else:
-            current.append((text, [position]))
+            positions, text = [position], tokenizer.decode([token], skip_special_tokens=True)
+            opens = text.startswith(" ") and bool(text.strip()) and text.strip() not in _PUNCTUATION
+        if current and not opens:
+            current[-1] += positions
+        else:
+            current.append(positions)
     close(len(tokens))
     return groups

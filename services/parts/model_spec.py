@@ -45,6 +45,15 @@ class EngineOptions(EngineConfig):
     max_step_ms: float | None = None
     speech_streaming: StreamingOptions | None = None  # codec windows of speech models; None = the codec's defaults
     image_cache_mib: int = 256  # encoder cache of each vision model: encoded images kept for reuse (MiB)
+    # Transcribe and StreamingTranscribe (one rule, so a streamed result is Transcribe's of its span) encode a clip
+    # that ends SHORT_WINDOW_MARGIN_S before this window in it (services/parts/whisper_part.py); None = the 30 s
+    # window, transformers' own. Realtime turns take their 10 s window either way (`serve --whisper-short-window`).
+    whisper_short_window_s: float | None = None
+    # Short windows (the realtime turn's, --whisper-short-window's) through an int8 copy of the encoder (Q8_0 blocks,
+    # models/audio/whisper_int8.py) where the CPU block kernels run. Off by default: on 32 clips its 10 s WER equals
+    # float's (0.048) at 0.84-0.91x float's encoder time in three runs (BENCHMARKS.md "Whisper short windows"), a
+    # small gain the realtime runs were not remeasured with (`serve --whisper-int8-short-window`).
+    whisper_short_window_int8: bool = False
     max_request_megapixels: float = 48.0  # decoded pixels of all the images of one request (codecs/image.py)
     # Weights: "none" = float dtype (a GGUF dequantised), "auto" = what the checkpoint carries (a GGUF at its own bit
     # widths on CPU), "int8" / "int4" = linear layers quantised at load (models/loading.py). "auto" is the default:

@@ -109,7 +109,8 @@ def _prepare_whisper(source: Path, options: EngineOptions) -> tuple[Path, Engine
 def _load_whisper(source: Path, engine: Engine, options: EngineOptions) -> Any:
     from omnivox.services.parts.whisper_part import load_whisper_part
 
-    return load_whisper_part(source, engine, model_key=str(source))
+    return load_whisper_part(source, engine, model_key=str(source), short_window_int8=options.whisper_short_window_int8,
+                             short_window_s=options.whisper_short_window_s)  # fmt: skip
 
 
 def _whisper_builder(part: Any, engine: Engine) -> PromptBuilder:

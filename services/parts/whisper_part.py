@@ -136,6 +136,10 @@ class WhisperPart:
     limits: AudioLimits = field(default_factory=lambda: AudioLimits(max_seconds=TRANSCRIBE_MAX_SECONDS))
     transcripts: TranscriptCache = field(default_factory=TranscriptCache)  # the cascade's (--asr-model)
     alignment_heads: list[tuple[int, int]] = field(default_factory=list)  # (layer, head): word timestamps
+    short_window_int8: bool = (
+        False  # short windows encoded by the int8 encoder (EngineOptions.whisper_short_window_int8)
+    )
+    short_window_s: float | None = None  # Transcribe's and StreamingTranscribe's short window (None: 30 s only)
 
     @property
     def cache(self) -> EncoderCache:
@@ -175,7 +179,9 @@ class WhisperPart:
     def window_key(self, clip: np.ndarray, frames: int | None = None) -> str:
         key = content_key(clip, SAMPLE_RATE, self.mel.settings.key(), self.model_key)
         full = self.mel.settings.max_frames
-        return key if frames is None or frames == full else f"{key}:frames={frames}"  # a short window: other states
+        if frames is None or frames == full:
+            return key
+        return f"{key}:frames={frames}" + (":int8" if self.short_window_int8 else "")  # a short window: other states
 
     def encoder_frames(self, num_samples: int, window_s: float | None) -> int | None:
         """The short window a clip of `num_samples` takes (mel frames), or None for the full one (`window_s` None,
@@ -256,9 +262,19 @@ class WhisperPart:
         self.worker.shutdown()
 
 
-def load_whisper_part(folder: Path, engine: Any, model_key: str) -> WhisperPart:
-    """Special tokens, feature extractor and encoder worker of the Whisper folder `engine` was loaded from."""
+def load_whisper_part(
+    folder: Path,
+    engine: Any,
+    model_key: str,
+    short_window_int8: bool = False,
+    short_window_s: float | None = None,
+) -> WhisperPart:
+    """Special tokens, feature extractor and encoder worker of the Whisper folder `engine` was loaded from;
+    `short_window_int8`: short windows through an int8 copy of the encoder, where it serves (CPU kernels, float32);
+    `short_window_s`: Transcribe's and StreamingTranscribe's short window (EngineOptions.whisper_short_window_s)."""
     from transformers import WhisperFeatureExtractor
+
+    from omnivox.models.audio.whisper_int8 import int8_encoder, int8_encoder_serves
 
     model = engine.model
     try:
@@ -278,12 +294,15 @@ def load_whisper_part(folder: Path, engine: Any, model_key: str) -> WhisperPart:
         )
     vocab = WhisperVocab.from_folder(folder, engine.tokenizer, model.config.vocab_size)
     device, dtype = engine.device, engine.dtype
+    int8 = short_window_int8 and dtype == torch.float32 and int8_encoder_serves(device)
+    short_encoder = int8_encoder(model.encoder) if int8 else None
 
     def encode(batch: Sequence[torch.Tensor]) -> list[torch.Tensor]:  # [n_mels, F] each -> cross K/V each
         out: list[torch.Tensor | None] = [None] * len(batch)
         for frames in {f.shape[-1] for f in batch}:  # a batch may mix short windows and full ones: one call per size
             idx = [i for i, f in enumerate(batch) if f.shape[-1] == frames]
-            for i, kv in zip(idx, model.encode_cross([batch[i].to(device, dtype) for i in idx]), strict=True):
+            encoder = short_encoder if frames < model.num_frames else None
+            for i, kv in zip(idx, model.encode_cross([batch[i].to(device, dtype) for i in idx], encoder), strict=True):
                 out[i] = kv
         return out  # type: ignore[return-value]
 
@@ -291,7 +310,7 @@ def load_whisper_part(folder: Path, engine: Any, model_key: str) -> WhisperPart:
     rules = WhisperRules(vocab, device)
     heads = heads_of(folder, model.config.num_layers, model.config.num_heads)
     return WhisperPart(engine, engine.tokenizer, vocab, LogMelExtractor(settings), worker, model_key, rules,
-                       alignment_heads=heads)  # fmt: skip
+                       alignment_heads=heads, short_window_int8=int8, short_window_s=short_window_s)  # fmt: skip
 
 
 def whisper_part_of(model: Any) -> WhisperPart:

@@ -5,6 +5,7 @@ behind, and the decisions are in the metrics, over real gRPC."""
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -265,3 +266,55 @@ def test_served_transcription_is_audio_text_yields_to_it_and_it_never_yields(tmp
         for model in ("text", "whisper", "speech"):
             free, total = srv.wait_kv_free(model)
             assert free == total, model
+
+
+def test_served_streamed_text_waiting_for_its_client_is_not_behind(tmp_path_factory):
+    """A StreamingSynthesizeSpeech speaks its first clause, then its client pauses; a SynthesizeSpeech runs on the
+    same engine meanwhile, the margin wide. The paused stream's deadline stays open and passes, yet it is never
+    behind (its clause is spoken: no engine work of its own); the synthesis is. Before, any request on the engine
+    made every open stream of it count, so the pause held text back."""
+    root = tmp_path_factory.mktemp("arbiter-stream")
+    spec = ModelSpec(path=save_random_speech_model(root / "orpheus-random", snac_config=SMALL_SNAC), name="speech")
+    with ServerThread([spec], EngineOptions(kv_cache_gib=0.02)) as srv:
+        arbiter = srv.server.registry.arbiter
+        arbiter.margin_s = 1e6
+        servicer = next(b.servicer for b in srv.server.services if isinstance(b.servicer, SpeechServicer))
+        servicer.limits.audio_seconds_base = 0.5
+        servicer.limits.audio_seconds_per_char = 0.02
+        stub = speech_pb2_grpc.SpeechServiceStub(srv.channel())
+        first_audio, resume = threading.Event(), threading.Event()
+        linear16 = speech_pb2.AudioConfig(encoding=content_pb2.AudioEncoding.AUDIO_ENCODING_LINEAR16)
+
+        def requests():
+            yield speech_pb2.StreamingSynthesizeSpeechRequest(config=speech_pb2.StreamingSpeechConfig(
+                model="speech", audio_config=linear16))  # fmt: skip
+            yield speech_pb2.StreamingSynthesizeSpeechRequest(text="Hello there.")
+            resume.wait(60)
+            yield speech_pb2.StreamingSynthesizeSpeechRequest(end=True)
+
+        def stream() -> str:
+            last = None
+            for response in stub.StreamingSynthesizeSpeech(requests(), timeout=120):
+                last = response.WhichOneof("response")
+                if last == "audio":
+                    first_audio.set()
+            return last
+
+        with ThreadPoolExecutor(2) as pool:
+            streamed = pool.submit(stream)
+            assert first_audio.wait(60)
+            while srv.engine("speech").has_unfinished():  # the first clause's tail
+                time.sleep(0.005)
+            (paused,) = arbiter.deadlines
+            request = speech_pb2.SynthesizeSpeechRequest(model="speech", text="Hello there.", audio_config=linear16)
+            spoken = pool.submit(lambda: list(stub.SynthesizeSpeech(request, timeout=120))[-1].WhichOneof("response"))
+            seen_behind: list[list] = []
+            while not spoken.done():
+                seen_behind.append(arbiter.behind())
+                time.sleep(0.002)
+            assert spoken.result() == "summary"
+            resume.set()
+            assert streamed.result() == "summary"
+        assert any(behind for behind in seen_behind)  # the synthesis was behind while it generated
+        assert all(paused not in behind for behind in seen_behind)
+        assert arbiter.deadlines == []

@@ -149,7 +149,7 @@ def test_logprobs_stop_seed_and_completions(client: openai.OpenAI) -> None:
 
 def test_n_choices_share_the_prompt(client: openai.OpenAI) -> None:
     """n=2 seeded: two choices (indices 0, 1), each what a single request with seed + i gives; the prompt counted once.
-    Each choice is one engine request held against the queue bound (max_queue=2 here: n=3 would be 429)."""
+    The n choices hold one slot of the queue bound between them: n=3 at max_queue=2 is served (it was 429)."""
     reply = client.chat.completions.create(
         model=DEFAULT_MODEL_NAME, messages=CAPITAL, n=2, temperature=1.0, seed=11, max_tokens=8
     )
@@ -163,6 +163,8 @@ def test_n_choices_share_the_prompt(client: openai.OpenAI) -> None:
     assert [c.message.content for c in reply.choices] == [s.choices[0].message.content for s in singles]
     assert reply.usage.prompt_tokens == singles[0].usage.prompt_tokens
     assert reply.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    three = client.chat.completions.create(model=DEFAULT_MODEL_NAME, messages=CAPITAL, n=3, max_tokens=2)
+    assert [c.index for c in three.choices] == [0, 1, 2]
 
 
 def test_models_and_health(client: openai.OpenAI, base_url: str) -> None:
@@ -205,13 +207,14 @@ def _open_stream(base_url: str, max_tokens: int) -> httpx.Response:
 
 
 def test_queue_full_is_429_with_retry_after(server: ServerThread, base_url: str) -> None:
-    """max_queue=2: two streams held open, the third request gets 429 with Retry-After; all KV free after."""
+    """max_queue=2: two streams held open, the third request (n=2: one queued request) gets 429 with Retry-After;
+    all KV free after."""
     held = [_open_stream(base_url, 400) for _ in range(2)]
     try:
         for response in held:
             assert response.status_code == 200
         third = httpx.post(f"{base_url}/v1/chat/completions", headers={"authorization": "Bearer key-of-alice-123"},
-                           json={"messages": CAPITAL, "max_tokens": 2}, timeout=60)  # fmt: skip
+                           json={"messages": CAPITAL, "max_tokens": 2, "n": 2}, timeout=60)  # fmt: skip
         assert third.status_code == 429 and int(third.headers["retry-after"]) >= 1
         assert third.json()["error"]["type"] == "rate_limit_error"
     finally:

@@ -63,6 +63,9 @@ def test_verbose_json_words_and_segments_are_timed_inside_the_audio(client: open
         # Clear speech: kept greedily, likely, not repetitive, no-speech unlikely (the fallback's own numbers).
         assert segment.temperature == 0.0 and segment.avg_logprob > -1 and 0 < segment.compression_ratio < 2.4
         assert 0 <= segment.no_speech_prob < 0.6
+        # its text tokens' ids, as OpenAI's (were missing): at least one per word of a BPE vocabulary
+        assert all(isinstance(t, int) and t >= 0 for t in segment.tokens)
+        assert len(segment.tokens) >= len(segment.text.split()), segment
         ends.append(segment.end)
     words = reply.words
     assert " ".join(w.word for w in words) == reply.text, words  # every word, in order

@@ -61,7 +61,7 @@ class TranscriptDelta(_message.Message):
     def __init__(self, text: _Optional[str] = ..., segment_index: _Optional[int] = ...) -> None: ...
 
 class TranscriptSegment(_message.Message):
-    __slots__ = ("text", "start_offset", "end_offset", "words", "avg_logprob", "compression_ratio", "no_speech_prob", "temperature")
+    __slots__ = ("text", "start_offset", "end_offset", "words", "avg_logprob", "compression_ratio", "no_speech_prob", "temperature", "token_ids")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     START_OFFSET_FIELD_NUMBER: _ClassVar[int]
     END_OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class TranscriptSegment(_message.Message):
     COMPRESSION_RATIO_FIELD_NUMBER: _ClassVar[int]
     NO_SPEECH_PROB_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     text: str
     start_offset: _duration_pb2.Duration
     end_offset: _duration_pb2.Duration
@@ -78,7 +79,8 @@ class TranscriptSegment(_message.Message):
     compression_ratio: float
     no_speech_prob: float
     temperature: float
-    def __init__(self, text: _Optional[str] = ..., start_offset: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., end_offset: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., words: _Optional[_Iterable[_Union[TranscriptWord, _Mapping]]] = ..., avg_logprob: _Optional[float] = ..., compression_ratio: _Optional[float] = ..., no_speech_prob: _Optional[float] = ..., temperature: _Optional[float] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, text: _Optional[str] = ..., start_offset: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., end_offset: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., words: _Optional[_Iterable[_Union[TranscriptWord, _Mapping]]] = ..., avg_logprob: _Optional[float] = ..., compression_ratio: _Optional[float] = ..., no_speech_prob: _Optional[float] = ..., temperature: _Optional[float] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TranscriptWord(_message.Message):
     __slots__ = ("word", "start_offset", "end_offset", "probability")

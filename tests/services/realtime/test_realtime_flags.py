@@ -1,5 +1,6 @@
 """`omnivox serve --realtime-*`: the flags parse into RealtimeLimits (a bad value is a one-line CLI error), reach the
-realtime route through ServerOptions, and hold in a real session (a tiny text model, no voice or Whisper needed)."""
+realtime route through ServerOptions, and hold in a real session (a tiny text model, no voice or Whisper needed); the
+Whisper window flags the realtime turns share parse and are checked."""
 
 from __future__ import annotations
 
@@ -56,3 +57,17 @@ def test_the_limits_hold_in_a_session(tmp_path):
         too_large, errors = run(talk())
     assert too_large["code"] == "event_too_large"
     assert [e["code"] for e in errors].count("rate_limit_exceeded") >= 2, errors
+
+
+def test_whisper_window_flags():
+    """--whisper-short-window (Transcribe's and StreamingTranscribe's rule) and --whisper-int8-short-window parse;
+    a window that leaves no 3.5 s margin, or is the full one, is a one-line CLI error before anything loads."""
+    from omnivox.services.cli.serve import check_server_flags
+
+    args = serve_args("--whisper-short-window", "10", "--whisper-int8-short-window")
+    assert (args.whisper_short_window, args.whisper_int8_short_window) == (10.0, True)
+    check_server_flags(args)
+    assert serve_args().whisper_short_window is None and not serve_args().whisper_int8_short_window
+    for bad in ("3", "30"):
+        with pytest.raises(CliError, match="--whisper-short-window"):
+            check_server_flags(serve_args("--whisper-short-window", bad))

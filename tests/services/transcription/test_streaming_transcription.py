@@ -24,6 +24,7 @@ from omnivox.benchmarks.transcription import word_error_rate
 from omnivox.codecs.audio_format import AudioEncoding, float_to_int16, int16_to_mulaw
 from omnivox.codecs.audio_input import AudioInputError, decode_audio, resample
 from omnivox.codecs.audio_stream_input import StreamingAudioDecoder, StreamingResampler
+from omnivox.services.calls.whisper_fallback import COMPRESSION_RATIO_THRESHOLD, compression_ratio, is_looping
 from omnivox.services.output.streaming_transcribe_output import stability as _stability
 from omnivox.services.parts.defaults import ensure_default_whisper
 from omnivox.services.parts.loading import EngineOptions, ModelSpec
@@ -153,6 +154,52 @@ def test_finals_equal_transcribe_of_their_spans_with_events(served, language):
     assert summary.utterances == 2 and abs(summary.audio_seconds - len(samples) / RATE) < 1e-6
     assert summary.model == "whisper" and summary.real_time_factor > 0
     nothing_left(served["server"], "whisper")
+
+
+def test_repetition_is_bounded_on_the_stream_path(served):
+    """StreamingTranscribe's passes go through the fallback as Transcribe's: greedy alone (temperature 0: no
+    fallback, as asked) the random model's finals are repetition loops (so this input loops on this path); with the
+    fallback (no temperature set) a looping decode is stopped and decoded again, and no result, interim or final,
+    is a loop."""
+
+    def texts(**config) -> list[tuple[bool, str]]:
+        clip = np.concatenate([quiet(0.5), tone(1.2, amp=0.2), quiet(1.0, 2)]).astype(np.float32)  # one utterance
+        responses = served["stub"].StreamingTranscribe(requests(clip, language="en", **config), timeout=300)
+        return [(r.result.is_final, r.result.text) for r in responses if r.HasField("result")]
+
+    greedy = [t for final, t in texts() if final]
+    assert any(compression_ratio(t) > COMPRESSION_RATIO_THRESHOLD for t in greedy), greedy
+    guarded = texts(temperature=None)
+    assert [final for final, _ in guarded].count(True) == 1
+    assert not any(is_looping(t) or compression_ratio(t) > COMPRESSION_RATIO_THRESHOLD for _, t in guarded), guarded
+    nothing_left(served["server"], "whisper")
+
+
+def test_short_window_keeps_finals_equal_transcribe(tmp_path):
+    """`serve --whisper-short-window 10 --whisper-int8-short-window`: StreamingTranscribe's passes and Transcribe take
+    the same rule (a clip that ends 3.5 s before 10 s is encoded in 10 s, through the int8 encoder where the CPU
+    kernels run), so a final is still Transcribe of its span; the 10 s window's states are what the cache holds."""
+    from omnivox.models.cpu_kernels import kernel_available
+
+    path = make_whisper(tmp_path / "whisper", seed=3)
+    options = EngineOptions(kv_cache_gib=0.02, whisper_short_window_s=10.0, whisper_short_window_int8=True)
+    with ServerThread([ModelSpec(path=path, name="whisper")], options) as server:
+        s = {"server": server, "stub": transcription_pb2_grpc.TranscriptionServiceStub(server.channel())}
+        part = server.registry.lookup("whisper").bundle.whisper
+        assert part.short_window_s == 10.0 and part.short_window_int8 == (kernel_available() and str(
+            part.engine.device) == "cpu")  # fmt: skip
+        samples = two_utterances()
+        responses = list(s["stub"].StreamingTranscribe(requests(samples, language="en"), timeout=120))
+        finals = [r.result for r in responses if r.HasField("result") and r.result.is_final]
+        assert [f.utterance_index for f in finals] == [0, 1]
+        for f in finals:
+            assert f.text == transcribe_span(s, samples, f, "en")
+            a, b = round(seconds(f.start_offset) * RATE), round(seconds(f.end_offset) * RATE)
+            clip = decode_audio(linear16(samples[a:b]), AudioEncoding.LINEAR16, RATE).samples
+            assert part.encoder_frames(len(clip), 10.0) == 1000
+            assert part.window_key(clip, 1000) in part.cache  # encoded in the 10 s window
+            assert part.window_key(clip) not in part.cache  # and never in the 30 s one
+        nothing_left(server, "whisper")
 
 
 def test_interim_results_and_finalize(served):
