@@ -140,7 +140,14 @@ def run_worker_node(
         serve_rank(shard, control, device, group)
     except Exception as exc:  # noqa: BLE001 - a broken group: the leader or a peer gone
         log.critical("model group broken (%s): exiting", exc)
-        return 1
+        stopping.set()
+        for p in children:
+            p.terminate()
+        # Not a return: the interpreter's exit then destroys the broken gloo group with its threads still running,
+        # and std::terminate aborted the process (exit -6, not 1; test_a_lost_leader_ends_the_worker_node_non_zero
+        # failed so at load 10).
+        logging.shutdown()
+        os._exit(1)
     finally:
         stopping.set()
     log.info("stopped by the leader")

@@ -29,7 +29,7 @@ from omnivox.services.calls.generate_call import generate_responses
 from omnivox.services.errors import Code, ServiceError
 from omnivox.services.grpc_api.auth import AuthInterceptor
 from omnivox.services.metrics import Metrics
-from omnivox.services.openai_api.call_gate import CallGate
+from omnivox.services.openai_api.http_call_gate import CallGate
 from omnivox.services.openai_api.http_streams import ClosingStreamingResponse, sse_event
 from omnivox.services.openai_api.openai_output import ChatOutput
 from omnivox.services.openai_api.openai_request import chat_request, choices, completion_request, openai_param

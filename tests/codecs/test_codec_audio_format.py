@@ -41,6 +41,17 @@ def encode_in_chunks(encoder: AudioStreamEncoder, pcm: np.ndarray, seed: int = 0
     return chunks
 
 
+def _resampled_in_chunks(pcm: np.ndarray, rate: int, seed: int | None) -> bytes:
+    """The 24 kHz `pcm` at `rate` through a StreamingResampler fed in encode_in_chunks' chunks (seed None: whole)."""
+    resampler, parts, i = StreamingResampler(24000, rate), [], 0
+    rng = None if seed is None else np.random.default_rng(seed)
+    while i < len(pcm):
+        n = len(pcm) if rng is None else int(rng.integers(1, 5000))
+        parts.append(resampler.feed(pcm[i : i + n]))
+        i += n
+    return np.concatenate([*parts, resampler.flush()]).tobytes()
+
+
 def read_back(data: bytes, encoding: AudioEncoding, rate: int) -> tuple[np.ndarray, int]:
     if encoding is AudioEncoding.LINEAR16:
         return sf.read(io.BytesIO(data), format="RAW", subtype="PCM_16", samplerate=rate, channels=1, endian="LITTLE")
@@ -145,8 +156,15 @@ def test_mp3_streams_as_the_one_shot_file_does(rate):
     streamed = b"".join(encode_in_chunks(AudioStreamEncoder("MP3", rate, source_rate=24000), pcm, seed=rate))
     assert len(streamed) == len(one_shot)
     differing = [i for i, (a, b) in enumerate(zip(streamed, one_shot, strict=True)) if a != b]
-    # only the first frame (<= 1440 bytes at 48 kHz; at 8 kHz, MPEG-2.5, libsndfile writes no tag: none differ)
-    assert max(differing, default=0) < 1500, differing[-5:]
+    if _resampled_in_chunks(pcm, rate, seed=rate) == _resampled_in_chunks(pcm, rate, seed=None):
+        # only the first frame (<= 1440 bytes at 48 kHz; at 8 kHz, MPEG-2.5, libsndfile writes no tag: none differ)
+        assert max(differing, default=0) < 1500, differing[-5:]
+    else:  # MKL's AVX2 sgemm rounds the resampler's conv by the call's length (an AVX2-only host, or
+        # MKL_ENABLE_INSTRUCTIONS=AVX2: 24 -> 48 kHz), so the PCM LAME gets differs in its last bits, and so do the
+        # bytes after it; the promise is then the audio's: the same length, the same samples within MP3's noise.
+        a, _ = sf.read(io.BytesIO(streamed))
+        b, _ = sf.read(io.BytesIO(one_shot))
+        assert len(a) == len(b) and np.abs(a - b).max() < 0.02, np.abs(a - b).max()
     audio, got_rate = sf.read(io.BytesIO(streamed))
     assert got_rate == rate and len(audio) >= whole.samples_out
 

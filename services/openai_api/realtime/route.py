@@ -1,6 +1,6 @@
 """`GET /v1/realtime?model=NAME`: the WebSocket route on the HTTP front (services/openai_api/http_front.py mounts it).
 
-Before the upgrade: the Bearer key (the HTTP front's CallGate, services/openai_api/call_gate.py: the same keys and
+Before the upgrade: the Bearer key (the HTTP front's CallGate, services/openai_api/http_call_gate.py: the same keys and
 quotas; a session holds one of its caller's concurrent streams until it closes) and the models: `model` names a served
 text model (default: the default model), the voice is the first served voice model (hibari out of the box), the
 Whisper model the server's ASR model (or the first served). A refusal is an HTTP status with OpenAI's error JSON, as

@@ -156,11 +156,22 @@ def test_finals_equal_transcribe_of_their_spans_with_events(served, language):
     nothing_left(served["server"], "whisper")
 
 
-def test_repetition_is_bounded_on_the_stream_path(served):
+@pytest.fixture(scope="module")
+def short_context(tmp_path_factory):
+    """The module's random Whisper with a 96-token decoder context: a window's output is capped at 48 tokens
+    (max_target_positions // 2), so each of the fallback's six looping decodes stops at 48, not 224 (this test took
+    40 s on the 448-token model, 7 s here); 48 repeated tokens still compress past the 2.4 threshold."""
+    path = make_whisper(tmp_path_factory.mktemp("whisper-96") / "whisper", seed=3, max_target_positions=96)
+    with ServerThread([ModelSpec(path=path, name="whisper")], EngineOptions(kv_cache_gib=0.02)) as server:
+        yield {"server": server, "stub": transcription_pb2_grpc.TranscriptionServiceStub(server.channel())}
+
+
+def test_repetition_is_bounded_on_the_stream_path(short_context):
     """StreamingTranscribe's passes go through the fallback as Transcribe's: greedy alone (temperature 0: no
     fallback, as asked) the random model's finals are repetition loops (so this input loops on this path); with the
     fallback (no temperature set) a looping decode is stopped and decoded again, and no result, interim or final,
     is a loop."""
+    served = short_context
 
     def texts(**config) -> list[tuple[bool, str]]:
         clip = np.concatenate([quiet(0.5), tone(1.2, amp=0.2), quiet(1.0, 2)]).astype(np.float32)  # one utterance
