@@ -75,6 +75,11 @@ def test_a_merged_lora_is_the_trained_one():
     assert (want - before).abs().max() > 1e-2  # the adapter changed the model (so the test can fail)
 
 
+# 200 stage-1 steps: colour 37 / 51, shape 49 / 51 on the checked scenes in 27 s (400 steps took 45 s in CI);
+# 120 gave colour 31 / 51, too near the 0.6 bound. Most of the 27 s is loading SmolLM2 and DINOv2.
+STAGE_1_STEPS = 200
+
+
 @pytest.mark.slow
 def test_stage_1_rows_read_as_their_shapes_words():
     """After stage 1 the projected row under a shape's centre is nearest, among the colour words, to its colour's
@@ -96,7 +101,7 @@ def test_stage_1_rows_read_as_their_shapes_words():
     fit, check = 45, scenes[45:]
     flat = feats[:fit].float().reshape(-1, feats.shape[-1])
     projector = tim.Projector(flat.mean(0), flat.std(0) + 1e-4, lm.config.hidden_size)
-    tim.pretrain_to_words(projector, lm, tok, feats[:fit], scenes[:fit], steps=400)
+    tim.pretrain_to_words(projector, lm, tok, feats[:fit], scenes[:fit], steps=STAGE_1_STEPS)
     table = torch.nn.functional.normalize(lm.get_input_embeddings().weight.detach(), dim=-1)
     with torch.no_grad():
         rows = torch.nn.functional.normalize(projector(feats[fit:]), dim=-1)  # [15, 64, D]
