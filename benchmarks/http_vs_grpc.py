@@ -229,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=Path("bench-results/http-vs-grpc.json"))
+    p.add_argument("--note", default="", help="what else ran on the machine (recorded in the results file)")
     args = p.parse_args(argv)
     from omnivox.benchmarks.main import git_commit
     from omnivox.services.parts.defaults import DEFAULT_MODEL_NAME, ensure_default_model
@@ -246,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
               "model": DEFAULT_MODEL_NAME, "threads": args.threads, "output_tokens": args.output_tokens,
               "levels": levels, "ratios": ratios(levels, concurrencies), "server_ttft": server_ttfts(log_path),
               "load_average_at_end": list(os.getloadavg()),
-              "note": "2-core machine shared with other jobs (four other agents building and testing)"}  # fmt: skip
+              "note": args.note}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_results(args.out, result)
     print(json.dumps(result["ratios"], indent=2))
