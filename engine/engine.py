@@ -340,8 +340,8 @@ class Engine:
             try:
                 audio_behind = False
                 if self.arbiter is not None:  # another engine's audio behind its deadline steps first
-                    self.arbiter.wait_turn(self)
-                    audio_behind = self.arbiter.must_yield(self)  # still behind after the wait: a short step
+                    # still behind after a wait: a short step (no wait: it was not behind, no second look)
+                    audio_behind = self.arbiter.wait_turn(self) > 0 and self.arbiter.must_yield(self)
                 self.step(audio_behind)
                 getattr(self.model, "raise_if_broken", lambda: None)()  # a tensor-parallel rank lost: stop too
                 if self.last_step is not None and self.last_step.plan.is_empty:  # all wait on encoders: no spinning

@@ -12,9 +12,3 @@ class RealtimeLimits:
     max_buffer_s: float = 60.0  # input audio held (uncommitted, without turn detection: appends refused past it)
     max_events_per_s: float = 200.0  # a bucket of this many events refilled per second (20 ms appends are 50/s)
     max_event_bytes: int = 15 << 20  # one client event (OpenAI's 15 MiB for an append)
-
-    def check(self) -> None:
-        """ValueError naming the first limit that is not positive."""
-        for name in ("max_session_s", "idle_timeout_s", "max_buffer_s", "max_events_per_s", "max_event_bytes"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
