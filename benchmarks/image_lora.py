@@ -1,5 +1,5 @@
 """A small LoRA on the language side of the embedded image model (benchmarks/train_image_model.py): rank-r updates of
-the attention projections of every SmolLM2 layer, trained beside the projector and merged into the text weights when
+the attention and MLP projections of every SmolLM2 layer, trained beside the projector and merged into the text weights when
 the LLaVA folder is assembled (models/vision/llava_assembly.py `merge_adapter`), so the served folder is a standard
 LLaVA checkpoint with no adapter code.
 
@@ -18,7 +18,8 @@ from torch import nn
 
 from omnivox.models.vision.llava_assembly import ADAPTER_PREFIX  # lora.<module path under the LM's .model>.lora_A/_B
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# The attention projections and the MLP's: the MLP reads the question-dependent part of the answer off a row.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class LoraLinear(nn.Module):
@@ -36,7 +37,7 @@ class LoraLinear(nn.Module):
 
 
 def add_lora(decoder: nn.Module, rank: int, alpha: float | None = None) -> dict[str, LoraLinear]:
-    """Wrap each attention projection of `decoder` (the causal LM's `.model`) in place; {module path: wrapper}."""
+    """Wrap each LORA_TARGETS projection of `decoder` (the causal LM's `.model`) in place; {module path: wrapper}."""
     wrapped: dict[str, LoraLinear] = {}
     for name, module in list(decoder.named_modules()):
         for target in LORA_TARGETS:

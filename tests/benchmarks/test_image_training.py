@@ -97,14 +97,14 @@ def test_stage_1_rows_read_as_their_shapes_words():
     lm, tok = la.load_text_model(gguf), la.tokenizer_with_image_token(gguf)
     dinov2 = transformers.Dinov2Model.from_pretrained(ensure_dinov2_folder(la.IMAGE_SIZE)).eval()
     scenes = image_scenes.scenes(tim.TRAIN_SEED, 60)
-    feats = tim.encode_images(dinov2, [im for im, _ in scenes])  # [60, 64, 384]
+    feats = tim.encode_images(dinov2, [im for im, _ in scenes])  # [60, 64, 384]: 8x8 patches (CLS dropped)
     fit, check = 45, scenes[45:]
     flat = feats[:fit].float().reshape(-1, feats.shape[-1])
     projector = tim.Projector(flat.mean(0), flat.std(0) + 1e-4, lm.config.hidden_size)
     tim.pretrain_to_words(projector, lm, tok, feats[:fit], scenes[:fit], steps=STAGE_1_STEPS)
     table = torch.nn.functional.normalize(lm.get_input_embeddings().weight.detach(), dim=-1)
     with torch.no_grad():
-        rows = torch.nn.functional.normalize(projector(feats[fit:]), dim=-1)  # [15, 64, D]
+        rows = torch.nn.functional.normalize(projector(feats[fit:, -64:]), dim=-1)  # [15, 64, D]: the patch rows
     for words, field in ((tuple(image_scenes.COLOURS), "colour"), (image_scenes.SHAPES, "kind")):
         ids = [tok(w, add_special_tokens=False).input_ids[0] for w in words]
         right = total = 0
@@ -114,3 +114,25 @@ def test_stage_1_rows_read_as_their_shapes_words():
                 right += words[int((table[ids] @ row).argmax())] == getattr(s, field)
                 total += 1
         assert right / total > 0.6, (field, right, total)
+
+
+def test_easy_vqa_train_images_come_with_their_own_questions():
+    """The easy-vqa images in the training mix (benchmarks/easy_vqa_data.py) are a seeded sample of the train split,
+    each with the questions asked of it, typed as the scorer types them; the test split is never drawn from."""
+    pytest.importorskip("easy_vqa")
+    from omnivox.benchmarks import easy_vqa_data
+
+    images, questions = easy_vqa_data.train_images(5, seed=35)
+    again, same = easy_vqa_data.train_images(5, seed=35)
+    assert [q.text for qs in questions for q in qs] == [q.text for qs in same for q in qs]
+    assert all(im.mode == "RGB" and im.size == (64, 64) for im in images)
+    kinds = Counter(q.kind for qs in questions for q in qs)
+    assert set(kinds) <= {"yes/no", "shape", "colour"} and kinds["yes/no"] > 0
+    for qs in questions:  # one shape per image: every shape answer of an image names the same shape
+        assert len({q.answer for q in qs if q.kind == "shape"}) <= 1
+        assert easy_vqa_data.sample_turns(qs, random.Random(0), 5) == easy_vqa_data.sample_turns(
+            qs, random.Random(0), 5
+        )
+    test_ids = set(easy_vqa_data.questions_by_image("test")[1].values())
+    train_paths = set(easy_vqa_data.questions_by_image("train")[1].values())
+    assert not test_ids & train_paths
