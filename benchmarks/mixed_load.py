@@ -4,8 +4,8 @@ off in the same run (engine/arbiter.py: a speech stream behind its playback dead
     python -m omnivox.benchmarks.mixed_load [--seconds 20] [--text 6] [--speech 2] [--transcriptions 2] [--threads 1]
 
 Starts `omnivox serve` with no --model (the embedded defaults: SmolLM2-135M Q4_1 text, the speech models and
-whisper-base), once with `--audio-first-margin 1.0` (the default) and once with `--audio-first-margin 0` (off),
-alternating `--rounds` times, and for `--seconds` each runs closed loops of clients: text streams (Generate, a short
+whisper-base), once with `--audio-first-margin 1.0` (the default) and once with `--audio-first-margin 0` (off)
+(`--margins 1,2,0`: one mode per margin), alternating `--rounds` times, and for `--seconds` each runs closed loops of clients: text streams (Generate, a short
 chat prompt, 48 tokens: TTFT and ITL per token), speech syntheses (SynthesizeSpeech by orpheus-random, the speech
 model that runs on an engine, LINEAR16 24 kHz: time to first
 audio, RTF = wall / audio seconds, lateness = how late the worst chunk was for playback started at the first one)
@@ -164,6 +164,11 @@ def summarize(rounds: list[dict]) -> dict:
     }
 
 
+def mode_name(margin_s: float) -> str:
+    """ "arbiter off" (margin 0), "arbiter on" (the default margin, 1 s), else "arbiter on, margin X s"."""
+    return "arbiter off" if margin_s == 0 else "arbiter on" if margin_s == 1.0 else f"arbiter on, margin {margin_s:g} s"
+
+
 def serve(mode: str, flags: list[str], tree: Path | None) -> Server:
     """The mode's server; from `tree`'s omnivox package when given (first on the child's PYTHONPATH)."""
     saved = os.environ.get("PYTHONPATH")
@@ -190,14 +195,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--before-tree", type=Path, help="a folder whose omnivox package serves a third mode, 'arbiter on, before'"
     )
+    ap.add_argument(
+        "--margins",
+        type=lambda v: [float(x) for x in v.split(",")],
+        default=[1.0, 0.0],
+        help="`serve --audio-first-margin` of each mode, comma-separated (0: arbiter off; default 1,0)",
+    )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/mixed-load-cpu.json"))
     args = ap.parse_args(argv)
     from omnivox.benchmarks.main import git_commit, machine_description
 
-    modes = {"arbiter on": ["--audio-first-margin", "1.0"], "arbiter off": ["--audio-first-margin", "0"]}
+    modes = {mode_name(m): ["--audio-first-margin", f"{m:g}"] for m in args.margins}
     trees = {mode: None for mode in modes}
     if args.before_tree is not None:
-        modes["arbiter on, before"], trees["arbiter on, before"] = modes["arbiter on"], args.before_tree.resolve()
+        first_on = modes[mode_name(next(m for m in args.margins if m))]  # the before tree at the first margin on
+        modes["arbiter on, before"], trees["arbiter on, before"] = first_on, args.before_tree.resolve()
     raw: dict[str, list[dict]] = {m: [] for m in modes}
     load_before = os.getloadavg()
     for _ in range(args.rounds):
@@ -216,7 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_after": os.getloadavg(),
         "note": "measured on a machine shared with other jobs (see the load averages): compare the modes, "
         "which alternate round by round, not the absolute numbers",
-        "load": {k: getattr(args, k) for k in ("seconds", "rounds", "text", "speech", "transcriptions", "threads")},
+        "load": {
+            k: getattr(args, k) for k in ("seconds", "rounds", "text", "speech", "transcriptions", "threads", "margins")
+        },
         "before_tree": str(args.before_tree) if args.before_tree else None,
         "modes": {mode: summarize(rounds) for mode, rounds in raw.items()},
     }
