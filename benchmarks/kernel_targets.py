@@ -78,8 +78,9 @@ def build(name: str, model: str, step_ms: float) -> tuple[object, dict]:
     system.start()  # the fused decode table reads the routing at load
     if not SETTINGS[name][2]:
         return system, {}
-    budget = hold_step_ms(system.engine, step_ms)
-    return system, {"step_ms": step_ms, "mixed_step_tokens": budget.mixed_step_tokens}
+    hold = hold_step_ms(system.engine, step_ms)
+    system.hold = hold  # its budget moves with the measured mixed steps: recorded per level
+    return system, {"step_ms": step_ms, "mixed_step_tokens_start": hold.budget.mixed_step_tokens}
 
 
 def run(
@@ -104,6 +105,11 @@ def run(
                         "kernel_target": "llama.cpp" if name.startswith("llamacpp") else target,
                         **given,
                     }
+                    if hasattr(system, "hold"):  # where the budget ended the level
+                        row |= {
+                            "mixed_step_tokens": system.hold.budget.mixed_step_tokens,
+                            "step_scale": system.hold.scale,
+                        }
                     rows.append(row)
                     print(
                         f"round {round_index} {name:12s} @ {c:3d}: {row['total_tps']:6.1f} tok/s, ITL p50 "
