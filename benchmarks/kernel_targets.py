@@ -19,6 +19,7 @@ llama.cpp's own system info line (`llama_cpp_system_info`), which names the inst
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import time
@@ -123,6 +124,45 @@ def run(
     return rows
 
 
+def _ratio(tps: float, at: dict, peer: str) -> str:
+    return f"{tps / at[(peer, 16)]['total_tps']:.2f}x" if (peer, 16) in at else "-"
+
+
+def targets_table(paths: list[Path]) -> str:
+    """Issue 33's AVX2-host targets, one row per results file (round 0 of each), as two Markdown tables: the default
+    build (`avx2`, 15-bit activations) and `avx2-a8`, each with and without the budget: total TPS at 16 against the
+    llama.cpp server and transformers, ITL p99 and TTFT p50 at 16, batch-1 ITL p50 against llama.cpp in-process."""
+
+    def level(at: dict, name: str, c: int, key: str, fmt: str) -> str:
+        row = at.get((name, c))
+        return "-" if row is None else fmt.format(row[key])
+
+    out = []
+    for base in ("avx2", "avx2-a8"):
+        head = (f"| run | load 1 min | {base} TPS@16 | / llama.cpp server | / transformers | ITL p99@16 | TTFT p50@16 | "
+                "with budget: ITL p99@16 | TTFT p50@16 | TPS@16 | ITL p50@1 | / llama.cpp in-process |")  # fmt: skip
+        lines = [head, "|" + "---|" * (head.count("|") - 1)]
+        for path in paths:
+            result = json.loads(path.read_text())
+            at = {(r["system"], r["concurrency"]): r for r in result["levels"] if r["round"] == 0}
+            if (base, 16) not in at:
+                continue
+            tps = at[(base, 16)]["total_tps"]
+            b = f"{base}-budget"
+            one = at.get((base, 1), {}).get("itl_p50_ms")
+            peer = at.get(("llamacpp", 1), {}).get("itl_p50_ms")
+            cells = [
+                path.stem.rsplit("-", 1)[-1], f"{result['load_average_before'][0]:.1f}", f"{tps:.1f}",
+                _ratio(tps, at, "llamacpp-server"), _ratio(tps, at, "hf"), level(at, base, 16, "itl_p99_ms", "{:.0f} ms"),
+                level(at, base, 16, "ttft_p50_ms", "{:.0f} ms"), level(at, b, 16, "itl_p99_ms", "{:.0f} ms"),
+                level(at, b, 16, "ttft_p50_ms", "{:.0f} ms"), level(at, b, 16, "total_tps", "{:.1f}"),
+                "-" if one is None else f"{one:.1f} ms", "-" if None in (one, peer) else f"{one / peer:.2f}x",
+            ]  # fmt: skip
+            lines.append("| " + " | ".join(cells) + " |")
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="a Q4_1 / Q8_0 GGUF (default: the embedded SmolLM2-135M-Instruct)")
@@ -135,7 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-ms", type=float, default=300.0, help="avx2-budget's target step time (serve --max-step-ms)")
     ap.add_argument("--note", default="", help="what else ran on the machine (recorded in the results file)")
     ap.add_argument("--out", type=Path)
+    ap.add_argument(
+        "--targets", nargs="+", type=Path, metavar="RESULTS", help="print the targets of these runs, run none"
+    )
     args = ap.parse_args(argv)
+    if args.targets:
+        print(targets_table(args.targets))
+        return 0
     torch.set_num_threads(args.threads)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # llama.cpp's n_threads and n_threads_batch read it
     low, high = _int_list(args.output_tokens)
