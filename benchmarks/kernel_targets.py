@@ -38,16 +38,18 @@ from omnivox.engine.step_budget import hold_step_ms
 from omnivox.models import cpu_kernels, quant
 
 # name -> (kernel target, whether the AVX2 many-row kernel serves Q4_1 layers from quant.AVX2_MIN_ROWS rows, whether
-# the engine holds the --step-ms budget); "hf" is transformers' generate in float32 on torch's own kernels, the
+# the engine holds the --step-ms budget, `serve --activation-bits`: 16 the default, 8 llama.cpp's Q8_1 activations
+# in the many-row kernel, +0.40 % perplexity on AVX2 in benchmarks/kernel_quality.py); "hf" is transformers' generate in float32 on torch's own kernels, the
 # llama.cpp peers run the GGUF on llama.cpp's kernels (our kernel target does not touch them).
 SETTINGS = {
-    "native": ("native", True, False),
-    "avx2": ("x86-64-v3", True, False),
-    "avx2-before": ("x86-64-v3", False, False),
-    "avx2-budget": ("x86-64-v3", True, True),
-    "hf": ("native", True, False),
-    "llamacpp-server": ("native", True, False),
-    "llamacpp": ("native", True, False),
+    "native": ("native", True, False, 16),
+    "avx2": ("x86-64-v3", True, False, 16),
+    "avx2-before": ("x86-64-v3", False, False, 16),
+    "avx2-budget": ("x86-64-v3", True, True, 16),
+    "avx2-a8": ("x86-64-v3", True, False, 8),
+    "hf": ("native", True, False, 16),
+    "llamacpp-server": ("native", True, False, 16),
+    "llamacpp": ("native", True, False, 16),
 }
 PEERS = ("hf", "llamacpp-server", "llamacpp")
 
@@ -72,12 +74,13 @@ def build(name: str, model: str, step_ms: float) -> tuple[object, dict]:
                   "llamacpp": lambda: LlamaCppInProcess(model)}[name]()  # fmt: skip
         system.start()
         return system, {}
-    system = OmnivoxEngineInProcess(model, "float32", quantization="auto")
+    system = OmnivoxEngineInProcess(model, "float32", quantization="auto", activation_bits=SETTINGS[name][3])
     system.start()  # the fused decode table reads the routing at load
     if not SETTINGS[name][2]:
         return system, {}
-    budget = hold_step_ms(system.engine, step_ms)
-    return system, {"step_ms": step_ms, "mixed_step_tokens": budget.mixed_step_tokens}
+    hold = hold_step_ms(system.engine, step_ms)
+    system.hold = hold  # its budget moves with the measured mixed steps: recorded per level
+    return system, {"step_ms": step_ms, "mixed_step_tokens_start": hold.budget.mixed_step_tokens}
 
 
 def run(
@@ -89,7 +92,7 @@ def run(
     rows = []
     for round_index in range(rounds):
         for name in settings:
-            target, avx2_rows, _ = SETTINGS[name]
+            target, avx2_rows, _, _ = SETTINGS[name]
             cpu_kernels.use_target(target)
             quant.AVX2_MIN_ROWS["q4"] = avx2_q4 if avx2_rows else None
             system, given = build(name, model, step_ms)
@@ -102,6 +105,11 @@ def run(
                         "kernel_target": "llama.cpp" if name.startswith("llamacpp") else target,
                         **given,
                     }
+                    if hasattr(system, "hold"):  # where the budget ended the level
+                        row |= {
+                            "mixed_step_tokens": system.hold.budget.mixed_step_tokens,
+                            "step_scale": system.hold.scale,
+                        }
                     rows.append(row)
                     print(
                         f"round {round_index} {name:12s} @ {c:3d}: {row['total_tps']:6.1f} tok/s, ITL p50 "
