@@ -176,6 +176,8 @@ def summarize(rounds: list[dict]) -> dict:
         "speech_rtf_p50": percentile(rtf, 50),
         "speech_rtf_max": max(rtf) if rtf else None,
         "speech_streams_late": sum(x > 0 for x in late),
+        "speech_rtf_per_stream": [round(x, 3) for x in rtf],  # in the order the streams ended, rounds in turn
+        "speech_lateness_per_stream_s": [round(x, 3) for x in late],  # the worst chunk's, playback from the first
         "transcriptions": len(cat("transcription", "rtf")),
         "transcription_rtf_p50": percentile(cat("transcription", "rtf"), 50),
         "streaming_transcriptions": len(cat("streaming", "rtf")),
