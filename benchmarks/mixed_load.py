@@ -4,12 +4,13 @@ off in the same run (engine/arbiter.py: a speech stream behind its playback dead
     python -m omnivox.benchmarks.mixed_load [--seconds 20] [--text 6] [--speech 2] [--transcriptions 2] [--threads 1]
 
 Starts `omnivox serve` with no --model (the embedded defaults: SmolLM2-135M Q4_1 text, the speech models and
-whisper-base), once with `--audio-first-margin 1.0` (the default) and once with `--audio-first-margin 0` (off),
-alternating `--rounds` times, and for `--seconds` each runs closed loops of clients: text streams (Generate, a short
+whisper-base), once with `--audio-first-margin 1.0` (the default) and once with `--audio-first-margin 0` (off)
+(`--margins 1,2,0`: one mode per margin), alternating `--rounds` times, and for `--seconds` each runs closed loops of clients: text streams (Generate, a short
 chat prompt, 48 tokens: TTFT and ITL per token), speech syntheses (SynthesizeSpeech by orpheus-random, the speech
 model that runs on an engine, LINEAR16 24 kHz: time to first
 audio, RTF = wall / audio seconds, lateness = how late the worst chunk was for playback started at the first one)
-and transcriptions (Transcribe of 6 s of a tone: RTF). It scrapes the server's /metrics at the end of each round for
+and transcriptions (Transcribe of 6 s of a tone: RTF; `--streaming-transcriptions N` adds N clients streaming two
+spoken sentences to StreamingTranscribe at real-time pace: each final result's delay after its speech ended, RTF). It scrapes the server's /metrics at the end of each round for
 the arbiter's decisions (omnivox_arbiter_yields_total per model). `--before-tree DIR` adds a third mode, "arbiter on,
 before": the server run from another omnivox tree (DIR holds its `omnivox` package, put first on PYTHONPATH; e.g. the
 commit before a policy change), so a change is compared with what it replaced in the same run. Results: medians and p99s per mode, the CPU's
@@ -20,6 +21,7 @@ load average is recorded before and after, and the two modes alternate so that b
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -120,15 +122,31 @@ def transcription_client(address: str, until: float, out: dict) -> None:
             out["rtf"].append((time.monotonic() - start) / 6.0)
 
 
-def run_round(server: Server, args: argparse.Namespace) -> dict:
+def streaming_transcription_client(address: str, until: float, out: dict, audio: np.ndarray) -> None:
+    """StreamingTranscribe of `audio` (espeak-ng sentences) at real-time pace in 100 ms chunks, stream after stream:
+    each final result's delay after its utterance's speech ended, and the server's RTF of each stream."""
+    from omnivox.benchmarks.transcription import omnivox_stream
+
+    while time.monotonic() < until:
+        r = omnivox_stream(address, "", audio)
+        out["final_delay"].extend(r["final_delay_after_speech_end_s"])
+        out["rtf"].append(r["served_rtf"])
+
+
+def run_round(server: Server, args: argparse.Namespace, stream_audio: np.ndarray | None = None) -> dict:
     """All clients at once for args.seconds (each finishes the request it is in); their raw samples."""
     text = {"ttft": [], "itl": [], "requests": 0}
     speech = {"ttfa": [], "rtf": [], "lateness": []}
     asr = {"rtf": []}
+    live = {"final_delay": [], "rtf": []}
     before = server.scrape()
     until = time.monotonic() + args.seconds
     jobs = [(text_client, text)] * args.text + [(speech_client, speech)] * args.speech
     jobs += [(transcription_client, asr)] * args.transcriptions
+    if args.streaming_transcriptions:
+        assert stream_audio is not None
+        live_client = functools.partial(streaming_transcription_client, audio=stream_audio)
+        jobs += [(live_client, live)] * args.streaming_transcriptions
     threads = [threading.Thread(target=fn, args=(server.address, until, out)) for fn, out in jobs]
     for th in threads:
         th.start()
@@ -136,7 +154,7 @@ def run_round(server: Server, args: argparse.Namespace) -> dict:
         th.join()
     after = server.scrape()
     metrics = {k: v - before.get(k, 0.0) for k, v in after.items()}
-    return {"text": text, "speech": speech, "transcription": asr, "metrics": metrics}
+    return {"text": text, "speech": speech, "transcription": asr, "streaming": live, "metrics": metrics}
 
 
 def summarize(rounds: list[dict]) -> dict:
@@ -158,10 +176,21 @@ def summarize(rounds: list[dict]) -> dict:
         "speech_rtf_p50": percentile(rtf, 50),
         "speech_rtf_max": max(rtf) if rtf else None,
         "speech_streams_late": sum(x > 0 for x in late),
+        "speech_rtf_per_stream": [round(x, 3) for x in rtf],  # in the order the streams ended, rounds in turn
+        "speech_lateness_per_stream_s": [round(x, 3) for x in late],  # the worst chunk's, playback from the first
         "transcriptions": len(cat("transcription", "rtf")),
         "transcription_rtf_p50": percentile(cat("transcription", "rtf"), 50),
+        "streaming_transcriptions": len(cat("streaming", "rtf")),
+        "streaming_final_delay_p50_s": percentile(cat("streaming", "final_delay"), 50),
+        "streaming_final_delay_p90_s": percentile(cat("streaming", "final_delay"), 90),
+        "streaming_rtf_p50": percentile(cat("streaming", "rtf"), 50),
         "metrics": metrics,
     }
+
+
+def mode_name(margin_s: float) -> str:
+    """ "arbiter off" (margin 0), "arbiter on" (the default margin, 1 s), else "arbiter on, margin X s"."""
+    return "arbiter off" if margin_s == 0 else "arbiter on" if margin_s == 1.0 else f"arbiter on, margin {margin_s:g} s"
 
 
 def serve(mode: str, flags: list[str], tree: Path | None) -> Server:
@@ -185,26 +214,45 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--text", type=int, default=6)
     ap.add_argument("--speech", type=int, default=2)
     ap.add_argument("--transcriptions", type=int, default=2)
+    ap.add_argument(
+        "--streaming-transcriptions",
+        type=int,
+        default=0,
+        help="clients streaming speech (espeak-ng, two sentences) to StreamingTranscribe at real-time pace",
+    )
     ap.add_argument("--threads", type=int, default=1, help="`serve --threads`")
     ap.add_argument("--server-arg", action="append", default=[], help="extra `omnivox serve` argument (repeat)")
     ap.add_argument(
         "--before-tree", type=Path, help="a folder whose omnivox package serves a third mode, 'arbiter on, before'"
     )
+    ap.add_argument(
+        "--margins",
+        type=lambda v: [float(x) for x in v.split(",")],
+        default=[1.0, 0.0],
+        help="`serve --audio-first-margin` of each mode, comma-separated (0: arbiter off; default 1,0)",
+    )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/mixed-load-cpu.json"))
     args = ap.parse_args(argv)
     from omnivox.benchmarks.main import git_commit, machine_description
 
-    modes = {"arbiter on": ["--audio-first-margin", "1.0"], "arbiter off": ["--audio-first-margin", "0"]}
+    modes = {mode_name(m): ["--audio-first-margin", f"{m:g}"] for m in args.margins}
     trees = {mode: None for mode in modes}
     if args.before_tree is not None:
-        modes["arbiter on, before"], trees["arbiter on, before"] = modes["arbiter on"], args.before_tree.resolve()
+        first_on = modes[mode_name(next(m for m in args.margins if m))]  # the before tree at the first margin on
+        modes["arbiter on, before"], trees["arbiter on, before"] = first_on, args.before_tree.resolve()
     raw: dict[str, list[dict]] = {m: [] for m in modes}
+    stream_audio = None
+    if args.streaming_transcriptions:
+        from omnivox.benchmarks.transcription import build_audio
+
+        audio, spans = build_audio()
+        stream_audio = audio[: spans[1][1] + RATE]  # the first two sentences and a second of quiet after them
     load_before = os.getloadavg()
     for _ in range(args.rounds):
         for mode, flags in modes.items():
             server = serve(mode, [*flags, "--threads", str(args.threads), *args.server_arg], trees[mode])
             try:
-                raw[mode].append(run_round(server, args))
+                raw[mode].append(run_round(server, args, stream_audio))
             finally:
                 server.close()
     result = {
@@ -216,7 +264,19 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_after": os.getloadavg(),
         "note": "measured on a machine shared with other jobs (see the load averages): compare the modes, "
         "which alternate round by round, not the absolute numbers",
-        "load": {k: getattr(args, k) for k in ("seconds", "rounds", "text", "speech", "transcriptions", "threads")},
+        "load": {
+            k: getattr(args, k)
+            for k in (
+                "seconds",
+                "rounds",
+                "text",
+                "speech",
+                "transcriptions",
+                "streaming_transcriptions",
+                "threads",
+                "margins",
+            )
+        },
         "before_tree": str(args.before_tree) if args.before_tree else None,
         "modes": {mode: summarize(rounds) for mode, rounds in raw.items()},
     }

@@ -9,18 +9,26 @@ dry (before its first audio: its first-audio target; services/metrics.py SpeechS
 sent); a transcription pass's is its start plus its clip's seconds (RTF 1: a batch Transcribe no slower than real
 time, a live stream's passes keeping up with its audio; services/calls/whisper.py opens it). A stream is behind when
 its deadline is within `margin_s` and it has work in its engine now (`working`; by default its engine having any
-unfinished request). A stream with no work has nothing to prioritise and is never behind: a speech stream whose
-codec is finishing the tail, or a streamed-text synthesis waiting for its client's next clause (its deadline passes
-while it waits, and counting it held every text step back for as long as the client paused).
+unfinished request; a speech stream's sender counts its codec's backlog too, services/output/speech_synthesis.py
+`working`: mixed_load on 2 cores at load ~7, two speech streams of 9.8 s each over a 23.6 s round, the speech
+engine thread was runnable 8 s and the codec's 19 s, and with engine work alone the stream was not behind while its
+codec worked through the rest and nothing yielded to it). A stream with no work
+has nothing to prioritise and is never behind: a streamed-text synthesis waiting for its client's next clause once
+its audio is out (its deadline passes while it waits, and counting it held every text step back for as long as the
+client paused).
 
-Policy in one line: an engine with no audio work of its own yields its step (waits, up to `max_wait_s`, polling
-every `poll_s`) while another engine's stream is behind; an engine serving an audio stream never yields. Audio
-engines do not yield to each other: both have a deadline to keep, and a step each in turn serves both better than one
-waiting (measured, mixed_load before this: whisper yielded 128 steps for 15.8 s of 20 s to a speech stream that was
-always behind, and transcription RTF went 1.83 -> 4.35 with the arbiter on). The engine also reads `behind_for`
-after its wait: a text step taken while audio is still behind carries at most StepBudget.behind_prefill_tokens of
-prompt (engine/step_budget.py), so its turn on the cores is short. Yielding is bounded, so text always progresses:
-at worst one step each `max_wait_s`.
+Policy in one line: an engine none of whose own streams is behind yields its step (waits, up to `max_wait_s`,
+polling every `poll_s`) while another engine's stream is behind; an engine with a stream of its own behind never
+yields. So a text engine (no deadlines) yields to any audio behind, and an audio engine whose streams are all ahead
+of their deadlines yields too: the nearest deadline goes first. Measured (mixed_load, 2 cores, load ~8): whisper-base
+transcribing 6 s clips at RTF 0.12, due at RTF 1, never yielded and took 25 % of the server's CPU while both speech
+streams ran at RTF 2.1. A transcription pass is due at RTF 1 of its clip (services/parts/whisper_part.py), so its
+engine yields only until the pass is within `margin_s` of that: a short live pass (1 s of audio, margin 1 s) is
+behind at once and never waits, and a batch clip still finishes within its RTF 1. (Before transcriptions had a
+deadline they yielded every step to an always-behind speech stream: mixed_load measured transcription RTF 1.83 ->
+4.35.) The engine also reads `behind_for` after its wait: a text step taken while audio is still behind carries at
+most StepBudget.behind_prefill_tokens of prompt (engine/step_budget.py), so its turn on the cores is short. Yielding
+is bounded, so every engine progresses: at worst one step each `max_wait_s`.
 
 The engine knows nothing of gRPC: the arbiter sees engines as things with unfinished requests (an engine-less voice's
 worker pool, services/parts/voice_part.py, is one too: its streams are behind like any other, and it never steps), and
@@ -109,14 +117,16 @@ class StepArbiter:
             return [d for d in self.deadlines if d.dry_at - now < self.margin_s and d.has_work()]
 
     def serves_audio(self, engine: Stepping) -> bool:
-        """engine has work for an audio stream of its own now (it then never yields)."""
+        """engine has work for an audio stream of its own now."""
         with self.cond:
             return any(d.owner is engine and d.has_work() for d in self.deadlines)
 
     def behind_for(self, engine: Stepping, now: float | None = None) -> list[PlaybackDeadline]:
-        """The streams behind that engine yields to: other engines' while it serves no audio of its own."""
-        behind = [d for d in self.behind(now) if d.owner is not engine]
-        return behind if behind and not self.serves_audio(engine) else []
+        """The streams behind that engine yields to: other engines' while none of its own is behind."""
+        behind = self.behind(now)
+        if any(d.owner is engine for d in behind):
+            return []
+        return behind
 
     def must_yield(self, engine: Stepping, now: float | None = None) -> bool:
         return bool(self.behind_for(engine, now))

@@ -4,6 +4,7 @@ filters through `Sampler.distributions`."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from omnivox.engine.transfer import to_device
@@ -29,7 +30,7 @@ def apply_top_k_top_p_min_p(
     are kept); top-p keeps the smallest set of most likely tokens whose probability reaches p; min-p keeps tokens
     whose probability is at least min_p times the most likely one's."""
     if top_k is not None or top_p is not None:
-        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+        sorted_logits, sorted_idx = sort_descending(logits)
         remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
         vocab = logits.shape[-1]
         if top_k is not None:
@@ -47,6 +48,17 @@ def apply_top_k_top_p_min_p(
         threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
         logits = logits.masked_fill(probs < threshold, NEG_INF)
     return logits
+
+
+def sort_descending(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's values largest first, and their columns (both [B, V]). On a CPU by numpy's sort: 2 x 4096 speech
+    candidates (the Orpheus constraint's window, top-p 0.8) took 0.57 ms in torch's sort, a fifth of the speech
+    engine's step, and 0.13 ms in numpy's (x86-simd-sort). Equal values may come in another order than torch's (whose
+    own order of ties is not stable either); the values are the same."""
+    if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.float64) or logits.requires_grad:
+        return logits.sort(dim=-1, descending=True)
+    idx = torch.from_numpy(np.argsort(-logits.numpy(), axis=-1))
+    return logits.gather(1, idx), idx
 
 
 def filters_of(reqs: list, dev: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:

@@ -6,7 +6,8 @@ vLLM's and SGLang's chunked prefill bound the tokens of a mixed step; so does th
 step's prefill chunks and admissions share at most `mixed_step_tokens - decode tokens` (never under
 `min_prefill_tokens`, so prompts still progress every step); a step with no decode in it takes the whole
 `max_tokens`. The token count comes from a target step time and the machine's own step times, measured at start-up
-(`StepCosts.measure`, a straight line through the times of a few chunk sizes).
+(`StepCosts.measure`, a straight line through the times of a few chunk sizes), then rescaled by the mixed steps
+the engine really runs (`StepTimeHold`), since a shared machine's speed moves after start-up.
 While another engine's audio stream is behind its deadline (engine/arbiter.py), a step of an engine serving no audio
 carries at most `behind_prefill_tokens` of prompt whatever its decodes (the arbiter's wait is bounded, so the text
 engine still steps; a short step holds the shared cores for less: on the 2-core AVX2 host a 128-token chunk took over
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING
 from omnivox.engine.params import SamplingParams
 
 if TYPE_CHECKING:
+    from omnivox.engine.core import StepResult
     from omnivox.engine.engine import Engine
 
 log = logging.getLogger(__name__)
@@ -102,25 +104,69 @@ class StepCosts:
         return cls.fit([(n, ms) for n, ms in samples if n])
 
 
-def hold_step_ms(engine: Engine, step_ms: float, min_prefill_tokens: int = 16) -> StepBudget:
-    """Measure this machine's step costs and give the engine's scheduler the budget whose mixed steps cost about
-    step_ms; returns it."""
+class StepTimeHold:
+    """Keeps a scheduler's mixed steps at about `step_ms` as the machine's speed changes: the start-up StepCosts
+    line, scaled by how much slower than it the recent mixed steps ran (a shared host's load moves; measured on the
+    2-core AVX2 host, a 300 ms budget fitted at start-up gave mixed steps of 328 ms at p50 and 794 ms at p99 once the
+    load rose). After every step with both decodes and prompt tokens (the steps the budget bounds) it refits the
+    scale as the `quantile` of measured / predicted ms over the last `window` of them, so that that share of mixed
+    steps fits, and gives the scheduler the StepBudget of that many tokens (never under two prompt floors)."""
+
+    def __init__(
+        self, engine: Engine, costs: StepCosts, step_ms: float, min_prefill_tokens: int = 16, window: int = 32,
+        quantile: float = 0.9,
+    ) -> None:  # fmt: skip
+        self.engine, self.costs, self.step_ms = engine, costs, step_ms
+        self.min_prefill_tokens, self.window, self.quantile = min_prefill_tokens, window, quantile
+        self.ratios: list[float] = []  # measured / predicted ms of the last `window` mixed steps
+        self.scale = 1.0
+        self.budget = self._install()
+
+    def tokens(self) -> int:
+        """Decode + prompt tokens a mixed step may carry at the current scale."""
+        top = self.engine.max_num_batched_tokens
+        floor = min(top, 2 * self.min_prefill_tokens)
+        return min(top, max(floor, self.costs.tokens_within(self.step_ms / self.scale)))
+
+    def _install(self) -> StepBudget:
+        return hold_step_tokens(self.engine, self.tokens(), self.min_prefill_tokens)
+
+    def observe(self, num_decode_tokens: int, num_prefill_tokens: int, ms: float) -> None:
+        """One step's tokens and wall time; a mixed one moves the scale and the installed budget."""
+        if not (num_decode_tokens and num_prefill_tokens):
+            return  # a step the budget does not bound says nothing about it
+        predicted = self.costs.fixed_ms + self.costs.per_token_ms * (num_decode_tokens + num_prefill_tokens)
+        self.ratios = [*self.ratios[-(self.window - 1) :], ms / max(predicted, 1e-6)]
+        ranked = sorted(self.ratios)
+        self.scale = ranked[min(len(ranked) - 1, int(self.quantile * len(ranked)))]
+        if self.tokens() != self.budget.mixed_step_tokens:
+            self.budget = self._install()
+
+    def observe_step(self, result: StepResult) -> None:
+        """Engine.step_observers entry."""
+        s = result.stats
+        self.observe(s.num_decode_tokens, s.num_prefill_tokens, s.seconds * 1e3)
+
+
+def hold_step_ms(engine: Engine, step_ms: float, min_prefill_tokens: int = 16) -> StepTimeHold:
+    """Measure this machine's step costs and keep the engine's mixed steps at about step_ms from now on (the budget
+    follows the measured mixed steps: StepTimeHold); returns the hold (its `budget` is the scheduler's)."""
     costs = StepCosts.measure(engine)
-    # Never under two prompt floors: a machine whose fixed step cost alone passes step_ms (a busy shared host measured
-    # 131 ms + 8.6 ms/token against a 120 ms target) would otherwise get 1 token a step and starve every prompt.
-    floor = min(engine.max_num_batched_tokens, 2 * min_prefill_tokens)
-    tokens = min(engine.max_num_batched_tokens, max(floor, costs.tokens_within(step_ms)))
+    hold = StepTimeHold(engine, costs, step_ms, min_prefill_tokens)
+    tokens = hold.budget.mixed_step_tokens
     if costs.fixed_ms + costs.per_token_ms * tokens > step_ms:
         log.warning("a %d-token step costs about %.0f ms here, over the %.0f ms asked for", tokens,
                     costs.fixed_ms + costs.per_token_ms * tokens, step_ms)  # fmt: skip
     log.info(
-        "step costs %.1f ms + %.2f ms/token: a mixed step carries at most %d tokens for %.0f ms",
+        "step costs %.1f ms + %.2f ms/token: a mixed step carries at most %d tokens for %.0f ms (rescaled by the "
+        "mixed steps measured from now on)",
         costs.fixed_ms,
         costs.per_token_ms,
         tokens,
         step_ms,
     )
-    return hold_step_tokens(engine, tokens, min_prefill_tokens)
+    engine.step_observers.append(hold.observe_step)
+    return hold
 
 
 def hold_step_tokens(engine: Engine, tokens: int, min_prefill_tokens: int = 16) -> StepBudget:

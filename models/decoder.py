@@ -22,7 +22,7 @@ from torch import nn
 
 from omnivox.models.attention import AttentionMetadata, paged_attention, write_kv
 from omnivox.models.config import ModelConfig
-from omnivox.models.fused_decode import MAX_ROWS, fused_decode_for
+from omnivox.models.fused_decode import MANY_MAX_ROWS, fused_decode_for
 from omnivox.models.layers import Linear, PackedLinear, RMSNorm, RotaryEmbedding, apply_rotary, linear
 from omnivox.models.moe import Experts, SparseMoeBlock, expert_tensor
 
@@ -204,7 +204,7 @@ class DecoderModel(nn.Module):
         if embed_rows is not None and embed_rows.numel():
             x = x.index_copy(0, embed_rows, embed_values.to(x.dtype))
         rope = self.rotary.tables(positions, x.dtype)
-        small_cpu = x.device.type == "cpu" and x.shape[0] <= MAX_ROWS
+        small_cpu = x.device.type == "cpu" and x.shape[0] <= MANY_MAX_ROWS  # fused.applies checks its own bound
         fused = fused_decode_for(self) if small_cpu and self.config.moe is None else None  # the C step has no experts
         if fused is not None and fused.applies(x, meta):  # a small CPU step: all layers in one C call
             return self.norm(fused(x, rope, kv_caches, meta, self.config.intermediate_size))

@@ -89,7 +89,7 @@ class SpeechCalls:
         # stream first when it falls behind its playback, and the metrics close it however the stream ends.
         synthesis: SegmentedSynthesis | None = None  # built once admitted; the deadline has work while it generates
         deadline = self.registry.arbiter.open
-        working = lambda: synthesis is not None and synthesis.generating()  # noqa: E731
+        working = lambda: synthesis is not None and synthesis.working()  # noqa: E731
         with (
             model.admit(),
             SpeechStreamMetrics(m, model.name, received, deadline=deadline(model.engine, working=working)) as slo,

@@ -76,13 +76,16 @@ async def streaming_synthesize(
     cutter = ClauseCutter(cfg.max_clause_chars or DEFAULT_MAX_CLAUSE_CHARS)
     synthesis = ClauseSynthesis(model, plan, cfg, cutter, limits, ref, salt, SETTLE_S)
     m = calls.metrics
-    # Called once admitted: the arbiter puts it first when behind, but only while a clause is being spoken: waiting
-    # for the client's next text, its deadline passes and it is not behind (engine/arbiter.py).
+    # Called once admitted: the arbiter puts it first when behind, but only while a clause is being spoken or its
+    # codec decodes: waiting for the client's next text, its deadline passes and it is not behind (engine/arbiter.py).
     deadline = calls.registry.arbiter.open
     with (
         model.admit(),
         SpeechStreamMetrics(
-            m, model.name, received, deadline=deadline(model.engine, working=lambda: synthesis.generating)
+            m,
+            model.name,
+            received,
+            deadline=deadline(model.engine, working=lambda: synthesis.generating or synthesis.stream.decoding),
         ) as slo,
     ):
         try:

@@ -194,11 +194,14 @@ class TranscriptStream:
     async def _pass(self, clip: np.ndarray) -> WhisperResult:
         t0 = time.monotonic()
         try:
-            return await transcribe(
-                self.part, clip, language=self.cfg.language or None, task=self.cfg.task or "transcribe",
-                prompt=self.cfg.prompt or None, cache_salt=self.salt, temperatures=temperatures_of(self.cfg),
-                encoder_window_s=self.part.short_window_s,  # Transcribe's rule: a result is Transcribe's of its span
-            )  # fmt: skip
+            # Due now (the step arbiter, engine/arbiter.py): a live pass has its speaker waiting, so Whisper never
+            # yields during it; at RTF 1 of its clip alone it would, to speech behind, for all but the last second.
+            with self.part.deadline(0):
+                return await transcribe(
+                    self.part, clip, language=self.cfg.language or None, task=self.cfg.task or "transcribe",
+                    prompt=self.cfg.prompt or None, cache_salt=self.salt, temperatures=temperatures_of(self.cfg),
+                    encoder_window_s=self.part.short_window_s,  # Transcribe's rule: a result is Transcribe's of its span
+                )  # fmt: skip
         except TranscriptionRequestError as err:
             raise errors.invalid_argument([FieldViolation(err.field, err.description)]) from err
         finally:

@@ -126,7 +126,7 @@ async def transcribe(
     run.encoder_window_s = encoder_window_s
     if prompt:
         run.prev = part.prompt_tokens(prompt)
-    with part.deadline(len(samples)):  # due in its audio's seconds: text engines yield to it when it falls behind
+    with part.deadline(len(samples)):  # due in its audio's seconds: other engines yield to it when it falls behind
         return await run.run(np.ascontiguousarray(samples, np.float32), lang)
 
 

@@ -46,7 +46,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--max-step-ms",
         type=float,
         help="while decodes run, a step carries only as many prompt tokens as keep it near this many milliseconds, "
-        "by this machine's step times measured at start-up (default: off, the whole --max-batched-tokens)",
+        "by this machine's step times measured at start-up, rescaled by the mixed steps measured since (default: off, "
+        "the whole --max-batched-tokens)",
     )
     p.add_argument(
         "--max-step-tokens",

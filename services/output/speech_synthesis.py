@@ -61,9 +61,13 @@ class SegmentedSynthesis:
         return self.encoder.samples_out / self.job.plan.sample_rate
 
     def generating(self) -> bool:
-        """A segment is still in the engine (the step arbiter's `working`: a stream whose codec finishes its tail
-        has no engine work to put first)."""
+        """A segment is still in the engine."""
         return any(not task.done() for task in self.tasks)
+
+    def working(self) -> bool:
+        """The step arbiter's `working` (engine/arbiter.py): a segment still in the engine, or frames its codec has
+        not decoded yet (the codec's backlog is the stream's work too: under load it is most of it)."""
+        return self.generating() or any(seg.stream.decoding for seg in self.segments)
 
     async def audio(self) -> AsyncIterator[bytes]:
         """Encoded chunks in order; raises what a segment's generation raised."""

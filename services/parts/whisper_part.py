@@ -147,8 +147,8 @@ class WhisperPart:
 
     def deadline(self, num_samples: int) -> contextlib.AbstractContextManager:
         """A transcription pass of `num_samples` as an audio stream of this engine's for the step arbiter
-        (engine/arbiter.py), due its audio's seconds from now (RTF 1), closed on leaving; nothing when the engine
-        has no arbiter (an engine outside a server)."""
+        (engine/arbiter.py), due its audio's seconds from now (RTF 1; 0: due now, a live pass), closed on leaving;
+        nothing when the engine has no arbiter (an engine outside a server)."""
         arbiter = getattr(self.engine, "arbiter", None)
         if arbiter is None:
             return contextlib.nullcontext()

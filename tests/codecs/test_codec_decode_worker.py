@@ -87,6 +87,39 @@ def test_the_stream_whose_playback_runs_dry_first_is_due_first(decoder):
     asyncio.run(main())
 
 
+def test_a_stream_is_decoding_until_every_pushed_frame_is_audio(decoder):
+    """AudioStream.decoding, a speech stream's work for the step arbiter once its engine is done (engine/arbiter.py):
+    frames pushed and finished but not decoded yet: decoding; after its last chunk: not. A stream flushed and waiting
+    for more frames (streamed text between clauses): not decoding once its flushed audio is out."""
+    frames = torch.randint(0, 4096, (5, 7), generator=torch.Generator().manual_seed(1)).tolist()
+
+    async def main():
+        worker = DecodeWorker(decoder)
+        done = worker.open()
+        assert not done.decoding  # nothing pushed
+        worker.push(done, frames)
+        worker.finish(done)
+        assert done.decoding  # the engine is done, the codec has not run yet
+        assert sum(len(c) for c in await drain(done)) == 5 * 2048 and not done.decoding
+        waiting = worker.open()
+        worker.push(waiting, frames[:3])
+        worker.flush(waiting)
+        assert waiting.decoding
+        out = 0
+        while out < 3 * 2048:
+            out += len(await waiting.chunks.get())
+        assert not waiting.decoding  # its flushed audio is out: it waits on its text, not on the codec
+        worker.push(waiting, frames[3:])
+        assert waiting.decoding
+        worker.finish(waiting)
+        assert sum(len(c) for c in await drain(waiting)) == 2 * 2048 and not waiting.decoding
+        for stream in (done, waiting):
+            worker.close(stream)
+        await worker.shutdown()
+
+    asyncio.run(main())
+
+
 def test_a_bad_frame_fails_only_its_producer_and_close_drops_state(decoder):
     async def main():
         worker = DecodeWorker(decoder)

@@ -8,7 +8,7 @@ from support.engines import tiny_checkpoint, tiny_engine
 
 from omnivox.engine.core import StepResult
 from omnivox.engine.params import SamplingParams
-from omnivox.engine.step_budget import StepBudget, StepCosts, hold_step_ms, hold_step_tokens
+from omnivox.engine.step_budget import StepBudget, StepCosts, StepTimeHold, hold_step_ms, hold_step_tokens
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, detokenize=False)
 
@@ -34,12 +34,14 @@ def test_the_default_budget_is_off():
 
 def test_measured_budget_is_installed_and_leaks_nothing(ckpt):
     engine = tiny_engine(ckpt, max_num_batched_tokens=32)
-    budget = hold_step_ms(engine, step_ms=1e4)  # ten seconds: every step fits, so the budget is the whole step
-    assert engine.scheduler.budget is budget
-    assert budget == StepBudget(32, 32, 16)
+    hold = hold_step_ms(engine, step_ms=1e4)  # ten seconds: every step fits, so the budget is the whole step
+    assert engine.scheduler.budget is hold.budget
+    assert hold.budget == StepBudget(32, 32, 16)
+    assert hold.observe_step in engine.step_observers  # it follows the engine's steps from now on
     engine.check_integrity()
     assert engine.pool.num_free == len(engine.pool.blocks)  # the calibration prompts' blocks came back
-    assert hold_step_ms(engine, step_ms=0.0) == StepBudget(32, 32, 16)  # no time at all: still two prompt floors
+    engine.step_observers.clear()
+    assert hold_step_ms(engine, step_ms=0.0).budget == StepBudget(32, 32, 16)  # no time: still two prompt floors
 
 
 def test_budget_bounds_mixed_steps_and_keeps_greedy_tokens(ckpt):
@@ -71,6 +73,38 @@ def test_budget_bounds_mixed_steps_and_keeps_greedy_tokens(ckpt):
     long_chunks = [c.num_tokens for s in steps for c in s.plan.prefills if c.request.request_id == "long"]
     assert long_chunks[:3] == [4, 4, 4]  # 4 decodes + 4 prompt tokens per step, the prompt progressing each step
     bounded.check_integrity()
+
+
+def test_the_time_budget_follows_the_measured_mixed_steps(ckpt):
+    """A start-up line of 10 ms + 1 ms/token and a 30 ms target: 20 tokens a mixed step. One mixed step measured at
+    twice its predicted time halves the time the line may spend (8 tokens, two prompt floors of 4); steps without
+    both decodes and prompt tokens move nothing; 32 mixed steps at half the prediction push the first out of the
+    window and give the whole step back. The scheduler's plans follow: 4 decodes + 4 prompt tokens, then 4 + 28."""
+    engine = tiny_engine(ckpt, max_num_batched_tokens=32)
+    hold = StepTimeHold(engine, StepCosts(10.0, 1.0), step_ms=30.0, min_prefill_tokens=4)
+    assert engine.scheduler.budget == hold.budget == StepBudget(32, 20, 4)
+    hold.observe(4, 16, 60.0)  # predicted 30 ms: ratio 2
+    assert hold.scale == 2.0 and engine.scheduler.budget == StepBudget(32, 8, 4)
+    hold.observe(4, 0, 500.0)  # a decode-only step and a prefill-only one: not bounded by the budget, ignored
+    hold.observe(0, 32, 500.0)
+    assert hold.ratios == [2.0] and engine.scheduler.budget == StepBudget(32, 8, 4)
+    for i in range(4):
+        engine.add_request([5 + i, 9, 11], GREEDY, request_id=f"short{i}")
+    engine.step()
+    engine.add_request(list(range(3, 63)), GREEDY, request_id="long")
+    engine.step()
+    assert [(c.request.request_id, c.num_tokens) for c in engine.last_step.plan.prefills] == [("long", 4)]
+    assert len(engine.last_step.plan.decodes) == 4
+    for _ in range(31):
+        hold.observe(4, 4, 9.0)  # predicted 18 ms: ratio 0.5; with the 2.0 in the window its 90th percentile is 0.5
+    assert hold.scale == 0.5 and engine.scheduler.budget == StepBudget(32, 32, 4)
+    engine.step()
+    assert [(c.request.request_id, c.num_tokens) for c in engine.last_step.plan.prefills] == [("long", 28)]
+    hold.observe(4, 28, 16.0)  # the window holds 32: the 2.0 is out
+    assert len(hold.ratios) == 32 and max(hold.ratios) == 0.5
+    while engine.has_unfinished():
+        engine.step()
+    engine.check_integrity()
 
 
 def test_served_engine_holds_the_flagged_budget(ckpt):

@@ -36,7 +36,8 @@ class TurnTranscriber:
 
     async def run_pass(self, turn: Turn, on_text: Any = None) -> WhisperResult:
         whisper, cfg = self.session.models.whisper, self.session.config.transcription or {}
-        with whisper.admit():
+        # Due now (engine/arbiter.py): the speaker waits for this pass, so Whisper never yields to speech during it.
+        with whisper.admit(), whisper.bundle.whisper.deadline(0):
             return await transcribe(whisper.bundle.whisper, turn.samples, language=cfg.get("language") or None,
                                     prompt=cfg.get("prompt") or None, on_text=on_text,
                                     cache_salt=self.session.salt(), encoder_window_s=TURN_WINDOW_S)  # fmt: skip

@@ -130,6 +130,22 @@ def transcribe_span(s, samples: np.ndarray, result, language: str = "") -> str:
     return responses[-1].summary.text
 
 
+def test_a_live_pass_is_due_now_so_whisper_never_yields_to_speech_behind(served):
+    """Another engine's audio stream behind its deadline the whole time (opened on the server's arbiter, always at
+    work) while StreamingTranscribe runs two utterances: every live pass is due now, so Whisper never waits before a
+    step (omnivox_arbiter_yields_total{model="whisper"} stays put). Before, a pass was due at RTF 1 of its clip
+    alone (1.6-1.9 s here), and Whisper, its pass ahead, yielded to the other stream until the last second of it."""
+    server = served["server"]
+    sample = server.server.metrics.registry.get_sample_value
+    yields = lambda: sample("omnivox_arbiter_yields_total", {"model": "whisper"})  # noqa: E731
+    before = yields()
+    with server.registry.arbiter.open(server.engine("text"), due_in_s=-1.0, working=lambda: True):
+        responses = list(served["stub"].StreamingTranscribe(requests(two_utterances()), timeout=120))
+    assert responses[-1].WhichOneof("response") == "summary" and responses[-1].summary.utterances == 2
+    assert before is not None and yields() == before
+    nothing_left(server, "whisper")
+
+
 @pytest.mark.parametrize("language", ["en", ""])
 def test_finals_equal_transcribe_of_their_spans_with_events(served, language):
     samples = two_utterances()
