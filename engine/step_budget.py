@@ -62,6 +62,10 @@ class StepCosts:
     fixed_ms: float  # reading the weights once (memory-bound on CPU), whatever the rows
     per_token_ms: float  # compute per row
 
+    def ms(self, tokens: int) -> float:
+        """The wall time the line gives a step of `tokens` tokens."""
+        return self.fixed_ms + self.per_token_ms * tokens
+
     def tokens_within(self, step_ms: float) -> int:
         """The most tokens a step may carry to cost at most step_ms (at least 1)."""
         return max(1, math.floor((step_ms - self.fixed_ms) / max(self.per_token_ms, 1e-6)))
@@ -135,7 +139,7 @@ class StepTimeHold:
         """One step's tokens and wall time; a mixed one moves the scale and the installed budget."""
         if not (num_decode_tokens and num_prefill_tokens):
             return  # a step the budget does not bound says nothing about it
-        predicted = self.costs.fixed_ms + self.costs.per_token_ms * (num_decode_tokens + num_prefill_tokens)
+        predicted = self.costs.ms(num_decode_tokens + num_prefill_tokens)
         self.ratios = [*self.ratios[-(self.window - 1) :], ms / max(predicted, 1e-6)]
         ranked = sorted(self.ratios)
         self.scale = ranked[min(len(ranked) - 1, int(self.quantile * len(ranked)))]
@@ -154,9 +158,10 @@ def hold_step_ms(engine: Engine, step_ms: float, min_prefill_tokens: int = 16) -
     costs = StepCosts.measure(engine)
     hold = StepTimeHold(engine, costs, step_ms, min_prefill_tokens)
     tokens = hold.budget.mixed_step_tokens
-    if costs.fixed_ms + costs.per_token_ms * tokens > step_ms:
-        log.warning("a %d-token step costs about %.0f ms here, over the %.0f ms asked for", tokens,
-                    costs.fixed_ms + costs.per_token_ms * tokens, step_ms)  # fmt: skip
+    if costs.ms(tokens) > step_ms:
+        log.warning(
+            "a %d-token step costs about %.0f ms here, over the %.0f ms asked for", tokens, costs.ms(tokens), step_ms
+        )
     log.info(
         "step costs %.1f ms + %.2f ms/token: a mixed step carries at most %d tokens for %.0f ms (rescaled by the "
         "mixed steps measured from now on)",
