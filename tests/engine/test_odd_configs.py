@@ -122,10 +122,16 @@ def test_multimodal_under_preemption_and_tiny_chunks(tmp_path, family):
             return [t for r in out if r.WhichOneof("response") == "delta" for t in r.delta.token_ids]
 
         alone = [answer(i) for i in range(6)]
-        with ThreadPoolExecutor(12) as pool:
-            together = list(pool.map(answer, list(range(6)) * 2))
-        assert together == alone * 2
         engine = server.engine("m")
+        # How many requests overlap depends on when each reaches the engine (its media decoded and encoded first):
+        # 2-8 preemptions a round measured on 2 cores, and 0 once in a CI run. Rounds until one preempts (at most 4);
+        # every round's answers must equal the one-by-one ones.
+        for _ in range(4):
+            with ThreadPoolExecutor(12) as pool:
+                together = list(pool.map(answer, list(range(6)) * 2))
+            assert together == alone * 2
+            if engine.core.scheduler.num_preemptions > 0:
+                break
         assert engine.core.scheduler.num_preemptions > 0
         free, total = server.wait_kv_free("m", timeout=5.0)
         assert free == total
