@@ -77,7 +77,9 @@ def token_counts(
     id_lists: list[list[int]], rows: int, vocab: int, device: torch.device, first_id: int = 0
 ) -> torch.Tensor:
     """[rows, vocab] float counts of each token id per row; with `first_id`, of ids first_id..first_id+vocab-1 (a
-    vocabulary window: column j counts token first_id + j)."""
+    vocabulary window: column j counts token first_id + j). The sampler keeps its counts instead
+    (engine/penalty_counts.py); this rebuilt form is the tests' reference. With `first_id` over rows of unequal
+    lengths it counts a shorter row's padding as token `vocab` (column vocab - first_id): compare one row at a time."""
     counts = torch.zeros(rows, vocab + 1, device=device)
     longest = max((len(x) for x in id_lists), default=0)
     if longest:
@@ -94,7 +96,8 @@ def token_counts(
 
 
 def counts_among(id_lists: list[list[int]], cand: torch.Tensor) -> torch.Tensor:
-    """[rows, K] counts of each row's candidate ids (cand [rows, K], ascending per row) in that row's id list."""
+    """[rows, K] counts of each row's candidate ids (cand [rows, K], ascending per row) in that row's id list. The sampler keeps its counts
+    instead (engine/penalty_counts.py); this rebuilt form is the tests' reference."""
     counts = torch.zeros(cand.shape, device=cand.device)
     longest = max((len(x) for x in id_lists), default=0)
     if longest:  # all rows at once, and no host sync (a miss adds 0.0 where `int(hit.sum())` waited for the GPU)

@@ -17,6 +17,7 @@ import torch
 
 from omnivox.engine.errors import InvalidRequest
 from omnivox.engine.params import SamplingParams, TokenConstraint
+from omnivox.engine.penalty_counts import PenaltyCounts
 
 
 class EmbeddingSource(Protocol):
@@ -206,6 +207,8 @@ class Request:
     cache_salt: str = ""
 
     output_token_ids: list[int] = field(default_factory=list)
+    # The penalties' token counts, kept between steps (engine/penalty_counts.py); None until a penalty first reads them.
+    penalty_counts: PenaltyCounts | None = field(default=None, repr=False, compare=False)
     # Proposed tokens after the committed ones, computed by the next step and verified by it; never hashed into the
     # prefix cache. Empty unless a proposer (speculative decoding) set them.
     draft_token_ids: list[int] = field(default_factory=list)

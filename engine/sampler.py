@@ -24,12 +24,11 @@ import torch
 from omnivox.engine.logit_filters import (
     NEG_INF,
     apply_top_k_top_p_min_p,
-    counts_among,
     divide_by_temperature,
     filters_of,
-    token_counts,
 )
 from omnivox.engine.outputs import TokenLogprob
+from omnivox.engine.penalty_counts import gather_counts, penalty_counts_of
 from omnivox.engine.request import Request
 from omnivox.engine.transfer import HostTransfer, take_rows, to_device
 
@@ -304,19 +303,22 @@ class Sampler:
         if not rows:
             return
         dev = logits.device
+        size = max(self.vocab_size, first_id + logits.shape[1])
+        kept = [penalty_counts_of(reqs[i], size, dev) for i in rows]
 
-        def counts_of(id_lists: list[list[int]]) -> torch.Tensor:
-            if cand is None:
-                return token_counts(id_lists, len(rows), logits.shape[1], dev, first_id)  # [R, V] (or [R, W])
-            return counts_among(id_lists, take_rows(cand, rows))  # [R, K]
+        def counts_of(rows_counts: list[torch.Tensor]) -> torch.Tensor:  # [R, K] (or [R, V] / [R, W])
+            return gather_counts(
+                rows_counts, None if cand is None else take_rows(cand, rows), first_id, logits.shape[1]
+            )
 
         # Which penalties apply is read from the host values: `(t != 0).any()` on a device tensor waits for the GPU.
         params = [reqs[i].params for i in rows]
         sub = take_rows(logits, rows)
-        counts = counts_of([reqs[i].output_token_ids for i in rows])
+        counts = counts_of([k.output.update(reqs[i].output_token_ids) for k, i in zip(kept, rows, strict=True)])
         if any(p.repetition_penalty != 1.0 for p in params):
             rep = to_device([p.repetition_penalty for p in params], dev).unsqueeze(1)
-            seen = (counts_of([reqs[i].prompt_token_ids for i in rows]) > 0) | (counts > 0)
+            prompt = counts_of([k.prompt.update(reqs[i].prompt_token_ids) for k, i in zip(kept, rows, strict=True)])
+            seen = (prompt > 0) | (counts > 0)
             penalised = torch.where(sub > 0, sub / rep, sub * rep)
             sub = torch.where(seen, penalised, sub)
         if any(p.frequency_penalty != 0 or p.presence_penalty != 0 for p in params):
