@@ -152,13 +152,12 @@ def patch_words(shapes: list[image_scenes.Shape], side: int) -> list[tuple[str, 
     return out
 
 
-def pretrain_to_words(projector: Projector, lm, tok, feats: torch.Tensor, scenes, steps: int) -> float:
+def pretrain_to_words(projector: Projector, table: torch.Tensor, tok, feats: torch.Tensor, scenes, steps: int) -> float:
     """Stage 1, no LM forward: each patch's row is pulled towards the mean token embedding of the words of the shape
     under it ("red", "circle"), or of " background", so that stage 2 starts from rows the frozen LM reads as words.
-    Returns the last loss (mean squared error per element)."""
+    `table`: the LM's token embeddings [V, D]. Returns the last loss (mean squared error per element)."""
     if steps == 0:  # a continued run: its stage 1 is in the weights (the targets alone take 9 s for 1200 scenes)
         return 0.0
-    table = lm.get_input_embeddings().weight.detach()
     side = int(feats.shape[1] ** 0.5)
     feats = feats[:, feats.shape[1] - side * side :]  # the patch rows (the CLS row, first, has no shape under it)
 
@@ -346,7 +345,9 @@ def main() -> None:
         projector.load_folded(load_file(args.init))
         image_lora.load_adapter(loras, load_file(args.init))
     t1 = time.time()
-    stage1_loss = pretrain_to_words(projector, lm, prompts.tok, feats, train_scenes, args.word_steps)
+    stage1_loss = pretrain_to_words(
+        projector, lm.get_input_embeddings().weight.detach(), prompts.tok, feats, train_scenes, args.word_steps
+    )
     print(f"stage 1: mse {stage1_loss:.5f} in {time.time() - t1:.0f} s", flush=True)
     log = train(args, lm, prompts, data, projector, loras)
     train_s = time.time() - t1

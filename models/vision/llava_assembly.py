@@ -57,6 +57,17 @@ def load_text_model(gguf_path: str | Path) -> transformers.PreTrainedModel:
     return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
 
 
+def load_token_embeddings(gguf_path: str | Path) -> torch.Tensor:
+    """The GGUF's token embedding table [V, D] float32 alone, read and dequantised without building the model (4 s
+    for SmolLM2 against 12.5 s for `load_text_model`; equal to its `get_input_embeddings().weight`)."""
+    import gguf
+    import numpy as np
+
+    (tensor,) = [t for t in gguf.GGUFReader(str(gguf_path)).tensors if t.name == "token_embd.weight"]
+    table = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    return torch.from_numpy(np.ascontiguousarray(table, dtype=np.float32))
+
+
 def merge_adapter(text_state: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`text_state` (the decoder's `.model` state dict) with each LoRA update added: W + B @ A, B already scaled.
 
