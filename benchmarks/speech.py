@@ -55,7 +55,9 @@ class StreamResult:
         return self.lateness_s <= 0.0
 
 
-def synthesize_one(address: str, text: str, voice: str, model: str, timeout_s: float) -> StreamResult:
+def synthesize_one(
+    address: str, text: str, voice: str, model: str, timeout_s: float, seed: int | None = None
+) -> StreamResult:
     from omnivox.v1 import content_pb2, speech_pb2, speech_pb2_grpc
 
     request = speech_pb2.SynthesizeSpeechRequest(
@@ -64,6 +66,8 @@ def synthesize_one(address: str, text: str, voice: str, model: str, timeout_s: f
         voice=speech_pb2.VoiceSelection(name=voice),
         audio_config=speech_pb2.AudioConfig(encoding=content_pb2.AUDIO_ENCODING_LINEAR16, sample_rate_hertz=24000),
     )
+    if seed is not None:  # the same frames as another synthesis with this seed (a check, not a benchmark, needs it)
+        request.sampling.seed = seed
     with grpc.insecure_channel(address) as channel:
         stub = speech_pb2_grpc.SpeechServiceStub(channel)
         start = time.monotonic()

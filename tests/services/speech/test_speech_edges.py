@@ -120,16 +120,18 @@ def test_queue_bound_refuses_a_second_synthesis(server):
 
 def test_benchmark_rtf_matches_an_independent_measurement(server):
     """The speech benchmark's RTF (wall / audio seconds) against this test's own clock and its own count of the
-    LINEAR16 bytes of the same synthesis (the random model speaks for its whole, text-determined budget)."""
+    LINEAR16 bytes of the same synthesis. Both seeded: unseeded, the two once differed by one codec frame (0.683 s
+    against 0.768 s, a suite run at load 3-4), most likely a sampled frame the layout drops (not confirmed)."""
     from omnivox.benchmarks import speech as bench
 
     text = "Hello there."
-    audio_bytes = sum(len(r.audio.data) for r in synthesize(server, request(text)) if r.HasField("audio"))
+    seeded = request(text, sampling=sampling_pb2.SamplingConfig(seed=7))
+    audio_bytes = sum(len(r.audio.data) for r in synthesize(server, seeded) if r.HasField("audio"))
     audio_s = audio_bytes / (24000 * 2)  # 16-bit mono at 24 kHz
     assert audio_s > 0.3
 
     started = time.monotonic()
-    result = bench.synthesize_one(server.address, text, voice="", model="", timeout_s=120)
+    result = bench.synthesize_one(server.address, text, voice="", model="", timeout_s=120, seed=7)
     outer_wall = time.monotonic() - started
     assert result.audio_s == pytest.approx(audio_s, abs=1e-3)
     assert result.ttfa_s < result.wall_s <= outer_wall
