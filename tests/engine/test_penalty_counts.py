@@ -1,5 +1,5 @@
-"""The penalties' kept token counts (engine/penalty_counts.py) against the counts rebuilt from the id lists every
-step (logit_filters.counts_among / token_counts, the form they replaced): equal counts, and the same tokens."""
+"""The penalties' kept token counts (engine/penalty_counts.py) against counts made from the whole id lists every step
+(the form they replaced): equal counts, and the same tokens."""
 
 from __future__ import annotations
 
@@ -7,12 +7,11 @@ import random
 
 import torch
 
-from omnivox.engine.logit_filters import counts_among, token_counts
+from omnivox.engine import sampler as sampler_module
 from omnivox.engine.params import SamplingParams
-from omnivox.engine.penalty_counts import RunningCounts, gather_counts
+from omnivox.engine.penalty_counts import PenaltyCounts, RunningCounts, gather_counts
 from omnivox.engine.request import Request
 from omnivox.engine.sampler import Sampler
-from omnivox.engine.transfer import take_rows, to_device
 
 VOCAB = 300
 CPU = torch.device("cpu")
@@ -49,44 +48,20 @@ def _batch() -> list[Request]:
     ]
 
 
-def rebuilt_penalties(self, logits, reqs, cand, first_id=0) -> None:
-    """Sampler._apply_penalties as it was before the counts were kept (commit 8b16320): counts rebuilt every step."""
-    rows = [
-        i
-        for i, r in enumerate(reqs)
-        if r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
-    ]
-    if not rows:
-        return
-    dev = logits.device
-
-    def counts_of(id_lists):
-        if cand is None:
-            return token_counts(id_lists, len(rows), logits.shape[1], dev, first_id)
-        return counts_among(id_lists, take_rows(cand, rows))
-
-    params = [reqs[i].params for i in rows]
-    sub = take_rows(logits, rows)
-    counts = counts_of([reqs[i].output_token_ids for i in rows])
-    if any(p.repetition_penalty != 1.0 for p in params):
-        rep = to_device([p.repetition_penalty for p in params], dev).unsqueeze(1)
-        seen = (counts_of([reqs[i].prompt_token_ids for i in rows]) > 0) | (counts > 0)
-        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    if any(p.frequency_penalty != 0 or p.presence_penalty != 0 for p in params):
-        freq = to_device([p.frequency_penalty for p in params], dev).unsqueeze(1)
-        pres = to_device([p.presence_penalty for p in params], dev).unsqueeze(1)
-        sub = sub - freq * counts - pres * (counts > 0).float()
-    if sub is not logits:
-        logits.index_copy_(0, to_device(rows, dev, torch.long), sub)
+def _counted(ids: list[int], first_id: int = 0, width: int = VOCAB) -> torch.Tensor:
+    """[width] counts of ids first_id..first_id+width-1 in `ids`, from the whole list (the reference)."""
+    inside = torch.tensor([i - first_id for i in ids if first_id <= i < first_id + width], dtype=torch.long)
+    return torch.bincount(inside, minlength=width).float()
 
 
 def _run(steps: int, monkeypatch=None) -> list[list[int]]:
     """`steps` sampler calls on the same seeded logits; a row's token is appended to its output each step (a
-    rollback of two tokens every 40 steps, as a stop string or rejected drafts cut an output)."""
+    rollback of two tokens every 40 steps, as a stop string or rejected drafts cut an output). With `monkeypatch`,
+    each step's counts are made afresh from the whole id lists instead of kept."""
     reqs = _batch()
     sampler = Sampler(VOCAB, CPU)
     if monkeypatch is not None:
-        monkeypatch.setattr(Sampler, "_apply_penalties", rebuilt_penalties)
+        monkeypatch.setattr(sampler_module, "penalty_counts_of", lambda req, size, device: PenaltyCounts(size, device))
     g = torch.Generator().manual_seed(0)
     for step in range(steps):
         logits = torch.randn(len(reqs), VOCAB, generator=g) * 3  # [B, V]: few ids get most of the mass: repeats
@@ -101,10 +76,10 @@ def _run(steps: int, monkeypatch=None) -> list[list[int]]:
     return [r.output_token_ids for r in reqs]
 
 
-def test_a_penalised_batch_draws_the_same_tokens_as_with_rebuilt_counts(monkeypatch) -> None:
+def test_a_penalised_batch_draws_the_same_tokens_as_with_counts_made_afresh(monkeypatch) -> None:
     kept = _run(300)
-    rebuilt = _run(300, monkeypatch)
-    assert kept == rebuilt
+    afresh = _run(300, monkeypatch)
+    assert kept == afresh
     assert all(len(set(ids)) < len(ids) for ids in kept)  # ids did repeat: the counts mattered
 
 
@@ -121,11 +96,11 @@ def test_kept_counts_equal_rebuilt_counts_through_growth_rollback_and_odd_ids() 
                 ids[0] = rnd.randrange(0, 40)  # changed before its end: recounted
         rows = [k.update(ids) for k, ids in zip(kept, lists, strict=True)]
         cand = torch.stack([torch.sort(torch.randperm(VOCAB)[:64]).values for _ in lists])  # [R, 64] ascending
-        assert torch.equal(gather_counts(rows, cand, 0, VOCAB), counts_among(lists, cand))
-        assert torch.equal(gather_counts(rows, None, 0, VOCAB), token_counts(lists, len(lists), VOCAB, CPU))
-        # A window row by row: over rows of unequal lengths the rebuilt form counted its padding (id `vocab`, shifted
-        # by first_id into the window) as token 32 in every shorter row; the kept counts do not.
-        window = torch.cat([token_counts([ids], 1, 32, CPU, first_id=4) for ids in lists])  # [R, 32]: ids 4..35
+        whole = torch.stack([_counted(ids) for ids in lists])  # [R, VOCAB]
+        assert torch.equal(gather_counts(rows, cand, 0, VOCAB), whole.gather(1, cand))
+        assert torch.equal(gather_counts(rows, None, 0, VOCAB), whole)
+        # A window over rows of unequal lengths (the form before these counts counted a shorter row's padding there)
+        window = torch.stack([_counted(ids, first_id=4, width=32) for ids in lists])  # [R, 32]: ids 4..35
         assert torch.equal(gather_counts(rows, None, 4, 32), window)
 
 
